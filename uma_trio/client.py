@@ -1,0 +1,183 @@
+"""A small anyio client for the daemon: usable from trio and asyncio apps alike.
+
+    async with UmaClient.connect("/tmp/uma.sock") as client:
+        async with client.stream(prompt="Hello", max_tokens=32) as events:
+            async for event in events:
+                if isinstance(event, TokenEvent):
+                    print(event.text, end="")
+
+Several requests may be in flight on one client at once; one reader task
+routes the daemon's events to each request by id.  Leaving a ``stream`` block
+before its ``eos`` cancels the request on the daemon.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.abc import SocketStream, TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from .protocol.codec import decode_server_event, encode_message
+from .protocol.errors import UmaError
+from .protocol.framing import FrameDecoder
+from .protocol.messages import EosEvent, ErrorEvent, MetricsEvent, ServerEvent, TokenEvent
+
+_ids = itertools.count(1)
+
+
+class ConnectionLost(Exception):
+    """The daemon closed the connection or sent something unreadable."""
+
+
+class RequestFailed(Exception):
+    """The daemon answered a request with an ``error`` event."""
+
+    def __init__(self, event: ErrorEvent) -> None:
+        super().__init__(f"{event.code}: {event.message}")
+        self.event = event
+
+
+@dataclass
+class Completion:
+    text: str
+    eos: EosEvent
+
+
+class UmaClient:
+    def __init__(self, stream: SocketStream, task_group: TaskGroup) -> None:
+        self._stream = stream
+        self._task_group = task_group
+        self._routes: dict[str | None, MemoryObjectSendStream[ServerEvent | Exception]] = {}
+        self._send_lock = anyio.Lock()
+        self._closed: Exception | None = None
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(
+        cls, path: str | os.PathLike[str], *, max_frame_bytes: int = 1 << 24
+    ) -> AsyncIterator[UmaClient]:
+        stream = await anyio.connect_unix(os.fspath(Path(path)))
+        try:
+            async with stream, anyio.create_task_group() as tg:
+                client = cls(stream, tg)
+                tg.start_soon(client._read_loop, max_frame_bytes)
+                try:
+                    yield client
+                finally:
+                    tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # Callers should see the one error that happened, not the task group's wrapper.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+
+    # -- requests ----------------------------------------------------------------
+
+    @asynccontextmanager
+    async def stream(self, **request: Any) -> AsyncIterator[AsyncIterator[ServerEvent]]:
+        """Send a generate request; iterate its events up to and including the last."""
+        request_id = str(request.setdefault("id", f"req-{os.getpid()}-{next(_ids)}"))
+        receive = self._route(request_id)
+        finished = False
+
+        async def events() -> AsyncIterator[ServerEvent]:
+            nonlocal finished
+            async for item in receive:
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                yield item
+                if isinstance(item, (EosEvent, ErrorEvent)):
+                    finished = True
+                    return
+
+        try:
+            await self.send(request)
+            yield events()
+        finally:
+            self._routes.pop(request_id, None)
+            if not finished and self._closed is None:
+                with anyio.CancelScope(shield=True):
+                    await self.send({"type": "cancel", "id": request_id})
+
+    async def complete(self, **request: Any) -> Completion:
+        """Run a request to its end; raise :class:`RequestFailed` on an error event."""
+        parts: list[str] = []
+        async with self.stream(**request) as events:
+            async for event in events:
+                if isinstance(event, TokenEvent):
+                    parts.append(event.text)
+                elif isinstance(event, ErrorEvent):
+                    raise RequestFailed(event)
+                elif isinstance(event, EosEvent):
+                    return Completion(event.text if event.text is not None else "".join(parts), event)
+        raise ConnectionLost("the stream ended without an eos event")
+
+    async def cancel(self, request_id: str) -> None:
+        await self.send({"type": "cancel", "id": request_id})
+
+    async def metrics(self) -> dict[str, Any]:
+        request_id = f"metrics-{next(_ids)}"
+        receive = self._route(request_id)
+        try:
+            await self.send({"type": "metrics", "id": request_id})
+            async for item in receive:
+                if isinstance(item, Exception):
+                    raise item
+                if isinstance(item, MetricsEvent):
+                    return item.metrics
+                if isinstance(item, ErrorEvent):
+                    raise RequestFailed(item)
+        finally:
+            self._routes.pop(request_id, None)
+        raise ConnectionLost("no metrics event")
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """Send one raw message (a dict); for callers that speak the protocol directly."""
+        if self._closed is not None:
+            raise self._closed
+        async with self._send_lock:
+            try:
+                await self._stream.send(encode_message(message))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                raise ConnectionLost(f"cannot send to the daemon: {exc}") from exc
+
+    # -- plumbing ----------------------------------------------------------------
+
+    def _route(self, request_id: str) -> MemoryObjectReceiveStream[ServerEvent | Exception]:
+        send, receive = anyio.create_memory_object_stream[ServerEvent | Exception](float("inf"))
+        self._routes[request_id] = send
+        return receive
+
+    async def _read_loop(self, max_frame_bytes: int) -> None:
+        decoder = FrameDecoder(max_frame_bytes)
+        try:
+            while True:
+                try:
+                    data = await self._stream.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    raise ConnectionLost("the daemon closed the connection") from None
+                for payload in decoder.feed(data):
+                    self._deliver(decode_server_event(payload))
+        except (ConnectionLost, UmaError) as exc:
+            error = exc if isinstance(exc, ConnectionLost) else ConnectionLost(str(exc))
+            self._closed = error
+            for route in list(self._routes.values()):
+                route.send_nowait(error)
+
+    def _deliver(self, event: ServerEvent) -> None:
+        route = self._routes.get(event.id)
+        if route is not None:
+            route.send_nowait(event)
+        elif event.id is None and isinstance(event, ErrorEvent):
+            # A connection-level error (idle timeout, bad frame): everyone hears it.
+            for other in list(self._routes.values()):
+                other.send_nowait(event)

@@ -1,0 +1,50 @@
+"""Daemon settings: one frozen dataclass, filled by the CLI (flags and ``UMA_*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_SOCKET = Path("/tmp/uma.sock")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    socket_path: Path = DEFAULT_SOCKET
+    # Engine
+    n_ctx: int = 8192  # KV cells shared by all sessions (unified cache)
+    n_batch: int = 512  # hard cap on tokens per tick
+    threads: int | None = None  # llama.cpp threads; default all cores
+    # Scheduling
+    tick_ms: float = 50.0  # tick-time target the token budget adapts toward
+    # Limits that protect the daemon
+    max_sessions: int = 16  # requests decoding at once (one KV seq id each)
+    max_queue: int = 64  # accepted requests waiting for a session slot
+    max_connections: int = 64
+    max_in_flight: int = 16  # per connection
+    max_frame_bytes: int = 1 << 20
+    max_prompt_tokens: int = 4096
+    max_tokens: int = 2048  # per request
+    idle_timeout_s: float = 300.0  # a connection with nothing in flight
+    shutdown_grace_s: float = 10.0
+    stream_buffer: int = 16  # token events held per request before it is parked
+    # Observability
+    metrics_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        positive = {
+            "n_ctx": self.n_ctx, "n_batch": self.n_batch, "tick_ms": self.tick_ms,
+            "max_sessions": self.max_sessions, "max_connections": self.max_connections,
+            "max_in_flight": self.max_in_flight, "max_frame_bytes": self.max_frame_bytes,
+            "max_prompt_tokens": self.max_prompt_tokens, "max_tokens": self.max_tokens,
+            "idle_timeout_s": self.idle_timeout_s, "metrics_interval_s": self.metrics_interval_s,
+        }  # fmt: skip
+        bad = [name for name, value in positive.items() if value <= 0]
+        if bad:
+            raise ValueError(f"must be positive: {', '.join(bad)}")
+        if self.stream_buffer < 2:
+            raise ValueError("stream_buffer must be at least 2")
+        if self.max_queue < 0 or self.shutdown_grace_s < 0:
+            raise ValueError("max_queue and shutdown_grace_s must not be negative")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError("threads must be positive")

@@ -1,0 +1,39 @@
+"""Wire the real engine to the server; the ``serve`` command's trio entry point."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .config import ServerConfig
+from .engine.llama import ContextConfig, LlamaEngine, LlamaModel, ModelLoadError
+from .runtime.server import Server
+from .runtime.unix_socket import SocketInUseError
+
+log = logging.getLogger(__name__)
+
+
+class DaemonStartError(Exception):
+    """The daemon could not start: bad model, socket taken, ..."""
+
+
+def load_engine(model_path: Path, config: ServerConfig) -> LlamaEngine:
+    context = ContextConfig(
+        n_ctx=config.n_ctx, n_batch=config.n_batch, n_seq_max=config.max_sessions, n_threads=config.threads
+    )
+    try:
+        return LlamaEngine(LlamaModel(model_path), context)
+    except ModelLoadError as exc:
+        raise DaemonStartError(str(exc)) from None
+
+
+async def run_daemon(model_path: Path, config: ServerConfig) -> None:
+    log.info("loading %s", model_path)
+    engine = load_engine(model_path, config)
+    try:
+        await Server(engine, config).serve(handle_signals=True)
+    except SocketInUseError as exc:
+        raise DaemonStartError(str(exc)) from None
+    finally:
+        engine.close()
+        engine.model.close()

@@ -1,0 +1,93 @@
+"""What the runtime needs from an engine, and the data crossing that boundary.
+
+The decode task is the only caller of :meth:`Engine.step` and of the methods
+that touch the KV cache, so engines need no locks.  ``tokenize`` and friends
+read only the immutable vocabulary and may run in any thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from .sampling import Sampler
+
+TokenArray = npt.NDArray[np.int32]
+
+
+@dataclass(slots=True)
+class BatchEntry:
+    """A run of tokens for one sequence, placed at positions ``pos0 ...``.
+
+    With a ``sampler`` the last token's logits are requested and one next
+    token is sampled for this sequence; without one (a middle prompt chunk)
+    no logits are computed at all.
+    """
+
+    seq_id: int
+    tokens: TokenArray
+    pos0: int
+    sampler: Sampler | None
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    seq_id: int
+    token_id: int
+    piece: bytes
+    is_eog: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    sampled: list[Sampled]
+    n_tokens: int
+    decode_s: float  # wall time of the decode call (plus sampling)
+
+
+class EngineError(Exception):
+    """``llama_decode`` failed; ``kv_full`` when no KV slot could be found."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def kv_full(self) -> bool:
+        return self.status == 1
+
+
+class Engine(Protocol):
+    """A model plus one context: the runtime's view of llama.cpp (or a simulation)."""
+
+    @property
+    def n_ctx(self) -> int: ...
+
+    @property
+    def n_seq_max(self) -> int: ...
+
+    @property
+    def n_batch(self) -> int: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    def tokenize(self, text: str) -> TokenArray: ...
+
+    def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str: ...
+
+    async def step(self, entries: Sequence[BatchEntry]) -> StepResult:
+        """Decode one batch and sample where asked.  Cancellation waits for the step."""
+        ...
+
+    def free_seq(self, seq_id: int) -> None:
+        """Drop every KV cell of ``seq_id`` so the id can be reused."""
+        ...
+
+    def seq_cells(self, seq_id: int) -> int:
+        """KV cells ``seq_id`` occupies now (0 once freed)."""
+        ...

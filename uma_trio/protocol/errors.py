@@ -1,0 +1,59 @@
+"""Error codes and the one exception type the protocol layer raises.
+
+Every failure a client can see is an ``error`` event carrying one of these codes
+and a human-readable message.  Code raises :class:`UmaError` anywhere; the
+connection handler converts it to a wire event in exactly one place.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.StrEnum):
+    """Wire error codes, in the seeds' ``E_<AREA>_<NNN>`` style (docs/PROTOCOL.md)."""
+
+    # Framing and schema: the client sent something we cannot understand.
+    INVALID_JSON = "E_PROTO_001"
+    SCHEMA = "E_PROTO_002"
+    INVALID_UTF8 = "E_PROTO_003"
+    FRAME_TOO_LARGE = "E_PROTO_004"
+    UNKNOWN_TYPE = "E_PROTO_005"
+    DUPLICATE_ID = "E_PROTO_006"
+    UNKNOWN_ID = "E_PROTO_007"
+    # Limits: the request is well formed but exceeds what the daemon allows.
+    PROMPT_TOO_LARGE = "E_LIMIT_001"
+    CONTEXT_OVERFLOW = "E_LIMIT_002"
+    MAX_TOKENS = "E_LIMIT_003"
+    SERVER_BUSY = "E_LIMIT_004"
+    TOO_MANY_IN_FLIGHT = "E_LIMIT_005"
+    TOO_MANY_CONNECTIONS = "E_LIMIT_006"
+    IDLE_TIMEOUT = "E_LIMIT_007"
+    SHUTTING_DOWN = "E_LIMIT_008"
+    # Model: the loaded model cannot serve this request (no chat template, ...).
+    MODEL = "E_MODEL_001"
+    # Runtime: the engine failed while serving an accepted request.
+    DECODE_FAILED = "E_RUNTIME_001"
+    KV_FULL = "E_RUNTIME_002"
+
+
+class UmaError(Exception):
+    """A failure that becomes an ``error`` event with ``code`` and ``message``.
+
+    ``fatal`` marks errors after which the byte stream can no longer be trusted
+    (a bad length prefix): the connection sends the event and then closes.
+    """
+
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        request_id: str | None = None,
+        fatal: bool = False,
+    ) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+        self.fatal = fatal

@@ -1,0 +1,126 @@
+"""Wire messages, as msgspec Structs.
+
+Client → daemon messages are told apart by an optional ``"type"`` field; a
+message without one is a generate request, so the seeds' request
+``{"id", "prompt", "max_tokens", "stream", "temperature", "top_p"}`` is
+accepted exactly as written.  Daemon → client events are a tagged union on
+``"event"``.  New fields always get defaults, so old clients keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+Lane = Literal["interactive", "background"]
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+CancelReason = Literal["client", "disconnect", "shutdown"]
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
+StopString = Annotated[str, Meta(min_length=1, max_length=256)]
+
+
+class ChatMessage(Struct, forbid_unknown_fields=True):
+    """One turn of a chat, formatted with the model's own chat template."""
+
+    role: Annotated[str, Meta(min_length=1, max_length=32)]
+    content: str
+
+
+class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Start a completion.  Exactly one of ``prompt`` and ``messages``."""
+
+    id: RequestId
+    type: Literal["generate"] = "generate"
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] = 256
+    stream: bool = True
+    # Sampling defaults follow llama.cpp's; temperature 0 means greedy.
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.8
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.95
+    top_k: Annotated[int, Meta(ge=0)] = 40
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.05
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    stop: Annotated[list[StopString], Meta(max_length=16)] = msgspec.field(default_factory=list)
+    priority: Lane = "interactive"
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of `prompt` and `messages` is required")
+
+
+class CancelRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Cancel the in-flight request ``id`` of this connection."""
+
+    type: Literal["cancel"]
+    id: RequestId
+
+
+class MetricsRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Ask for a metrics snapshot; answered without waiting for a decode tick."""
+
+    type: Literal["metrics"]
+    id: RequestId | None = None
+
+
+ClientMessage = GenerateRequest | CancelRequest | MetricsRequest
+
+MESSAGE_TYPES: dict[str, type[ClientMessage]] = {
+    "generate": GenerateRequest,
+    "cancel": CancelRequest,
+    "metrics": MetricsRequest,
+}
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Timings(Struct, omit_defaults=True):
+    """One request's own latency figures, in milliseconds."""
+
+    queue_ms: float
+    total_ms: float
+    ttft_ms: float | None = None
+    itl_p50_ms: float | None = None
+    itl_p95_ms: float | None = None
+    itl_max_ms: float | None = None
+    tokens_per_s: float | None = None
+
+
+class TokenEvent(Struct, tag_field="event", tag="token"):
+    id: str
+    text: str
+    token_id: int
+
+
+class EosEvent(Struct, tag_field="event", tag="eos", omit_defaults=True):
+    """Always the last event of an accepted request."""
+
+    id: str
+    reason: FinishReason
+    usage: Usage
+    timings: Timings
+    # The whole completion, only for ``"stream": false`` requests.
+    text: str | None = None
+    # Why a request was cancelled: the client asked, hung up, or the daemon stopped.
+    cancel_reason: CancelReason | None = None
+
+
+class ErrorEvent(Struct, tag_field="event", tag="error"):
+    id: str | None
+    code: str
+    message: str
+
+
+class MetricsEvent(Struct, tag_field="event", tag="metrics", omit_defaults=True):
+    metrics: dict[str, Any]
+    id: str | None = None
+
+
+ServerEvent = TokenEvent | EosEvent | ErrorEvent | MetricsEvent

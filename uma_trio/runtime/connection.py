@@ -1,0 +1,188 @@
+"""One client connection: a reader, and one pump task per request in flight.
+
+Resource handling: everything a connection starts lives in its nursery.  When
+the client hangs up (EOF, a reset, or a failed write) the nursery's cancel
+scope is cancelled; each pump's ``finally`` then cancels its request in the
+decode loop, which frees the request's KV cells before the next tick.  Nothing
+else is disturbed, and no exception leaves :meth:`Connection.run` except
+``trio.Cancelled``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import trio
+
+from ..engine.sampling import Sampler, SamplingParams
+from ..protocol.codec import decode_client_message, encode_event
+from ..protocol.errors import ErrorCode, UmaError
+from ..protocol.framing import FrameDecoder
+from ..protocol.messages import (
+    CancelRequest,
+    ClientMessage,
+    ErrorEvent,
+    GenerateRequest,
+    MetricsEvent,
+    MetricsRequest,
+    ServerEvent,
+    TokenEvent,
+)
+from .session import Session
+
+if TYPE_CHECKING:
+    from .server import Server
+
+log = logging.getLogger(__name__)
+
+_READ_SIZE = 65536
+
+
+class Connection:
+    def __init__(self, server: Server, stream: trio.abc.Stream, number: int) -> None:
+        self.server = server
+        self.config = server.config
+        self.loop = server.loop
+        self.stream = stream
+        self.number = number
+        self.requests: dict[str, Session] = {}
+        self._send_lock = trio.Lock()
+        self._nursery: trio.Nursery | None = None
+        self._idle_deadline = trio.current_time() + self.config.idle_timeout_s
+        self._idle_scope: trio.CancelScope | None = None
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await self._read_loop()
+            # EOF or a fatal error: the client is gone, so are its requests.
+            nursery.cancel_scope.cancel()
+
+    async def reject(self, error: UmaError) -> None:
+        """Answer a connection we will not serve (too many connections)."""
+        await self._send_error(error)
+
+    # -- reading -----------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        decoder = FrameDecoder(self.config.max_frame_bytes)
+        while True:
+            with trio.CancelScope(deadline=self._idle_deadline) as scope:
+                self._idle_scope = scope
+                try:
+                    data = await self.stream.receive_some(_READ_SIZE)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+            self._idle_scope = None
+            if scope.cancelled_caught:
+                timeout = self.config.idle_timeout_s
+                await self._send_error(
+                    UmaError(ErrorCode.IDLE_TIMEOUT, f"connection idle for {timeout:g} s; closing")
+                )
+                return
+            if not data:
+                return
+            try:
+                frames = decoder.feed(data)
+            except UmaError as exc:
+                await self._send_error(exc)
+                return
+            for payload in frames:
+                try:
+                    await self._dispatch(decode_client_message(payload))
+                except UmaError as exc:
+                    await self._send_error(exc)
+
+    async def _dispatch(self, message: ClientMessage) -> None:
+        match message:
+            case GenerateRequest():
+                await self._start_request(message)
+            case CancelRequest(id=request_id):
+                session = self.requests.get(request_id)
+                if session is None:
+                    raise UmaError(
+                        ErrorCode.UNKNOWN_ID, f"no request {request_id!r} in flight on this connection",
+                        request_id=request_id,
+                    )  # fmt: skip
+                self.loop.cancel(session, "client")
+            case MetricsRequest(id=request_id):
+                await self._send(MetricsEvent(metrics=self.server.metrics_snapshot(), id=request_id))
+
+    async def _start_request(self, request: GenerateRequest) -> None:
+        rid = request.id
+        if rid in self.requests:
+            raise UmaError(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight", request_id=rid)
+        if len(self.requests) >= self.config.max_in_flight:
+            raise UmaError(
+                ErrorCode.TOO_MANY_IN_FLIGHT,
+                f"at most {self.config.max_in_flight} requests may be in flight per connection",
+                request_id=rid,
+            )
+        if request.max_tokens > self.config.max_tokens:
+            raise UmaError(
+                ErrorCode.MAX_TOKENS,
+                f"max_tokens {request.max_tokens} exceeds the limit of {self.config.max_tokens}",
+                request_id=rid,
+            )
+        prompt = await self.server.tokenize_request(request)
+        if len(prompt) > self.config.max_prompt_tokens:
+            raise UmaError(
+                ErrorCode.PROMPT_TOO_LARGE,
+                f"prompt has {len(prompt)} tokens; the limit is {self.config.max_prompt_tokens}",
+                request_id=rid,
+            )
+        send, receive = trio.open_memory_channel[TokenEvent](self.config.stream_buffer)
+        params = SamplingParams(
+            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+            min_p=request.min_p, seed=request.seed,
+        )  # fmt: skip
+        session = Session(request, prompt, Sampler(params), send, created=trio.current_time())
+        self.loop.submit(session)  # raises when the daemon is full or stopping
+        self.requests[rid] = session
+        self._set_idle_deadline()
+        assert self._nursery is not None
+        self._nursery.start_soon(self._pump, session, receive)
+
+    # -- writing -----------------------------------------------------------------
+
+    async def _pump(self, session: Session, receive: trio.MemoryReceiveChannel[TokenEvent]) -> None:
+        """Forward one request's events to the socket; its end is the request's end."""
+        try:
+            async with receive:
+                async for event in receive:
+                    if session.parked:
+                        self.loop.wake()
+                    await self._send(event)
+            if session.error is not None:
+                await self._send(session.error)
+            if session.final is not None:
+                await self._send(session.final)
+        finally:
+            # A hang-up lands here through Cancelled: the decode loop frees the request.
+            self.loop.cancel(session, "disconnect")
+            del self.requests[session.id]
+            self._set_idle_deadline()
+
+    async def _send(self, event: ServerEvent) -> None:
+        async with self._send_lock:
+            try:
+                await self.stream.send_all(encode_event(event))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                # The client hung up: end the whole connection, which cancels its
+                # requests; inside the nursery the checkpoint raises Cancelled.
+                if self._nursery is not None:
+                    self._nursery.cancel_scope.cancel()
+                await trio.lowlevel.checkpoint()
+
+    async def _send_error(self, error: UmaError) -> None:
+        self.server.metrics.errors[error.code] += 1
+        log.debug("connection %d: %s", self.number, error)
+        await self._send(ErrorEvent(id=error.request_id, code=error.code, message=error.message))
+
+    def _set_idle_deadline(self) -> None:
+        idle = self.config.idle_timeout_s
+        self._idle_deadline = math.inf if self.requests else trio.current_time() + idle
+        if self._idle_scope is not None:
+            self._idle_scope.deadline = self._idle_deadline

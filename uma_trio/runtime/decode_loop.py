@@ -1,0 +1,314 @@
+"""The decode task: the only owner of the engine's context.
+
+Theory of operation
+-------------------
+Connections :meth:`~DecodeLoop.submit` sessions and :meth:`~DecodeLoop.cancel`
+them; both only record the wish and wake the loop.  The loop then repeats:
+
+1. apply cancellations (between steps, never during one: vLLM's rule);
+2. admit waiting sessions while a seq id and enough KV cells are free (each
+   admitted session reserves ``prompt + max_tokens`` cells, so a running
+   batch can never run out of KV cache);
+3. ask the pure policy for a :class:`~uma_trio.sched.policy.Plan`;
+4. run it as one batch in a worker thread (``engine.step``), so sockets keep
+   flowing meanwhile;
+5. turn sampled tokens into text and ``send_nowait`` them into each
+   session's bounded channel.  A session whose channel is full is *parked*:
+   left out of the batch until its connection drains it, so a slow reader
+   never stalls anybody else and never loses a token.
+
+It never awaits a client.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import trio
+
+from ..config import ServerConfig
+from ..engine.base import BatchEntry, Engine, EngineError, Sampled
+from ..protocol.errors import ErrorCode, UmaError
+from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEvent
+from ..sched.policy import BudgetController, Plan, SessionView, plan_tick
+from .metrics import Metrics
+from .session import Phase, Session
+
+log = logging.getLogger(__name__)
+
+
+class DecodeLoop:
+    def __init__(
+        self,
+        engine: Engine,
+        config: ServerConfig,
+        metrics: Metrics,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self._clock = clock
+        self._free_seqs: deque[int] = deque(range(engine.n_seq_max))
+        self._waiting: deque[Session] = deque()
+        self._active: dict[int, Session] = {}
+        self._aborted: list[Session] = []
+        self._reserved_cells = 0
+        self._wakeup = trio.Event()
+        self._idle = trio.Event()
+        self._idle.set()
+        self._accepting = True
+        self._tick = 0
+        self.budget = BudgetController(
+            target_s=config.tick_ms / 1000.0, ceiling=min(config.n_batch, engine.n_batch)
+        )
+        self.kv_cells_used = 0
+        self.tokens_last_tick = 0
+
+    # -- called from connection tasks (synchronous: they only record and wake) --
+
+    def submit(self, session: Session) -> None:
+        """Queue an accepted request, or raise :class:`UmaError` if the daemon is full."""
+        if not self._accepting:
+            raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=session.id)
+        if session.reserved_cells > self.engine.n_ctx:
+            raise UmaError(
+                ErrorCode.CONTEXT_OVERFLOW,
+                f"prompt ({len(session.prompt)} tokens) + max_tokens "
+                f"({session.request.max_tokens}) exceeds the context of {self.engine.n_ctx} tokens",
+                request_id=session.id,
+            )
+        if len(self._waiting) >= self.config.max_queue and not self._can_admit_now(session):
+            raise UmaError(
+                ErrorCode.SERVER_BUSY,
+                f"{len(self._active)} sessions running and {len(self._waiting)} queued; try again later",
+                request_id=session.id,
+            )
+        self._waiting.append(session)
+        self.metrics.tokens_prompt += len(session.prompt)
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        self.wake()
+
+    def cancel(self, session: Session, reason: CancelReason) -> None:
+        """Ask for ``session`` to end with ``eos(cancelled)``; idempotent."""
+        if session.finished or session.abort is not None:
+            return
+        session.abort = reason
+        self._aborted.append(session)
+        self.wake()
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def cancel_all(self, reason: CancelReason) -> None:
+        for session in [*self._waiting, *self._active.values()]:
+            self.cancel(session, reason)
+
+    async def wait_idle(self) -> None:
+        """Return once no session is waiting or running."""
+        await self._idle.wait()
+
+    # -- the task ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            self._apply_aborts()
+            self._admit()
+            plan = self._plan()
+            if not plan:
+                self._update_idle()
+                await self._wakeup.wait()
+                self._wakeup = trio.Event()
+                continue
+            await self._run_plan(plan)
+            self._tick += 1
+            # A batch of small steps must still let connections run.
+            await trio.lowlevel.checkpoint()
+
+    async def _run_plan(self, plan: Plan) -> None:
+        entries = self._entries(plan)
+        try:
+            result = await self.engine.step(entries)
+        except EngineError as exc:
+            self._fail_batch(plan, exc)
+            return
+        self.budget.observe(result.n_tokens, result.decode_s)
+        self.metrics.ticks += 1
+        self.metrics.batch_tokens += result.n_tokens
+        self.metrics.decode_s_total += result.decode_s
+        self.tokens_last_tick = result.n_tokens
+        for seq_id, n in plan.prefill:
+            session = self._active[seq_id]
+            session.n_past += n
+            if session.n_past == len(session.prompt):
+                session.phase = Phase.DECODE
+        for seq_id in plan.decode:
+            session = self._active[seq_id]
+            session.n_past += 1
+            session.pending_token = None
+        now = self._clock()
+        for sampled in result.sampled:
+            session = self._active[sampled.seq_id]
+            if session.abort is None:
+                self._on_token(session, sampled, now)
+        self.kv_cells_used = sum(self.engine.seq_cells(s) for s in self._active)
+
+    # -- steps of the loop ---------------------------------------------------------
+
+    def _apply_aborts(self) -> None:
+        aborted, self._aborted = self._aborted, []
+        for session in aborted:
+            if session.finished:
+                continue
+            if session.phase is Phase.WAITING:
+                self._waiting.remove(session)
+            self.metrics.cancels[session.abort or "client"] += 1
+            self._finish(session, "cancelled", cancel_reason=session.abort)
+
+    def _can_admit_now(self, session: Session) -> bool:
+        return bool(self._free_seqs) and (
+            self._reserved_cells + session.reserved_cells <= self.engine.n_ctx
+        )
+
+    def _admit(self) -> None:
+        while self._waiting and self._can_admit_now(self._waiting[0]):
+            session = self._waiting.popleft()
+            session.seq_id = self._free_seqs.popleft()
+            session.phase = Phase.PREFILL
+            session.admitted = self._clock()
+            self._reserved_cells += session.reserved_cells
+            self._active[session.seq_id] = session
+
+    def _plan(self) -> Plan:
+        views = []
+        for seq_id, session in self._active.items():
+            session.parked = self._channel_full(session)
+            views.append(SessionView(seq_id, session.prompt_remaining, session.parked))
+        return plan_tick(
+            views,
+            token_budget=self.budget.budget,
+            max_batch=self.budget.ceiling,
+            tick=self._tick,
+        )
+
+    def _channel_full(self, session: Session) -> bool:
+        """Room for a token and its end-of-stream tail, or the session sits out."""
+        if not session.request.stream:
+            return False
+        stats = session.events.statistics()
+        return stats.max_buffer_size - stats.current_buffer_used < 2
+
+    def _entries(self, plan: Plan) -> list[BatchEntry]:
+        entries = []
+        for seq_id in plan.decode:
+            session = self._active[seq_id]
+            assert session.pending_token is not None
+            token = np.array([session.pending_token], dtype=np.int32)
+            entries.append(BatchEntry(seq_id, token, session.n_past, session.sampler))
+        for seq_id, n in plan.prefill:
+            session = self._active[seq_id]
+            start = session.n_past
+            last_chunk = start + n == len(session.prompt)
+            entries.append(
+                BatchEntry(
+                    seq_id,
+                    session.prompt[start : start + n],
+                    start,
+                    session.sampler if last_chunk else None,
+                )
+            )
+        return entries
+
+    def _on_token(self, session: Session, sampled: Sampled, now: float) -> None:
+        session.record_token_time(now)
+        if sampled.is_eog:
+            self._finish(session, "stop")
+            return
+        session.generated += 1
+        self.metrics.tokens_generated += 1
+        delta = session.text.push(sampled.piece)
+        self._emit(session, delta.text, sampled.token_id)
+        if delta.stopped:
+            self._finish(session, "stop")
+        elif session.generated >= session.request.max_tokens:
+            self._finish(session, "length")
+        else:
+            session.pending_token = sampled.token_id
+
+    def _emit(self, session: Session, text: str, token_id: int) -> None:
+        if not text:
+            return
+        if not session.request.stream:
+            session.pieces.append(text)
+            return
+        try:
+            session.events.send_nowait(TokenEvent(id=session.id, text=text, token_id=token_id))
+        except trio.BrokenResourceError:
+            # The connection is gone; its cancel arrives through `cancel()` as well.
+            self.cancel(session, "disconnect")
+        except trio.WouldBlock:  # pragma: no cover - _channel_full keeps room
+            log.error("stream buffer of %s overflowed; token text dropped", session.id)
+
+    def _fail_batch(self, plan: Plan, exc: EngineError) -> None:
+        code = ErrorCode.KV_FULL if exc.kv_full else ErrorCode.DECODE_FAILED
+        log.error("decode failed (%s); failing %d sessions of the batch", exc, plan.n_tokens)
+        for seq_id in {*plan.decode, *(k for k, _ in plan.prefill)}:
+            session = self._active[seq_id]
+            session.error = ErrorEvent(id=session.id, code=code, message=str(exc))
+            self.metrics.errors[code] += 1
+            self._finish(session, "error")
+
+    def _finish(
+        self, session: Session, reason: FinishReason, *, cancel_reason: CancelReason | None = None
+    ) -> None:
+        if reason in ("stop", "length"):
+            self._emit(session, session.text.flush(), session.pending_token or -1)
+        if session.seq_id is not None:
+            self.engine.free_seq(session.seq_id)
+            del self._active[session.seq_id]
+            self._free_seqs.append(session.seq_id)
+            self._reserved_cells -= session.reserved_cells
+        session.phase = Phase.DONE
+        session.pending_token = None
+        session.final = session.eos_event(reason, self._clock(), cancel_reason)
+        session.events.close()
+        self.metrics.requests_finished[reason] += 1
+
+    def _update_idle(self) -> None:
+        if not self._waiting and not self._active:
+            self._idle.set()
+
+    # -- observability -----------------------------------------------------------
+
+    def gauges(self) -> dict[str, Any]:
+        sessions = list(self._active.values())
+        return {
+            "sessions": {
+                "active": len(sessions),
+                "waiting": len(self._waiting),
+                "prefilling": sum(s.phase is Phase.PREFILL for s in sessions),
+                "decoding": sum(s.phase is Phase.DECODE for s in sessions),
+                "parked": sum(s.parked for s in sessions),
+            },
+            "scheduler": {
+                "token_budget": self.budget.budget,
+                "tick_target_ms": self.budget.target_s * 1000.0,
+                "decode_ms_last": round(self.budget.last_s * 1000.0, 3),
+                "decode_ms_ewma": round(self.budget.ewma_s * 1000.0, 3),
+                "tokens_last_tick": self.tokens_last_tick,
+            },
+            "kv": {
+                "cells_total": self.engine.n_ctx,
+                "cells_used": self.kv_cells_used,
+                "cells_reserved": self._reserved_cells,
+                "seqs_total": self.engine.n_seq_max,
+                "seqs_free": len(self._free_seqs),
+            },
+        }

@@ -1,0 +1,186 @@
+"""The daemon: one nursery supervising the listener, connections, decode and metrics.
+
+Shutdown (first SIGINT/SIGTERM, or :meth:`Server.request_shutdown`): stop
+accepting connections and requests, remove the socket file, let running
+requests finish for ``shutdown_grace_s``, cancel what is left with
+``eos(cancelled, cancel_reason=shutdown)``, give the connections a moment to
+flush those events, then cancel everything.  A second signal skips the grace.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Any
+
+import trio
+
+from ..config import ServerConfig
+from ..engine.base import Engine, TokenArray
+from ..protocol.errors import ErrorCode, UmaError
+from ..protocol.messages import GenerateRequest
+from .connection import Connection
+from .decode_loop import DecodeLoop
+from .metrics import Metrics
+from .unix_socket import bind_unix_listener, unlink_if_ours
+
+log = logging.getLogger(__name__)
+
+_FLUSH_TIMEOUT_S = 5.0
+
+
+class Server:
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = Metrics()
+        self.loop = DecodeLoop(engine, config, self.metrics)
+        self._connections: set[Connection] = set()
+        self._shutdown = trio.Event()
+        self._force = trio.Event()
+        self._next_number = 0
+
+    # -- public ------------------------------------------------------------------
+
+    async def serve(
+        self, *, handle_signals: bool = False, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run until shut down.  ``task_status.started`` fires once the socket accepts."""
+        listener, inode = await bind_unix_listener(self.config.socket_path)
+        self.metrics.started = trio.current_time()
+        log.info(
+            "serving %s on %s (n_ctx=%d, max_sessions=%d)",
+            self.engine.model_name, self.config.socket_path, self.engine.n_ctx, self.engine.n_seq_max,
+        )  # fmt: skip
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.loop.run)
+                nursery.start_soon(self._metrics_task)
+                if handle_signals:
+                    nursery.start_soon(self._signal_task)
+                async with trio.open_nursery() as connections:
+                    async with trio.open_nursery() as acceptor:
+                        acceptor.start_soon(self._accept_loop, listener, connections)
+                        task_status.started(self)
+                        await self._shutdown.wait()
+                        acceptor.cancel_scope.cancel()
+                    await listener.aclose()
+                    unlink_if_ours(self.config.socket_path, inode)
+                    await self._drain()
+                    connections.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()
+        finally:
+            unlink_if_ours(self.config.socket_path, inode)
+            log.info("stopped")
+
+    def request_shutdown(self, *, force: bool = False) -> None:
+        self._shutdown.set()
+        if force:
+            self._force.set()
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        snapshot = self.metrics.snapshot(trio.current_time())
+        snapshot["model"] = self.engine.model_name
+        snapshot.update(self.loop.gauges())
+        return snapshot
+
+    async def tokenize_request(self, request: GenerateRequest) -> TokenArray:
+        """The request's prompt as tokens (chat template applied), off the event loop."""
+        try:
+            if request.messages is not None:
+                turns = [(m.role, m.content) for m in request.messages]
+                text = await trio.to_thread.run_sync(self.engine.apply_chat_template, turns)
+            else:
+                assert request.prompt is not None
+                text = request.prompt
+            tokens = await trio.to_thread.run_sync(self.engine.tokenize, text)
+        except ValueError as exc:
+            raise UmaError(ErrorCode.MODEL, str(exc), request_id=request.id) from None
+        if len(tokens) == 0:
+            raise UmaError(ErrorCode.SCHEMA, "the prompt is empty", request_id=request.id)
+        return tokens
+
+    # -- tasks -------------------------------------------------------------------
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE and friends: back off instead of spinning
+                log.warning("accept failed: %s", exc)
+                await trio.sleep(0.1)
+                continue
+            nursery.start_soon(self._handle, stream)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        self._next_number += 1
+        connection = Connection(self, stream, self._next_number)
+        try:
+            if len(self._connections) >= self.config.max_connections:
+                await connection.reject(
+                    UmaError(
+                        ErrorCode.TOO_MANY_CONNECTIONS,
+                        f"at most {self.config.max_connections} connections are served at once",
+                    )
+                )
+                return
+            self._track(connection, +1)
+            try:
+                await connection.run()
+            finally:
+                self._track(connection, -1)
+        except Exception:  # a bug in one connection must not take the daemon down
+            log.exception("connection %d failed", connection.number)
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    def _track(self, connection: Connection, delta: int) -> None:
+        if delta > 0:
+            self._connections.add(connection)
+            self.metrics.connections_total += 1
+        else:
+            self._connections.discard(connection)
+        self.metrics.connections_open = len(self._connections)
+
+    async def _drain(self) -> None:
+        self.loop.stop_accepting()
+        with trio.move_on_after(0 if self._force.is_set() else self.config.shutdown_grace_s) as grace:
+            with trio.CancelScope() as forced:
+                async with trio.open_nursery() as watch:
+                    watch.start_soon(self._cancel_on_force, forced)
+                    await self.loop.wait_idle()
+                    watch.cancel_scope.cancel()
+        if grace.cancelled_caught or forced.cancelled_caught:
+            log.info("grace period over; cancelling the requests still running")
+        self.loop.cancel_all("shutdown")
+        with trio.move_on_after(_FLUSH_TIMEOUT_S):
+            await self.loop.wait_idle()
+            # Let each pump write its final eos before the connections are cancelled.
+            while any(c.requests for c in self._connections):
+                await trio.sleep(0.01)
+
+    async def _cancel_on_force(self, scope: trio.CancelScope) -> None:
+        await self._force.wait()
+        scope.cancel()
+
+    async def _signal_task(self) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                first = not self._shutdown.is_set()
+                log.info("%s: %s", signal.Signals(signum).name, "draining" if first else "stopping now")
+                self.request_shutdown(force=not first)
+
+    async def _metrics_task(self) -> None:
+        last_tokens = 0
+        interval = self.config.metrics_interval_s
+        while True:
+            await trio.sleep(interval)
+            snap = self.metrics_snapshot()
+            generated = snap["tokens_generated"]
+            log.info(
+                "metrics: %.1f tok/s, sessions %s, kv %d/%d, budget %d, decode_ms_ewma %.1f",
+                (generated - last_tokens) / interval, snap["sessions"],
+                snap["kv"]["cells_used"], snap["kv"]["cells_total"],
+                snap["scheduler"]["token_budget"], snap["scheduler"]["decode_ms_ewma"],
+            )  # fmt: skip
+            last_tokens = generated

@@ -1,0 +1,118 @@
+"""One request's life inside the daemon, and the figures it reports at the end."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from ..engine.base import TokenArray
+from ..engine.sampling import Sampler
+from ..protocol.messages import (
+    CancelReason,
+    EosEvent,
+    ErrorEvent,
+    FinishReason,
+    GenerateRequest,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+from ..protocol.textstream import TextStream
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # accepted, no session slot yet
+    PREFILL = "prefill"  # reading its prompt into the KV cache
+    DECODE = "decode"  # generating
+    DONE = "done"
+
+
+@dataclass(eq=False)
+class Session:
+    """Owned by the decode task once submitted; the connection only reads it.
+
+    Token events go out through ``events`` (a bounded memory channel drained by
+    the connection); the last word, ``error`` then ``final``, is set before the
+    channel is closed, so it never competes with tokens for buffer space.
+    """
+
+    request: GenerateRequest
+    prompt: TokenArray
+    sampler: Sampler
+    events: trio.MemorySendChannel[TokenEvent]
+    created: float
+    text: TextStream = field(init=False)
+    phase: Phase = Phase.WAITING
+    seq_id: int | None = None
+    n_past: int = 0  # tokens of this sequence in the KV cache
+    pending_token: int | None = None  # sampled, to be fed next tick
+    generated: int = 0
+    parked: bool = False
+    abort: CancelReason | None = None
+    admitted: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # whole text, non-stream only
+    error: ErrorEvent | None = None
+    final: EosEvent | None = None
+
+    def __post_init__(self) -> None:
+        self.text = TextStream(self.request.stop)
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def reserved_cells(self) -> int:
+        """KV cells this request may come to need: its prompt plus max_tokens."""
+        return len(self.prompt) + self.request.max_tokens
+
+    @property
+    def prompt_remaining(self) -> int:
+        return len(self.prompt) - self.n_past if self.phase is Phase.PREFILL else 0
+
+    @property
+    def finished(self) -> bool:
+        return self.final is not None
+
+    def record_token_time(self, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        elif self.last_token is not None:
+            self.gaps.append(now - self.last_token)
+        self.last_token = now
+
+    def eos_event(
+        self, reason: FinishReason, now: float, cancel_reason: CancelReason | None
+    ) -> EosEvent:
+        usage = Usage(len(self.prompt), self.generated, len(self.prompt) + self.generated)
+        return EosEvent(
+            id=self.id,
+            reason=reason,
+            usage=usage,
+            timings=self._timings(now),
+            text="".join(self.pieces) if not self.request.stream else None,
+            cancel_reason=cancel_reason,
+        )
+
+    def _timings(self, now: float) -> Timings:
+        ms = 1000.0
+        started = self.admitted if self.admitted is not None else now
+        timings = Timings(queue_ms=(started - self.created) * ms, total_ms=(now - self.created) * ms)
+        if self.first_token is not None:
+            timings.ttft_ms = (self.first_token - self.created) * ms
+        if self.gaps:
+            gaps = np.asarray(self.gaps) * ms
+            timings.itl_p50_ms = float(np.percentile(gaps, 50))
+            timings.itl_p95_ms = float(np.percentile(gaps, 95))
+            timings.itl_max_ms = float(gaps.max())
+        if self.first_token is not None and self.last_token is not None and self.generated > 1:
+            span = self.last_token - self.first_token
+            if span > 0:
+                timings.tokens_per_s = (self.generated - 1) / span
+        return timings
