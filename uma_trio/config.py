@@ -14,6 +14,7 @@ class ServerConfig:
     # Engine
     n_ctx: int = 8192  # KV cells shared by all sessions (unified cache)
     n_batch: int = 512  # hard cap on tokens per tick
+    n_ubatch: int = 32  # llama.cpp micro-batch; < 64 keeps results batch-invariant
     threads: int | None = None  # llama.cpp threads; default all cores
     # Scheduling
     tick_ms: float = 50.0  # tick-time target the token budget adapts toward
@@ -33,7 +34,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         positive = {
-            "n_ctx": self.n_ctx, "n_batch": self.n_batch, "tick_ms": self.tick_ms,
+            "n_ctx": self.n_ctx, "n_batch": self.n_batch, "n_ubatch": self.n_ubatch, "tick_ms": self.tick_ms,
             "max_sessions": self.max_sessions, "max_connections": self.max_connections,
             "max_in_flight": self.max_in_flight, "max_frame_bytes": self.max_frame_bytes,
             "max_prompt_tokens": self.max_prompt_tokens, "max_tokens": self.max_tokens,

@@ -19,7 +19,11 @@ class DaemonStartError(Exception):
 
 def load_engine(model_path: Path, config: ServerConfig) -> LlamaEngine:
     context = ContextConfig(
-        n_ctx=config.n_ctx, n_batch=config.n_batch, n_seq_max=config.max_sessions, n_threads=config.threads
+        n_ctx=config.n_ctx,
+        n_batch=config.n_batch,
+        n_ubatch=config.n_ubatch,
+        n_seq_max=config.max_sessions,
+        n_threads=config.threads,
     )
     try:
         return LlamaEngine(LlamaModel(model_path), context)

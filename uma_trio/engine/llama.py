@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import llama_cpp as llama
 import numpy as np
@@ -64,7 +65,7 @@ class LlamaModel:
         self.chat_template: bytes | None = template or None
 
     @property
-    def handle(self) -> llama.llama_model_p:
+    def handle(self) -> Any:  # llama_model_p (an opaque ctypes pointer)
         return self._model
 
     def tokenize(self, text: str) -> TokenArray:
@@ -75,7 +76,7 @@ class LlamaModel:
         if n < 0:  # cannot happen with this capacity, but llama.cpp says how much it needs
             buf = (llama.llama_token * -n)()
             n = llama.llama_tokenize(self._vocab, data, len(data), buf, -n, self._add_bos, True)
-        return np.frombuffer(buf, dtype=np.int32, count=n).copy()
+        return np.array(buf[:n], dtype=np.int32)
 
     def piece(self, token: int) -> bytes:
         """The bytes a token renders to (empty for control tokens); cached."""
@@ -120,6 +121,10 @@ class LlamaModel:
 class ContextConfig:
     n_ctx: int = 8192  # KV cells shared by all sessions (unified cache)
     n_batch: int = 512  # most tokens one tick may decode
+    # llama.cpp's CPU kernels change their arithmetic once a ubatch holds 64+ tokens,
+    # so a token's logits would depend on who shares its tick.  Below that every
+    # sequence gets bit-identical results alone or batched (docs/SCHEDULER.md).
+    n_ubatch: int = 32
     n_seq_max: int = 16  # concurrent sessions, one seq id each
     n_threads: int | None = None  # default: all cores
 
@@ -158,7 +163,7 @@ class LlamaEngine:
         params = llama.llama_context_default_params()
         params.n_ctx = config.n_ctx
         params.n_batch = config.n_batch
-        params.n_ubatch = config.n_batch
+        params.n_ubatch = min(config.n_ubatch, config.n_batch)
         params.n_seq_max = config.n_seq_max
         params.kv_unified = True
         threads = config.n_threads or os.cpu_count() or 1
@@ -169,8 +174,7 @@ class LlamaEngine:
         self._ctx = llama.llama_init_from_model(model.handle, params)
         if not self._ctx:
             raise ModelLoadError(
-                f"llama.cpp could not create a context (n_ctx={config.n_ctx}, "
-                f"n_seq_max={config.n_seq_max})"
+                f"llama.cpp could not create a context (n_ctx={config.n_ctx}, n_seq_max={config.n_seq_max})"
             )
         self._memory = llama.llama_get_memory(self._ctx)
         self._n_ctx = int(llama.llama_n_ctx(self._ctx))
@@ -242,7 +246,9 @@ class LlamaEngine:
         sampled = []
         for row, entry in outputs:
             assert entry.sampler is not None
-            logits = np.ctypeslib.as_array(llama.llama_get_logits_ith(self._ctx, row), shape=self._logits_shape)
+            logits = np.ctypeslib.as_array(
+                llama.llama_get_logits_ith(self._ctx, row), shape=self._logits_shape
+            )
             token = entry.sampler.sample(logits)
             sampled.append(Sampled(entry.seq_id, token, self.model.piece(token), self.model.is_eog(token)))
         return StepResult(sampled, n, time.perf_counter() - started)

@@ -24,17 +24,13 @@ def decode_client_message(payload: bytes) -> ClientMessage:
     try:
         payload.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UmaError(
-            ErrorCode.INVALID_UTF8, f"payload is not valid UTF-8 (byte {exc.start})"
-        ) from None
+        raise UmaError(ErrorCode.INVALID_UTF8, f"payload is not valid UTF-8 (byte {exc.start})") from None
     try:
         obj = _json_decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise UmaError(ErrorCode.INVALID_JSON, f"invalid JSON: {exc}") from None
     if not isinstance(obj, dict):
-        raise UmaError(
-            ErrorCode.INVALID_JSON, f"expected a JSON object, got {type(obj).__name__}"
-        )
+        raise UmaError(ErrorCode.INVALID_JSON, f"expected a JSON object, got {type(obj).__name__}")
     request_id = _request_id_of(obj)
     kind = obj.get("type", "generate")
     message_type = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None

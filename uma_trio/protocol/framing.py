@@ -38,7 +38,7 @@ class FrameDecoder:
         """Bytes held that do not yet form a whole frame."""
         return len(self._buffer)
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes | bytearray) -> list[bytes]:
         """Add ``data`` and return every payload it completed, in order."""
         self._buffer += data
         frames: list[bytes] = []

@@ -121,6 +121,7 @@ class DecodeLoop:
         while True:
             self._apply_aborts()
             self._admit()
+            self.kv_cells_used = sum(self.engine.seq_cells(s) for s in self._active)
             plan = self._plan()
             if not plan:
                 self._update_idle()
@@ -158,7 +159,6 @@ class DecodeLoop:
             session = self._active[sampled.seq_id]
             if session.abort is None:
                 self._on_token(session, sampled, now)
-        self.kv_cells_used = sum(self.engine.seq_cells(s) for s in self._active)
 
     # -- steps of the loop ---------------------------------------------------------
 
@@ -173,9 +173,7 @@ class DecodeLoop:
             self._finish(session, "cancelled", cancel_reason=session.abort)
 
     def _can_admit_now(self, session: Session) -> bool:
-        return bool(self._free_seqs) and (
-            self._reserved_cells + session.reserved_cells <= self.engine.n_ctx
-        )
+        return bool(self._free_seqs) and (self._reserved_cells + session.reserved_cells <= self.engine.n_ctx)
 
     def _admit(self) -> None:
         while self._waiting and self._can_admit_now(self._waiting[0]):

@@ -156,7 +156,7 @@ class Server:
         with trio.move_on_after(_FLUSH_TIMEOUT_S):
             await self.loop.wait_idle()
             # Let each pump write its final eos before the connections are cancelled.
-            while any(c.requests for c in self._connections):
+            while any(c.requests for c in self._connections):  # noqa: ASYNC110 - bounded, shutdown only
                 await trio.sleep(0.01)
 
     async def _cancel_on_force(self, scope: trio.CancelScope) -> None:

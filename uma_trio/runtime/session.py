@@ -87,9 +87,7 @@ class Session:
             self.gaps.append(now - self.last_token)
         self.last_token = now
 
-    def eos_event(
-        self, reason: FinishReason, now: float, cancel_reason: CancelReason | None
-    ) -> EosEvent:
+    def eos_event(self, reason: FinishReason, now: float, cancel_reason: CancelReason | None) -> EosEvent:
         usage = Usage(len(self.prompt), self.generated, len(self.prompt) + self.generated)
         return EosEvent(
             id=self.id,

@@ -59,7 +59,7 @@ async def bind_unix_listener(path: Path, backlog: int = 128) -> tuple[trio.Socke
         os.umask(old_umask)
     os.chmod(path, 0o600)
     sock.listen(backlog)
-    return trio.SocketListener(sock), path.stat().st_ino
+    return trio.SocketListener(sock), os.stat(path).st_ino
 
 
 def unlink_if_ours(path: Path, inode: int) -> None:

@@ -1,0 +1,74 @@
+"""Shared fixtures: the real default model (loaded once) and an in-process daemon."""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from uma_trio.config import ServerConfig
+from uma_trio.engine.llama import ContextConfig, LlamaEngine, LlamaModel
+from uma_trio.model_files import ensure_default_model
+from uma_trio.runtime.server import Server
+
+_socket_numbers = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def llama_model(model_path: Path) -> Iterator[LlamaModel]:
+    model = LlamaModel(model_path)
+    yield model
+    model.close()
+
+
+@pytest.fixture
+def socket_path() -> Iterator[Path]:
+    # AF_UNIX paths are limited to ~108 bytes, so keep them short.
+    with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
+        yield Path(tmp) / f"d{next(_socket_numbers)}.sock"
+
+
+@pytest.fixture
+def server_config(socket_path: Path) -> ServerConfig:
+    return ServerConfig(socket_path=socket_path, n_ctx=4096, max_sessions=8, metrics_interval_s=3600)
+
+
+@pytest.fixture
+async def server(llama_model: LlamaModel, server_config: ServerConfig) -> AsyncIterator[Server]:
+    async with running_server(llama_model, server_config) as srv:
+        yield srv
+
+
+@asynccontextmanager
+async def running_server(model: LlamaModel, config: ServerConfig, **overrides: Any) -> AsyncIterator[Server]:
+    """Start a daemon on the real model in this trio run; stop it and free its context after."""
+    config = replace(config, **overrides)
+    engine = LlamaEngine(
+        model,
+        ContextConfig(
+            n_ctx=config.n_ctx,
+            n_batch=config.n_batch,
+            n_ubatch=config.n_ubatch,
+            n_seq_max=config.max_sessions,
+            n_threads=config.threads,
+        ),
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            server: Server = await nursery.start(Server(engine, config).serve)
+            yield server
+            server.request_shutdown(force=True)
+    finally:
+        engine.close()

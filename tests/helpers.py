@@ -1,0 +1,62 @@
+"""A raw protocol client for tests that need to send arbitrary bytes."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from uma_trio.protocol.framing import FrameDecoder
+
+
+def frame(obj: Any) -> bytes:
+    payload = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    return struct.pack("<I", len(payload)) + payload
+
+
+class RawClient:
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._decoder = FrameDecoder(1 << 24)
+        self._pending: list[dict[str, Any]] = []
+
+    @classmethod
+    async def connect(cls, path: Path) -> RawClient:
+        return cls(await trio.open_unix_socket(str(path)))
+
+    async def send(self, obj: Any) -> None:
+        await self.stream.send_all(frame(obj))
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def next_event(self) -> dict[str, Any] | None:
+        """The next event, or None at EOF."""
+        while not self._pending:
+            data = await self.stream.receive_some(65536)
+            if not data:
+                return None
+            self._pending.extend(json.loads(p) for p in self._decoder.feed(data))
+        return self._pending.pop(0)
+
+    async def until_end(self, request_id: str) -> list[dict[str, Any]]:
+        """Events of ``request_id`` up to its eos or error (others are kept aside)."""
+        mine: list[dict[str, Any]] = []
+        while True:
+            event = await self.next_event()
+            assert event is not None, f"connection closed before {request_id} ended: {mine}"
+            if event.get("id") != request_id:
+                continue
+            mine.append(event)
+            if event["event"] in ("eos", "error"):
+                return mine
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def text_of(events: list[dict[str, Any]]) -> str:
+    return "".join(e["text"] for e in events if e["event"] == "token")

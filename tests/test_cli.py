@@ -1,0 +1,84 @@
+"""The command line, as a user runs it: real processes, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import trio
+
+from uma_trio.client import UmaClient
+from uma_trio.protocol.messages import EosEvent, TokenEvent
+from uma_trio.runtime.server import Server
+
+pytestmark = pytest.mark.model
+
+UMA = [sys.executable, "-m", "uma_trio"]
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*UMA, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_missing_model_is_a_clear_error() -> None:
+    done = run_cli("serve", "--model", "/nonexistent/model.gguf", "--socket", "/tmp/uma-never.sock")
+    assert done.returncode == 2
+    assert "does not exist" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_corrupt_model_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(256))
+    done = run_cli("serve", "--model", str(bad), "--socket", str(tmp_path / "s.sock"))
+    assert done.returncode == 2
+    assert "could not load" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_generate_without_daemon_exits_3(tmp_path: Path) -> None:
+    done = run_cli("generate", "--prompt", "hi", "--socket", str(tmp_path / "none.sock"))
+    assert done.returncode == 3 and "cannot talk to the daemon" in done.stderr
+
+
+async def test_generate_streams_an_answer(server: Server) -> None:
+    done = await trio.run_process(
+        [*UMA, "generate", "--prompt", "What is the capital of France?", "--temp", "0",
+         "--max-tokens", "24", "--socket", str(server.config.socket_path)],
+        capture_stdout=True, capture_stderr=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout.decode()
+
+
+async def test_sigterm_drains_running_requests_and_removes_the_socket() -> None:
+    with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
+        sock = Path(tmp) / "d.sock"
+        env = {**os.environ, "UMA_SOCKET": str(sock), "UMA_SHUTDOWN_GRACE": "30"}
+        async with trio.open_nursery() as nursery:
+            proc: trio.Process = await nursery.start(
+                lambda task_status: trio.run_process(
+                    [*UMA, "serve"], env=env, check=False, stderr=subprocess.PIPE, task_status=task_status
+                )
+            )
+            with trio.fail_after(60):
+                while not sock.exists():
+                    await trio.sleep(0.05)
+                async with UmaClient.connect(sock) as client:
+                    async with client.stream(messages=[{"role": "user", "content": "Count to twenty."}],
+                                             max_tokens=48, temperature=0.0) as events:  # fmt: skip
+                        tokens = 0
+                        async for event in events:
+                            if isinstance(event, TokenEvent):
+                                tokens += 1
+                                if tokens == 2:
+                                    proc.send_signal(signal.SIGTERM)
+                    # Draining: the request in flight finished normally, after the signal.
+                    assert isinstance(event, EosEvent) and event.reason in ("stop", "length")
+                    assert not sock.exists()  # stopped accepting: the socket is gone at once
+                await proc.wait()
+        assert proc.returncode == 0
+        assert not sock.exists()

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from uma_trio.protocol.codec import decode_client_message, decode_server_event, encode_event
+from uma_trio.protocol.errors import ErrorCode, UmaError
+from uma_trio.protocol.messages import (
+    CancelRequest,
+    EosEvent,
+    GenerateRequest,
+    MetricsRequest,
+    Timings,
+    TokenEvent,
+    Usage,
+)  # fmt: skip
+
+
+def decode(obj: object) -> object:
+    return decode_client_message(json.dumps(obj).encode())
+
+
+def test_seeds_request_exactly_as_written() -> None:
+    msg = decode({"id": "uuid", "prompt": "string", "max_tokens": 20, "stream": True,
+                  "temperature": 0.0, "top_p": 1.0})  # fmt: skip
+    assert isinstance(msg, GenerateRequest)
+    assert (msg.id, msg.prompt, msg.max_tokens, msg.temperature, msg.priority) == (
+        "uuid",
+        "string",
+        20,
+        0.0,
+        "interactive",
+    )
+
+
+def test_control_messages() -> None:
+    assert isinstance(decode({"type": "cancel", "id": "x"}), CancelRequest)
+    assert isinstance(decode({"type": "metrics"}), MetricsRequest)
+
+
+@pytest.mark.parametrize(
+    ("payload", "code", "needle"),
+    [
+        (b"{not json", ErrorCode.INVALID_JSON, "invalid JSON"),
+        (b"[1, 2]", ErrorCode.INVALID_JSON, "object"),
+        (b'{"id": "a", "prompt": "\xff"}', ErrorCode.INVALID_UTF8, "UTF-8"),
+        (b'{"id": "a", "prompt": 5}', ErrorCode.SCHEMA, "$.prompt"),
+        (b'{"id": "a", "prompt": "p", "max_tokens": "9"}', ErrorCode.SCHEMA, "$.max_tokens"),
+        (b'{"id": "a", "prompt": "p", "bogus": 1}', ErrorCode.SCHEMA, "bogus"),
+        (b'{"id": "a", "prompt": "p", "top_p": 0}', ErrorCode.SCHEMA, "$.top_p"),
+        (b'{"id": "a", "prompt": "p", "priority": "urgent"}', ErrorCode.SCHEMA, "$.priority"),
+        (b'{"id": "a"}', ErrorCode.SCHEMA, "exactly one"),
+        (
+            b'{"id": "a", "prompt": "p", "messages": [{"role": "user", "content": "c"}]}',
+            ErrorCode.SCHEMA,
+            "exactly one",
+        ),
+        (b'{"prompt": "p"}', ErrorCode.SCHEMA, "id"),
+        (b'{"type": "launch", "id": "a"}', ErrorCode.UNKNOWN_TYPE, "launch"),
+    ],
+)
+def test_bad_input_gets_its_code(payload: bytes, code: ErrorCode, needle: str) -> None:
+    with pytest.raises(UmaError) as info:
+        decode_client_message(payload)
+    assert info.value.code is code
+    assert needle in info.value.message
+
+
+def test_error_keeps_the_request_id_when_usable() -> None:
+    with pytest.raises(UmaError) as info:
+        decode({"id": "keep-me", "prompt": 1})
+    assert info.value.request_id == "keep-me"
+
+
+def test_events_round_trip() -> None:
+    token = TokenEvent(id="a", text="hi", token_id=7)
+    eos = EosEvent(id="a", reason="stop", usage=Usage(3, 1, 4), timings=Timings(queue_ms=0.1, total_ms=5.0))
+    for event in (token, eos):
+        framed = encode_event(event)
+        assert decode_server_event(framed[4:]) == event
+    wire = json.loads(encode_event(eos)[4:])
+    assert wire["event"] == "eos" and "text" not in wire and "cancel_reason" not in wire

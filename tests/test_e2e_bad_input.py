@@ -1,0 +1,115 @@
+"""Every bad input gets an error event with its code; nobody else notices."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import pytest
+import trio
+
+from uma_trio.client import UmaClient
+from uma_trio.config import ServerConfig
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.runtime.server import Server
+
+from .conftest import running_server
+from .helpers import RawClient, frame
+
+pytestmark = pytest.mark.model
+
+OK = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8, "temperature": 0}
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (frame(b"{oops"), "E_PROTO_001"),
+        (frame({"id": "t", "prompt": 42}), "E_PROTO_002"),
+        (frame({"id": "t", "prompt": "p", "colour": "red"}), "E_PROTO_002"),
+        (frame(b'{"id": "t", "prompt": "\xc3\x28"}'), "E_PROTO_003"),
+        (frame({"type": "shutdown", "id": "t"}), "E_PROTO_005"),
+        (frame({"type": "cancel", "id": "nobody"}), "E_PROTO_007"),
+        (frame({"id": "t", "prompt": "word " * 300, "max_tokens": 4}), "E_LIMIT_001"),
+        (frame({"id": "t", "prompt": "p", "max_tokens": 100000}), "E_LIMIT_003"),
+        (frame({"id": "t", "prompt": "word " * 100, "max_tokens": 1000}), "E_LIMIT_002"),
+    ],
+)
+async def test_bad_message_gets_code_and_connection_keeps_working(
+    llama_model: LlamaModel, server_config: ServerConfig, raw: bytes, code: str
+) -> None:
+    async with running_server(
+        llama_model, server_config, n_ctx=1024, max_prompt_tokens=256, max_tokens=1000
+    ) as server:
+        client = await RawClient.connect(server.config.socket_path)
+        await client.send_bytes(raw)
+        with trio.fail_after(30):
+            error = await client.next_event()
+            assert error is not None and error["event"] == "error", error
+            assert error["code"] == code and error["message"]
+            # The same connection still serves a good request afterwards.
+            await client.send({"id": "after", **OK})
+            events = await client.until_end("after")
+        assert events[-1]["event"] == "eos"
+        assert server.metrics.errors[code] == 1
+
+
+async def test_duplicate_id_in_flight_is_refused(server: Server) -> None:
+    client = await RawClient.connect(server.config.socket_path)
+    await client.send({"id": "dup", **OK, "max_tokens": 64})
+    await client.send({"id": "dup", **OK})
+    seen: list[dict[str, Any]] = []
+    with trio.fail_after(30):
+        while not any(e["event"] == "eos" for e in seen):
+            event = await client.next_event()
+            assert event is not None
+            seen.append(event)
+    errors = [e for e in seen if e["event"] == "error"]
+    assert [e["code"] for e in errors] == ["E_PROTO_006"] and errors[0]["id"] == "dup"
+    assert sum(e["event"] == "eos" for e in seen) == 1
+
+
+async def test_oversized_frame_closes_only_that_connection(
+    llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    async with running_server(llama_model, server_config, max_frame_bytes=1024) as server:
+        bystander = await RawClient.connect(server.config.socket_path)
+        await bystander.send({"id": "b", **OK, "max_tokens": 32})
+        offender = await RawClient.connect(server.config.socket_path)
+        await offender.send_bytes(struct.pack("<I", 10_000_000) + b"{")
+        with trio.fail_after(30):
+            error = await offender.next_event()
+            assert error is not None and error["code"] == "E_PROTO_004"
+            assert await offender.next_event() is None  # closed after the error
+            events = await bystander.until_end("b")
+        assert events[-1]["event"] == "eos" and events[-1]["reason"] in ("stop", "length")
+
+
+async def test_full_daemon_says_busy(llama_model: LlamaModel, server_config: ServerConfig) -> None:
+    async with running_server(llama_model, server_config, max_sessions=1, max_queue=0) as server:
+        client = await RawClient.connect(server.config.socket_path)
+        await client.send({"id": "one", **OK, "max_tokens": 64})
+        first = await client.next_event()
+        assert first is not None and first["event"] == "token"
+        await client.send({"id": "two", **OK})
+        with trio.fail_after(30):
+            events = await client.until_end("two")
+        assert events[-1]["code"] == "E_LIMIT_004"
+
+
+async def test_requests_beyond_sessions_wait_in_the_queue(
+    llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    async with running_server(llama_model, server_config, max_sessions=1) as server:
+        results: list[Any] = []
+
+        async def one(i: int) -> None:
+            async with UmaClient.connect(server.config.socket_path) as client:
+                results.append(await client.complete(id=f"q{i}", **OK))
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(one, i)
+        assert len(results) == 3
+        assert max(r.eos.timings.queue_ms for r in results) > 0

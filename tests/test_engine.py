@@ -1,0 +1,85 @@
+"""The llama.cpp engine on the real model: batching, KV bookkeeping, sampling hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from uma_trio.engine.base import BatchEntry
+from uma_trio.engine.llama import ContextConfig, LlamaEngine, LlamaModel
+from uma_trio.engine.sampling import Sampler, SamplingParams
+
+pytestmark = pytest.mark.model
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Tell me a joke",
+    "Write a poem about the sea",
+    "Explain gravity",
+]
+
+
+@pytest.fixture
+def engine(llama_model: LlamaModel) -> Iterator[LlamaEngine]:
+    eng = LlamaEngine(llama_model, ContextConfig(n_ctx=2048, n_seq_max=4))
+    yield eng
+    eng.close()
+
+
+def greedy_run(engine: LlamaEngine, prompts: list[np.ndarray], steps: int) -> list[list[int]]:
+    """Prefill every prompt in one batch, then decode all together for ``steps`` ticks."""
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    result = engine.step_sync([BatchEntry(i, p, 0, greedy) for i, p in enumerate(prompts)])
+    out = {s.seq_id: [s.token_id] for s in result.sampled}
+    pos = [len(p) for p in prompts]
+    for _ in range(steps):
+        entries = [BatchEntry(i, np.array([out[i][-1]], np.int32), pos[i], greedy) for i in out]
+        for s in engine.step_sync(entries).sampled:
+            out[s.seq_id].append(s.token_id)
+        pos = [p + 1 for p in pos]
+    for i in out:
+        engine.free_seq(i)
+    return [out[i] for i in range(len(prompts))]
+
+
+def test_batched_decode_matches_alone_for_the_same_cell_layout(engine: LlamaEngine) -> None:
+    prompts = [engine.tokenize(engine.apply_chat_template([("user", p)])) for p in PROMPTS]
+    alone = greedy_run(engine, prompts[:1], 30)[0]
+    together = greedy_run(engine, prompts, 30)[0]
+    assert together == alone
+
+
+def test_free_seq_releases_every_cell(engine: LlamaEngine) -> None:
+    prompt = engine.tokenize("The quick brown fox jumps over the lazy dog.")
+    engine.step_sync([BatchEntry(2, prompt, 0, None)])
+    assert engine.seq_cells(2) == len(prompt)
+    engine.free_seq(2)
+    assert engine.seq_cells(2) == 0
+
+
+def test_only_last_token_of_a_chunk_is_sampled(engine: LlamaEngine) -> None:
+    prompt = engine.tokenize("one two three four five six")
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    first = engine.step_sync([BatchEntry(0, prompt[:3], 0, None)])
+    assert first.sampled == [] and first.n_tokens == 3
+    second = engine.step_sync([BatchEntry(0, prompt[3:], 3, greedy)])
+    assert [s.seq_id for s in second.sampled] == [0]
+    engine.free_seq(0)
+
+
+def test_chat_template_and_eog(engine: LlamaEngine, llama_model: LlamaModel) -> None:
+    text = engine.apply_chat_template([("user", "hi")])
+    assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    end_token = int(engine.tokenize("<|im_end|>")[-1])
+    assert llama_model.is_eog(end_token) and llama_model.piece(end_token) == b""
+
+
+def test_corrupt_model_file_is_a_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from uma_trio.engine.llama import ModelLoadError
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ModelLoadError, match="could not load"):
+        LlamaModel(bad)

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import numpy as np
+
+from uma_trio.engine.sampling import Sampler, SamplingParams
+
+
+def logits() -> np.ndarray:
+    return np.random.default_rng(0).normal(size=1000).astype(np.float32)
+
+
+def test_greedy_is_argmax() -> None:
+    row = logits()
+    assert Sampler(SamplingParams(temperature=0.0)).sample(row) == int(np.argmax(row))
+
+
+def test_top_k_one_is_argmax_at_any_temperature() -> None:
+    row = logits()
+    assert Sampler(SamplingParams(temperature=5.0, top_k=1, seed=1)).sample(row) == int(np.argmax(row))
+
+
+def test_same_seed_same_draws() -> None:
+    row = logits()
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    a, b = Sampler(params), Sampler(params)
+    assert [a.sample(row) for _ in range(20)] == [b.sample(row) for _ in range(20)]
+
+
+def test_min_p_removes_unlikely_tokens() -> None:
+    row = np.full(100, -10.0, dtype=np.float32)
+    row[[3, 7]] = [5.0, 4.9]
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.5, seed=3))
+    assert {sampler.sample(row) for _ in range(50)} == {3, 7}
