@@ -14,7 +14,8 @@ import pytest
 import trio
 
 from uma_trio.config import ServerConfig
-from uma_trio.engine.llama import ContextConfig, LlamaEngine, LlamaModel
+from uma_trio.daemon import engine_for
+from uma_trio.engine.llama import LlamaModel
 from uma_trio.model_files import ensure_default_model
 from uma_trio.runtime.server import Server
 
@@ -55,16 +56,7 @@ async def server(llama_model: LlamaModel, server_config: ServerConfig) -> AsyncI
 async def running_server(model: LlamaModel, config: ServerConfig, **overrides: Any) -> AsyncIterator[Server]:
     """Start a daemon on the real model in this trio run; stop it and free its context after."""
     config = replace(config, **overrides)
-    engine = LlamaEngine(
-        model,
-        ContextConfig(
-            n_ctx=config.n_ctx,
-            n_batch=config.n_batch,
-            n_ubatch=config.n_ubatch,
-            n_seq_max=config.max_sessions,
-            n_threads=config.threads,
-        ),
-    )
+    engine = engine_for(model, config)
     try:
         async with trio.open_nursery() as nursery:
             server: Server = await nursery.start(Server(engine, config).serve)

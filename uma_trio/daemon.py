@@ -17,7 +17,8 @@ class DaemonStartError(Exception):
     """The daemon could not start: bad model, socket taken, ..."""
 
 
-def load_engine(model_path: Path, config: ServerConfig) -> LlamaEngine:
+def engine_for(model: LlamaModel, config: ServerConfig) -> LlamaEngine:
+    """A context over ``model`` sized by the daemon's settings."""
     context = ContextConfig(
         n_ctx=config.n_ctx,
         n_batch=config.n_batch,
@@ -25,8 +26,12 @@ def load_engine(model_path: Path, config: ServerConfig) -> LlamaEngine:
         n_seq_max=config.max_sessions,
         n_threads=config.threads,
     )
+    return LlamaEngine(model, context)
+
+
+def load_engine(model_path: Path, config: ServerConfig) -> LlamaEngine:
     try:
-        return LlamaEngine(LlamaModel(model_path), context)
+        return engine_for(LlamaModel(model_path), config)
     except ModelLoadError as exc:
         raise DaemonStartError(str(exc)) from None
 

@@ -226,6 +226,7 @@ class DecodeLoop:
 
     def _on_token(self, session: Session, sampled: Sampled, now: float) -> None:
         session.record_token_time(now)
+        session.last_token_id = sampled.token_id
         if sampled.is_eog:
             self._finish(session, "stop")
             return
@@ -267,7 +268,7 @@ class DecodeLoop:
         self, session: Session, reason: FinishReason, *, cancel_reason: CancelReason | None = None
     ) -> None:
         if reason in ("stop", "length"):
-            self._emit(session, session.text.flush(), session.pending_token or -1)
+            self._emit(session, session.text.flush(), session.last_token_id)
         if session.seq_id is not None:
             self.engine.free_seq(session.seq_id)
             del self._active[session.seq_id]

@@ -49,6 +49,7 @@ class Session:
     seq_id: int | None = None
     n_past: int = 0  # tokens of this sequence in the KV cache
     pending_token: int | None = None  # sampled, to be fed next tick
+    last_token_id: int = -1  # the latest sampled token (tags held-back text sent at the end)
     generated: int = 0
     parked: bool = False
     abort: CancelReason | None = None
