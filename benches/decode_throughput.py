@@ -18,6 +18,7 @@ import csv
 import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import llama_cpp as llama
@@ -26,21 +27,22 @@ import trio
 
 from uma_trio.client import UmaClient
 from uma_trio.config import ServerConfig
-from uma_trio.engine.llama import ContextConfig, LlamaEngine, LlamaModel
+from uma_trio.daemon import engine_for
+from uma_trio.engine.llama import LlamaModel
 from uma_trio.model_files import ensure_default_model
 from uma_trio.protocol.messages import TokenEvent
 from uma_trio.runtime.server import Server
 
 PROMPT = "Write a long story about a lighthouse keeper."
-N_CTX = 8192
+N_CTX_SEQ = 1024  # KV cells per stream: the prompt plus --tokens fit easily
 N_UBATCH = 32
 
 
-def bare_loop(model: LlamaModel, streams: int, tokens: int) -> float:
+def bare_loop(model: LlamaModel, streams: int, tokens: int, kv_unified: bool) -> float:
     """Tokens/s of a bare batched greedy decode loop over ``streams`` sequences."""
     params = llama.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch = N_CTX, 512, N_UBATCH
-    params.n_seq_max, params.kv_unified = max(streams, 1), True
+    params.n_ctx, params.n_batch, params.n_ubatch = N_CTX_SEQ * streams, 512, N_UBATCH
+    params.n_seq_max, params.kv_unified = streams, kv_unified
     params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
     params.n_threads = params.n_threads_batch = os.cpu_count() or 1  # as the daemon does
     ctx = llama.llama_init_from_model(model.handle, params)
@@ -79,16 +81,14 @@ def bare_loop(model: LlamaModel, streams: int, tokens: int) -> float:
         llama.llama_free(ctx)
 
 
-async def daemon_run(model: LlamaModel, streams: int, tokens: int) -> float:
+async def daemon_run(model: LlamaModel, streams: int, tokens: int, kv_unified: bool) -> float:
     """Tokens/s the daemon delivers to ``streams`` clients decoding at once."""
     with tempfile.TemporaryDirectory(prefix="uma-bench-") as tmp:
         config = ServerConfig(
-            socket_path=Path(tmp) / "b.sock", n_ctx=N_CTX, n_ubatch=N_UBATCH,
-            max_sessions=max(streams, 1), max_tokens=tokens, metrics_interval_s=3600,
+            socket_path=Path(tmp) / "b.sock", n_ctx=N_CTX_SEQ, n_ubatch=N_UBATCH, kv_unified=kv_unified,
+            max_sessions=streams, max_tokens=tokens, metrics_interval_s=3600,
         )  # fmt: skip
-        engine = LlamaEngine(
-            model, ContextConfig(n_ctx=N_CTX, n_ubatch=N_UBATCH, n_seq_max=config.max_sessions)
-        )
+        engine = engine_for(model, config)
         firsts: list[float] = []
         lasts: list[float] = []
         counts: list[int] = []
@@ -127,6 +127,7 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--kv-unified", action="store_true", help="one KV stream for all sequences")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "decode_throughput.csv"
     )
@@ -136,9 +137,13 @@ def main() -> None:
     rows = []
     print(f"{'streams':>7} {'bare tok/s':>11} {'daemon tok/s':>13} {'daemon/bare':>12}")
     for streams in args.streams:
-        bare = bare_loop(model, streams, args.tokens)
-        daemon = trio.run(daemon_run, model, streams, args.tokens)
-        rows.append({"streams": streams, "bare_tok_s": round(bare, 1), "daemon_tok_s": round(daemon, 1),
+        # On a thread of its own: llama.cpp's OpenMP team lives as long as its calling
+        # thread, and a lingering one would slow the daemon run (docs/BENCHMARKS.md).
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            bare = pool.submit(bare_loop, model, streams, args.tokens, args.kv_unified).result()
+        daemon = trio.run(daemon_run, model, streams, args.tokens, args.kv_unified)
+        rows.append({"streams": streams, "kv_unified": args.kv_unified,
+                     "bare_tok_s": round(bare, 1), "daemon_tok_s": round(daemon, 1),
                      "ratio": round(daemon / bare, 3)})  # fmt: skip
         print(f"{streams:>7} {bare:>11.1f} {daemon:>13.1f} {daemon / bare:>12.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,7 @@ def socket_path() -> Iterator[Path]:
 
 @pytest.fixture
 def server_config(socket_path: Path) -> ServerConfig:
-    return ServerConfig(socket_path=socket_path, n_ctx=4096, max_sessions=8, metrics_interval_s=3600)
+    return ServerConfig(socket_path=socket_path, n_ctx=2048, max_sessions=8, metrics_interval_s=3600)
 
 
 @pytest.fixture

@@ -176,12 +176,6 @@ async def test_stop_string_ends_generation_and_is_never_sent(server: Server) -> 
     assert stopped.text == plain.text[: plain.text.index("aris")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (issue 2 note): llama.cpp's CPU attention rounds differently when a "
-    "sequence's KV cells sit at other offsets of the unified cache, so greedy output can "
-    "diverge after ~15 tokens; strict, so a fix makes this test fail until the mark is removed",
-)
 async def test_greedy_tokens_same_alone_and_beside_three_others(server: Server) -> None:
     prompts = [
         "Explain what a CPU does.",

@@ -23,7 +23,7 @@ PROMPTS = [
 
 @pytest.fixture
 def engine(llama_model: LlamaModel) -> Iterator[LlamaEngine]:
-    eng = LlamaEngine(llama_model, ContextConfig(n_ctx=2048, n_seq_max=4))
+    eng = LlamaEngine(llama_model, ContextConfig(n_ctx_seq=1024, n_seq_max=4))
     yield eng
     eng.close()
 
@@ -44,11 +44,41 @@ def greedy_run(engine: LlamaEngine, prompts: list[np.ndarray], steps: int) -> li
     return [out[i] for i in range(len(prompts))]
 
 
-def test_batched_decode_matches_alone_for_the_same_cell_layout(engine: LlamaEngine) -> None:
+def test_batched_decode_matches_alone(engine: LlamaEngine) -> None:
     prompts = [engine.tokenize(engine.apply_chat_template([("user", p)])) for p in PROMPTS]
     alone = greedy_run(engine, prompts[:1], 30)[0]
     together = greedy_run(engine, prompts, 30)[0]
     assert together == alone
+
+
+def churn_run(engine: LlamaEngine, prompt: np.ndarray, filler: np.ndarray, steps: int) -> list[int]:
+    """Decode ``prompt`` greedily while neighbours come and go around it.
+
+    Neighbour 1 is freed early and neighbour 2 starts afterwards, so a unified
+    cache hands neighbour 1's freed cells to the survivors' next tokens.
+    """
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    engine.step_sync([BatchEntry(1, filler, 0, None)])
+    first = engine.step_sync([BatchEntry(0, prompt, 0, greedy)]).sampled[0].token_id
+    out, pos = [first], len(prompt)
+    for step in range(steps):
+        if step == 3:
+            engine.free_seq(1)
+        entries = [BatchEntry(0, np.array([out[-1]], np.int32), pos, greedy)]
+        if step == 5:
+            entries.append(BatchEntry(2, filler[:40], 0, None))
+        out.append(engine.step_sync(entries).sampled[0].token_id)
+        pos += 1
+    for seq in (0, 1, 2):
+        engine.free_seq(seq)
+    return out
+
+
+def test_greedy_output_survives_neighbours_coming_and_going(engine: LlamaEngine) -> None:
+    prompt = engine.tokenize(engine.apply_chat_template([("user", "Explain what a CPU does.")]))
+    filler = engine.tokenize("lorem ipsum dolor sit amet " * 60)[:300]
+    alone = greedy_run(engine, [prompt], 60)[0]
+    assert churn_run(engine, prompt, filler, 60) == alone
 
 
 def test_free_seq_releases_every_cell(engine: LlamaEngine) -> None:

@@ -41,26 +41,30 @@ def _setup_logging(level: str) -> None:
     )
 
 
+_DEFAULTS = ServerConfig()
+
+
 @app.command
 def serve(
     *,
     model: Path | None = None,
     socket: SocketPath = DEFAULT_SOCKET,
-    n_ctx: int = 8192,
-    n_batch: int = 512,
-    n_ubatch: int = 32,
+    n_ctx: int = _DEFAULTS.n_ctx,
+    kv_unified: bool = _DEFAULTS.kv_unified,
+    n_batch: int = _DEFAULTS.n_batch,
+    n_ubatch: int = _DEFAULTS.n_ubatch,
     threads: int | None = None,
-    max_sessions: int = 16,
-    max_queue: int = 64,
-    max_connections: int = 64,
-    max_in_flight: int = 16,
-    max_frame_bytes: int = 1 << 20,
-    max_prompt_tokens: int = 4096,
-    max_tokens: int = 2048,
-    idle_timeout: float = 300.0,
-    shutdown_grace: float = 10.0,
-    tick_ms: float = 50.0,
-    metrics_interval: float = 10.0,
+    max_sessions: int = _DEFAULTS.max_sessions,
+    max_queue: int = _DEFAULTS.max_queue,
+    max_connections: int = _DEFAULTS.max_connections,
+    max_in_flight: int = _DEFAULTS.max_in_flight,
+    max_frame_bytes: int = _DEFAULTS.max_frame_bytes,
+    max_prompt_tokens: int = _DEFAULTS.max_prompt_tokens,
+    max_tokens: int = _DEFAULTS.max_tokens,
+    idle_timeout: float = _DEFAULTS.idle_timeout_s,
+    shutdown_grace: float = _DEFAULTS.shutdown_grace_s,
+    tick_ms: float = _DEFAULTS.tick_ms,
+    metrics_interval: float = _DEFAULTS.metrics_interval_s,
     log_level: LogLevel = "info",
 ) -> int:
     """Run the daemon in the foreground until SIGINT/SIGTERM.
@@ -73,7 +77,11 @@ def serve(
     socket
         Unix socket path (created with mode 0600).
     n_ctx
-        KV cache cells shared by all sessions.
+        KV cells one request may use (prompt + max_tokens). The KV cache holds
+        n_ctx * max_sessions cells.
+    kv_unified
+        One KV stream shared by all sessions instead of one per session. Same memory;
+        greedy output then depends on what else ran (freed cells get reused out of order).
     n_batch
         Most tokens decoded in one tick.
     n_ubatch
@@ -110,7 +118,8 @@ def serve(
     log = logging.getLogger("uma_trio")
     try:
         config = ServerConfig(
-            socket_path=socket, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, threads=threads,
+            socket_path=socket, n_ctx=n_ctx, kv_unified=kv_unified, n_batch=n_batch, n_ubatch=n_ubatch,
+            threads=threads,
             max_sessions=max_sessions, max_queue=max_queue, max_connections=max_connections,
             max_in_flight=max_in_flight, max_frame_bytes=max_frame_bytes,
             max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,

@@ -12,14 +12,15 @@ DEFAULT_SOCKET = Path("/tmp/uma.sock")
 class ServerConfig:
     socket_path: Path = DEFAULT_SOCKET
     # Engine
-    n_ctx: int = 8192  # KV cells shared by all sessions (unified cache)
+    n_ctx: int = 4096  # KV cells per request (prompt + max_tokens); KV holds n_ctx * max_sessions
+    kv_unified: bool = False  # one KV stream for all sessions; not batch-invariant
     n_batch: int = 512  # hard cap on tokens per tick
     n_ubatch: int = 32  # llama.cpp micro-batch; < 64 keeps results batch-invariant
     threads: int | None = None  # llama.cpp threads; default all cores
     # Scheduling
     tick_ms: float = 50.0  # tick-time target the token budget adapts toward
     # Limits that protect the daemon
-    max_sessions: int = 16  # requests decoding at once (one KV seq id each)
+    max_sessions: int = 8  # requests decoding at once (one KV seq id and stream each)
     max_queue: int = 64  # accepted requests waiting for a session slot
     max_connections: int = 64
     max_in_flight: int = 16  # per connection

@@ -20,11 +20,12 @@ class DaemonStartError(Exception):
 def engine_for(model: LlamaModel, config: ServerConfig) -> LlamaEngine:
     """A context over ``model`` sized by the daemon's settings."""
     context = ContextConfig(
-        n_ctx=config.n_ctx,
+        n_ctx_seq=config.n_ctx,
         n_batch=config.n_batch,
         n_ubatch=config.n_ubatch,
         n_seq_max=config.max_sessions,
         n_threads=config.threads,
+        kv_unified=config.kv_unified,
     )
     return LlamaEngine(model, context)
 

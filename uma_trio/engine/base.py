@@ -65,7 +65,14 @@ class Engine(Protocol):
     """A model plus one context: the runtime's view of llama.cpp (or a simulation)."""
 
     @property
-    def n_ctx(self) -> int: ...
+    def n_ctx(self) -> int:
+        """KV cells in the whole context."""
+        ...
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """KV cells one sequence may hold: its prompt plus every token it generates."""
+        ...
 
     @property
     def n_seq_max(self) -> int: ...

@@ -1,11 +1,17 @@
 """The real engine, on llama-cpp-python's low-level (ctypes) API.
 
-One model, one context with a unified KV cache shared by every session, one
-``llama_seq_id`` per active request.  The ``llama_batch`` is built once over
+One model, one context, one ``llama_seq_id`` per active request.  By default
+each seq id gets its own KV stream (``kv_unified=False``): llama.cpp refills
+cells freed by a finished request with other requests' new tokens, and flash
+attention accumulates a sequence's cells in cache order, so in one unified
+stream a request's logits would depend on its neighbours' history.  One
+stream per sequence keeps every sequence's cells in position order, which
+makes greedy output identical alone or batched (docs/SCHEDULER.md).  The ``llama_batch`` is built once over
 numpy-owned buffers and refilled every tick with slice assignments, so a tick
 costs no per-token ctypes calls; logits are read through a zero-copy numpy
 view of ``llama_get_logits_ith``.  ``llama_decode`` runs in a worker thread
-(ctypes releases the GIL), which keeps the trio loop serving sockets meanwhile.
+(ctypes releases the GIL), always the same one (:mod:`.compute_thread`), which
+keeps the trio loop serving sockets meanwhile.
 """
 
 from __future__ import annotations
@@ -21,9 +27,9 @@ from typing import Any
 
 import llama_cpp as llama
 import numpy as np
-import trio
 
 from .base import BatchEntry, EngineError, Sampled, StepResult, TokenArray
+from .compute_thread import ComputeThread
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +125,17 @@ class LlamaModel:
 
 @dataclass(frozen=True)
 class ContextConfig:
-    n_ctx: int = 8192  # KV cells shared by all sessions (unified cache)
+    n_ctx_seq: int = 4096  # KV cells one sequence may use (prompt + generated tokens)
     n_batch: int = 512  # most tokens one tick may decode
     # llama.cpp's CPU kernels change their arithmetic once a ubatch holds 64+ tokens,
     # so a token's logits would depend on who shares its tick.  Below that every
     # sequence gets bit-identical results alone or batched (docs/SCHEDULER.md).
     n_ubatch: int = 32
-    n_seq_max: int = 16  # concurrent sessions, one seq id each
+    n_seq_max: int = 8  # concurrent sessions, one seq id each
     n_threads: int | None = None  # default: all cores
+    # One KV stream shared by all sequences instead of one each.  Same memory
+    # (n_ctx_seq * n_seq_max cells); gives up batch invariance (see module doc).
+    kv_unified: bool = False
 
 
 class _BatchBuffers:
@@ -161,23 +170,28 @@ class LlamaEngine:
         self.model = model
         self.config = config
         params = llama.llama_context_default_params()
-        params.n_ctx = config.n_ctx
+        params.n_ctx = config.n_ctx_seq * config.n_seq_max
         params.n_batch = config.n_batch
         params.n_ubatch = min(config.n_ubatch, config.n_batch)
         params.n_seq_max = config.n_seq_max
-        params.kv_unified = True
+        params.kv_unified = config.kv_unified
         threads = config.n_threads or os.cpu_count() or 1
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
         params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        self._ctx = llama.llama_init_from_model(model.handle, params)
+        self._compute = ComputeThread("uma-llama")
+        self._ctx = self._compute.call(llama.llama_init_from_model, model.handle, params)
         if not self._ctx:
+            self._compute.close()
             raise ModelLoadError(
-                f"llama.cpp could not create a context (n_ctx={config.n_ctx}, n_seq_max={config.n_seq_max})"
+                "llama.cpp could not create a context "
+                f"(n_ctx_seq={config.n_ctx_seq}, n_seq_max={config.n_seq_max})"
             )
         self._memory = llama.llama_get_memory(self._ctx)
         self._n_ctx = int(llama.llama_n_ctx(self._ctx))
+        # llama.cpp pads a stream to 256 cells; the request limit stays what was asked.
+        self._n_ctx_seq = min(config.n_ctx_seq, int(llama.llama_n_ctx_seq(self._ctx)))
         self._n_seq_max = int(llama.llama_n_seq_max(self._ctx))
         self._buffers = _BatchBuffers(config.n_batch)
         self._logits_shape = (model.n_vocab,)
@@ -187,6 +201,10 @@ class LlamaEngine:
     @property
     def n_ctx(self) -> int:
         return self._n_ctx
+
+    @property
+    def n_ctx_seq(self) -> int:
+        return self._n_ctx_seq
 
     @property
     def n_seq_max(self) -> int:
@@ -208,7 +226,11 @@ class LlamaEngine:
 
     async def step(self, entries: Sequence[BatchEntry]) -> StepResult:
         # Not abandoned on cancel: the context must never be touched by two threads.
-        return await trio.to_thread.run_sync(self.step_sync, entries)
+        return await self._compute.run(self._step, entries)
+
+    def step_sync(self, entries: Sequence[BatchEntry]) -> StepResult:
+        """:meth:`step` for callers outside trio (tests, benchmarks); blocks."""
+        return self._compute.call(self._step, entries)
 
     def free_seq(self, seq_id: int) -> None:
         llama.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
@@ -221,8 +243,8 @@ class LlamaEngine:
 
     # -- the blocking part -----------------------------------------------------
 
-    def step_sync(self, entries: Sequence[BatchEntry]) -> StepResult:
-        """Fill the batch, run ``llama_decode``, sample.  Runs in a worker thread."""
+    def _step(self, entries: Sequence[BatchEntry]) -> StepResult:
+        """Fill the batch, run ``llama_decode``, sample.  Runs on the compute thread."""
         buf = self._buffers
         n = 0
         outputs: list[tuple[int, BatchEntry]] = []
@@ -255,5 +277,6 @@ class LlamaEngine:
 
     def close(self) -> None:
         if self._ctx:
-            llama.llama_free(self._ctx)
+            self._compute.call(llama.llama_free, self._ctx)
             self._ctx = None
+            self._compute.close()

@@ -75,11 +75,12 @@ class DecodeLoop:
         """Queue an accepted request, or raise :class:`UmaError` if the daemon is full."""
         if not self._accepting:
             raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=session.id)
-        if session.reserved_cells > self.engine.n_ctx:
+        if session.reserved_cells > self.engine.n_ctx_seq:
             raise UmaError(
                 ErrorCode.CONTEXT_OVERFLOW,
                 f"prompt ({len(session.prompt)} tokens) + max_tokens "
-                f"({session.request.max_tokens}) exceeds the context of {self.engine.n_ctx} tokens",
+                f"({session.request.max_tokens}) exceeds the per-request context of "
+                f"{self.engine.n_ctx_seq} tokens",
                 request_id=session.id,
             )
         if len(self._waiting) >= self.config.max_queue and not self._can_admit_now(session):
@@ -305,6 +306,7 @@ class DecodeLoop:
             },
             "kv": {
                 "cells_total": self.engine.n_ctx,
+                "cells_per_seq": self.engine.n_ctx_seq,
                 "cells_used": self.kv_cells_used,
                 "cells_reserved": self._reserved_cells,
                 "seqs_total": self.engine.n_seq_max,

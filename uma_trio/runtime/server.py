@@ -49,8 +49,8 @@ class Server:
         listener, inode = await bind_unix_listener(self.config.socket_path)
         self.metrics.started = trio.current_time()
         log.info(
-            "serving %s on %s (n_ctx=%d, max_sessions=%d)",
-            self.engine.model_name, self.config.socket_path, self.engine.n_ctx, self.engine.n_seq_max,
+            "serving %s on %s (n_ctx=%d per request, max_sessions=%d)",
+            self.engine.model_name, self.config.socket_path, self.engine.n_ctx_seq, self.engine.n_seq_max,
         )  # fmt: skip
         try:
             async with trio.open_nursery() as nursery:

@@ -1,0 +1,55 @@
+"""One long-lived thread for every ``llama_decode`` of a context.
+
+llama.cpp's CPU backend runs each graph on an OpenMP team that belongs to the
+*calling* thread, and an idle team lingers for as long as that thread lives.
+``trio.to_thread`` hands calls to whichever cached worker is free, so a daemon
+could end up with several teams; on a 2-core machine the stale ones cost a
+third of the decode speed (docs/BENCHMARKS.md).  Pinning every call to one
+thread keeps exactly one team, and closing the thread frees it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+import outcome
+import trio
+
+T = TypeVar("T")
+
+
+class ComputeThread:
+    """Runs blocking calls, one at a time and in order, on a single thread."""
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    def call(self, fn: Callable[..., T], *args: object) -> T:
+        """Run ``fn(*args)`` on the compute thread and block until it returns."""
+        return self._executor.submit(fn, *args).result()
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """Run ``fn(*args)`` on the compute thread without blocking trio.
+
+        Not cancellable once submitted: the call always runs to its end and its
+        result is returned; a cancellation waits for the caller's next checkpoint
+        (like ``to_thread.run_sync`` without ``abandon_on_cancel``).  So sampled
+        tokens are never lost and the caller never races its own next call.
+        """
+        future = self._executor.submit(fn, *args)
+        token = trio.lowlevel.current_trio_token()
+        task = trio.lowlevel.current_task()
+
+        def wake(done: Future[T]) -> None:
+            token.run_sync_soon(trio.lowlevel.reschedule, task, outcome.capture(done.result))
+
+        future.add_done_callback(wake)
+        # Returns the captured outcome unwrapped: the value, or the call's exception raised here.
+        result: T = await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        return result
+
+    def close(self) -> None:
+        """Finish queued calls and end the thread (and with it its OpenMP team)."""
+        self._executor.shutdown(wait=True)
