@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from uma_trio.config import ServerConfig
-from uma_trio.daemon import engine_for
+from uma_trio.daemon import engine_for, policy_for
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.model_files import ensure_default_model
 from uma_trio.runtime.server import Server
@@ -43,7 +43,9 @@ def socket_path() -> Iterator[Path]:
 
 @pytest.fixture
 def server_config(socket_path: Path) -> ServerConfig:
-    return ServerConfig(socket_path=socket_path, n_ctx=2048, max_sessions=8, metrics_interval_s=3600)
+    return ServerConfig(
+        socket_path=socket_path, n_ctx=2048, max_sessions=8, metrics_interval_s=3600, bmt_budget_gbps=20.0
+    )
 
 
 @pytest.fixture
@@ -59,7 +61,7 @@ async def running_server(model: LlamaModel, config: ServerConfig, **overrides: A
     engine = engine_for(model, config)
     try:
         async with trio.open_nursery() as nursery:
-            server: Server = await nursery.start(Server(engine, config).serve)
+            server: Server = await nursery.start(Server(engine, config, policy_for(engine, config)).serve)
             yield server
             server.request_shutdown(force=True)
     finally:

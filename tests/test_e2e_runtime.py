@@ -297,3 +297,41 @@ async def test_metrics_request_answers_while_decoding(server: Server) -> None:
     assert snapshot["sessions"]["active"] == 1
     assert snapshot["kv"]["cells_used"] > 0
     assert snapshot["model"].endswith(".gguf")
+
+
+async def test_priority_message_moves_a_running_request_to_another_lane(server: Server) -> None:
+    client = await RawClient.connect(server.config.socket_path)
+    request = {
+        "id": "job",
+        "messages": chat("Write a long story."),
+        "max_tokens": 60,
+        "priority": "background",
+    }
+    await client.send(request)
+    with trio.fail_after(60):
+        first = await client.next_event()
+        assert first is not None and first["event"] == "token"
+        session = next(s for s in server.loop._active.values() if s.id == "job")
+        assert session.lane == "background"
+        await client.send({"type": "priority", "id": "job", "priority": "interactive"})
+        events = await client.until_end("job")
+    assert events[-1]["event"] == "eos" and session.lane == "interactive"
+    snapshot = server.metrics_snapshot()
+    assert snapshot["lane_changes"] == 1
+    # An unknown id is an error with a code, and the connection keeps working.
+    await client.send({"type": "priority", "id": "nobody", "priority": "background"})
+    with trio.fail_after(10):
+        error = await client.next_event()
+    assert error is not None and error["code"] == "E_PROTO_007"
+    await client.aclose()
+
+
+async def test_metrics_snapshot_reports_the_policy(server: Server) -> None:
+    async with UmaClient.connect(server.config.socket_path) as client:
+        await client.complete(messages=QUESTION, max_tokens=8, temperature=0.0)
+        snapshot = await client.metrics()
+    scheduler = snapshot["scheduler"]
+    for key in ("decode_ms_last", "decode_ms_ewma", "tokens_per_tick", "served_decoders", "parked_sessions",
+                "prefill_guard_active", "ticks_over_budget", "bmt_estimate_last", "bmt_budget"):  # fmt: skip
+        assert key in scheduler, key
+    assert scheduler["decode_ms_ewma"] > 0 and scheduler["bmt_budget"] > 0

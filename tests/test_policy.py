@@ -1,47 +1,209 @@
+"""The scheduling policy's stages, on hand-built states (pure: no trio, no model)."""
+
 from __future__ import annotations
 
-from uma_trio.sched.policy import BudgetController, SessionView, plan_tick
+import pytest
+
+from uma_trio.sched.autotune import HillClimber
+from uma_trio.sched.bmt import MemoryProfile
+from uma_trio.sched.cost import CostCoefficients, TickCostModel
+from uma_trio.sched.policy import (
+    BmtGuard,
+    Controls,
+    Policy,
+    PolicyConfig,
+    plan_tick,
+    tick_budget,
+    water_fill,
+)
+from uma_trio.sched.state import Plan, SchedulerState, SessionState
+
+# Round numbers: 4 ms per tick plus 3 ms per token, no context cost.
+COST = CostCoefficients(fixed_s=0.004, decode_s=0.003, prefill_s=0.003, ctx_s_per_kcell=0.0)
+CONFIG = PolicyConfig()
 
 
-def test_decode_first_then_prefill_with_the_rest() -> None:
-    sessions = [SessionView(0, 0), SessionView(1, 0), SessionView(2, 100)]
-    plan = plan_tick(sessions, token_budget=20, max_batch=512)
-    assert plan.decode == (0, 1)
-    assert plan.prefill == ((2, 18),)
-    assert plan.n_tokens == 20
+def interactive(key: int, prompt: int = 0, **kw: object) -> SessionState:
+    return SessionState(key=key, lane="interactive", prompt_remaining=prompt, **kw)  # type: ignore[arg-type]
 
 
-def test_short_prompt_is_not_stuck_behind_a_long_one() -> None:
-    plan = plan_tick([SessionView(0, 2000), SessionView(1, 5)], token_budget=32, max_batch=512)
-    assert dict(plan.prefill) == {1: 5, 0: 27}
+def background(key: int, prompt: int = 0, **kw: object) -> SessionState:
+    return SessionState(key=key, lane="background", prompt_remaining=prompt, **kw)  # type: ignore[arg-type]
 
 
-def test_prefill_gets_a_minimum_chunk_when_decoders_use_the_budget() -> None:
-    sessions = [SessionView(i, 0) for i in range(16)] + [SessionView(99, 500)]
-    plan = plan_tick(sessions, token_budget=16, max_batch=512, min_prefill_chunk=8)
-    assert len(plan.decode) == 16 and dict(plan.prefill) == {99: 8}
+def plan(*sessions: SessionState, tick: int = 100, controls: Controls | None = None, **cfg: object) -> Plan:
+    config = PolicyConfig(**cfg) if cfg else CONFIG  # type: ignore[arg-type]
+    return plan_tick(SchedulerState(tuple(sessions), tick=tick), config, COST, controls or Controls())
 
 
-def test_more_decoders_than_budget_rotate_fairly() -> None:
-    sessions = [SessionView(i, 0) for i in range(6)]
-    served = [plan_tick(sessions, token_budget=4, max_batch=4, tick=t).decode for t in range(6)]
-    counts = {i: sum(i in d for d in served) for i in range(6)}
-    assert set(counts.values()) == {4}
+# -- stage 1: budget -------------------------------------------------------------
+
+
+def test_budget_is_latency_cap_times_interactive_decode_baseline() -> None:
+    budget, baseline = tick_budget([interactive(1), interactive(2), background(3)], CONFIG, COST)
+    assert baseline == pytest.approx(0.004 + 2 * 0.003)
+    assert budget == pytest.approx(1.2 * baseline)
+
+
+def test_budget_has_a_floor_and_a_throughput_mode() -> None:
+    tiny = CostCoefficients(fixed_s=0.0005, decode_s=0.0005, prefill_s=0.001, ctx_s_per_kcell=0.0)
+    assert tick_budget([interactive(1)], CONFIG, tiny)[0] == CONFIG.tick_min_s
+    assert tick_budget([background(1)], CONFIG, COST)[0] == CONFIG.tick_background_s
+    # A parked interactive stream does not set the pace.
+    assert tick_budget([interactive(1, parked=True)], CONFIG, COST)[0] == CONFIG.tick_background_s
+
+
+def test_decode_baseline_grows_with_context() -> None:
+    deep = CostCoefficients(fixed_s=0.004, decode_s=0.003, prefill_s=0.003, ctx_s_per_kcell=0.001)
+    shallow = tick_budget([interactive(1, n_past=100)], CONFIG, deep)[1]
+    assert tick_budget([interactive(1, n_past=4000)], CONFIG, deep)[1] > shallow
+
+
+# -- stages 2-5 --------------------------------------------------------------------
+
+
+def test_every_interactive_decoder_gets_its_token_every_tick() -> None:
+    sessions = [interactive(k) for k in range(6)] + [background(10 + k) for k in range(4)]
+    result = plan(*sessions)
+    assert set(range(6)) <= set(result.decode)
+
+
+def test_background_only_gets_the_headroom() -> None:
+    # 3 interactive: baseline 13 ms, budget 15.6 ms: 2.6 ms left, less than a token.
+    result = plan(interactive(1), interactive(2), interactive(3), background(4), background(5, prompt=500))
+    assert result.decode == (1, 2, 3) and result.prefill == ()
+    assert dict(result.skipped) == {4: "budget", 5: "budget"}
+    assert result.predicted_s <= result.budget_s
+
+
+def test_background_runs_at_full_batch_without_interactive_work() -> None:
+    result = plan(*[background(k) for k in range(8)], background(9, prompt=500))
+    assert len(result.decode) == 8
+    assert result.prefill and result.predicted_s <= CONFIG.tick_background_s
+    assert result.predicted_s > 0.8 * CONFIG.tick_background_s  # the budget is used, not wasted
+
+
+def test_new_interactive_prompt_joins_on_the_next_tick_ahead_of_background() -> None:
+    result = plan(background(1, prompt=2000), interactive(2, prompt=30), background(3))
+    prefill = dict(result.prefill)
+    assert prefill[2] > 0
+    assert next(iter(dict(result.prefill))) == 2  # interactive chunk first
+    assert prefill.get(1, 0) < 2000
+
+
+def test_water_fill_is_max_min_fair_shortest_first() -> None:
+    chunks = water_fill([background(1, prompt=100), background(2, prompt=3), background(3, prompt=50)], 60)
+    assert [(s.key, n) for s, n in chunks] == [(2, 3), (3, 28), (1, 29)]
+
+
+def test_background_decoders_rotate_longest_waiting_first() -> None:
+    # Budget for one background decoder only: the one that waited longest wins.
+    sessions = [interactive(1)] + [background(10 + k, ticks_waiting=w) for k, w in enumerate([1, 5, 3])]
+    result = plan(*sessions, latency_cap=1.5)
+    assert result.decode == (1, 11)
 
 
 def test_parked_sessions_sit_out() -> None:
-    plan = plan_tick([SessionView(0, 0, parked=True), SessionView(1, 0)], token_budget=8, max_batch=8)
-    assert plan.decode == (1,) and plan.skipped == ((0, "parked"),)
-    assert not plan_tick([SessionView(0, 0, parked=True)], token_budget=8, max_batch=8)
+    result = plan(interactive(1, parked=True), interactive(2))
+    assert result.decode == (2,) and dict(result.skipped) == {1: "parked"}
 
 
-def test_budget_adapts_toward_the_tick_target() -> None:
-    controller = BudgetController(target_s=0.050, floor=4, ceiling=512)
-    for _ in range(30):
-        n = controller.budget
-        controller.observe(n, n * 0.002)  # 2 ms per token
-    assert 23 <= controller.budget <= 27
-    for _ in range(30):
-        n = controller.budget
-        controller.observe(n, n * 0.010)  # the machine got slower
-    assert 4 <= controller.budget <= 6
+def test_hysteresis_hold_keeps_background_prefill_off() -> None:
+    held = plan(background(1, prompt=300), controls=Controls(hold_left=3))
+    assert held.prefill == () and dict(held.skipped) == {1: "hold"}
+    ramping = plan(background(1, prompt=300), controls=Controls(ramp=0.5))
+    full = plan(background(1, prompt=300))
+    assert 0 < dict(ramping.prefill)[1] < dict(full.prefill)[1]
+
+
+# -- stage 6: rescue --------------------------------------------------------------
+
+
+def test_starving_session_is_rescued_within_the_pause_limit() -> None:
+    streams = [interactive(k) for k in range(3)]
+    starving = background(9, prompt=2000, ticks_waiting=CONFIG.starve_ticks)
+    result = plan(*streams, starving, tick=1000, controls=Controls(last_rescue_tick=0))
+    assert result.rescue and dict(result.prefill)[9] >= 1
+    _, baseline = tick_budget(streams, CONFIG, COST)
+    assert result.predicted_s <= CONFIG.max_pause * baseline
+
+
+def test_rescue_ticks_are_spaced() -> None:
+    starving = background(9, prompt=2000, ticks_waiting=100)
+    recent = Controls(last_rescue_tick=95)
+    result = plan(interactive(1), interactive(2), interactive(3), starving, tick=100, controls=recent)
+    assert not result.rescue and result.prefill == ()
+
+
+# -- the stateful policy -------------------------------------------------------------
+
+
+def test_overrun_holds_prefill_then_ramps_back() -> None:
+    policy = Policy(CONFIG, TickCostModel(COST))
+    state = SchedulerState((background(1, prompt=5000),), tick=0)
+    first = policy.plan(state)
+    policy.observe(first, state, seconds=first.budget_s * 3)  # a tick ran far over
+    assert policy.controls.hold_left == CONFIG.hold_ticks and policy.prefill_guard_active
+    assert policy.snapshot()["ticks_over_budget"] == 1
+    for _ in range(CONFIG.hold_ticks + CONFIG.ramp_ticks):
+        p = policy.plan(state)
+        policy.observe(p, state, seconds=p.predicted_s)
+    assert not policy.prefill_guard_active
+
+
+def test_cost_model_learns_per_token_kind() -> None:
+    model = TickCostModel(COST, alpha=0.5)
+    for _ in range(20):
+        model.observe(4, 0, 0, 0.004 + 4 * 0.006)  # decode is really 6 ms a token
+    assert model.coefficients.decode_s == pytest.approx(0.006, rel=0.01)
+    assert model.coefficients.prefill_s == COST.prefill_s
+    for _ in range(20):
+        model.observe(0, 10, 0, 0.004 + 10 * 0.002)
+    assert model.coefficients.prefill_s == pytest.approx(0.002, rel=0.01)
+
+
+def test_bmt_guard_trims_prefill_before_background_decoders() -> None:
+    # Weights 1000 B per micro-batch, 10 B per KV cell read.
+    profile = MemoryProfile(weight_bytes=1000, kv_bytes_per_cell=10, n_ubatch=32)
+    state = SchedulerState((interactive(1, n_past=100), background(2, n_past=100), background(3, prompt=200)))
+    base = Plan(decode=(1, 2), prefill=((3, 40),), budget_s=0.05)
+
+    def guard(budget_bytes: int) -> BmtGuard:
+        return BmtGuard(profile, bandwidth_gbps=budget_bytes / 1e9 / 0.05)
+
+    untouched = guard(10**6).apply(base, state)
+    assert (untouched.decode, untouched.prefill) == (base.decode, base.prefill) and untouched.bmt_bytes > 0
+    # 3000 B: one micro-batch of both decoders (1000 + 2×100×10) fits, the prompt does not.
+    no_prefill = guard(3000).apply(base, state)
+    assert no_prefill.decode == (1, 2) and no_prefill.prefill == () and dict(no_prefill.skipped)[3] == "bmt"
+    # 2500 B: the background decoder goes too; the interactive one never does.
+    only_interactive = guard(2500).apply(base, state)
+    assert only_interactive.decode == (1,) and dict(only_interactive.skipped)[2] == "bmt"
+    assert guard(1).apply(base, state).decode == (1,)
+
+
+def test_policy_reports_the_bmt_estimate() -> None:
+    profile = MemoryProfile(weight_bytes=1000, kv_bytes_per_cell=10, n_ubatch=32)
+    policy = Policy(CONFIG, TickCostModel(COST), BmtGuard(profile, bandwidth_gbps=1.0))
+    state = SchedulerState((interactive(1, n_past=100),))
+    result = policy.plan(state)
+    policy.observe(result, state, result.predicted_s)
+    snap = policy.snapshot()
+    assert snap["bmt_estimate_last"] == 2000 and snap["bmt_budget"] == int(1e9 * result.budget_s)
+
+
+def test_hill_climber_finds_the_best_batch_and_stays() -> None:
+    def rate(k: int) -> float:  # throughput peaks at 5 decoders
+        return 100.0 - 10.0 * (k - 5) ** 2
+
+    tuner = HillClimber(period=1)
+    for _ in range(200):
+        k = tuner.limit or 8
+        tuner.observe(int(rate(k) * 10), 10.0, candidates=8)
+    visits = []
+    for _ in range(100):
+        k = tuner.limit or 8
+        visits.append(k)
+        tuner.observe(int(rate(k) * 10), 10.0, candidates=8)
+    assert max(set(visits), key=visits.count) == 5
+    assert visits.count(5) > 70  # probes away from the optimum are rare

@@ -1,4 +1,4 @@
-"""``uma-trio``: serve, generate, metrics, fetch-model.
+"""``uma-trio``: serve, generate, metrics, fetch-model, calibrate.
 
 Every ``serve`` flag also reads an environment variable: ``--n-ctx`` ⇄
 ``UMA_N_CTX`` and so on (``--socket`` also honours the seeds' ``UMA_SOCK``).
@@ -44,6 +44,13 @@ def _setup_logging(level: str) -> None:
 _DEFAULTS = ServerConfig()
 
 
+def _calibrated_cost_model() -> Path | None:
+    from .sched.calibrate import default_cost_model_path
+
+    path = default_cost_model_path()
+    return path if path.is_file() else None
+
+
 @app.command
 def serve(
     *,
@@ -64,6 +71,11 @@ def serve(
     idle_timeout: float = _DEFAULTS.idle_timeout_s,
     shutdown_grace: float = _DEFAULTS.shutdown_grace_s,
     tick_ms: float = _DEFAULTS.tick_ms,
+    latency_cap: float = _DEFAULTS.latency_cap,
+    tick_ms_min: float = _DEFAULTS.tick_ms_min,
+    interactive_reserve: int = _DEFAULTS.interactive_reserve,
+    bmt_budget_gbps: float | None = None,
+    cost_model: Path | None = None,
     metrics_interval: float = _DEFAULTS.metrics_interval_s,
     log_level: LogLevel = "info",
 ) -> int:
@@ -108,7 +120,20 @@ def serve(
     shutdown_grace
         Seconds running requests get to finish after SIGINT/SIGTERM.
     tick_ms
-        Tick-time target (ms) the per-tick token budget adapts toward.
+        Tick budget (ms) when no interactive stream is decoding (throughput mode).
+    latency_cap
+        Tick budget as a multiple of the predicted decode-only tick of the interactive
+        streams; background work only fills the headroom above it.
+    tick_ms_min
+        Floor of the tick budget (ms).
+    interactive_reserve
+        Sessions background requests never take, so interactive ones always find one.
+    bmt_budget_gbps
+        Memory bandwidth (GB/s) for the bytes-moved-per-tick guard; default: probed at
+        start-up; 0 turns the guard off.
+    cost_model
+        Tick-cost coefficients written by `uma-trio calibrate`; default: that command's
+        default output if it exists, else built-in coefficients for a 2-core CPU.
     metrics_interval
         Seconds between metrics log lines.
     log_level
@@ -124,6 +149,8 @@ def serve(
             max_in_flight=max_in_flight, max_frame_bytes=max_frame_bytes,
             max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
             idle_timeout_s=idle_timeout, shutdown_grace_s=shutdown_grace, tick_ms=tick_ms,
+            latency_cap=latency_cap, tick_ms_min=tick_ms_min, interactive_reserve=interactive_reserve,
+            bmt_budget_gbps=bmt_budget_gbps, cost_model=cost_model or _calibrated_cost_model(),
             metrics_interval_s=metrics_interval,
         )  # fmt: skip
         model_path = check_model_path(model) if model is not None else ensure_default_model()
@@ -248,6 +275,77 @@ def fetch_model(*, force: bool = False) -> int:
     except ModelFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_SERVER_ERROR
+    return 0
+
+
+@app.command
+def calibrate(
+    *,
+    model: Path | None = None,
+    out: Path | None = None,
+    repeats: int = 5,
+    threads: int | None = None,
+) -> int:
+    """Measure this machine's tick costs on the real engine and write them as JSON.
+
+    Times decode-only and mixed decode+prefill batches (about a minute), fits
+    the scheduler's tick-cost model to them and prints the coefficients with
+    the fit's R² and mean relative error.
+
+    Parameters
+    ----------
+    model
+        GGUF file to measure. Default: the embedded SmolLM2-135M-Instruct Q4_1.
+    out
+        Where to write the cost model. Default: cost-model.json in the user cache
+        directory (next to the fetched models; honours UMA_CACHE_DIR).
+    repeats
+        Timed runs of every batch configuration.
+    threads
+        llama.cpp threads (default: all cores), as the daemon will run them.
+    """
+    from .sched.calibrate import calibrate as run_calibration  # numpy, llama_cpp: keep others light
+    from .sched.calibrate import default_cost_model_path
+
+    if repeats < 1 or (threads is not None and threads < 1):
+        print("error: --repeats and --threads must be positive", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    try:
+        model_path = check_model_path(model) if model is not None else ensure_default_model()
+    except ModelFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+
+    from .engine.llama import ModelLoadError
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        result = run_calibration(model_path, repeats=repeats, threads=threads, progress=progress)
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    c, q = result.coefficients, result.quality
+    if result.slow_ticks:
+        print(
+            f"warning: {result.slow_ticks} of {len(result.samples)} ticks took over twice their "
+            "configuration's median (a busy machine?); the fit uses medians",
+            file=sys.stderr,
+        )
+    print(f"fixed_s          {c.fixed_s:.6f}  s per tick")
+    print(f"decode_s         {c.decode_s:.6f}  s per decode token")
+    print(f"prefill_s        {c.prefill_s:.6f}  s per prompt token")
+    print(f"ctx_s_per_kcell  {c.ctx_s_per_kcell:.6f}  s per 1,000 KV cells read")
+    print(f"R²               {q.r2:.4f}  ({q.n_samples} configurations, medians)")
+    print(f"mean |rel. err|  {100.0 * q.mean_abs_rel_error:.1f} %")
+    target = out if out is not None else default_cost_model_path()
+    try:
+        c.save(target)
+    except OSError as exc:
+        print(f"error: cannot write {target}: {exc}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    print(f"wrote {target}")
     return 0
 
 

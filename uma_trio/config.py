@@ -17,8 +17,13 @@ class ServerConfig:
     n_batch: int = 512  # hard cap on tokens per tick
     n_ubatch: int = 32  # llama.cpp micro-batch; < 64 keeps results batch-invariant
     threads: int | None = None  # llama.cpp threads; default all cores
-    # Scheduling
-    tick_ms: float = 50.0  # tick-time target the token budget adapts toward
+    # Scheduling (docs/SCHEDULER.md)
+    tick_ms: float = 50.0  # tick budget when no interactive stream decodes (throughput mode)
+    latency_cap: float = 1.2  # tick budget = latency_cap × predicted interactive decode tick
+    tick_ms_min: float = 5.0  # floor of the tick budget
+    interactive_reserve: int = 1  # seq ids background requests never take (they keep at least one)
+    bmt_budget_gbps: float | None = None  # ΣBMT guard bandwidth; None: probed at start-up; 0: off
+    cost_model: Path | None = None  # `uma-trio calibrate` output; None: built-in coefficients
     # Limits that protect the daemon
     max_sessions: int = 8  # requests decoding at once (one KV seq id and stream each)
     max_queue: int = 64  # accepted requests waiting for a session slot
@@ -48,5 +53,13 @@ class ServerConfig:
             raise ValueError("stream_buffer must be at least 2")
         if self.max_queue < 0 or self.shutdown_grace_s < 0:
             raise ValueError("max_queue and shutdown_grace_s must not be negative")
+        if self.latency_cap < 1.0:
+            raise ValueError("latency_cap must be at least 1.0")
+        if self.tick_ms_min <= 0 or self.tick_ms_min > self.tick_ms:
+            raise ValueError("tick_ms_min must be positive and at most tick_ms")
+        if self.bmt_budget_gbps is not None and self.bmt_budget_gbps < 0:
+            raise ValueError("bmt_budget_gbps must not be negative")
+        if self.interactive_reserve < 0:
+            raise ValueError("interactive_reserve must not be negative")
         if self.threads is not None and self.threads <= 0:
             raise ValueError("threads must be positive")

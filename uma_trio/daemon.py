@@ -7,8 +7,10 @@ from pathlib import Path
 
 from .config import ServerConfig
 from .engine.llama import ContextConfig, LlamaEngine, LlamaModel, ModelLoadError
+from .engine.memory_profile import memory_profile, probe_bandwidth_gbps
 from .runtime.server import Server
 from .runtime.unix_socket import SocketInUseError
+from .sched.policy import BmtGuard, Policy, default_policy
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +39,23 @@ def load_engine(model_path: Path, config: ServerConfig) -> LlamaEngine:
         raise DaemonStartError(str(exc)) from None
 
 
+def policy_for(engine: LlamaEngine, config: ServerConfig) -> Policy:
+    """The scheduling policy with the ΣBMT guard sized for this model and machine."""
+    gbps = config.bmt_budget_gbps
+    if gbps is None:
+        gbps = probe_bandwidth_gbps()
+        log.info("memory bandwidth probe: %.1f GB/s (set --bmt-budget-gbps to skip it)", gbps)
+    guard = None
+    if gbps > 0:
+        guard = BmtGuard(memory_profile(engine.model, engine.config.n_ubatch), gbps)
+    return default_policy(config, guard)
+
+
 async def run_daemon(model_path: Path, config: ServerConfig) -> None:
     log.info("loading %s", model_path)
     engine = load_engine(model_path, config)
     try:
-        await Server(engine, config).serve(handle_signals=True)
+        await Server(engine, config, policy_for(engine, config)).serve(handle_signals=True)
     except SocketInUseError as exc:
         raise DaemonStartError(str(exc)) from None
     finally:

@@ -218,6 +218,10 @@ class LlamaEngine:
     def model_name(self) -> str:
         return self.model.path.name
 
+    @property
+    def tokenizer_blocks(self) -> bool:
+        return True
+
     def tokenize(self, text: str) -> TokenArray:
         return self.model.tokenize(text)
 

@@ -66,12 +66,21 @@ class MetricsRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     id: RequestId | None = None
 
 
-ClientMessage = GenerateRequest | CancelRequest | MetricsRequest
+class PriorityRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Move the in-flight request ``id`` of this connection to another lane."""
+
+    type: Literal["priority"]
+    id: RequestId
+    priority: Lane
+
+
+ClientMessage = GenerateRequest | CancelRequest | MetricsRequest | PriorityRequest
 
 MESSAGE_TYPES: dict[str, type[ClientMessage]] = {
     "generate": GenerateRequest,
     "cancel": CancelRequest,
     "metrics": MetricsRequest,
+    "priority": PriorityRequest,
 }
 
 

@@ -27,6 +27,7 @@ from ..protocol.messages import (
     GenerateRequest,
     MetricsEvent,
     MetricsRequest,
+    PriorityRequest,
     ServerEvent,
     TokenEvent,
 )
@@ -100,15 +101,20 @@ class Connection:
             case GenerateRequest():
                 await self._start_request(message)
             case CancelRequest(id=request_id):
-                session = self.requests.get(request_id)
-                if session is None:
-                    raise UmaError(
-                        ErrorCode.UNKNOWN_ID, f"no request {request_id!r} in flight on this connection",
-                        request_id=request_id,
-                    )  # fmt: skip
-                self.loop.cancel(session, "client")
+                self.loop.cancel(self._in_flight(request_id), "client")
+            case PriorityRequest(id=request_id, priority=lane):
+                self.loop.set_lane(self._in_flight(request_id), lane)
             case MetricsRequest(id=request_id):
                 await self._send(MetricsEvent(metrics=self.server.metrics_snapshot(), id=request_id))
+
+    def _in_flight(self, request_id: str) -> Session:
+        session = self.requests.get(request_id)
+        if session is None:
+            raise UmaError(
+                ErrorCode.UNKNOWN_ID, f"no request {request_id!r} in flight on this connection",
+                request_id=request_id,
+            )  # fmt: skip
+        return session
 
     async def _start_request(self, request: GenerateRequest) -> None:
         rid = request.id

@@ -8,8 +8,11 @@ them; both only record the wish and wake the loop.  The loop then repeats:
 1. apply cancellations (between steps, never during one: vLLM's rule);
 2. admit waiting sessions while a seq id and enough KV cells are free (each
    admitted session reserves ``prompt + max_tokens`` cells, so a running
-   batch can never run out of KV cache);
-3. ask the pure policy for a :class:`~uma_trio.sched.policy.Plan`;
+   batch can never run out of KV cache).  Interactive requests are admitted
+   first, and background ones never take the last ``interactive_reserve``
+   seq ids, so a new interactive request joins on the next tick;
+3. ask the pure policy (:mod:`uma_trio.sched.policy`) for a plan, from a
+   :class:`~uma_trio.sched.state.SchedulerState` snapshot;
 4. run it as one batch in a worker thread (``engine.step``), so sockets keep
    flowing meanwhile;
 5. turn sampled tokens into text and ``send_nowait`` them into each
@@ -34,7 +37,8 @@ from ..config import ServerConfig
 from ..engine.base import BatchEntry, Engine, EngineError, Sampled
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEvent
-from ..sched.policy import BudgetController, Plan, SessionView, plan_tick
+from ..sched.policy import Policy, default_policy
+from ..sched.state import Lane, Plan, SchedulerState, SessionState
 from .metrics import Metrics
 from .session import Phase, Session
 
@@ -48,6 +52,7 @@ class DecodeLoop:
         config: ServerConfig,
         metrics: Metrics,
         clock: Callable[[], float] = trio.current_time,
+        policy: Policy | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -63,9 +68,11 @@ class DecodeLoop:
         self._idle.set()
         self._accepting = True
         self._tick = 0
-        self.budget = BudgetController(
-            target_s=config.tick_ms / 1000.0, ceiling=min(config.n_batch, engine.n_batch)
-        )
+        self.policy = policy or default_policy(config)
+        self.max_batch = min(config.n_batch, engine.n_batch)
+        # Background sessions never hold the last seq ids: interactive work always finds one.
+        self._background_seq_cap = max(1, engine.n_seq_max - config.interactive_reserve)
+        self._state = SchedulerState(())
         self.kv_cells_used = 0
         self.tokens_last_tick = 0
 
@@ -101,6 +108,13 @@ class DecodeLoop:
         session.abort = reason
         self._aborted.append(session)
         self.wake()
+
+    def set_lane(self, session: Session, lane: Lane) -> None:
+        """Promote or demote a request; it takes effect from the next tick."""
+        if session.lane != lane and not session.finished:
+            session.lane = lane
+            self.metrics.lane_changes += 1
+            self.wake()
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -141,18 +155,20 @@ class DecodeLoop:
         except EngineError as exc:
             self._fail_batch(plan, exc)
             return
-        self.budget.observe(result.n_tokens, result.decode_s)
+        self.policy.observe(plan, self._state, result.decode_s)
         self.metrics.ticks += 1
         self.metrics.batch_tokens += result.n_tokens
         self.metrics.decode_s_total += result.decode_s
         self.tokens_last_tick = result.n_tokens
         for seq_id, n in plan.prefill:
             session = self._active[seq_id]
+            session.last_served_tick = self._tick
             session.n_past += n
             if session.n_past == len(session.prompt):
                 session.phase = Phase.DECODE
         for seq_id in plan.decode:
             session = self._active[seq_id]
+            session.last_served_tick = self._tick
             session.n_past += 1
             session.pending_token = None
         now = self._clock()
@@ -174,28 +190,52 @@ class DecodeLoop:
             self._finish(session, "cancelled", cancel_reason=session.abort)
 
     def _can_admit_now(self, session: Session) -> bool:
-        return bool(self._free_seqs) and (self._reserved_cells + session.reserved_cells <= self.engine.n_ctx)
+        if not self._free_seqs or self._reserved_cells + session.reserved_cells > self.engine.n_ctx:
+            return False
+        if session.lane == "background":
+            background = sum(s.lane == "background" for s in self._active.values())
+            return background < self._background_seq_cap
+        return True
+
+    def _next_admittable(self) -> Session | None:
+        """The oldest interactive request that fits, else the oldest background one."""
+        for lane in ("interactive", "background"):
+            for session in self._waiting:
+                if session.lane == lane:
+                    if self._can_admit_now(session):
+                        return session
+                    break  # FIFO within a lane: nobody overtakes the head of its lane
+        return None
 
     def _admit(self) -> None:
-        while self._waiting and self._can_admit_now(self._waiting[0]):
-            session = self._waiting.popleft()
+        while (session := self._next_admittable()) is not None:
+            self._waiting.remove(session)
             session.seq_id = self._free_seqs.popleft()
             session.phase = Phase.PREFILL
             session.admitted = self._clock()
+            session.admitted_tick = self._tick
             self._reserved_cells += session.reserved_cells
             self._active[session.seq_id] = session
 
     def _plan(self) -> Plan:
+        now = self._clock()
         views = []
         for seq_id, session in self._active.items():
             session.parked = self._channel_full(session)
-            views.append(SessionView(seq_id, session.prompt_remaining, session.parked))
-        return plan_tick(
-            views,
-            token_budget=self.budget.budget,
-            max_batch=self.budget.ceiling,
-            tick=self._tick,
-        )
+            views.append(
+                SessionState(
+                    key=seq_id,
+                    lane=session.lane,
+                    prompt_remaining=session.prompt_remaining,
+                    n_past=session.n_past,
+                    age_s=now - (session.admitted or now),
+                    since_last_token_s=None if session.last_token is None else now - session.last_token,
+                    ticks_waiting=self._tick - max(session.last_served_tick, session.admitted_tick),
+                    parked=session.parked,
+                )
+            )
+        self._state = SchedulerState(tuple(views), tick=self._tick, max_batch=self.max_batch)
+        return self.policy.plan(self._state)
 
     def _channel_full(self, session: Session) -> bool:
         """Room for a token and its end-of-stream tail, or the session sits out."""
@@ -297,13 +337,7 @@ class DecodeLoop:
                 "decoding": sum(s.phase is Phase.DECODE for s in sessions),
                 "parked": sum(s.parked for s in sessions),
             },
-            "scheduler": {
-                "token_budget": self.budget.budget,
-                "tick_target_ms": self.budget.target_s * 1000.0,
-                "decode_ms_last": round(self.budget.last_s * 1000.0, 3),
-                "decode_ms_ewma": round(self.budget.ewma_s * 1000.0, 3),
-                "tokens_last_tick": self.tokens_last_tick,
-            },
+            "scheduler": self.policy.snapshot(),
             "kv": {
                 "cells_total": self.engine.n_ctx,
                 "cells_per_seq": self.engine.n_ctx_seq,

@@ -24,6 +24,7 @@ class Metrics:
     decode_s_total: float = 0.0
     connections_open: int = 0
     connections_total: int = 0
+    lane_changes: int = 0
 
     def snapshot(self, now: float) -> dict[str, Any]:
         return {
@@ -38,4 +39,5 @@ class Metrics:
             "avg_batch_tokens": round(self.batch_tokens / self.ticks, 3) if self.ticks else 0.0,
             "decode_s_total": round(self.decode_s_total, 6),
             "connections": {"open": self.connections_open, "total": self.connections_total},
+            "lane_changes": self.lane_changes,
         }

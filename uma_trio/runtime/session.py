@@ -16,6 +16,7 @@ from ..protocol.messages import (
     ErrorEvent,
     FinishReason,
     GenerateRequest,
+    Lane,
     Timings,
     TokenEvent,
     Usage,
@@ -51,6 +52,9 @@ class Session:
     pending_token: int | None = None  # sampled, to be fed next tick
     last_token_id: int = -1  # the latest sampled token (tags held-back text sent at the end)
     generated: int = 0
+    lane: Lane = "interactive"  # from the request's priority; a priority message moves it
+    last_served_tick: int = -1  # the last tick this session was in the batch
+    admitted_tick: int = 0
     parked: bool = False
     abort: CancelReason | None = None
     admitted: float | None = None
@@ -63,6 +67,7 @@ class Session:
 
     def __post_init__(self) -> None:
         self.text = TextStream(self.request.stop)
+        self.lane = self.request.priority
 
     @property
     def id(self) -> str:

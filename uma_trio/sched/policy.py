@@ -1,133 +1,393 @@
-"""Continuous-batching policy v1: one pure function from state to plan.
+"""The scheduling policy: a pure pipeline from a state snapshot to a plan.
 
 Theory of operation
 -------------------
-Every tick the decode task hands :func:`plan_tick` a snapshot of the sessions
-and a token budget, and gets back what goes into the one ``llama_batch``:
+Every tick the decode task hands :meth:`Policy.plan` a :class:`SchedulerState`
+and runs the :class:`Plan` it gets back as one ``llama_batch``; afterwards it
+reports the measured time to :meth:`Policy.observe`.  Nothing here reads a
+clock, does I/O or imports trio or llama_cpp, so every stage is tested alone
+with hand-built states and the whole policy runs unchanged in simulations.
 
-1. **Decode first.**  Every decoding session gets one token, so streams keep
-   moving.  If there are more decoders than budget, a rotating start (the
-   tick number) shares the shortfall fairly.
-2. **Prefill fills the rest.**  The remaining budget is water-filled over the
-   sessions still reading their prompt, shortest remaining prompt first: each
-   gets an equal share, and what a short prompt does not need flows on to the
-   longer ones.  A short request that arrives behind a long prompt therefore
-   gets its first token after a tick or two instead of waiting for the whole
-   long prompt, and a long prompt is never starved (it always gets its share,
-   and at least ``min_prefill_chunk`` tokens when the budget is exhausted).
-3. **The budget adapts** (:class:`BudgetController`) toward a tick-time target
-   from an EWMA of the measured time per token, so one long prompt never
-   freezes the decoding streams for much more than one tick.
+The stages, in order (each a function below):
 
-Parked sessions (a client not reading its stream) are skipped, not dropped.
-Nothing here reads a clock or does I/O; the scheduling-policy issue grows this
-into a pipeline of transformers with QoS lanes.
+1. **Tick budget** (:func:`tick_budget`).  The baseline is the predicted time
+   of a decode-only tick for the interactive sessions now decoding; the budget
+   is ``latency_cap × baseline`` (at least ``tick_min_s``).  With no
+   interactive decoder the budget is the throughput tick ``tick_background_s``.
+2. **Decode first.**  Every interactive decoder gets its token every tick.
+3. **Interactive prefill** water-fills what is left, shortest prompt first, so
+   a new interactive request joins on the very next tick (token-boundary
+   preemption: it never waits behind a background chunk, which only ever gets
+   headroom).
+4. **Background decoders** fill the headroom, longest-waiting first, at most
+   ``background_limit`` of them (the sweet-spot auto-tuner's setting).
+5. **Background prefill** fills what is still left, scaled by the hysteresis
+   ramp: after a tick overran its budget, prefill is held off for
+   ``hold_ticks`` ticks and then re-enabled over ``ramp_ticks`` ticks.
+6. **Rescue.**  On a machine where one token costs a large part of a tick the
+   headroom can stay below one token for as long as interactive streams run.
+   So a runnable session that has waited ``starve_ticks`` ticks is served
+   anyway, at most once every ``rescue_every`` ticks and only as far as the
+   tick stays within ``max_pause × baseline``.  This bounds both the worst
+   pause interactive streams see and how long background work can starve.
+7. **ΣBMT guard** (:mod:`.bmt`): if the estimated bytes moved exceed
+   bandwidth × budget, prefill is trimmed first, then background decoders.
+
+Parked sessions (clients not reading) sit out and are never dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..config import ServerConfig
+from .autotune import HillClimber
+from .bmt import MemoryProfile, trim_to_budget
+from .cost import CostCoefficients, TickCostModel
+from .state import Plan, SchedulerState, SessionState, SkipReason
 
 
-@dataclass(frozen=True, slots=True)
-class SessionView:
-    """What the policy may know about one active session."""
+@dataclass(frozen=True)
+class PolicyConfig:
+    latency_cap: float = 1.2  # tick budget over the interactive decode-only baseline
+    tick_min_s: float = 0.005  # budget floor, so tiny ticks still carry some work
+    tick_background_s: float = 0.050  # budget with no interactive decoder (throughput mode)
+    max_pause: float = 2.0  # a rescue tick stays within this × baseline
+    starve_ticks: int = 25  # ticks a runnable session may wait before it is rescued
+    rescue_every: int = 25  # at most one rescue tick per this many ticks
+    hold_ticks: int = 4  # prefill held off this long after an over-budget tick...
+    ramp_ticks: int = 4  # ...then re-enabled over this many ticks
+    overrun_tolerance: float = 0.25  # a tick is over budget above budget × (1 + this)
+    autotune_period: int = 16  # ticks per hill-climbing step
+    background_limit: int | None = None  # a static decoders-per-tick limit instead of auto-tune
 
-    key: int  # the session's seq id
-    prompt_remaining: int  # prompt tokens not yet in the KV cache (0 ⇒ decoding)
-    parked: bool = False  # its client is not draining its stream
+    def __post_init__(self) -> None:
+        if self.latency_cap < 1.0 or self.max_pause < 1.0:
+            raise ValueError("latency_cap and max_pause must be at least 1")
+        if min(self.starve_ticks, self.rescue_every, self.autotune_period) < 1:
+            raise ValueError("starve_ticks, rescue_every and autotune_period must be positive")
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """One tick's batch.  Empty when nothing can run."""
+# -- stage 1: the budget --------------------------------------------------------
 
-    decode: tuple[int, ...] = ()  # sessions that feed one token each
-    prefill: tuple[tuple[int, int], ...] = ()  # (session, prompt tokens this tick)
-    skipped: tuple[tuple[int, str], ...] = ()  # (session, why it sits out)
+
+def tick_budget(
+    sessions: Sequence[SessionState], config: PolicyConfig, cost: CostCoefficients
+) -> tuple[float, float]:
+    """``(budget_s, baseline_s)`` for this tick; see the module docstring."""
+    decoders = [s for s in sessions if s.interactive and s.decoding and not s.parked]
+    if not decoders:
+        return config.tick_background_s, config.tick_background_s
+    baseline = cost.predict(len(decoders), 0, sum(s.n_past for s in decoders))
+    return max(config.latency_cap * baseline, config.tick_min_s), baseline
+
+
+# -- the batch being built --------------------------------------------------------
+
+
+@dataclass
+class _Batch:
+    cost: CostCoefficients
+    max_batch: int
+    decode: list[SessionState] = field(default_factory=list)
+    prefill: list[tuple[SessionState, int]] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
         return len(self.decode) + sum(n for _, n in self.prefill)
 
-    def __bool__(self) -> bool:
-        return bool(self.decode or self.prefill)
+    def predicted(self, extra_decode: Sequence[SessionState] = (), extra_prefill: int = 0) -> float:
+        decode = [*self.decode, *extra_decode]
+        prefill_tokens = sum(n for _, n in self.prefill) + extra_prefill
+        cells = sum(s.n_past for s in decode) + sum(n * (s.n_past + n // 2) for s, n in self.prefill)
+        return self.cost.predict(len(decode), prefill_tokens, cells)
+
+    def prefill_room(self, limit_s: float, candidates: Sequence[SessionState]) -> int:
+        """Prompt tokens that still fit under ``limit_s`` (priced at the deepest context)."""
+        headroom = limit_s - self.predicted()
+        if not self.decode and not self.prefill:
+            headroom -= self.cost.fixed_s
+        deepest = max((s.n_past for s in candidates), default=0)
+        per_token = self.cost.prefill_s + self.cost.ctx_s_per_kcell * deepest / 1000.0
+        room = int(headroom / per_token) if per_token > 0 else self.max_batch
+        return max(0, min(room, self.max_batch - self.n_tokens))
 
 
-def plan_tick(
-    sessions: Sequence[SessionView],
-    *,
-    token_budget: int,
-    max_batch: int,
-    tick: int = 0,
-    min_prefill_chunk: int = 8,
-) -> Plan:
-    """Choose this tick's batch; see the module docstring."""
-    skipped = [(s.key, "parked") for s in sessions if s.parked]
-    runnable = [s for s in sessions if not s.parked]
-    decoders = [s.key for s in runnable if s.prompt_remaining == 0]
-    prefilling = [s for s in runnable if s.prompt_remaining > 0]
-
-    budget = max(1, min(token_budget, max_batch))
-    if len(decoders) > budget:
-        start = tick % len(decoders)
-        rotated = decoders[start:] + decoders[:start]
-        decoders, left_out = rotated[:budget], rotated[budget:]
-        skipped += [(k, "budget") for k in left_out]
-
-    room = budget - len(decoders)
-    if prefilling and room < min_prefill_chunk:
-        room = min(min_prefill_chunk, max_batch - len(decoders))
-    prefill = _water_fill(prefilling, room)
-    skipped += [(s.key, "budget") for s in prefilling if s.key not in dict(prefill)]
-    return Plan(tuple(decoders), tuple(prefill), tuple(skipped))
+# -- stages 2-5 -------------------------------------------------------------------
 
 
-def _water_fill(prefilling: Sequence[SessionView], room: int) -> list[tuple[int, int]]:
-    """Max-min fair split of ``room`` tokens, shortest remaining prompt first."""
-    chunks: list[tuple[int, int]] = []
-    ordered = sorted(prefilling, key=lambda s: s.prompt_remaining)
+def water_fill(candidates: Sequence[SessionState], room: int) -> list[tuple[SessionState, int]]:
+    """Max-min fair split of ``room`` prompt tokens, shortest remaining prompt first."""
+    chunks: list[tuple[SessionState, int]] = []
+    ordered = sorted(candidates, key=lambda s: (s.prompt_remaining, s.key))
     for i, session in enumerate(ordered):
         if room <= 0:
             break
         share = max(1, room // (len(ordered) - i))
         take = min(session.prompt_remaining, share)
-        chunks.append((session.key, take))
+        chunks.append((session, take))
         room -= take
     return chunks
 
 
+def add_decoders(
+    batch: _Batch, candidates: Iterable[SessionState], limit_s: float, most: int | None
+) -> list[SessionState]:
+    """Add decoders longest-waiting first while they fit; return those left out."""
+    ordered = sorted(candidates, key=lambda s: (-s.ticks_waiting, s.key))
+    left: list[SessionState] = []
+    for session in ordered:
+        room_left = most is None or len(batch.decode) < most
+        fits = batch.predicted([session]) <= limit_s and batch.n_tokens < batch.max_batch
+        if room_left and fits:
+            batch.decode.append(session)
+        else:
+            left.append(session)
+    return left
+
+
+@dataclass(frozen=True)
+class Controls:
+    """The policy's slow state, carried from one tick to the next by :class:`Policy`."""
+
+    hold_left: int = 0  # ticks prefill stays held off
+    ramp: float = 1.0  # share of the headroom background prefill may use
+    background_limit: int | None = None  # background decoders per tick (None: no limit)
+    last_rescue_tick: int = -(10**9)
+
+
+def plan_tick(
+    state: SchedulerState,
+    config: PolicyConfig,
+    cost: CostCoefficients,
+    controls: Controls = Controls(),
+) -> Plan:
+    """Stages 1-6 of the module docstring (the ΣBMT guard is applied by :class:`Policy`)."""
+    skipped: dict[int, SkipReason] = {s.key: "parked" for s in state.sessions if s.parked}
+    runnable = [s for s in state.sessions if not s.parked]
+    budget, baseline = tick_budget(runnable, config, cost)
+    batch = _Batch(cost, state.max_batch)
+
+    interactive_decoders = [s for s in runnable if s.interactive and s.decoding]
+    batch.decode.extend(interactive_decoders[: state.max_batch])
+
+    interactive_prompts = [s for s in runnable if s.interactive and not s.decoding]
+    batch.prefill.extend(water_fill(interactive_prompts, batch.prefill_room(budget, interactive_prompts)))
+
+    background_decoders = [s for s in runnable if not s.interactive and s.decoding]
+    left = add_decoders(batch, background_decoders, budget, _decoder_cap(batch, controls))
+    skipped.update((s.key, "budget") for s in left)
+
+    background_prompts = [s for s in runnable if not s.interactive and not s.decoding]
+    if controls.hold_left > 0:
+        skipped.update((s.key, "hold") for s in background_prompts)
+    else:
+        room = int(batch.prefill_room(budget, background_prompts) * controls.ramp)
+        batch.prefill.extend(water_fill(background_prompts, room))
+
+    served = {s.key for s in batch.decode} | {s.key for s, _ in batch.prefill}
+    rescue = False
+    if state.tick - controls.last_rescue_tick >= config.rescue_every:
+        starving = [s for s in runnable if s.key not in served and s.ticks_waiting >= config.starve_ticks]
+        rescue = _rescue(batch, starving, max(budget, config.max_pause * baseline))
+        served = {s.key for s in batch.decode} | {s.key for s, _ in batch.prefill}
+
+    for s in runnable:
+        if s.key not in served:
+            skipped.setdefault(s.key, "budget")
+        else:
+            skipped.pop(s.key, None)
+    return Plan(
+        decode=tuple(s.key for s in batch.decode),
+        prefill=tuple((s.key, n) for s, n in batch.prefill if n > 0),
+        skipped=tuple(sorted(skipped.items())),
+        budget_s=budget,
+        predicted_s=batch.predicted(),
+        rescue=rescue,
+    )
+
+
+def _decoder_cap(batch: _Batch, controls: Controls) -> int | None:
+    if controls.background_limit is None:
+        return None
+    return len(batch.decode) + controls.background_limit
+
+
+def _rescue(batch: _Batch, starving: Sequence[SessionState], limit_s: float) -> bool:
+    """Serve starving sessions, longest-waiting first, while the tick stays under ``limit_s``;
+    the first one always gets at least one token."""
+    rescued = False
+    for session in sorted(starving, key=lambda s: (-s.ticks_waiting, s.key)):
+        if session.decoding:
+            if rescued and batch.predicted([session]) > limit_s:
+                break
+            batch.decode.append(session)
+        else:
+            take = min(session.prompt_remaining, batch.prefill_room(limit_s, [session]))
+            if take <= 0:
+                if rescued:
+                    break
+                take = 1
+            batch.prefill.append((session, take))
+        rescued = True
+    return rescued
+
+
+# -- the stateful wrapper ----------------------------------------------------------------
+
+
 @dataclass
-class BudgetController:
-    """Adapts the tick's token budget toward ``target_s`` of decode time.
+class PolicyGauges:
+    ticks_over_budget: int = 0
+    rescue_ticks: int = 0
+    last_budget_s: float = 0.0
+    last_predicted_s: float = 0.0
+    last_decode_tokens: int = 0
+    last_prefill_tokens: int = 0
+    served_decoders: int = 0
+    parked_sessions: int = 0
+    bmt_estimate_last: int = 0  # bytes the last batch was estimated to move (0: guard off)
+    bmt_budget_last: int = 0  # bytes the guard allowed for it
 
-    Keeps an EWMA of seconds per batched token; the budget is the number of
-    tokens predicted to fit in the target, clamped to ``[floor, ceiling]``.
-    """
 
-    target_s: float = 0.050
-    floor: int = 16
-    ceiling: int = 512
-    alpha: float = 0.25
-    initial_s_per_token: float = 0.004
-    s_per_token: float = field(init=False)
-    last_s: float = field(init=False, default=0.0)
-    ewma_s: float = field(init=False, default=0.0)
+class Policy:
+    """:func:`plan_tick` plus the state that outlives a tick: the learning cost model,
+    the prefill hysteresis, the rescue spacing and the sweet-spot auto-tuner."""
 
-    def __post_init__(self) -> None:
-        self.s_per_token = self.initial_s_per_token
-
-    def observe(self, n_tokens: int, seconds: float) -> None:
-        if n_tokens <= 0:
-            return
-        self.last_s = seconds
-        self.ewma_s = seconds if self.ewma_s == 0.0 else self._mix(self.ewma_s, seconds)
-        self.s_per_token = self._mix(self.s_per_token, seconds / n_tokens)
+    def __init__(
+        self,
+        config: PolicyConfig,
+        cost: TickCostModel,
+        bmt_guard: BmtGuard | None = None,
+    ) -> None:
+        self.config = config
+        self.cost = cost
+        self.bmt_guard = bmt_guard
+        self.controls = Controls()
+        self.gauges = PolicyGauges()
+        self.tuner = HillClimber(period=config.autotune_period)
+        self._background_only = False
 
     @property
-    def budget(self) -> int:
-        return max(self.floor, min(self.ceiling, int(self.target_s / self.s_per_token)))
+    def prefill_guard_active(self) -> bool:
+        return self.controls.hold_left > 0 or self.controls.ramp < 1.0
 
-    def _mix(self, old: float, new: float) -> float:
-        return (1.0 - self.alpha) * old + self.alpha * new
+    def plan(self, state: SchedulerState) -> Plan:
+        self._background_only = not any(s.interactive for s in state.sessions)
+        controls = self.controls
+        if self.config.background_limit is not None:
+            controls = replace(controls, background_limit=self.config.background_limit)
+        elif self._background_only:
+            controls = replace(controls, background_limit=self.tuner.limit)
+        plan = plan_tick(state, self.config, self.cost.coefficients, controls)
+        if self.bmt_guard is not None and plan:
+            self.gauges.bmt_budget_last = self.bmt_guard.budget_bytes(plan)
+            plan = self.bmt_guard.apply(plan, state)
+        return plan
+
+    def snapshot(self) -> dict[str, Any]:
+        """The policy's figures for the metrics snapshot (docs/METRICS.md)."""
+        g, c = self.gauges, self.cost.coefficients
+        return {
+            "decode_ms_last": round(self.cost.last_s * 1000.0, 3),
+            "decode_ms_ewma": round(self.cost.ewma_s * 1000.0, 3),
+            "budget_ms_last": round(g.last_budget_s * 1000.0, 3),
+            "predicted_ms_last": round(g.last_predicted_s * 1000.0, 3),
+            "tokens_per_tick": {"decode": g.last_decode_tokens, "prefill": g.last_prefill_tokens},
+            "served_decoders": g.served_decoders,
+            "parked_sessions": g.parked_sessions,
+            "prefill_guard_active": self.prefill_guard_active,
+            "ticks_over_budget": g.ticks_over_budget,
+            "rescue_ticks": g.rescue_ticks,
+            "background_limit": self.tuner.limit,
+            "bmt_estimate_last": g.bmt_estimate_last,
+            "bmt_budget": g.bmt_budget_last,
+            "cost_model": {
+                "fixed_ms": round(c.fixed_s * 1000.0, 4), "decode_ms": round(c.decode_s * 1000.0, 4),
+                "prefill_ms": round(c.prefill_s * 1000.0, 4),
+                "ctx_ms_per_kcell": round(c.ctx_s_per_kcell * 1000.0, 4), "source": c.source,
+            },
+        }  # fmt: skip
+
+    def observe(self, plan: Plan, state: SchedulerState, seconds: float) -> None:
+        """Learn from the tick just run: cost model, hysteresis, rescue spacing, tuner."""
+        n_past = {s.key: s.n_past for s in state.sessions}
+        cells = sum(n_past[k] for k in plan.decode) + sum(n * (n_past[k] + n // 2) for k, n in plan.prefill)
+        self.cost.observe(len(plan.decode), plan.prefill_tokens, cells, seconds)
+        g = self.gauges
+        g.last_budget_s, g.last_predicted_s = plan.budget_s, plan.predicted_s
+        g.last_decode_tokens, g.last_prefill_tokens = len(plan.decode), plan.prefill_tokens
+        g.served_decoders = len(plan.decode)
+        g.parked_sessions = sum(s.parked for s in state.sessions)
+        g.bmt_estimate_last = plan.bmt_bytes
+        c = self.controls
+        if plan.rescue:
+            g.rescue_ticks += 1
+            c = replace(c, last_rescue_tick=state.tick)
+        elif seconds > plan.budget_s * (1.0 + self.config.overrun_tolerance):
+            g.ticks_over_budget += 1
+            c = replace(c, hold_left=self.config.hold_ticks, ramp=0.0)
+        elif c.hold_left > 0:
+            c = replace(c, hold_left=c.hold_left - 1)
+        elif c.ramp < 1.0:
+            c = replace(c, ramp=min(1.0, c.ramp + 1.0 / self.config.ramp_ticks))
+        self.controls = c
+        background_decoders = sum(1 for s in state.sessions if s.decoding and not s.parked)
+        if self._background_only:
+            self.tuner.observe(plan.n_tokens, seconds, background_decoders)
+        else:
+            self.tuner.reset()
+
+
+@dataclass(frozen=True)
+class BmtGuard:
+    """Stage 7: keep the bytes a tick moves within ``bandwidth × tick budget``."""
+
+    profile: MemoryProfile
+    bandwidth_gbps: float
+
+    def budget_bytes(self, plan: Plan) -> int:
+        seconds = max(plan.budget_s, plan.predicted_s) if plan.rescue else plan.budget_s
+        return int(self.bandwidth_gbps * 1e9 * seconds)
+
+    def apply(self, plan: Plan, state: SchedulerState) -> Plan:
+        sessions = {s.key: s for s in state.sessions}
+        interactive = [(k, sessions[k].n_past) for k in plan.decode if sessions[k].interactive]
+        background = [(k, sessions[k].n_past) for k in plan.decode if not sessions[k].interactive]
+        prefill = [(k, sessions[k].n_past, n) for k, n in plan.prefill]
+        kept = trim_to_budget(
+            self.profile,
+            self.budget_bytes(plan),
+            interactive=interactive,
+            background=background,
+            prefill=prefill,
+        )
+        if not kept.trimmed and len(kept.prefill) == len(prefill) and kept.prefill == tuple(prefill):
+            return replace(plan, bmt_bytes=kept.n_bytes)
+        decode = {k for k, _ in kept.interactive} | {k for k, _ in kept.background}
+        skipped = dict(plan.skipped)
+        skipped.update((k, "bmt") for k, _ in kept.trimmed)
+        return replace(
+            plan,
+            decode=tuple(k for k in plan.decode if k in decode),
+            prefill=tuple((k, n) for k, _, n in kept.prefill),
+            skipped=tuple(sorted(skipped.items())),
+            bmt_bytes=kept.n_bytes,
+        )
+
+
+def default_policy(
+    config: ServerConfig, bmt_guard: BmtGuard | None = None, prior: CostCoefficients | None = None
+) -> Policy:
+    """The policy the daemon's settings describe; the cost prior is ``prior``, else the
+    ``--cost-model`` file, else the built-in coefficients."""
+    if prior is None:
+        prior = CostCoefficients.load(config.cost_model) if config.cost_model else CostCoefficients()
+    policy_config = PolicyConfig(
+        latency_cap=config.latency_cap,
+        tick_min_s=config.tick_ms_min / 1000.0,
+        tick_background_s=config.tick_ms / 1000.0,
+    )
+    return Policy(policy_config, TickCostModel(prior), bmt_guard)

@@ -1,0 +1,160 @@
+"""The mixed scenario on the real daemon: how much does one long background prompt hurt chat?
+
+Three interactive clients stream (~30-token prompts, ``--interactive-tokens``
+each, chained back to back so they stream for the whole run).  The scenario
+runs twice on a fresh in-process daemon: the baseline without, then with one
+background client sending a ``--bg-prompt-tokens`` prompt (max_tokens 32) at
+t = 2 s.  The scenario is :func:`uma_trio.loadgen.mixed_scenario`, the same one
+the simulation tests replay in virtual time.
+
+Prints a side-by-side table: interactive inter-token gaps (p50/p95/max, over
+the whole run and over the background request's lifetime, the baseline taking
+the same window from its own start), interactive TTFT, the background
+request's TTFT and completion time, tokens/s.  Writes it to ``--out``
+(default ``benches/results/mixed_scenario.csv``); ``--requests-out`` also
+writes one row per request.
+
+    python benches/mixed_scenario.py [--bg-prompt-tokens 2000] [--interactive-tokens 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import tempfile
+from pathlib import Path
+
+import trio
+
+from uma_trio.config import ServerConfig
+from uma_trio.daemon import engine_for
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.loadgen import Scenario, ScenarioResult, lane_stats, mixed_scenario, run_scenario, to_csv_rows
+from uma_trio.loadgen.stats import CSV_FIELDS, span, tokens_per_s
+from uma_trio.model_files import ensure_default_model
+from uma_trio.runtime.server import Server
+
+
+async def run_once(model: LlamaModel, scenario: Scenario) -> ScenarioResult:
+    """One scenario run against a fresh daemon (fresh context: no KV left from the last run)."""
+    with tempfile.TemporaryDirectory(prefix="uma-bench-") as tmp:
+        config = ServerConfig(
+            socket_path=Path(tmp) / "m.sock", n_ctx=4096, max_prompt_tokens=4096, metrics_interval_s=3600
+        )
+        engine = engine_for(model, config)
+        try:
+            async with trio.open_nursery() as nursery:
+                server: Server = await nursery.start(Server(engine, config).serve)
+                result = await run_scenario(config.socket_path, scenario)
+                server.request_shutdown(force=True)
+        finally:
+            engine.close()
+    return result
+
+
+def bg_window(result: ScenarioResult) -> tuple[float, float] | None:
+    """The background request's lifetime, relative to the scenario start."""
+    for record in result.records:
+        if record.lane == "background" and record.ended is not None:
+            return record.sent - result.started, record.ended - result.started
+    return None
+
+
+def figures(result: ScenarioResult, window: tuple[float, float] | None) -> dict[str, float]:
+    """The table's figures for one run; ``window`` (relative seconds) picks the 'during bg' gaps."""
+    ms = 1000.0
+    inter = lane_stats(result, "interactive")
+    out = {
+        "interactive gap p50 (ms)": inter.gap_p50 * ms,
+        "interactive gap p95 (ms)": inter.gap_p95 * ms,
+        "interactive gap max (ms)": inter.gap_max * ms,
+    }
+    if window is not None:
+        absolute = (result.started + window[0], result.started + window[1])
+        during = lane_stats(result, "interactive", window=absolute)
+        out |= {
+            "  during bg: gap p50 (ms)": during.gap_p50 * ms,
+            "  during bg: gap p95 (ms)": during.gap_p95 * ms,
+            "  during bg: gap max (ms)": during.gap_max * ms,
+        }
+    bg = lane_stats(result, "background")
+    out |= {
+        "interactive TTFT p50 (ms)": inter.ttft_p50 * ms,
+        "interactive TTFT max (ms)": inter.ttft_max * ms,
+        "background TTFT (s)": bg.ttft_p50,
+        "background completion (s)": bg.completion_max,
+        "interactive tok/s": inter.tokens_per_s,
+        "aggregate tok/s": tokens_per_s(result),
+        "run span (s)": span(result),
+        "failed requests": float(inter.failed + bg.failed),
+    }
+    return out
+
+
+def check_coverage(result: ScenarioResult) -> None:
+    """Warn when the interactive chains ended before the background request did."""
+    window = bg_window(result)
+    inter_end = max((r.ended or r.sent for r in result.records if r.lane == "interactive"), default=0.0)
+    if window is not None and inter_end - result.started < window[1]:
+        print("warning: interactive clients stopped streaming before the background request ended")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--bg-prompt-tokens", type=int, default=2000)
+    parser.add_argument("--interactive-tokens", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "mixed_scenario.csv")
+    parser.add_argument("--requests-out", type=Path, default=None, help="also write one row per request")
+    args = parser.parse_args()
+
+    model = LlamaModel(ensure_default_model())
+    baseline_scenario = mixed_scenario(None, args.interactive_tokens)
+    mixed = mixed_scenario(args.bg_prompt_tokens, args.interactive_tokens)
+    print(f"running {baseline_scenario.name} ...", flush=True)
+    baseline = trio.run(run_once, model, baseline_scenario)
+    print(f"running {mixed.name} ...", flush=True)
+    with_bg = trio.run(run_once, model, mixed)
+    model.close()
+    check_coverage(with_bg)
+
+    window = bg_window(with_bg)
+    base_fig, bg_fig = figures(baseline, window), figures(with_bg, window)
+    rows = []
+    print(f"\n{'':<28} {'baseline':>10} {'with bg':>10} {'with/without':>13}")
+    for name, with_value in bg_fig.items():
+        base_value = base_fig[name]
+        if name.startswith("background") or name == "failed requests":
+            ratio = math.nan
+        else:
+            ratio = with_value / base_value if base_value else math.nan
+        rows.append({"metric": name.strip(), "baseline": round(base_value, 3),
+                     "with_bg": round(with_value, 3), "ratio": round(ratio, 3),
+                     "bg_prompt_tokens": args.bg_prompt_tokens,
+                     "interactive_tokens": args.interactive_tokens})  # fmt: skip
+        shown_ratio = "" if math.isnan(ratio) else f"{ratio:.2f}"
+        base_shown = "-" if math.isnan(base_value) else f"{base_value:.1f}"
+        print(f"{name:<28} {base_shown:>10} {with_value:>10.1f} {shown_ratio:>13}")
+    if window is not None:
+        print(f"(background request in flight from t = {window[0]:.2f} s to {window[1]:.2f} s)")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {args.out}")
+    if args.requests_out is not None:
+        args.requests_out.parent.mkdir(parents=True, exist_ok=True)
+        with args.requests_out.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["run", *CSV_FIELDS])
+            writer.writeheader()
+            for run, result in (("baseline", baseline), ("with_bg", with_bg)):
+                writer.writerows({"run": run} | row for row in to_csv_rows(result))
+        print(f"wrote {args.requests_out}")
+
+
+if __name__ == "__main__":
+    main()

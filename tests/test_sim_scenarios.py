@@ -1,0 +1,111 @@
+"""The seeds' validation targets, as simulations of the whole daemon on virtual time.
+
+Real connections, policy and decode loop; the engine is SimEngine with the
+built-in cost coefficients of this machine (`uma-trio calibrate` measures them).
+Each test runs minutes of virtual load in about a second of real time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import trio
+
+from uma_trio.loadgen.runner import ScenarioResult
+from uma_trio.loadgen.scenario import ClientSpec, Scenario
+from uma_trio.loadgen.simulate import SIM_CONFIG, simulate
+from uma_trio.loadgen.stats import completion_time, gaps, lane_stats, tokens_per_s, window_gaps
+from uma_trio.sched.cost import CostCoefficients, TickCostModel
+from uma_trio.sched.policy import Policy, PolicyConfig
+
+COST = CostCoefficients()
+
+
+def interactive_streams(n: int, tokens: int, requests: int) -> list[ClientSpec]:
+    return [
+        ClientSpec(name=f"chat-{i}", prompt_tokens=30, max_tokens=tokens, requests=requests) for i in range(n)
+    ]
+
+
+def interactive_end(result: ScenarioResult) -> float:
+    return max(r.token_times[-1] for r in result.records if r.lane == "interactive") - result.started
+
+
+async def test_prefill_storm_keeps_interactive_streams_smooth(autojump_clock: trio.abc.Clock) -> None:
+    streams = interactive_streams(3, tokens=400, requests=3)
+    storm = [
+        ClientSpec(name=f"bg-{n}", lane="background", prompt_tokens=n, max_tokens=16, start_s=s)
+        for n, s in ((500, 2.0), (2000, 3.0), (8000, 4.0))
+    ]
+    alone, _ = await simulate(Scenario(name="no-storm", clients=streams), COST)
+    stormy, _ = await simulate(Scenario(name="storm", clients=streams + storm), COST)
+
+    base = lane_stats(alone, "interactive")
+    window = (stormy.started + 2.0, stormy.started + interactive_end(stormy))
+    during = window_gaps([r for r in stormy.records if r.lane == "interactive"], window)
+    assert during.size > 1000
+    assert during.max() <= 2.0 * base.gap_p95
+    assert np.percentile(during, 95) <= 1.2 * base.gap_p95
+    assert all(r.ok for r in stormy.records)  # the storm's prompts complete as well
+
+
+async def test_agent_chain_under_heavy_background_decode(autojump_clock: trio.abc.Clock) -> None:
+    chain = ClientSpec(name="agent", prompt_tokens=40, max_tokens=24, requests=8, think_s=0.1, start_s=1.0)
+    heavy = [
+        ClientSpec(name=f"bulk-{i}", lane="background", prompt_tokens=20, max_tokens=3000) for i in range(6)
+    ]
+    alone, _ = await simulate(Scenario(name="agent-alone", clients=[chain]), COST)
+    loaded, _ = await simulate(Scenario(name="agent-loaded", clients=[chain, *heavy]), COST)
+
+    def mean_completion(result: ScenarioResult) -> float:
+        times = [completion_time(r) for r in result.records if r.client == "agent"]
+        return float(np.mean([t for t in times if t is not None]))
+
+    slowdown = mean_completion(loaded) / mean_completion(alone)
+    assert slowdown <= 1.5, slowdown
+    assert lane_stats(loaded, "background").tokens > 1000  # the background did run meanwhile
+
+
+async def test_background_clients_share_fairly_near_the_best_static_batch(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    bulk = Scenario(
+        name="fair",
+        clients=[
+            ClientSpec(name=f"bulk-{i}", lane="background", prompt_tokens=20, max_tokens=400)
+            for i in range(8)
+        ],
+    )
+    tuned, server = await simulate(bulk, COST)
+    static = {}
+    for limit in (1, 2, 4, 8):
+        policy = Policy(PolicyConfig(background_limit=limit), TickCostModel(COST))
+        result, _ = await simulate(bulk, COST, policy=policy)
+        static[limit] = tokens_per_s(result)
+    assert tokens_per_s(tuned) >= 0.9 * max(static.values()), (tokens_per_s(tuned), static)
+    # Nobody starves: every stream gets a token at least every `starve_ticks` throughput ticks.
+    policy_config = server.loop.policy.config
+    longest = max(float(gaps(r).max()) for r in tuned.records)
+    assert longest <= policy_config.starve_ticks * policy_config.tick_background_s
+    assert all(r.ok and len(r.token_times) == 400 for r in tuned.records)
+
+
+async def test_background_prompt_completes_under_steady_interactive_load(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Three streams that never pause for the whole run, and one 500-token background prompt.
+    # Normal ticks leave less headroom than one token costs, so the prompt moves only in
+    # rescue ticks: at most one per `rescue_every` ticks, each within `max_pause` x baseline.
+    streams = interactive_streams(3, tokens=4000, requests=1)
+    prompt = 500
+    job = ClientSpec(name="job", lane="background", prompt_tokens=prompt, max_tokens=8, start_s=1.0)
+    result, server = await simulate(Scenario(name="steady", clients=[*streams, job]), COST, SIM_CONFIG)
+    record = next(r for r in result.records if r.client == "job")
+    assert record.ok and record.token_times
+    assert record.token_times[-1] - result.started < interactive_end(result)  # finished under load
+
+    config = server.loop.policy.config
+    tick = lane_stats(result, "interactive").gap_p95  # the interactive decode tick (it grows with context)
+    tokens_per_rescue = int((config.max_pause - 1.0) * tick / COST.prefill_s)  # 4 on this machine
+    bound = (prompt / tokens_per_rescue + 1) * config.rescue_every * tick
+    ttft = record.token_times[0] - record.sent
+    assert ttft <= bound, (ttft, bound)

@@ -1,0 +1,115 @@
+"""A simulated engine on virtual time, for policy and timing simulations.
+
+It implements the :class:`~uma_trio.engine.base.Engine` protocol, but a step
+costs ``CostCoefficients.predict(batch)`` seconds of *trio* time (``await
+trio.sleep``, on the event loop, not in a thread), so under
+``trio.testing.MockClock(autojump_threshold=0)`` the whole daemon (real
+connections, real policy, real decode loop) runs minutes of load in
+milliseconds with exact, repeatable latencies.  The coefficients come from
+``uma-trio calibrate`` on the real engine, so the simulated machine is this one.
+
+It is not a language model: one token per whitespace-separated word, and
+every generated token is the word ``" tok"``.  End-to-end behaviour is tested
+on the real model; this engine only answers "when", never "what".
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+import trio
+
+from ..sched.cost import CostCoefficients, kv_cells_read
+from .base import BatchEntry, EngineError, Sampled, StepResult, TokenArray
+
+GENERATED_TOKEN = 7
+GENERATED_PIECE = b" tok"
+
+
+class SimEngine:
+    def __init__(
+        self,
+        cost: CostCoefficients,
+        *,
+        n_ctx_seq: int = 4096,
+        n_seq_max: int = 8,
+        n_batch: int = 512,
+    ) -> None:
+        self.cost = cost
+        self._n_ctx_seq = n_ctx_seq
+        self._n_seq_max = n_seq_max
+        self._n_batch = n_batch
+        self._cells: dict[int, int] = {}  # seq id -> cells held
+        self._sampled_once: set[int] = set()  # sequences past their prompt
+        self.steps: list[tuple[int, int, float]] = []  # (decode tokens, prefill tokens, seconds)
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx_seq * self._n_seq_max
+
+    @property
+    def n_ctx_seq(self) -> int:
+        return self._n_ctx_seq
+
+    @property
+    def n_seq_max(self) -> int:
+        return self._n_seq_max
+
+    @property
+    def n_batch(self) -> int:
+        return self._n_batch
+
+    @property
+    def model_name(self) -> str:
+        return "sim"
+
+    @property
+    def tokenizer_blocks(self) -> bool:
+        return False
+
+    def tokenize(self, text: str) -> TokenArray:
+        words = text.split()
+        return np.array([100 + zlib.crc32(w.encode()) % 30000 for w in words], dtype=np.int32)
+
+    def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
+        return " ".join(f"{role}: {content}" for role, content in messages) + " assistant:"
+
+    async def step(self, entries: Sequence[BatchEntry]) -> StepResult:
+        decode_ctx: list[int] = []
+        prefill: list[tuple[int, int]] = []
+        n_tokens = 0
+        for entry in entries:
+            n = len(entry.tokens)
+            n_tokens += n
+            if entry.pos0 + n > self._n_ctx_seq:
+                raise EngineError(1, f"sequence {entry.seq_id} would exceed {self._n_ctx_seq} cells")
+            if entry.seq_id in self._sampled_once and n == 1:
+                decode_ctx.append(entry.pos0)
+            else:
+                prefill.append((entry.pos0, n))
+        if n_tokens > self._n_batch:
+            raise ValueError(f"batch of {n_tokens} tokens exceeds n_batch={self._n_batch}")
+        prefill_tokens = sum(n for _, n in prefill)
+        seconds = self.cost.predict(len(decode_ctx), prefill_tokens, kv_cells_read(decode_ctx, prefill))
+        with trio.CancelScope(shield=True):  # like the real engine: a started step finishes
+            await trio.sleep(seconds)
+        sampled = []
+        for entry in entries:
+            self._cells[entry.seq_id] = entry.pos0 + len(entry.tokens)
+            if entry.sampler is not None:
+                self._sampled_once.add(entry.seq_id)
+                sampled.append(Sampled(entry.seq_id, GENERATED_TOKEN, GENERATED_PIECE, False))
+        self.steps.append((len(decode_ctx), prefill_tokens, seconds))
+        return StepResult(sampled, n_tokens, seconds)
+
+    def free_seq(self, seq_id: int) -> None:
+        self._cells.pop(seq_id, None)
+        self._sampled_once.discard(seq_id)
+
+    def seq_cells(self, seq_id: int) -> int:
+        return self._cells.get(seq_id, 0)
+
+    def close(self) -> None:
+        self._cells.clear()

@@ -1,0 +1,38 @@
+"""Scripted load: scenarios, a runner that records every token's arrival, and stats.
+
+Shared by the simulation tests (virtual time under ``trio.testing.MockClock``)
+and the real-daemon benchmarks, so both measure the same scenario the same way.
+"""
+
+from __future__ import annotations
+
+from .runner import CONNECTION_LOST, RequestRecord, ScenarioResult, run_scenario
+from .scenario import (
+    ClientSpec,
+    Lane,
+    Scenario,
+    load_scenario,
+    mixed_scenario,
+    prompt_text,
+    scenario_from_dict,
+)
+from .stats import LaneStats, lane_stats, summarize, to_csv_rows, worst_pause
+
+__all__ = [
+    "CONNECTION_LOST",
+    "ClientSpec",
+    "Lane",
+    "LaneStats",
+    "RequestRecord",
+    "Scenario",
+    "ScenarioResult",
+    "lane_stats",
+    "load_scenario",
+    "mixed_scenario",
+    "prompt_text",
+    "run_scenario",
+    "scenario_from_dict",
+    "summarize",
+    "to_csv_rows",
+    "worst_pause",
+]

@@ -1,0 +1,66 @@
+"""What the policy sees (a snapshot) and what it answers (a plan).  Pure data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..protocol.messages import Lane
+
+__all__ = ["Lane", "Plan", "SchedulerState", "SessionState", "SkipReason"]
+SkipReason = Literal["parked", "budget", "hold", "share", "autotune", "bmt"]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionState:
+    """One admitted session, as the decode task sees it between two ticks."""
+
+    key: int  # the session's seq id
+    lane: Lane = "interactive"
+    prompt_remaining: int = 0  # prompt tokens not yet in the KV cache (0 ⇒ decoding)
+    n_past: int = 0  # tokens already in its KV cache
+    age_s: float = 0.0  # since it was admitted
+    since_last_token_s: float | None = None  # None before its first token
+    ticks_waiting: int = 0  # ticks since it was last in a batch (0: served last tick)
+    parked: bool = False  # its client is not draining its stream
+
+    @property
+    def decoding(self) -> bool:
+        return self.prompt_remaining == 0
+
+    @property
+    def interactive(self) -> bool:
+        return self.lane == "interactive"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerState:
+    """The snapshot handed to the policy each tick.  Time is passed in, never read."""
+
+    sessions: tuple[SessionState, ...]
+    tick: int = 0
+    max_batch: int = 512  # hard cap on tokens in one batch
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One tick's batch.  Empty when nothing can run."""
+
+    decode: tuple[int, ...] = ()  # sessions that feed one token each
+    prefill: tuple[tuple[int, int], ...] = ()  # (session, prompt tokens this tick)
+    skipped: tuple[tuple[int, SkipReason], ...] = ()  # (session, why it sits out)
+    budget_s: float = 0.0  # the tick-time budget the plan was built for
+    predicted_s: float = 0.0  # the cost model's estimate of this batch
+    rescue: bool = False  # over budget on purpose, so a starving session moves
+    bmt_bytes: int = 0  # estimated bytes the batch moves (0: guard off)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.decode) + self.prefill_tokens
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefill)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
