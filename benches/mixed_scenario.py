@@ -15,6 +15,10 @@ request's TTFT and completion time, tokens/s.  Writes it to ``--out``
 writes one row per request.
 
     python benches/mixed_scenario.py [--bg-prompt-tokens 2000] [--interactive-tokens 200]
+                                     [--interactive-requests 5] [--out PATH] [--requests-out PATH]
+
+It warns when the interactive chains end before the background request does
+(the run then no longer measures the mix): raise ``--interactive-requests``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pathlib import Path
 import trio
 
 from uma_trio.config import ServerConfig
-from uma_trio.daemon import engine_for
+from uma_trio.daemon import engine_for, policy_for
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.loadgen import Scenario, ScenarioResult, lane_stats, mixed_scenario, run_scenario, to_csv_rows
 from uma_trio.loadgen.stats import CSV_FIELDS, span, tokens_per_s
@@ -36,8 +40,12 @@ from uma_trio.model_files import ensure_default_model
 from uma_trio.runtime.server import Server
 
 
-async def run_once(model: LlamaModel, scenario: Scenario) -> ScenarioResult:
-    """One scenario run against a fresh daemon (fresh context: no KV left from the last run)."""
+async def run_once(model: LlamaModel, scenario: Scenario, timeout_s: float) -> ScenarioResult:
+    """One scenario run against a fresh daemon (fresh context: no KV left from the last run).
+
+    The daemon gets the policy ``uma-trio serve`` would build (``policy_for``), ΣBMT
+    bandwidth probe included.  ``timeout_s`` turns a stuck run into an error, not a hang.
+    """
     with tempfile.TemporaryDirectory(prefix="uma-bench-") as tmp:
         config = ServerConfig(
             socket_path=Path(tmp) / "m.sock", n_ctx=4096, max_prompt_tokens=4096, metrics_interval_s=3600
@@ -45,8 +53,9 @@ async def run_once(model: LlamaModel, scenario: Scenario) -> ScenarioResult:
         engine = engine_for(model, config)
         try:
             async with trio.open_nursery() as nursery:
-                server: Server = await nursery.start(Server(engine, config).serve)
-                result = await run_scenario(config.socket_path, scenario)
+                server: Server = await nursery.start(Server(engine, config, policy_for(engine, config)).serve)
+                with trio.fail_after(timeout_s):
+                    result = await run_scenario(config.socket_path, scenario)
                 server.request_shutdown(force=True)
         finally:
             engine.close()
@@ -96,8 +105,12 @@ def check_coverage(result: ScenarioResult) -> None:
     """Warn when the interactive chains ended before the background request did."""
     window = bg_window(result)
     inter_end = max((r.ended or r.sent for r in result.records if r.lane == "interactive"), default=0.0)
-    if window is not None and inter_end - result.started < window[1]:
-        print("warning: interactive clients stopped streaming before the background request ended")
+    inter_end -= result.started
+    if window is not None and inter_end < window[1]:
+        print(
+            f"warning: the interactive chains ended at t = {inter_end:.2f} s, before the background"
+            f" request (t = {window[1]:.2f} s): raise --interactive-requests"
+        )
 
 
 def main() -> None:
@@ -106,17 +119,20 @@ def main() -> None:
     )
     parser.add_argument("--bg-prompt-tokens", type=int, default=2000)
     parser.add_argument("--interactive-tokens", type=int, default=200)
+    parser.add_argument("--interactive-requests", type=int, default=5, help="chain length per client")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run before giving up")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "mixed_scenario.csv")
     parser.add_argument("--requests-out", type=Path, default=None, help="also write one row per request")
     args = parser.parse_args()
 
     model = LlamaModel(ensure_default_model())
-    baseline_scenario = mixed_scenario(None, args.interactive_tokens)
-    mixed = mixed_scenario(args.bg_prompt_tokens, args.interactive_tokens)
+    chain = {"interactive_requests": args.interactive_requests}
+    baseline_scenario = mixed_scenario(None, args.interactive_tokens, **chain)
+    mixed = mixed_scenario(args.bg_prompt_tokens, args.interactive_tokens, **chain)
     print(f"running {baseline_scenario.name} ...", flush=True)
-    baseline = trio.run(run_once, model, baseline_scenario)
+    baseline = trio.run(run_once, model, baseline_scenario, args.timeout)
     print(f"running {mixed.name} ...", flush=True)
-    with_bg = trio.run(run_once, model, mixed)
+    with_bg = trio.run(run_once, model, mixed, args.timeout)
     model.close()
     check_coverage(with_bg)
 
@@ -133,7 +149,8 @@ def main() -> None:
         rows.append({"metric": name.strip(), "baseline": round(base_value, 3),
                      "with_bg": round(with_value, 3), "ratio": round(ratio, 3),
                      "bg_prompt_tokens": args.bg_prompt_tokens,
-                     "interactive_tokens": args.interactive_tokens})  # fmt: skip
+                     "interactive_tokens": args.interactive_tokens,
+                     "interactive_requests": args.interactive_requests})  # fmt: skip
         shown_ratio = "" if math.isnan(ratio) else f"{ratio:.2f}"
         base_shown = "-" if math.isnan(base_value) else f"{base_value:.1f}"
         print(f"{name:<28} {base_shown:>10} {with_value:>10.1f} {shown_ratio:>13}")

@@ -91,6 +91,15 @@ def test_new_interactive_prompt_joins_on_the_next_tick_ahead_of_background() -> 
     assert prefill.get(1, 0) < 2000
 
 
+def test_new_interactive_prompt_joins_beside_a_decoding_stream() -> None:
+    # One decoder: the headroom under the cap is smaller than one prompt token...
+    result = plan(interactive(1), interactive(2, prompt=20))
+    assert result.decode == (1,) and dict(result.prefill)[2] >= 1
+    # ...so the prompt may stretch the tick, but only up to the pause limit.
+    _, baseline = tick_budget([interactive(1)], CONFIG, COST)
+    assert result.predicted_s <= CONFIG.max_pause * baseline
+
+
 def test_water_fill_is_max_min_fair_shortest_first() -> None:
     chunks = water_fill([background(1, prompt=100), background(2, prompt=3), background(3, prompt=50)], 60)
     assert [(s.key, n) for s, n in chunks] == [(2, 3), (3, 28), (1, 29)]

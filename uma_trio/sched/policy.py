@@ -15,10 +15,10 @@ The stages, in order (each a function below):
    is ``latency_cap × baseline`` (at least ``tick_min_s``).  With no
    interactive decoder the budget is the throughput tick ``tick_background_s``.
 2. **Decode first.**  Every interactive decoder gets its token every tick.
-3. **Interactive prefill** water-fills what is left, shortest prompt first, so
-   a new interactive request joins on the very next tick (token-boundary
-   preemption: it never waits behind a background chunk, which only ever gets
-   headroom).
+3. **Interactive prefill** water-fills up to ``max_pause × baseline``,
+   shortest prompt first, so a new interactive request joins on the very next
+   tick (token-boundary preemption: it never waits behind a background chunk,
+   which only ever gets headroom).
 4. **Background decoders** fill the headroom, longest-waiting first, at most
    ``background_limit`` of them (the sweet-spot auto-tuner's setting).
 5. **Background prefill** fills what is still left, scaled by the hysteresis
@@ -54,7 +54,9 @@ class PolicyConfig:
     latency_cap: float = 1.2  # tick budget over the interactive decode-only baseline
     tick_min_s: float = 0.005  # budget floor, so tiny ticks still carry some work
     tick_background_s: float = 0.050  # budget with no interactive decoder (throughput mode)
-    max_pause: float = 2.0  # a rescue tick stays within this × baseline
+    # Rescue and new-prompt ticks stay within this × baseline: the 2× target, less a
+    # margin for prediction error.
+    max_pause: float = 1.8
     starve_ticks: int = 25  # ticks a runnable session may wait before it is rescued
     rescue_every: int = 25  # at most one rescue tick per this many ticks
     hold_ticks: int = 4  # prefill held off this long after an over-budget tick...
@@ -173,8 +175,12 @@ def plan_tick(
     interactive_decoders = [s for s in runnable if s.interactive and s.decoding]
     batch.decode.extend(interactive_decoders[: state.max_batch])
 
+    # New interactive work may stretch the tick up to the pause limit: a prompt token can
+    # cost more than the whole headroom, and a new request must still join on the next tick.
     interactive_prompts = [s for s in runnable if s.interactive and not s.decoding]
-    batch.prefill.extend(water_fill(interactive_prompts, batch.prefill_room(budget, interactive_prompts)))
+    pause_limit = max(budget, config.max_pause * baseline)
+    room = max(batch.prefill_room(pause_limit, interactive_prompts), min(1, len(interactive_prompts)))
+    batch.prefill.extend(water_fill(interactive_prompts, room))
 
     background_decoders = [s for s in runnable if not s.interactive and s.decoding]
     left = add_decoders(batch, background_decoders, budget, _decoder_cap(batch, controls))
