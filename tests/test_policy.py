@@ -118,11 +118,18 @@ def test_parked_sessions_sit_out() -> None:
 
 
 def test_hysteresis_hold_keeps_background_prefill_off() -> None:
-    held = plan(background(1, prompt=300), controls=Controls(hold_left=3))
+    held = plan(interactive(2), background(1, prompt=300), controls=Controls(hold_left=3))
     assert held.prefill == () and dict(held.skipped) == {1: "hold"}
     ramping = plan(background(1, prompt=300), controls=Controls(ramp=0.5))
     full = plan(background(1, prompt=300))
     assert 0 < dict(ramping.prefill)[1] < dict(full.prefill)[1]
+
+
+def test_plan_is_never_empty_while_work_waits() -> None:
+    # A hold with nothing else to run would stall the daemon: the decode task sleeps on
+    # an empty plan until the next request arrives.
+    alone = plan(background(1, prompt=300), controls=Controls(hold_left=3))
+    assert dict(alone.prefill)[1] > 0 and alone.skipped == ()
 
 
 # -- stage 6: rescue --------------------------------------------------------------
@@ -189,6 +196,12 @@ def test_bmt_guard_trims_prefill_before_background_decoders() -> None:
     only_interactive = guard(2500).apply(base, state)
     assert only_interactive.decode == (1,) and dict(only_interactive.skipped)[2] == "bmt"
     assert guard(1).apply(base, state).decode == (1,)
+
+
+def test_bmt_guard_never_empties_a_plan() -> None:
+    profile = MemoryProfile(weight_bytes=10**9, kv_bytes_per_cell=10, n_ubatch=32)
+    policy = Policy(CONFIG, TickCostModel(COST), BmtGuard(profile, bandwidth_gbps=0.001))
+    assert policy.plan(SchedulerState((background(1, prompt=100),)))
 
 
 def test_policy_reports_the_bmt_estimate() -> None:

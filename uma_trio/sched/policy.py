@@ -193,6 +193,13 @@ def plan_tick(
         room = int(batch.prefill_room(budget, background_prompts) * controls.ramp)
         batch.prefill.extend(water_fill(background_prompts, room))
 
+    if not batch.decode and not batch.prefill and runnable:
+        # Never idle with work waiting: a hold only matters while something else runs, and
+        # an empty plan would put the decode task to sleep until the next request.
+        waiting = sorted(runnable, key=lambda s: (-s.ticks_waiting, s.key))
+        _rescue(batch, waiting[:1], budget)
+        skipped.pop(waiting[0].key, None)
+
     served = {s.key for s in batch.decode} | {s.key for s, _ in batch.prefill}
     rescue = False
     if state.tick - controls.last_rescue_tick >= config.rescue_every:
@@ -290,7 +297,10 @@ class Policy:
         plan = plan_tick(state, self.config, self.cost.coefficients, controls)
         if self.bmt_guard is not None and plan:
             self.gauges.bmt_budget_last = self.bmt_guard.budget_bytes(plan)
-            plan = self.bmt_guard.apply(plan, state)
+            guarded = self.bmt_guard.apply(plan, state)
+            # Liveness beats the guard: a tick over the bandwidth budget is slow, an empty
+            # plan would stall (the decode task sleeps until the next request).
+            plan = guarded if guarded else replace(plan, bmt_bytes=guarded.bmt_bytes)
         return plan
 
     def snapshot(self) -> dict[str, Any]:
