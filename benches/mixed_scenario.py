@@ -10,7 +10,8 @@ the simulation tests replay in virtual time.
 Prints a side-by-side table: interactive inter-token gaps (p50/p95/max, over
 the whole run and over the background request's lifetime, the baseline taking
 the same window from its own start), interactive TTFT, the background
-request's TTFT and completion time, tokens/s.  Writes it to ``--out``
+request's TTFT and completion time, tokens/s (over the whole run, and for the
+interactive lane also over its own span: the background request may outlive it).  Writes it to ``--out``
 (default ``benches/results/mixed_scenario.csv``); ``--requests-out`` also
 writes one row per request.
 
@@ -94,6 +95,7 @@ def figures(result: ScenarioResult, window: tuple[float, float] | None) -> dict[
         "background TTFT (s)": bg.ttft_p50,
         "background completion (s)": bg.completion_max,
         "interactive tok/s": inter.tokens_per_s,
+        "interactive tok/s (own span)": inter.tokens / interactive_end(result),
         "aggregate tok/s": tokens_per_s(result),
         "run span (s)": span(result),
         "failed requests": float(inter.failed + bg.failed),
@@ -101,11 +103,21 @@ def figures(result: ScenarioResult, window: tuple[float, float] | None) -> dict[
     return out
 
 
+def _cell(value: float) -> float | None:
+    """A CSV cell: rounded, empty for nan (no baseline figure, no ratio)."""
+    return None if math.isnan(value) else round(value, 3)
+
+
+def interactive_end(result: ScenarioResult) -> float:
+    """Seconds from the start to the last interactive request's end."""
+    ends = [r.ended or r.sent for r in result.records if r.lane == "interactive"]
+    return max(ends, default=result.started) - result.started
+
+
 def check_coverage(result: ScenarioResult) -> None:
     """Warn when the interactive chains ended before the background request did."""
     window = bg_window(result)
-    inter_end = max((r.ended or r.sent for r in result.records if r.lane == "interactive"), default=0.0)
-    inter_end -= result.started
+    inter_end = interactive_end(result)
     if window is not None and inter_end < window[1]:
         print(
             f"warning: the interactive chains ended at t = {inter_end:.2f} s, before the background"
@@ -120,7 +132,7 @@ def main() -> None:
     parser.add_argument("--bg-prompt-tokens", type=int, default=2000)
     parser.add_argument("--interactive-tokens", type=int, default=200)
     parser.add_argument("--interactive-requests", type=int, default=5, help="chain length per client")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run before giving up")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run before giving up")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "mixed_scenario.csv")
     parser.add_argument("--requests-out", type=Path, default=None, help="also write one row per request")
     args = parser.parse_args()
@@ -146,8 +158,8 @@ def main() -> None:
             ratio = math.nan
         else:
             ratio = with_value / base_value if base_value else math.nan
-        rows.append({"metric": name.strip(), "baseline": round(base_value, 3),
-                     "with_bg": round(with_value, 3), "ratio": round(ratio, 3),
+        rows.append({"metric": name.strip(), "baseline": _cell(base_value),
+                     "with_bg": _cell(with_value), "ratio": _cell(ratio),
                      "bg_prompt_tokens": args.bg_prompt_tokens,
                      "interactive_tokens": args.interactive_tokens,
                      "interactive_requests": args.interactive_requests})  # fmt: skip
