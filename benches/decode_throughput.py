@@ -14,7 +14,6 @@ with the ratio and writes ``benches/results/decode_throughput.csv``.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import tempfile
 import time
@@ -24,14 +23,14 @@ from pathlib import Path
 import llama_cpp as llama
 import numpy as np
 import trio
+from bench_output import write_csv
 
 from uma_trio.client import UmaClient
 from uma_trio.config import ServerConfig
-from uma_trio.daemon import engine_for
+from uma_trio.daemon import serving
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.model_files import ensure_default_model
 from uma_trio.protocol.messages import TokenEvent
-from uma_trio.runtime.server import Server
 
 PROMPT = "Write a long story about a lighthouse keeper."
 N_CTX_SEQ = 1024  # KV cells per stream: the prompt plus --tokens fit easily
@@ -86,9 +85,8 @@ async def daemon_run(model: LlamaModel, streams: int, tokens: int, kv_unified: b
     with tempfile.TemporaryDirectory(prefix="uma-bench-") as tmp:
         config = ServerConfig(
             socket_path=Path(tmp) / "b.sock", n_ctx=N_CTX_SEQ, n_ubatch=N_UBATCH, kv_unified=kv_unified,
-            max_sessions=streams, max_tokens=tokens, metrics_interval_s=3600,
+            max_sessions=streams, max_tokens=tokens, metrics_interval_s=3600, bmt_budget_gbps=0.0,
         )  # fmt: skip
-        engine = engine_for(model, config)
         firsts: list[float] = []
         lasts: list[float] = []
         counts: list[int] = []
@@ -106,15 +104,9 @@ async def daemon_run(model: LlamaModel, streams: int, tokens: int, kv_unified: b
                 lasts.append(times[-1])
                 counts.append(len(times))
 
-        try:
-            async with trio.open_nursery() as nursery:
-                server: Server = await nursery.start(Server(engine, config).serve)
-                async with trio.open_nursery() as clients:
-                    for _ in range(streams):
-                        clients.start_soon(client, config.socket_path)
-                server.request_shutdown(force=True)
-        finally:
-            engine.close()
+        async with serving(model, config), trio.open_nursery() as clients:
+            for _ in range(streams):
+                clients.start_soon(client, config.socket_path)
         # Decode window: once every stream has its first token, until the last token.
         window = max(lasts) - max(firsts)
         tokens_in_window = sum(c - 1 for c in counts)  # first tokens excluded
@@ -146,12 +138,7 @@ def main() -> None:
                      "bare_tok_s": round(bare, 1), "daemon_tok_s": round(daemon, 1),
                      "ratio": round(daemon / bare, 3)})  # fmt: skip
         print(f"{streams:>7} {bare:>11.1f} {daemon:>13.1f} {daemon / bare:>12.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {args.out}")
+    write_csv(args.out, rows, list(rows[0]))
     model.close()
 
 

@@ -25,20 +25,19 @@ It warns when the interactive chains end before the background request does
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import tempfile
 from pathlib import Path
 
 import trio
+from bench_output import write_csv
 
 from uma_trio.config import ServerConfig
-from uma_trio.daemon import engine_for, policy_for
+from uma_trio.daemon import serving
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.loadgen import Scenario, ScenarioResult, lane_stats, mixed_scenario, run_scenario, to_csv_rows
 from uma_trio.loadgen.stats import CSV_FIELDS, span, tokens_per_s
 from uma_trio.model_files import ensure_default_model
-from uma_trio.runtime.server import Server
 
 
 async def run_once(model: LlamaModel, scenario: Scenario, timeout_s: float) -> ScenarioResult:
@@ -51,15 +50,9 @@ async def run_once(model: LlamaModel, scenario: Scenario, timeout_s: float) -> S
         config = ServerConfig(
             socket_path=Path(tmp) / "m.sock", n_ctx=4096, max_prompt_tokens=4096, metrics_interval_s=3600
         )
-        engine = engine_for(model, config)
-        try:
-            async with trio.open_nursery() as nursery:
-                server: Server = await nursery.start(Server(engine, config, policy_for(engine, config)).serve)
-                with trio.fail_after(timeout_s):
-                    result = await run_scenario(config.socket_path, scenario)
-                server.request_shutdown(force=True)
-        finally:
-            engine.close()
+        async with serving(model, config):
+            with trio.fail_after(timeout_s):
+                result = await run_scenario(config.socket_path, scenario)
     return result
 
 
@@ -169,20 +162,14 @@ def main() -> None:
     if window is not None:
         print(f"(background request in flight from t = {window[0]:.2f} s to {window[1]:.2f} s)")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {args.out}")
+    write_csv(args.out, rows, list(rows[0]))
     if args.requests_out is not None:
-        args.requests_out.parent.mkdir(parents=True, exist_ok=True)
-        with args.requests_out.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["run", *CSV_FIELDS])
-            writer.writeheader()
-            for run, result in (("baseline", baseline), ("with_bg", with_bg)):
-                writer.writerows({"run": run} | row for row in to_csv_rows(result))
-        print(f"wrote {args.requests_out}")
+        per_request = [
+            {"run": run, **row}
+            for run, result in (("baseline", baseline), ("with_bg", with_bg))
+            for row in to_csv_rows(result)
+        ]
+        write_csv(args.requests_out, per_request, ["run", *CSV_FIELDS])
 
 
 if __name__ == "__main__":

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trio
 
 from uma_trio.config import ServerConfig
-from uma_trio.daemon import engine_for, policy_for
+from uma_trio.daemon import serving
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.model_files import ensure_default_model
 from uma_trio.runtime.server import Server
@@ -57,12 +56,5 @@ async def server(llama_model: LlamaModel, server_config: ServerConfig) -> AsyncI
 @asynccontextmanager
 async def running_server(model: LlamaModel, config: ServerConfig, **overrides: Any) -> AsyncIterator[Server]:
     """Start a daemon on the real model in this trio run; stop it and free its context after."""
-    config = replace(config, **overrides)
-    engine = engine_for(model, config)
-    try:
-        async with trio.open_nursery() as nursery:
-            server: Server = await nursery.start(Server(engine, config, policy_for(engine, config)).serve)
-            yield server
-            server.request_shutdown(force=True)
-    finally:
-        engine.close()
+    async with serving(model, replace(config, **overrides)) as server:
+        yield server

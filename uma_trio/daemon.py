@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+
+import trio
 
 from .config import ServerConfig
 from .engine.llama import ContextConfig, LlamaEngine, LlamaModel, ModelLoadError
@@ -49,6 +53,20 @@ def policy_for(engine: LlamaEngine, config: ServerConfig) -> Policy:
     if gbps > 0:
         guard = BmtGuard(memory_profile(engine.model, engine.config.n_ubatch), gbps)
     return default_policy(config, guard)
+
+
+@asynccontextmanager
+async def serving(model: LlamaModel, config: ServerConfig) -> AsyncIterator[Server]:
+    """A daemon on ``model`` inside the caller's trio run (tests, benchmarks), with the
+    policy ``uma-trio serve`` builds; stopped and its context freed on exit."""
+    engine = engine_for(model, config)
+    try:
+        async with trio.open_nursery() as nursery:
+            server: Server = await nursery.start(Server(engine, config, policy_for(engine, config)).serve)
+            yield server
+            server.request_shutdown(force=True)
+    finally:
+        engine.close()
 
 
 async def run_daemon(model_path: Path, config: ServerConfig) -> None:

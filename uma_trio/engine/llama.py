@@ -239,6 +239,21 @@ class LlamaEngine:
     def free_seq(self, seq_id: int) -> None:
         llama.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
 
+    def trim_seq(self, seq_id: int, keep: int) -> None:
+        """Drop every cell of ``seq_id`` at position ``keep`` or later."""
+        if keep == 0:
+            self.free_seq(seq_id)
+        elif not llama.llama_memory_seq_rm(self._memory, seq_id, keep, -1):
+            raise EngineError(-1, f"llama.cpp refused to trim seq {seq_id} to {keep} cells")
+
+    def copy_seq(self, src: int, dst: int, keep: int) -> None:
+        """Make ``dst`` hold ``src``'s first ``keep`` cells (copied across streams at the next decode)."""
+        if keep == 0:
+            self.free_seq(dst)
+            return
+        llama.llama_memory_seq_cp(self._memory, src, dst, -1, -1)
+        self.trim_seq(dst, keep)
+
     def seq_cells(self, seq_id: int) -> int:
         hi = llama.llama_memory_seq_pos_max(self._memory, seq_id)
         if hi < 0:

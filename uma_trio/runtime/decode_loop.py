@@ -74,7 +74,6 @@ class DecodeLoop:
         self._background_seq_cap = max(1, engine.n_seq_max - config.interactive_reserve)
         self._state = SchedulerState(())
         self.kv_cells_used = 0
-        self.tokens_last_tick = 0
 
     # -- called from connection tasks (synchronous: they only record and wake) --
 
@@ -159,7 +158,6 @@ class DecodeLoop:
         self.metrics.ticks += 1
         self.metrics.batch_tokens += result.n_tokens
         self.metrics.decode_s_total += result.decode_s
-        self.tokens_last_tick = result.n_tokens
         for seq_id, n in plan.prefill:
             session = self._active[seq_id]
             session.last_served_tick = self._tick

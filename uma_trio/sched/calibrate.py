@@ -9,8 +9,7 @@ sampling), the same number the decode loop feeds the online model.
 Building long contexts is most of the cost of measuring (prefill runs at
 ~3 ms/token on two cores), so one source sequence is prefilled once and its
 KV cells are cloned and trimmed into the sequences each configuration needs.
-``LlamaEngine`` only exposes ``free_seq``, so :class:`_KvCells` does the
-cloning and trimming on the engine's memory handle.  Every timed tick is
+``LlamaEngine.copy_seq`` and ``trim_seq`` do the cloning and trimming.  Every timed tick is
 preceded by one untimed warm-up tick (which also absorbs llama.cpp's deferred
 cross-stream KV copy) and followed by a trim back to the same state, so the
 repeats of a configuration measure identical batches.
@@ -27,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -199,33 +198,6 @@ class Grid:
 DEFAULT_GRID = Grid()
 
 
-class _KvCells:
-    """Clone and trim sequences' KV cells, which the engine's public API cannot do."""
-
-    def __init__(self, engine: LlamaEngine) -> None:
-        import llama_cpp  # the engine is a LlamaEngine, so llama_cpp is loaded already
-
-        self._llama: Any = llama_cpp
-        self._memory: Any = engine._memory
-        self._engine = engine
-
-    def clone(self, src: int, dst: int, cells: int) -> None:
-        """Make ``dst`` hold ``src``'s first ``cells`` KV cells (the copy runs at the next decode)."""
-        if cells == 0:
-            self._engine.free_seq(dst)
-            return
-        self._llama.llama_memory_seq_cp(self._memory, src, dst, -1, -1)
-        self.trim(dst, cells)
-
-    def trim(self, seq: int, cells: int) -> None:
-        """Drop every cell of ``seq`` at position ``cells`` or later."""
-        if cells == 0:
-            self._engine.free_seq(seq)
-            return
-        if not self._llama.llama_memory_seq_rm(self._memory, seq, cells, -1):
-            raise RuntimeError(f"llama.cpp refused to trim seq {seq} to {cells} cells")
-
-
 def measure(
     engine: LlamaEngine,
     *,
@@ -247,7 +219,6 @@ def measure(
         raise ValueError("repeats must be at least 1")
     _check_fits(engine, grid)
     say = progress or (lambda _line: None)
-    kv = _KvCells(engine)
     greedy = Sampler(SamplingParams(temperature=0.0))
     tokens = _text_tokens(engine, grid.text_tokens)
     samples: list[TickSample] = []
@@ -263,9 +234,9 @@ def measure(
         for i in range(repeats + 1):
             took = engine.step_sync(entries).decode_s
             for seq in range(1, decoders + 1):
-                kv.trim(seq, ctx)
+                engine.trim_seq(seq, ctx)
             if chunk is not None:
-                kv.trim(grid.prefill_seq, chunk[0])
+                engine.trim_seq(grid.prefill_seq, chunk[0])
             if i > 0:
                 seconds.append(took)
                 samples.append(TickSample(decoders, chunk[1] if chunk else 0, kv_cells, took))
@@ -279,15 +250,15 @@ def measure(
         for ctx in grid.decode_contexts:
             for d in grid.decode_batches:
                 for seq in range(1, d + 1):
-                    kv.clone(0, seq, ctx)
+                    engine.copy_seq(0, seq, ctx)
                 say(f"decode  D={d} ctx={ctx:>4}: {_ms(timed(d, ctx, None))}")
                 for seq in range(1, d + 1):
                     engine.free_seq(seq)
         for start in grid.prefill_starts:
             for d in grid.mixed_batches:
                 for seq in range(1, d + 1):
-                    kv.clone(0, seq, grid.mixed_context)
-                kv.clone(0, grid.prefill_seq, start)
+                    engine.copy_seq(0, seq, grid.mixed_context)
+                engine.copy_seq(0, grid.prefill_seq, start)
                 for p in grid.prefill_chunks:
                     times = timed(d, grid.mixed_context, (start, p))
                     say(f"mixed   D={d} P={p:>3} start={start:>4}: {_ms(times)}")

@@ -45,7 +45,7 @@ from typing import Any
 from ..config import ServerConfig
 from .autotune import HillClimber
 from .bmt import MemoryProfile, trim_to_budget
-from .cost import CostCoefficients, TickCostModel
+from .cost import CostCoefficients, TickCostModel, kv_cells_read
 from .state import Plan, SchedulerState, SessionState, SkipReason
 
 
@@ -103,7 +103,7 @@ class _Batch:
     def predicted(self, extra_decode: Sequence[SessionState] = (), extra_prefill: int = 0) -> float:
         decode = [*self.decode, *extra_decode]
         prefill_tokens = sum(n for _, n in self.prefill) + extra_prefill
-        cells = sum(s.n_past for s in decode) + sum(n * (s.n_past + n // 2) for s, n in self.prefill)
+        cells = kv_cells_read([s.n_past for s in decode], [(s.n_past, n) for s, n in self.prefill])
         return self.cost.predict(len(decode), prefill_tokens, cells)
 
     def prefill_room(self, limit_s: float, candidates: Sequence[SessionState]) -> int:
@@ -330,7 +330,7 @@ class Policy:
     def observe(self, plan: Plan, state: SchedulerState, seconds: float) -> None:
         """Learn from the tick just run: cost model, hysteresis, rescue spacing, tuner."""
         n_past = {s.key: s.n_past for s in state.sessions}
-        cells = sum(n_past[k] for k in plan.decode) + sum(n * (n_past[k] + n // 2) for k, n in plan.prefill)
+        cells = kv_cells_read([n_past[k] for k in plan.decode], [(n_past[k], n) for k, n in plan.prefill])
         self.cost.observe(len(plan.decode), plan.prefill_tokens, cells, seconds)
         g = self.gauges
         g.last_budget_s, g.last_predicted_s = plan.budget_s, plan.predicted_s
