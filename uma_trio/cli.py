@@ -123,7 +123,8 @@ def serve(
         Tick budget (ms) when no interactive stream is decoding (throughput mode).
     latency_cap
         Tick budget as a multiple of the predicted decode-only tick of the interactive
-        streams; background work only fills the headroom above it.
+        streams (aimed 5% under, for prediction error); background work only fills the
+        headroom above that tick.
     tick_ms_min
         Floor of the tick budget (ms).
     interactive_reserve
