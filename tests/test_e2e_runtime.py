@@ -67,7 +67,7 @@ async def test_four_concurrent_clients_complete(server: Server) -> None:
     assert sorted(results) == [0, 1, 2, 3]
     for done in results.values():
         assert done.eos.reason in ("stop", "length") and done.text.strip()
-    assert server.metrics.requests_finished["stop"] + server.metrics.requests_finished["length"] == 4
+    assert sum(server.metrics.requests["interactive"][r] for r in ("stop", "length")) == 4
 
 
 async def test_short_request_gets_first_token_before_long_one_finishes(server: Server) -> None:

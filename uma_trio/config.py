@@ -35,8 +35,11 @@ class ServerConfig:
     idle_timeout_s: float = 300.0  # a connection with nothing in flight
     shutdown_grace_s: float = 10.0
     stream_buffer: int = 16  # token events held per request before it is parked
-    # Observability
-    metrics_interval_s: float = 10.0
+    # Observability (docs/METRICS.md)
+    metrics_interval_s: float = 10.0  # scorecard log line (and CSV row) period
+    metrics_window_s: float = 60.0  # sliding window of the windowed percentiles and the scorecard
+    metrics_port: int = 0  # Prometheus text on http://127.0.0.1:PORT/metrics; 0: off
+    scorecard_csv: Path | None = None  # append a scorecard row every metrics_interval_s
 
     def __post_init__(self) -> None:
         positive = {
@@ -45,6 +48,7 @@ class ServerConfig:
             "max_in_flight": self.max_in_flight, "max_frame_bytes": self.max_frame_bytes,
             "max_prompt_tokens": self.max_prompt_tokens, "max_tokens": self.max_tokens,
             "idle_timeout_s": self.idle_timeout_s, "metrics_interval_s": self.metrics_interval_s,
+            "metrics_window_s": self.metrics_window_s,
         }  # fmt: skip
         bad = [name for name, value in positive.items() if value <= 0]
         if bad:
@@ -61,5 +65,7 @@ class ServerConfig:
             raise ValueError("bmt_budget_gbps must not be negative")
         if self.interactive_reserve < 0:
             raise ValueError("interactive_reserve must not be negative")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError("metrics_port must be 0 (off) or a TCP port")
         if self.threads is not None and self.threads <= 0:
             raise ValueError("threads must be positive")

@@ -49,9 +49,8 @@ def policy_for(engine: LlamaEngine, config: ServerConfig) -> Policy:
     if gbps is None:
         gbps = probe_bandwidth_gbps()
         log.info("memory bandwidth probe: %.1f GB/s (set --bmt-budget-gbps to skip it)", gbps)
-    guard = None
-    if gbps > 0:
-        guard = BmtGuard(memory_profile(engine.model, engine.config.n_ubatch), gbps)
+    # With the guard off (0 GB/s) it still estimates each tick's bytes for the scorecard.
+    guard = BmtGuard(memory_profile(engine.model, engine.config.n_ubatch), gbps)
     return default_policy(config, guard)
 
 

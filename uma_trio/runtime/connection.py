@@ -118,6 +118,7 @@ class Connection:
 
     async def _start_request(self, request: GenerateRequest) -> None:
         rid = request.id
+        arrived = trio.current_time()
         if rid in self.requests:
             raise UmaError(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight", request_id=rid)
         if len(self.requests) >= self.config.max_in_flight:
@@ -144,7 +145,7 @@ class Connection:
             temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
             min_p=request.min_p, seed=request.seed,
         )  # fmt: skip
-        session = Session(request, prompt, Sampler(params), send, created=trio.current_time())
+        session = Session(request, prompt, Sampler(params), send, created=arrived, connection=self.number)
         self.loop.submit(session)  # raises when the daemon is full or stopping
         self.requests[rid] = session
         self._set_idle_deadline()
@@ -183,7 +184,7 @@ class Connection:
                 await trio.lowlevel.checkpoint()
 
     async def _send_error(self, error: UmaError) -> None:
-        self.server.metrics.errors[error.code] += 1
+        self.server.metrics.on_error(error.code)
         log.debug("connection %d: %s", self.number, error)
         await self._send(ErrorEvent(id=error.request_id, code=error.code, message=error.message))
 

@@ -35,11 +35,11 @@ import trio
 
 from ..config import ServerConfig
 from ..engine.base import BatchEntry, Engine, EngineError, Sampled
+from ..observability.metrics import Metrics
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEvent
 from ..sched.policy import Policy, default_policy
 from ..sched.state import Lane, Plan, SchedulerState, SessionState
-from .metrics import Metrics
 from .session import Phase, Session
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class DecodeLoop:
         self._background_seq_cap = max(1, engine.n_seq_max - config.interactive_reserve)
         self._state = SchedulerState(())
         self.kv_cells_used = 0
+        self._last_step_end: float | None = None  # None after the loop slept: no overhead to count
 
     # -- called from connection tasks (synchronous: they only record and wake) --
 
@@ -96,7 +97,7 @@ class DecodeLoop:
                 request_id=session.id,
             )
         self._waiting.append(session)
-        self.metrics.tokens_prompt += len(session.prompt)
+        self.metrics.on_submitted(session.lane, len(session.prompt))
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self.wake()
 
@@ -139,6 +140,7 @@ class DecodeLoop:
             plan = self._plan()
             if not plan:
                 self._update_idle()
+                self._last_step_end = None
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
                 continue
@@ -152,28 +154,37 @@ class DecodeLoop:
         try:
             result = await self.engine.step(entries)
         except EngineError as exc:
+            self._last_step_end = None
             self._fail_batch(plan, exc)
             return
         self.policy.observe(plan, self._state, result.decode_s)
-        self.metrics.ticks += 1
-        self.metrics.batch_tokens += result.n_tokens
-        self.metrics.decode_s_total += result.decode_s
         for seq_id, n in plan.prefill:
             session = self._active[seq_id]
             session.last_served_tick = self._tick
             session.n_past += n
+            session.computed_tokens += n
             if session.n_past == len(session.prompt):
                 session.phase = Phase.DECODE
         for seq_id in plan.decode:
             session = self._active[seq_id]
             session.last_served_tick = self._tick
             session.n_past += 1
+            session.computed_tokens += 1
             session.pending_token = None
         now = self._clock()
+        generated = 0
         for sampled in result.sampled:
             session = self._active[sampled.seq_id]
             if session.abort is None:
-                self._on_token(session, sampled, now)
+                generated += self._on_token(session, sampled, now)
+        # Overhead: wall time since the previous step ended, less this step's own time.
+        since = now - self._last_step_end if self._last_step_end is not None else result.decode_s
+        self.metrics.on_tick(
+            now, step_s=result.decode_s, overhead_s=max(0.0, since - result.decode_s),
+            decode_tokens=len(plan.decode), prefill_tokens=plan.prefill_tokens, generated=generated,
+            bmt_bytes=plan.bmt_bytes, cap_s=plan.cap_s,
+        )  # fmt: skip
+        self._last_step_end = now
 
     # -- steps of the loop ---------------------------------------------------------
 
@@ -184,8 +195,7 @@ class DecodeLoop:
                 continue
             if session.phase is Phase.WAITING:
                 self._waiting.remove(session)
-            self.metrics.cancels[session.abort or "client"] += 1
-            self._finish(session, "cancelled", cancel_reason=session.abort)
+            self._finish(session, "cancelled", cancel_reason=session.abort or "client")
 
     def _can_admit_now(self, session: Session) -> bool:
         if not self._free_seqs or self._reserved_cells + session.reserved_cells > self.engine.n_ctx:
@@ -212,6 +222,7 @@ class DecodeLoop:
             session.phase = Phase.PREFILL
             session.admitted = self._clock()
             session.admitted_tick = self._tick
+            self.metrics.on_admitted(session.lane, session.admitted - session.created, session.admitted)
             self._reserved_cells += session.reserved_cells
             self._active[session.seq_id] = session
 
@@ -263,14 +274,15 @@ class DecodeLoop:
             )
         return entries
 
-    def _on_token(self, session: Session, sampled: Sampled, now: float) -> None:
-        session.record_token_time(now)
+    def _on_token(self, session: Session, sampled: Sampled, now: float) -> int:
+        """Deliver one sampled token; returns 1 if it was a generated token, 0 for end-of-generation."""
         session.last_token_id = sampled.token_id
         if sampled.is_eog:
             self._finish(session, "stop")
-            return
+            return 0
+        ttft, gap = session.record_token_time(now)
         session.generated += 1
-        self.metrics.tokens_generated += 1
+        self.metrics.on_token(session.lane, now, ttft_s=ttft, gap_s=gap)
         delta = session.text.push(sampled.piece)
         self._emit(session, delta.text, sampled.token_id)
         if delta.stopped:
@@ -279,6 +291,7 @@ class DecodeLoop:
             self._finish(session, "length")
         else:
             session.pending_token = sampled.token_id
+        return 1
 
     def _emit(self, session: Session, text: str, token_id: int) -> None:
         if not text:
@@ -300,7 +313,7 @@ class DecodeLoop:
         for seq_id in {*plan.decode, *(k for k, _ in plan.prefill)}:
             session = self._active[seq_id]
             session.error = ErrorEvent(id=session.id, code=code, message=str(exc))
-            self.metrics.errors[code] += 1
+            self.metrics.on_error(code)
             self._finish(session, "error")
 
     def _finish(
@@ -313,11 +326,15 @@ class DecodeLoop:
             del self._active[session.seq_id]
             self._free_seqs.append(session.seq_id)
             self._reserved_cells -= session.reserved_cells
+        now = self._clock()
         session.phase = Phase.DONE
         session.pending_token = None
-        session.final = session.eos_event(reason, self._clock(), cancel_reason)
+        session.final = session.eos_event(reason, now, cancel_reason)
         session.events.close()
-        self.metrics.requests_finished[reason] += 1
+        self.metrics.on_finished(
+            session.lane, reason, now, e2e_s=now - session.created,
+            computed_tokens=session.computed_tokens, cancel_reason=cancel_reason,
+        )  # fmt: skip
 
     def _update_idle(self) -> None:
         if not self._waiting and not self._active:
@@ -327,7 +344,9 @@ class DecodeLoop:
 
     def gauges(self) -> dict[str, Any]:
         sessions = list(self._active.values())
+        now = self._clock()
         return {
+            "in_flight": [self._describe(s, now) for s in [*sessions, *self._waiting]],
             "sessions": {
                 "active": len(sessions),
                 "waiting": len(self._waiting),
@@ -344,4 +363,22 @@ class DecodeLoop:
                 "seqs_total": self.engine.n_seq_max,
                 "seqs_free": len(self._free_seqs),
             },
+        }
+
+    @staticmethod
+    def _describe(session: Session, now: float) -> dict[str, Any]:
+        """One row of the live view: where a request stands and how long since its last token."""
+        since = session.last_token if session.last_token is not None else session.created
+        return {
+            "id": session.id,
+            "connection": session.connection,
+            "lane": session.lane,
+            "phase": session.phase.value,
+            "parked": session.parked,
+            "prompt_tokens": len(session.prompt),
+            "prefilled": min(session.n_past, len(session.prompt)),
+            "generated": session.generated,
+            "max_tokens": session.request.max_tokens,
+            "age_ms": round((now - session.created) * 1000.0, 1),
+            "gap_ms": round((now - since) * 1000.0, 1),
         }

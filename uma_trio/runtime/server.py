@@ -9,21 +9,29 @@ flush those events, then cancel everything.  A second signal skips the grace.
 
 from __future__ import annotations
 
+import csv
 import logging
 import signal
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import trio
 
 from ..config import ServerConfig
 from ..engine.base import Engine, TokenArray
+from ..observability.metrics import Metrics
+from ..observability.process import ProcessSampler
+from ..observability.prometheus import build_registry
+from ..observability.scorecard import CSV_FIELDS, Scorecard, scorecard
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest
 from ..sched.policy import Policy
 from .connection import Connection
 from .decode_loop import DecodeLoop
-from .metrics import Metrics
+from .metrics_http import serve_metrics_http
 from .unix_socket import bind_unix_listener, unlink_if_ours
 
 T = TypeVar("T")
@@ -38,8 +46,11 @@ class Server:
     def __init__(self, engine: Engine, config: ServerConfig, policy: Policy | None = None) -> None:
         self.engine = engine
         self.config = config
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.metrics_window_s)
         self.loop = DecodeLoop(engine, config, self.metrics, policy=policy)
+        self.process = ProcessSampler()
+        self.registry = build_registry(self.metrics.registry, self.metrics_snapshot)
+        self.metrics_url: str | None = None  # set once --metrics-port serves
         self._connections: set[Connection] = set()
         self._shutdown = trio.Event()
         self._force = trio.Event()
@@ -61,6 +72,10 @@ class Server:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.loop.run)
                 nursery.start_soon(self._metrics_task)
+                if self.config.metrics_port:
+                    self.metrics_url = await nursery.start(
+                        serve_metrics_http, self.registry, self.config.metrics_port
+                    )
                 if handle_signals:
                     nursery.start_soon(self._signal_task)
                 async with trio.open_nursery() as connections:
@@ -84,10 +99,19 @@ class Server:
             self._force.set()
 
     def metrics_snapshot(self) -> dict[str, Any]:
-        snapshot = self.metrics.snapshot(trio.current_time())
+        """Everything docs/METRICS.md lists, as plain JSON-ready data."""
+        now = trio.current_time()
+        process = self.process.sample()
+        snapshot = self.metrics.snapshot(now)
         snapshot["model"] = self.engine.model_name
         snapshot.update(self.loop.gauges())
+        snapshot["process"] = msgspec.to_builtins(process)
+        snapshot["scorecard"] = msgspec.to_builtins(self.scorecard(now, process.rss_bytes))
         return snapshot
+
+    def scorecard(self, now: float, rss_bytes: int | None = None) -> Scorecard:
+        rss = self.process.sample().rss_bytes if rss_bytes is None else rss_bytes
+        return scorecard(self.metrics, now, latency_cap=self.config.latency_cap, rss_bytes=rss)
 
     async def _off_loop(self, fn: Callable[[T], R], arg: T) -> R:
         # A simulated engine tokenizes instantly and must stay on the loop: under
@@ -183,16 +207,28 @@ class Server:
                 self.request_shutdown(force=not first)
 
     async def _metrics_task(self) -> None:
-        last_tokens = 0
-        interval = self.config.metrics_interval_s
+        """Every ``metrics_interval_s``: a scorecard line in the log and, with
+        ``--scorecard-csv``, a CSV row."""
+        csv_path = self.config.scorecard_csv
         while True:
-            await trio.sleep(interval)
-            snap = self.metrics_snapshot()
-            generated = snap["tokens_generated"]
-            log.info(
-                "metrics: %.1f tok/s, sessions %s, kv %d/%d, budget %.1f ms, decode_ms_ewma %.1f",
-                (generated - last_tokens) / interval, snap["sessions"],
-                snap["kv"]["cells_used"], snap["kv"]["cells_total"],
-                snap["scheduler"]["budget_ms_last"], snap["scheduler"]["decode_ms_ewma"],
-            )  # fmt: skip
-            last_tokens = generated
+            await trio.sleep(self.config.metrics_interval_s)
+            now = trio.current_time()
+            card = self.scorecard(now)
+            log.info("%s", card.log_line())
+            if csv_path is not None:
+                row = {"unix_time": round(time.time(), 3), "uptime_s": round(now - self.metrics.started, 3)}
+                row.update(msgspec.to_builtins(card))
+                try:
+                    await trio.to_thread.run_sync(append_csv_row, csv_path, row)
+                except OSError as exc:
+                    log.warning("cannot append to %s: %s", csv_path, exc)
+
+
+def append_csv_row(path: Path, row: dict[str, Any]) -> None:
+    """Append ``row``; write the header first when the file is new or empty."""
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=CSV_FIELDS)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)

@@ -44,7 +44,8 @@ class Session:
     prompt: TokenArray
     sampler: Sampler
     events: trio.MemorySendChannel[TokenEvent]
-    created: float
+    created: float  # when the request's frame arrived
+    connection: int = 0  # the connection's number, for the live view
     text: TextStream = field(init=False)
     phase: Phase = Phase.WAITING
     seq_id: int | None = None
@@ -52,6 +53,7 @@ class Session:
     pending_token: int | None = None  # sampled, to be fed next tick
     last_token_id: int = -1  # the latest sampled token (tags held-back text sent at the end)
     generated: int = 0
+    computed_tokens: int = 0  # prompt and fed-back tokens this request put through the engine
     lane: Lane = "interactive"  # from the request's priority; a priority message moves it
     last_served_tick: int = -1  # the last tick this session was in the batch
     admitted_tick: int = 0
@@ -86,12 +88,17 @@ class Session:
     def finished(self) -> bool:
         return self.final is not None
 
-    def record_token_time(self, now: float) -> None:
+    def record_token_time(self, now: float) -> tuple[float | None, float | None]:
+        """Note a generated token; returns ``(ttft, None)`` for the first, ``(None, gap)`` after."""
+        ttft = gap = None
         if self.first_token is None:
             self.first_token = now
+            ttft = now - self.created
         elif self.last_token is not None:
-            self.gaps.append(now - self.last_token)
+            gap = now - self.last_token
+            self.gaps.append(gap)
         self.last_token = now
+        return ttft, gap
 
     def eos_event(self, reason: FinishReason, now: float, cancel_reason: CancelReason | None) -> EosEvent:
         usage = Usage(len(self.prompt), self.generated, len(self.prompt) + self.generated)

@@ -44,7 +44,7 @@ from typing import Any
 
 from ..config import ServerConfig
 from .autotune import HillClimber
-from .bmt import MemoryProfile, trim_to_budget
+from .bmt import MemoryProfile, tick_bytes, trim_to_budget
 from .cost import CostCoefficients, TickCostModel, kv_cells_read
 from .state import Plan, SchedulerState, SessionState, SkipReason
 
@@ -222,6 +222,7 @@ def plan_tick(
         budget_s=budget,
         predicted_s=batch.predicted(),
         rescue=rescue,
+        cap_s=config.latency_cap * baseline if interactive_decoders else 0.0,
     )
 
 
@@ -299,6 +300,8 @@ class Policy:
             controls = replace(controls, background_limit=self.tuner.limit)
         plan = plan_tick(state, self.config, self.cost.coefficients, controls)
         if self.bmt_guard is not None and plan:
+            if not self.bmt_guard.trims:
+                return replace(plan, bmt_bytes=self.bmt_guard.estimate(plan, state))
             self.gauges.bmt_budget_last = self.bmt_guard.budget_bytes(plan)
             guarded = self.bmt_guard.apply(plan, state)
             # Liveness beats the guard: a tick over the bandwidth budget is slow, an empty
@@ -362,10 +365,24 @@ class Policy:
 
 @dataclass(frozen=True)
 class BmtGuard:
-    """Stage 7: keep the bytes a tick moves within ``bandwidth × tick budget``."""
+    """Stage 7: keep the bytes a tick moves within ``bandwidth × tick budget``.
+
+    With ``bandwidth_gbps`` 0 it only estimates each plan's bytes (for the
+    ΣBMT-per-token figure) and trims nothing.
+    """
 
     profile: MemoryProfile
     bandwidth_gbps: float
+
+    @property
+    def trims(self) -> bool:
+        return self.bandwidth_gbps > 0
+
+    def estimate(self, plan: Plan, state: SchedulerState) -> int:
+        n_past = {s.key: s.n_past for s in state.sessions}
+        return tick_bytes(
+            self.profile, [n_past[k] for k in plan.decode], [(n_past[k], n) for k, n in plan.prefill]
+        )
 
     def budget_bytes(self, plan: Plan) -> int:
         seconds = max(plan.budget_s, plan.predicted_s) if plan.rescue else plan.budget_s

@@ -52,7 +52,8 @@ class Plan:
     budget_s: float = 0.0  # the tick-time budget the plan was built for
     predicted_s: float = 0.0  # the cost model's estimate of this batch
     rescue: bool = False  # over budget on purpose, so a starving session moves
-    bmt_bytes: int = 0  # estimated bytes the batch moves (0: guard off)
+    bmt_bytes: int = 0  # estimated bytes the batch moves (0: no memory profile)
+    cap_s: float = 0.0  # latency_cap × interactive decode-only baseline (0: no interactive decoder)
 
     @property
     def n_tokens(self) -> int:

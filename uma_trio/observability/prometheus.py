@@ -1,0 +1,166 @@
+"""Prometheus text exposition of the metrics snapshot (``prometheus_client``).
+
+Latency histograms are live ``prometheus_client`` histograms kept by
+:class:`~.metrics.Metrics`; process figures come from its standard
+``ProcessCollector``.  Everything else is read from the same JSON snapshot the
+socket's ``metrics`` request returns, by :class:`SnapshotCollector`, so the two
+views never disagree.  Names follow Prometheus conventions: base units
+(seconds, bytes, ratios), ``_total`` for counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MS = 1e-3
+
+Snapshot = Callable[[], dict[str, Any]]
+
+
+def _counter(
+    name: str, doc: str, labels: list[str], rows: dict[Any, Any] | int | float
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    if isinstance(rows, dict):
+        for key, value in sorted(rows.items()):
+            family.add_metric(list(key) if isinstance(key, tuple) else [str(key)], value)
+    else:
+        family.add_metric([], rows)
+    return family
+
+
+def _gauge(name: str, doc: str, labels: list[str], rows: dict[Any, Any]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=labels)
+    for key, value in sorted(rows.items()):
+        if value is not None:
+            family.add_metric(list(key) if isinstance(key, tuple) else ([str(key)] if labels else []), value)
+    return family
+
+
+class SnapshotCollector(Collector):
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        requests = {(lane, outcome): n for lane, by in snap["requests"].items() for outcome, n in by.items()}
+        yield _counter("uma_requests", "Requests ended, by lane and outcome", ["lane", "outcome"], requests)
+        yield _counter("uma_cancels", "Requests cancelled, by cause", ["reason"], snap["cancels"])
+        yield _counter("uma_errors", "Error events sent, by code", ["code"], snap["errors"])
+        yield _counter("uma_prompt_tokens", "Prompt tokens accepted", ["lane"], snap["tokens"]["prompt"])
+        yield _counter("uma_generated_tokens", "Tokens generated", ["lane"], snap["tokens"]["generated"])
+        yield _counter("uma_ticks", "Engine steps run", [], snap["ticks"])
+        yield _counter("uma_batch_tokens", "Tokens fed to the engine", ["kind"], snap["batch_tokens"])
+        yield _counter("uma_engine_busy_seconds", "Seconds inside engine steps", [], snap["decode_s_total"])
+        yield _counter("uma_connections", "Connections accepted", [], snap["connections"]["total"])
+        yield _counter("uma_lane_changes", "Priority messages that moved a request", [], snap["lane_changes"])
+
+        yield _gauge("uma_connections_open", "Connections open now", [], {"": snap["connections"]["open"]})
+        yield _gauge("uma_sessions", "Requests by state", ["state"], snap["sessions"])
+        kv = snap["kv"]
+        yield _gauge(
+            "uma_kv_cells", "KV cache cells", ["kind"],
+            {k: kv[f"cells_{k}"] for k in ("total", "used", "reserved", "per_seq")},
+        )  # fmt: skip
+        yield _gauge(
+            "uma_kv_seqs", "KV sequence ids", ["kind"], {"total": kv["seqs_total"], "free": kv["seqs_free"]}
+        )
+        yield from self._scheduler(snap["scheduler"])
+        yield from self._window_quantiles(snap["latency"]["window"])
+        yield from self._scorecard(snap["scorecard"])
+
+    def _scheduler(self, s: dict[str, Any]) -> Iterator[Metric]:
+        yield _gauge(
+            "uma_scheduler_tick_seconds", "Last tick: measured, budget, predicted, smoothed", ["kind"],
+            {"last": s["decode_ms_last"] * MS, "ewma": s["decode_ms_ewma"] * MS,
+             "budget": s["budget_ms_last"] * MS, "predicted": s["predicted_ms_last"] * MS},
+        )  # fmt: skip
+        yield _gauge(
+            "uma_scheduler_tokens_per_tick", "Tokens in the last tick", ["kind"], s["tokens_per_tick"]
+        )
+        yield _gauge(
+            "uma_scheduler_served_decoders", "Decoders in the last tick", [], {"": s["served_decoders"]}
+        )
+        yield _gauge(
+            "uma_scheduler_prefill_guard_active", "1 while background prefill is held or ramping", [],
+            {"": int(s["prefill_guard_active"])},
+        )  # fmt: skip
+        yield _counter(
+            "uma_scheduler_ticks_over_budget", "Ticks over budget × 1.25", [], s["ticks_over_budget"]
+        )
+        yield _counter(
+            "uma_scheduler_rescue_ticks", "Ticks that served a starving session", [], s["rescue_ticks"]
+        )
+        yield _gauge(
+            "uma_scheduler_bmt_bytes", "Last tick's ΣBMT estimate and the guard's budget", ["kind"],
+            {"estimate": s["bmt_estimate_last"], "budget": s["bmt_budget"]},
+        )  # fmt: skip
+
+    def _window_quantiles(self, window: dict[str, Any]) -> Iterator[Metric]:
+        names = {
+            "queue_ms": "uma_queue_wait_window_seconds",
+            "ttft_ms": "uma_time_to_first_token_window_seconds",
+            "itl_ms": "uma_inter_token_latency_window_seconds",
+            "e2e_ms": "uma_request_duration_window_seconds",
+        }
+        for key, name in names.items():
+            rows = {
+                (lane, quantile): window[lane][key][q] * MS
+                for lane in ("interactive", "background")
+                for q, quantile in _QUANTILES.items()
+                if window[lane][key][q] is not None
+            }
+            yield _gauge(name, f"{key[:-3]} over the sliding window, by quantile", ["lane", "quantile"], rows)
+
+    def _scorecard(self, card: dict[str, Any]) -> Iterator[Metric]:
+        pct = 0.01
+        rows: dict[str, tuple[str, float | None]] = {
+            "uma_scorecard_tokens_per_second": ("Generated tokens/s over the window", card["tokens_per_s"]),
+            "uma_scorecard_tokens_at_cap_per_second": (
+                "Generated tokens/s of ticks that kept the latency cap",
+                card["tokens_per_s_at_cap"],
+            ),
+            "uma_scorecard_latency_cap_ratio": ("Configured latency cap", card["latency_cap"]),
+            "uma_scorecard_cap_kept_ratio": (
+                "Capped ticks that kept the cap",
+                _scale(card["cap_kept_pct"], pct),
+            ),
+            "uma_scorecard_scheduler_efficiency_ratio": (
+                "Useful batch tokens / batch tokens spent",
+                card["scheduler_efficiency"],
+            ),
+            "uma_scorecard_engine_idle_ratio": (
+                "Engine idle between back-to-back steps",
+                _scale(card["engine_idle_pct"], pct),
+            ),
+            "uma_scorecard_bmt_bytes_per_token": (
+                "Estimated bytes moved per generated token",
+                _scale(card["sum_bmt_mb_per_token"], 1e6),
+            ),
+        }
+        for name, (doc, value) in rows.items():
+            yield _gauge(name, doc, [], {"": value})
+
+
+_QUANTILES = {"p50": "0.5", "p95": "0.95", "p99": "0.99", "max": "1"}
+
+
+def _scale(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
+def build_registry(registry: CollectorRegistry, snapshot: Snapshot) -> CollectorRegistry:
+    """Add the snapshot and process collectors to the registry holding the histograms."""
+    registry.register(SnapshotCollector(snapshot))
+    ProcessCollector(registry=registry)
+    return registry
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)
