@@ -60,3 +60,27 @@ class RawClient:
 
 def text_of(events: list[dict[str, Any]]) -> str:
     return "".join(e["text"] for e in events if e["event"] == "token")
+
+
+def assert_lane_percentiles_agree(latency: dict[str, Any], records: list[Any], lane: str) -> None:
+    """The daemon's run-wide TTFT and token-gap percentiles for ``lane`` match those computed
+    from the client-side timestamps of ``records`` (loadgen RequestRecords) within one
+    sketch bucket.  Same rank rule on both sides: numpy's "lower" method."""
+    import numpy as np
+
+    from uma_trio.loadgen.stats import gaps, ttft
+    from uma_trio.observability.latency import GAMMA
+
+    mine = [r for r in records if r.lane == lane]
+    client = {
+        "itl_ms": np.concatenate([gaps(r) for r in mine]) * 1000.0,
+        "ttft_ms": np.asarray([t for t in map(ttft, mine) if t is not None]) * 1000.0,
+    }
+    for key, values in client.items():
+        server = latency["run"][lane][key]
+        assert server["count"] == len(values), (lane, key)
+        for q in (50, 95, 99):
+            exact = float(np.percentile(values, q, method="lower"))
+            width = exact * (GAMMA - 1.0)
+            assert abs(server[f"p{q}"] - exact) <= width, (lane, key, q, server[f"p{q}"], exact, width)
+        assert abs(server["max"] - values.max()) <= values.max() * (GAMMA - 1.0)

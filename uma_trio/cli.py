@@ -10,7 +10,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import anyio
 import cyclopts
@@ -77,6 +77,9 @@ def serve(
     bmt_budget_gbps: float | None = None,
     cost_model: Path | None = None,
     metrics_interval: float = _DEFAULTS.metrics_interval_s,
+    metrics_window: float = _DEFAULTS.metrics_window_s,
+    metrics_port: int | None = None,
+    scorecard_csv: Path | None = None,
     log_level: LogLevel = "info",
 ) -> int:
     """Run the daemon in the foreground until SIGINT/SIGTERM.
@@ -136,7 +139,14 @@ def serve(
         Tick-cost coefficients written by `uma-trio calibrate`; default: that command's
         default output if it exists, else built-in coefficients for a 2-core CPU.
     metrics_interval
-        Seconds between metrics log lines.
+        Seconds between scorecard lines in the log (and --scorecard-csv rows).
+    metrics_window
+        Seconds covered by the windowed percentiles and the scorecard.
+    metrics_port
+        Serve Prometheus text at http://127.0.0.1:PORT/metrics (loopback only; 0 picks a free
+        port, logged). Default: off.
+    scorecard_csv
+        Append a scorecard row to this CSV file every --metrics-interval seconds.
     log_level
         Logging verbosity.
     """
@@ -152,7 +162,8 @@ def serve(
             idle_timeout_s=idle_timeout, shutdown_grace_s=shutdown_grace, tick_ms=tick_ms,
             latency_cap=latency_cap, tick_ms_min=tick_ms_min, interactive_reserve=interactive_reserve,
             bmt_budget_gbps=bmt_budget_gbps, cost_model=cost_model or _calibrated_cost_model(),
-            metrics_interval_s=metrics_interval,
+            metrics_interval_s=metrics_interval, metrics_window_s=metrics_window,
+            metrics_port=metrics_port, scorecard_csv=scorecard_csv,
         )  # fmt: skip
         model_path = check_model_path(model) if model is not None else ensure_default_model()
     except (ValueError, ModelFileError) as exc:
@@ -239,16 +250,20 @@ async def _generate(socket: Path, request: dict[str, object]) -> int:
 
 
 @app.command
-def metrics(*, socket: SocketPath = DEFAULT_SOCKET) -> int:
-    """Print the daemon's metrics snapshot as JSON.
+def metrics(
+    *, socket: SocketPath = DEFAULT_SOCKET, json_: Annotated[bool, Parameter(name="--json")] = False
+) -> int:
+    """Print the daemon's metrics: tables, or the raw snapshot with --json (docs/METRICS.md).
 
     Parameters
     ----------
     socket
         Unix socket path of the daemon.
+    json_
+        Print the snapshot as JSON instead of tables.
     """
 
-    async def fetch() -> dict[str, object]:
+    async def fetch() -> dict[str, Any]:
         async with UmaClient.connect(socket) as client:
             return await client.metrics()
 
@@ -257,7 +272,42 @@ def metrics(*, socket: SocketPath = DEFAULT_SOCKET) -> int:
     except (ConnectionLost, OSError) as exc:
         print(f"cannot talk to the daemon at {socket}: {exc}", file=sys.stderr)
         return EXIT_PROTOCOL_ERROR
-    print(json.dumps(snapshot, indent=2, sort_keys=True))
+    if json_:
+        print(json.dumps(snapshot, indent=2, sort_keys=True))
+    else:
+        from rich.console import Console
+
+        from .observability.views import report
+
+        Console().print(report(snapshot))
+    return 0
+
+
+@app.command
+def top(*, socket: SocketPath = DEFAULT_SOCKET, interval: float = 1.0, once: bool = False) -> int:
+    """A live view of the daemon: requests in flight, lane latencies, the scorecard.
+
+    Parameters
+    ----------
+    socket
+        Unix socket path of the daemon.
+    interval
+        Seconds between refreshes.
+    once
+        Draw one frame and exit (for scripts).
+    """
+    from .top import run_top
+
+    if interval <= 0:
+        print("error: --interval must be positive", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    try:
+        trio.run(run_top, socket, interval, once)
+    except (ConnectionLost, OSError) as exc:
+        print(f"cannot talk to the daemon at {socket}: {exc}", file=sys.stderr)
+        return EXIT_PROTOCOL_ERROR
+    except KeyboardInterrupt:
+        pass
     return 0
 
 

@@ -94,9 +94,12 @@ class UmaClient:
                 if isinstance(item, Exception):
                     finished = True
                     raise item
+                # Mark the end before yielding: a caller may stop iterating at the eos itself,
+                # and a cancel for a finished request would be an E_PROTO_007 error.
+                last = isinstance(item, (EosEvent, ErrorEvent))
+                finished = finished or last
                 yield item
-                if isinstance(item, (EosEvent, ErrorEvent)):
-                    finished = True
+                if last:
                     return
 
         try:

@@ -38,7 +38,7 @@ class ServerConfig:
     # Observability (docs/METRICS.md)
     metrics_interval_s: float = 10.0  # scorecard log line (and CSV row) period
     metrics_window_s: float = 60.0  # sliding window of the windowed percentiles and the scorecard
-    metrics_port: int = 0  # Prometheus text on http://127.0.0.1:PORT/metrics; 0: off
+    metrics_port: int | None = None  # Prometheus text on http://127.0.0.1:PORT/metrics; 0: any free port
     scorecard_csv: Path | None = None  # append a scorecard row every metrics_interval_s
 
     def __post_init__(self) -> None:
@@ -65,7 +65,7 @@ class ServerConfig:
             raise ValueError("bmt_budget_gbps must not be negative")
         if self.interactive_reserve < 0:
             raise ValueError("interactive_reserve must not be negative")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError("metrics_port must be 0 (off) or a TCP port")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError("metrics_port must be a TCP port (0: any free one)")
         if self.threads is not None and self.threads <= 0:
             raise ValueError("threads must be positive")

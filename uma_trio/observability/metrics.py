@@ -120,9 +120,11 @@ class Metrics:
     def on_admitted(self, lane: Lane, queue_s: float, now: float) -> None:
         self._latency("queue", lane, queue_s, now)
 
-    def on_token(self, lane: Lane, now: float, *, ttft_s: float | None, gap_s: float | None) -> None:
-        """A token was generated for a request (its first when ``ttft_s`` is set)."""
+    def on_generated(self, lane: Lane) -> None:
         self.tokens_generated[lane] += 1
+
+    def on_token_latency(self, lane: Lane, now: float, *, ttft_s: float | None, gap_s: float | None) -> None:
+        """A request's token reached its client (its first when ``ttft_s`` is set)."""
         if ttft_s is not None:
             self._latency("ttft", lane, ttft_s, now)
         if gap_s is not None:

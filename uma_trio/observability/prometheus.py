@@ -13,11 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# `_created` series are an OpenMetrics idea; in the classic text format they show up as
+# stray gauges.  Process-wide, and this process is the daemon.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
 MS = 1e-3
 
 Snapshot = Callable[[], dict[str, Any]]
@@ -78,8 +81,8 @@ class SnapshotCollector(Collector):
     def _scheduler(self, s: dict[str, Any]) -> Iterator[Metric]:
         yield _gauge(
             "uma_scheduler_tick_seconds", "Last tick: measured, budget, predicted, smoothed", ["kind"],
-            {"last": s["decode_ms_last"] * MS, "ewma": s["decode_ms_ewma"] * MS,
-             "budget": s["budget_ms_last"] * MS, "predicted": s["predicted_ms_last"] * MS},
+            {"last": _seconds(s["decode_ms_last"]), "ewma": _seconds(s["decode_ms_ewma"]),
+             "budget": _seconds(s["budget_ms_last"]), "predicted": _seconds(s["predicted_ms_last"])},
         )  # fmt: skip
         yield _gauge(
             "uma_scheduler_tokens_per_tick", "Tokens in the last tick", ["kind"], s["tokens_per_tick"]
@@ -111,7 +114,7 @@ class SnapshotCollector(Collector):
         }
         for key, name in names.items():
             rows = {
-                (lane, quantile): window[lane][key][q] * MS
+                (lane, quantile): _seconds(window[lane][key][q])
                 for lane in ("interactive", "background")
                 for q, quantile in _QUANTILES.items()
                 if window[lane][key][q] is not None
@@ -139,13 +142,17 @@ class SnapshotCollector(Collector):
                 "Engine idle between back-to-back steps",
                 _scale(card["engine_idle_pct"], pct),
             ),
-            "uma_scorecard_bmt_bytes_per_token": (
+            "uma_scorecard_bmt_per_token_bytes": (
                 "Estimated bytes moved per generated token",
                 _scale(card["sum_bmt_mb_per_token"], 1e6),
             ),
         }
         for name, (doc, value) in rows.items():
             yield _gauge(name, doc, [], {"": value})
+
+
+def _seconds(ms: float) -> float:
+    return round(ms * MS, 9)  # ms figures are rounded to µs; keep the text free of float noise
 
 
 _QUANTILES = {"p50": "0.5", "p95": "0.95", "p99": "0.99", "max": "1"}

@@ -14,6 +14,7 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
+import msgspec
 import trio
 
 from ..engine.sampling import Sampler, SamplingParams
@@ -162,10 +163,17 @@ class Connection:
                     if session.parked:
                         self.loop.wake()
                     await self._send(event)
+                    # Latency is measured here, as the client will feel it: the daemon's own
+                    # event-loop delays between sampling and writing are part of it.
+                    now = trio.current_time()
+                    ttft, gap = session.delivered_at.record(now, session.created)
+                    self.server.metrics.on_token_latency(session.lane, now, ttft_s=ttft, gap_s=gap)
             if session.error is not None:
                 await self._send(session.error)
             if session.final is not None:
-                await self._send(session.final)
+                # Re-time the eos now that every token has been written.
+                final = msgspec.structs.replace(session.final, timings=session.timings(trio.current_time()))
+                await self._send(final)
         finally:
             # A hang-up lands here through Cancelled: the decode loop frees the request.
             self.loop.cancel(session, "disconnect")

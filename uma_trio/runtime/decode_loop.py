@@ -280,9 +280,11 @@ class DecodeLoop:
         if sampled.is_eog:
             self._finish(session, "stop")
             return 0
-        ttft, gap = session.record_token_time(now)
+        ttft, gap = session.generated_at.record(now, session.created)
         session.generated += 1
-        self.metrics.on_token(session.lane, now, ttft_s=ttft, gap_s=gap)
+        self.metrics.on_generated(session.lane)
+        if not session.request.stream:  # a stream's latencies are taken as its connection writes
+            self.metrics.on_token_latency(session.lane, now, ttft_s=ttft, gap_s=gap)
         delta = session.text.push(sampled.piece)
         self._emit(session, delta.text, sampled.token_id)
         if delta.stopped:

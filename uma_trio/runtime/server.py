@@ -72,7 +72,7 @@ class Server:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.loop.run)
                 nursery.start_soon(self._metrics_task)
-                if self.config.metrics_port:
+                if self.config.metrics_port is not None:
                     self.metrics_url = await nursery.start(
                         serve_metrics_http, self.registry, self.config.metrics_port
                     )

@@ -60,9 +60,8 @@ class Session:
     parked: bool = False
     abort: CancelReason | None = None
     admitted: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    gaps: list[float] = field(default_factory=list)
+    generated_at: TokenTimes = field(default_factory=lambda: TokenTimes())  # when sampled
+    delivered_at: TokenTimes = field(default_factory=lambda: TokenTimes())  # when written (streams)
     pieces: list[str] = field(default_factory=list)  # whole text, non-stream only
     error: ErrorEvent | None = None
     final: EosEvent | None = None
@@ -88,17 +87,14 @@ class Session:
     def finished(self) -> bool:
         return self.final is not None
 
-    def record_token_time(self, now: float) -> tuple[float | None, float | None]:
-        """Note a generated token; returns ``(ttft, None)`` for the first, ``(None, gap)`` after."""
-        ttft = gap = None
-        if self.first_token is None:
-            self.first_token = now
-            ttft = now - self.created
-        elif self.last_token is not None:
-            gap = now - self.last_token
-            self.gaps.append(gap)
-        self.last_token = now
-        return ttft, gap
+    @property
+    def last_token(self) -> float | None:
+        return self.generated_at.last
+
+    @property
+    def felt(self) -> TokenTimes:
+        """The token times the client felt: written to its socket for a stream, else generated."""
+        return self.delivered_at if self.request.stream else self.generated_at
 
     def eos_event(self, reason: FinishReason, now: float, cancel_reason: CancelReason | None) -> EosEvent:
         usage = Usage(len(self.prompt), self.generated, len(self.prompt) + self.generated)
@@ -106,24 +102,46 @@ class Session:
             id=self.id,
             reason=reason,
             usage=usage,
-            timings=self._timings(now),
+            timings=self.timings(now),
             text="".join(self.pieces) if not self.request.stream else None,
             cancel_reason=cancel_reason,
         )
 
-    def _timings(self, now: float) -> Timings:
+    def timings(self, now: float) -> Timings:
         ms = 1000.0
         started = self.admitted if self.admitted is not None else now
         timings = Timings(queue_ms=(started - self.created) * ms, total_ms=(now - self.created) * ms)
-        if self.first_token is not None:
-            timings.ttft_ms = (self.first_token - self.created) * ms
-        if self.gaps:
-            gaps = np.asarray(self.gaps) * ms
+        times = self.felt
+        if times.first is not None:
+            timings.ttft_ms = (times.first - self.created) * ms
+        if times.gaps:
+            gaps = np.asarray(times.gaps) * ms
             timings.itl_p50_ms = float(np.percentile(gaps, 50))
             timings.itl_p95_ms = float(np.percentile(gaps, 95))
             timings.itl_max_ms = float(gaps.max())
-        if self.first_token is not None and self.last_token is not None and self.generated > 1:
-            span = self.last_token - self.first_token
+        if times.first is not None and times.last is not None and len(times.gaps) > 0:
+            span = times.last - times.first
             if span > 0:
                 timings.tokens_per_s = (self.generated - 1) / span
         return timings
+
+
+@dataclass
+class TokenTimes:
+    """When a request's tokens happened: the first, the last, and every gap between."""
+
+    first: float | None = None
+    last: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+    def record(self, now: float, created: float) -> tuple[float | None, float | None]:
+        """Note one token; returns ``(ttft, None)`` for the first, ``(None, gap)`` after."""
+        ttft = gap = None
+        if self.first is None:
+            self.first = now
+            ttft = now - created
+        elif self.last is not None:
+            gap = now - self.last
+            self.gaps.append(gap)
+        self.last = now
+        return ttft, gap

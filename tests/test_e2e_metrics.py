@@ -1,0 +1,124 @@
+"""Metrics after a scripted run of known requests on the real model: counters equal what was
+sent, percentiles equal the clients' own, and the Prometheus text parses."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections import Counter
+from typing import Any
+
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from uma_trio.config import ServerConfig
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.loadgen.runner import run_scenario
+from uma_trio.loadgen.scenario import ClientSpec, Scenario
+from uma_trio.observability.prometheus import exposition
+
+from .conftest import running_server
+from .helpers import RawClient, assert_lane_percentiles_agree, frame
+
+pytestmark = pytest.mark.model
+
+SCENARIO = Scenario(
+    name="metrics",
+    clients=[
+        *(ClientSpec(name=f"chat-{i}", prompt_tokens=20, max_tokens=40, requests=2) for i in range(3)),
+        ClientSpec(name="bulk", lane="background", prompt_tokens=300, max_tokens=24, start_s=0.2),
+    ],
+)
+
+
+LONG = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "temperature": 0}
+
+
+async def _stream_until_first_token(client: RawClient, request: dict[str, Any]) -> None:
+    await client.send({**LONG, "max_tokens": 200, **request})
+    with trio.fail_after(30):
+        event = await client.next_event()
+    assert event is not None and event["event"] == "token", event
+
+
+async def test_counters_and_percentiles_after_a_scripted_run(
+    llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    async with running_server(llama_model, server_config, metrics_port=0) as server:
+        result = await run_scenario(server.config.socket_path, SCENARIO)
+        assert all(r.ok for r in result.records)
+        after_scenario = server.metrics_snapshot()
+
+        # One cancel by message, one by hanging up, three refusals with known codes.
+        client = await RawClient.connect(server.config.socket_path)
+        await _stream_until_first_token(client, {"id": "c"})
+        await client.send({"type": "cancel", "id": "c"})
+        assert (await client.until_end("c"))[-1]["cancel_reason"] == "client"
+        quitter = await RawClient.connect(server.config.socket_path)
+        await _stream_until_first_token(quitter, {"id": "q", "priority": "background"})
+        await quitter.stream.aclose()
+        for raw in (frame(b"{oops"), frame({"id": "x", "prompt": "p", "max_tokens": 10**6})):
+            await client.send_bytes(raw)
+        await client.send({"type": "cancel", "id": "nobody"})
+        with trio.fail_after(30):
+            for _ in range(3):
+                assert (await client.next_event() or {}).get("event") == "error"
+        with trio.fail_after(10):
+            while server.loop.gauges()["sessions"]["active"]:
+                await trio.sleep(0.01)
+        snapshot = server.metrics_snapshot()
+        text = await trio.to_thread.run_sync(lambda: urllib.request.urlopen(server.metrics_url).read())
+        await client.stream.aclose()
+
+    # Counters equal what the clients sent and saw.
+    for lane in ("interactive", "background"):
+        mine = [r for r in result.records if r.lane == lane]
+        assert after_scenario["requests"][lane] == dict(Counter(r.eos_reason for r in mine))
+        assert after_scenario["tokens"]["prompt"][lane] == sum(r.prompt_tokens or 0 for r in mine)
+        assert after_scenario["tokens"]["generated"][lane] == sum(r.completion_tokens or 0 for r in mine)
+        assert_lane_percentiles_agree(after_scenario["latency"], result.records, lane)
+    assert after_scenario["errors"] == {} and after_scenario["cancels"] == {}
+    assert snapshot["cancels"] == {"client": 1, "disconnect": 1}
+    assert snapshot["requests"]["interactive"]["cancelled"] == 1
+    assert snapshot["requests"]["background"]["cancelled"] == 1
+    assert snapshot["errors"] == {"E_PROTO_001": 1, "E_LIMIT_003": 1, "E_PROTO_007": 1}
+    assert snapshot["kv"]["cells_used"] == 0 and snapshot["in_flight"] == []
+
+    # The scraped Prometheus text parses and says the same.
+    families = {f.name: f for f in text_string_to_metric_families(text.decode())}
+    requests = {
+        (s.labels["lane"], s.labels["outcome"]): s.value
+        for s in families["uma_requests"].samples
+        if s.name == "uma_requests_total"
+    }
+    assert requests[("interactive", "cancelled")] == 1
+    assert requests[("interactive", "length")] + requests.get(("interactive", "stop"), 0) == 6
+    errors = {s.labels["code"]: s.value for s in families["uma_errors"].samples}
+    assert errors == {"E_PROTO_001": 1, "E_LIMIT_003": 1, "E_PROTO_007": 1}
+    itl_count = next(
+        s.value
+        for s in families["uma_inter_token_latency_seconds"].samples
+        if s.name.endswith("_count") and s.labels["lane"] == "interactive"
+    )
+    assert itl_count == snapshot["latency"]["run"]["interactive"]["itl_ms"]["count"]
+    assert families["process_resident_memory_bytes"].samples[0].value > 50e6
+
+
+def test_prometheus_names_follow_the_conventions(
+    llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    async def scrape() -> bytes:
+        async with running_server(llama_model, server_config) as server:
+            return exposition(server.registry)
+
+    families = list(text_string_to_metric_families(trio.run(scrape).decode()))
+    assert len(families) > 30
+    for family in families:
+        assert family.name.startswith(("uma_", "process_")), family.name
+        assert not family.name.endswith(("_ms", "_mb", "_gb", "_pct")), family.name  # base units only
+        if family.type == "counter":
+            assert all(s.name in (f"{family.name}_total", f"{family.name}_created") for s in family.samples)
+        if family.type == "histogram":
+            assert family.name.endswith("_seconds"), family.name
+        if "_seconds" in family.name or "_bytes" in family.name:  # the unit ends the name
+            assert family.name.endswith(("_seconds", "_bytes")), family.name

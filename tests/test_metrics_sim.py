@@ -1,0 +1,64 @@
+"""Metrics of the whole daemon on the simulated engine under trio's mock clock: exact timing."""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import trio
+
+from tests.helpers import assert_lane_percentiles_agree
+from uma_trio.client import UmaClient
+from uma_trio.engine.sim import SimEngine
+from uma_trio.loadgen.scenario import ClientSpec, Scenario
+from uma_trio.loadgen.simulate import SIM_CONFIG, simulate
+from uma_trio.runtime.server import Server
+from uma_trio.sched.cost import CostCoefficients
+from uma_trio.sched.policy import default_policy
+
+
+async def test_metrics_are_answered_while_a_long_engine_step_runs(autojump_clock: trio.abc.Clock) -> None:
+    slow = CostCoefficients(fixed_s=2.0, source="test: every step takes 2 s")
+    with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
+        config = replace(SIM_CONFIG, socket_path=Path(tmp) / "m.sock")
+        server = Server(SimEngine(slow), config, policy=default_policy(config, prior=slow))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            async with (
+                UmaClient.connect(config.socket_path) as gen,
+                UmaClient.connect(config.socket_path) as ask,
+                trio.open_nursery() as requests,
+            ):
+                requests.start_soon(lambda: gen.complete(prompt="word " * 50, max_tokens=3))
+                await trio.sleep(0.5)  # the first step (its prompt) runs from t=0 to t=2 s
+                asked = trio.current_time()
+                snapshot = await ask.metrics()
+                assert trio.current_time() == asked  # answered at once, not after the tick
+                assert snapshot["ticks"] == 0
+                assert snapshot["sessions"]["prefilling"] == 1
+                (row,) = snapshot["in_flight"]
+                assert row["phase"] == "prefill" and row["age_ms"] == 500.0
+                requests.cancel_scope.cancel()
+            server.request_shutdown(force=True)
+
+
+async def test_counters_and_percentiles_match_what_the_clients_saw(autojump_clock: trio.abc.Clock) -> None:
+    clients = [
+        ClientSpec(name=f"chat-{i}", prompt_tokens=30, max_tokens=60, requests=3, think_s=0.2)
+        for i in range(3)
+    ]
+    clients.append(ClientSpec(name="bulk", lane="background", prompt_tokens=900, max_tokens=40, start_s=0.5))
+    result, server = await simulate(Scenario(name="metrics", clients=clients), CostCoefficients())
+    assert all(r.ok for r in result.records)
+    snapshot = server.metrics_snapshot()
+
+    for lane in ("interactive", "background"):
+        mine = [r for r in result.records if r.lane == lane]
+        assert snapshot["requests"][lane] == dict(Counter(r.eos_reason for r in mine))
+        assert snapshot["tokens"]["prompt"][lane] == sum(r.prompt_tokens or 0 for r in mine)
+        assert snapshot["tokens"]["generated"][lane] == sum(r.completion_tokens or 0 for r in mine)
+        assert_lane_percentiles_agree(snapshot["latency"], result.records, lane)
+    assert snapshot["cancels"] == {} and snapshot["errors"] == {}
+    assert snapshot["scorecard"]["scheduler_efficiency"] == 1.0  # nothing was cancelled

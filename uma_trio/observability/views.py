@@ -1,0 +1,129 @@
+"""Terminal views of a metrics snapshot (``rich``): ``uma-trio metrics`` and ``uma-trio top``.
+
+Pure functions from the snapshot dict (docs/METRICS.md) to renderables, so
+they are tested without a terminal or a daemon.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+LANES = ("interactive", "background")
+KINDS = (("ttft_ms", "TTFT"), ("itl_ms", "token gap"), ("queue_ms", "queue"), ("e2e_ms", "request"))
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _num(value: float | None, spec: str = ",.1f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def header(snap: dict[str, Any]) -> Text:
+    kv, sessions, process = snap["kv"], snap["sessions"], snap["process"]
+    return Text.assemble(
+        (f"{snap['model']}", "bold"),
+        f"  up {snap['uptime_s']:,.0f} s  ",
+        f"sessions {sessions['active']} (+{sessions['waiting']} waiting, {sessions['parked']} parked)  ",
+        f"KV {kv['cells_used']:,}/{kv['cells_total']:,} cells  ",
+        f"RSS {process['rss_bytes'] / 2**20:,.0f} MiB  fds {_num(process['open_fds'], 'd')}",
+    )
+
+
+def scorecard_table(snap: dict[str, Any]) -> Table:
+    card = snap["scorecard"]
+    table = Table(
+        title=f"scorecard (last {card['window_s']:,.0f} s)", title_justify="left", show_header=False
+    )
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("tokens/s", _num(card["tokens_per_s"])),
+        (f"tokens/s at cap {card['latency_cap']:g}x", _num(card["tokens_per_s_at_cap"])),
+        ("cap kept", _num(card["cap_kept_pct"], ".1f", " %")),
+        ("interactive gap p95 / p99", f"{_ms(card['p95_ms'])} / {_ms(card['p99_ms'])} ms"),
+        ("interactive TTFT p95", f"{_ms(card['ttft_p95_ms'])} ms"),
+        ("scheduler efficiency", _num(card["scheduler_efficiency"], ".3f")),
+        ("engine idle", _num(card["engine_idle_pct"], ".1f", " %")),
+        ("ΣBMT per token", _num(card["sum_bmt_mb_per_token"], ",.1f", " MB")),
+        ("RSS", _num(card["rss_gb"], ".3f", " GB")),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def latency_table(snap: dict[str, Any], scope: str = "window") -> Table:
+    figures = snap["latency"][scope]
+    title = f"latency, last {snap['latency']['window_s']:g} s" if scope == "window" else "latency, whole run"
+    table = Table(title=f"{title} (ms)", title_justify="left")
+    for column in ("lane", "figure", "count", "p50", "p95", "p99", "max"):
+        table.add_column(column, justify="left" if column in ("lane", "figure") else "right")
+    for lane in LANES:
+        for key, label in KINDS:
+            p = figures[lane][key]
+            if p["count"]:
+                table.add_row(
+                    lane, label, f"{p['count']:,}", *(_ms(p[q]) for q in ("p50", "p95", "p99", "max"))
+                )
+    tick = figures["tick_ms"]
+    if tick["count"]:
+        table.add_row(
+            "-", "engine tick", f"{tick['count']:,}", *(_ms(tick[q]) for q in ("p50", "p95", "p99", "max"))
+        )
+    return table
+
+
+def sessions_table(snap: dict[str, Any]) -> Table:
+    table = Table(title="requests in flight", title_justify="left")
+    for column in ("conn", "id", "lane", "phase", "prompt", "generated", "gap ms", "age s"):
+        table.add_column(column, justify="left" if column in ("id", "lane", "phase") else "right")
+    for row in snap["in_flight"]:
+        phase = row["phase"] + (" (parked)" if row["parked"] else "")
+        prompt = f"{row['prefilled']}/{row['prompt_tokens']}"
+        style = "yellow" if row["lane"] == "background" else None
+        table.add_row(
+            str(row["connection"]), row["id"], row["lane"], phase, prompt,
+            f"{row['generated']}/{row['max_tokens']}", _ms(row["gap_ms"]), f"{row['age_ms'] / 1000:,.1f}",
+            style=style,
+        )  # fmt: skip
+    return table
+
+
+def counters_table(snap: dict[str, Any]) -> Table:
+    table = Table(title="counters (whole run)", title_justify="left", show_header=False)
+    table.add_column("counter")
+    table.add_column("value")
+
+    def by(mapping: dict[str, int]) -> str:
+        return ", ".join(f"{k} {v:,}" for k, v in sorted(mapping.items()) if v) or "0"
+
+    for lane in LANES:
+        table.add_row(f"requests ({lane})", by(snap["requests"][lane]))
+    table.add_row("cancels", by(snap["cancels"]))
+    table.add_row("errors", by(snap["errors"]))
+    table.add_row("prompt tokens", by(snap["tokens"]["prompt"]))
+    table.add_row("generated tokens", by(snap["tokens"]["generated"]))
+    table.add_row("ticks", f"{snap['ticks']:,} (avg {snap['avg_batch_tokens']:.2f} tokens)")
+    table.add_row(
+        "connections", f"{snap['connections']['open']} open, {snap['connections']['total']:,} total"
+    )
+    return table
+
+
+def dashboard(snap: dict[str, Any]) -> Group:
+    """``uma-trio top``: what runs now and how it feels."""
+    return Group(header(snap), sessions_table(snap), latency_table(snap, "window"), scorecard_table(snap))
+
+
+def report(snap: dict[str, Any]) -> Group:
+    """``uma-trio metrics``: everything, once."""
+    return Group(
+        header(snap), scorecard_table(snap), latency_table(snap, "window"), latency_table(snap, "run"),
+        counters_table(snap), sessions_table(snap),
+    )  # fmt: skip

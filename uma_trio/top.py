@@ -1,0 +1,27 @@
+"""``uma-trio top``: poll the daemon's metrics over one connection and redraw (rich ``Live``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+from rich.console import Console
+from rich.live import Live
+
+from .client import UmaClient
+from .observability.views import dashboard
+
+
+async def run_top(socket: Path, interval: float, once: bool = False, console: Console | None = None) -> None:
+    console = console or Console()
+    async with UmaClient.connect(socket) as client:
+        frame = dashboard(await client.metrics())
+        if once:
+            console.print(frame)
+            return
+        # The metrics request is answered by the connection task, never behind a decode
+        # tick, so the view keeps refreshing while a long prompt is being prefilled.
+        with Live(frame, console=console, screen=True, auto_refresh=False) as live:
+            while True:
+                await trio.sleep(interval)
+                live.update(dashboard(await client.metrics()), refresh=True)
