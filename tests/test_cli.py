@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -82,3 +83,31 @@ async def test_sigterm_drains_running_requests_and_removes_the_socket() -> None:
                 await proc.wait()
         assert proc.returncode == 0
         assert not sock.exists()
+
+
+async def test_metrics_and_top_show_the_daemon(server: Server) -> None:
+    async with UmaClient.connect(server.config.socket_path) as client:
+        await client.complete(prompt="Hello", max_tokens=8, temperature=0.0)
+    sock = str(server.config.socket_path)
+
+    async def cli(*args: str) -> str:
+        done = await trio.run_process(
+            [*UMA, *args, "--socket", sock], capture_stdout=True, capture_stderr=True, check=False,
+            env={**os.environ, "COLUMNS": "150"},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return str(done.stdout.decode())
+
+    snapshot = json.loads(await cli("metrics", "--json"))
+    assert sum(snapshot["requests"]["interactive"].values()) == 1
+    assert snapshot["scorecard"]["latency_cap"] == server.config.latency_cap
+    tables = await cli("metrics")
+    assert "scorecard" in tables and "counters (whole run)" in tables and "token gap" in tables
+    screen = await cli("top", "--once")
+    assert "requests in flight" in screen and snapshot["model"] in screen
+
+
+def test_metrics_without_daemon_exits_3(tmp_path: Path) -> None:
+    for command in ("metrics", "top"):
+        done = run_cli(command, "--socket", str(tmp_path / "none.sock"))
+        assert done.returncode == 3 and "cannot talk to the daemon" in done.stderr

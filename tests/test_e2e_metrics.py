@@ -3,19 +3,23 @@ sent, percentiles equal the clients' own, and the Prometheus text parses."""
 
 from __future__ import annotations
 
+import csv
 import urllib.request
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from uma_trio.client import UmaClient
 from uma_trio.config import ServerConfig
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.loadgen.runner import run_scenario
 from uma_trio.loadgen.scenario import ClientSpec, Scenario
 from uma_trio.observability.prometheus import exposition
+from uma_trio.observability.scorecard import CSV_FIELDS
 
 from .conftest import running_server
 from .helpers import RawClient, assert_lane_percentiles_agree, frame
@@ -122,3 +126,20 @@ def test_prometheus_names_follow_the_conventions(
             assert family.name.endswith("_seconds"), family.name
         if "_seconds" in family.name or "_bytes" in family.name:  # the unit ends the name
             assert family.name.endswith(("_seconds", "_bytes")), family.name
+
+
+async def test_scorecard_rows_are_appended_to_the_csv(
+    llama_model: LlamaModel, server_config: ServerConfig, tmp_path: Path
+) -> None:
+    path = tmp_path / "scorecard.csv"
+    async with running_server(
+        llama_model, server_config, metrics_interval_s=0.25, scorecard_csv=path
+    ) as server:
+        async with UmaClient.connect(server.config.socket_path) as client:
+            await client.complete(prompt="Hello", max_tokens=16, temperature=0.0)
+        await trio.sleep(1.0)
+    with path.open() as file:
+        rows = list(csv.DictReader(file))
+    assert tuple(rows[0]) == CSV_FIELDS and len(rows) >= 3
+    assert max(float(r["tokens_per_s"]) for r in rows) > 0
+    assert all(float(r["rss_gb"]) > 0.05 for r in rows)
