@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import trio
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from uma_trio.client import UmaClient
@@ -18,7 +19,6 @@ from uma_trio.config import ServerConfig
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.loadgen.runner import run_scenario
 from uma_trio.loadgen.scenario import ClientSpec, Scenario
-from uma_trio.observability.prometheus import exposition
 from uma_trio.observability.scorecard import CSV_FIELDS
 
 from .conftest import running_server
@@ -80,7 +80,10 @@ async def test_counters_and_percentiles_after_a_scripted_run(
         assert after_scenario["requests"][lane] == dict(Counter(r.eos_reason for r in mine))
         assert after_scenario["tokens"]["prompt"][lane] == sum(r.prompt_tokens or 0 for r in mine)
         assert after_scenario["tokens"]["generated"][lane] == sum(r.completion_tokens or 0 for r in mine)
-        assert_lane_percentiles_agree(after_scenario["latency"], result.records, lane)
+        # Real time on 2 shared cores: the clients run in this process, on the daemon's event
+        # loop, so their timestamps carry ±1-2 ms of scheduling.  One histogram bucket here;
+        # test_metrics_sim.py checks one 1 % sketch bucket on exact virtual time.
+        assert_lane_percentiles_agree(after_scenario["latency"], result.records, lane, buckets="prometheus")
     assert after_scenario["errors"] == {} and after_scenario["cancels"] == {}
     assert snapshot["cancels"] == {"client": 1, "disconnect": 1}
     assert snapshot["requests"]["interactive"]["cancelled"] == 1
@@ -88,8 +91,9 @@ async def test_counters_and_percentiles_after_a_scripted_run(
     assert snapshot["errors"] == {"E_PROTO_001": 1, "E_LIMIT_003": 1, "E_PROTO_007": 1}
     assert snapshot["kv"]["cells_used"] == 0 and snapshot["in_flight"] == []
 
-    # The scraped Prometheus text parses and says the same.
+    # The scraped Prometheus text parses, follows the naming conventions and says the same.
     families = {f.name: f for f in text_string_to_metric_families(text.decode())}
+    assert_prometheus_conventions(list(families.values()))
     requests = {
         (s.labels["lane"], s.labels["outcome"]): s.value
         for s in families["uma_requests"].samples
@@ -108,26 +112,6 @@ async def test_counters_and_percentiles_after_a_scripted_run(
     assert families["process_resident_memory_bytes"].samples[0].value > 50e6
 
 
-def test_prometheus_names_follow_the_conventions(
-    llama_model: LlamaModel, server_config: ServerConfig
-) -> None:
-    async def scrape() -> bytes:
-        async with running_server(llama_model, server_config) as server:
-            return exposition(server.registry)
-
-    families = list(text_string_to_metric_families(trio.run(scrape).decode()))
-    assert len(families) > 30
-    for family in families:
-        assert family.name.startswith(("uma_", "process_")), family.name
-        assert not family.name.endswith(("_ms", "_mb", "_gb", "_pct")), family.name  # base units only
-        if family.type == "counter":
-            assert all(s.name in (f"{family.name}_total", f"{family.name}_created") for s in family.samples)
-        if family.type == "histogram":
-            assert family.name.endswith("_seconds"), family.name
-        if "_seconds" in family.name or "_bytes" in family.name:  # the unit ends the name
-            assert family.name.endswith(("_seconds", "_bytes")), family.name
-
-
 async def test_scorecard_rows_are_appended_to_the_csv(
     llama_model: LlamaModel, server_config: ServerConfig, tmp_path: Path
 ) -> None:
@@ -143,3 +127,19 @@ async def test_scorecard_rows_are_appended_to_the_csv(
     assert tuple(rows[0]) == CSV_FIELDS and len(rows) >= 3
     assert max(float(r["tokens_per_s"]) for r in rows) > 0
     assert all(float(r["rss_gb"]) > 0.05 for r in rows)
+
+
+def assert_prometheus_conventions(families: list[Metric]) -> None:
+    assert len(families) > 30
+    for family in families:
+        assert family.name.startswith(("uma_", "process_")), family.name
+        assert not family.name.endswith(("_ms", "_mb", "_gb", "_pct", "_created")), family.name  # base units
+        assert all(not s.name.endswith("_created") for s in family.samples), family.name
+        if family.type == "counter":
+            assert all(s.name == f"{family.name}_total" for s in family.samples), family.name
+        if family.type == "histogram":
+            assert family.name.endswith("_seconds"), family.name
+        if "_seconds" in family.name or "_bytes" in family.name:  # the unit ends the name
+            assert family.name.endswith(("_seconds", "_bytes")), family.name
+        if family.name.endswith("_ratio"):
+            assert all(0.0 <= s.value <= 1.0 for s in family.samples), family.name

@@ -72,8 +72,8 @@ def _busy_metrics() -> Metrics:
         metrics.on_generated("interactive")
         metrics.on_generated("interactive")
         metrics.on_token_latency("interactive", t, ttft_s=None, gap_s=0.010)
-    metrics.on_finished("interactive", "length", t, e2e_s=5.0, computed_tokens=300)
-    metrics.on_finished("background", "cancelled", t, e2e_s=1.0, computed_tokens=100, cancel_reason="client")
+    metrics.on_finished("interactive", "length", t, computed_tokens=300)
+    metrics.on_finished("background", "cancelled", t, computed_tokens=100, cancel_reason="client")
     return metrics
 
 
@@ -93,6 +93,21 @@ def test_scorecard_formulas() -> None:
     later = scorecard(metrics, 700.0, latency_cap=1.2, rss_bytes=0)
     assert later.tokens_per_s == 0.0 and later.p95_ms is None and later.cap_kept_pct is None
     assert later.scheduler_efficiency is None and later.sum_bmt_mb_per_token is None
+
+
+def test_scorecard_rates_divide_by_the_time_the_window_really_covers() -> None:
+    # 13 slots of 5 s (the current one and 12 whole): at these times the window starts at 35 s
+    # and holds 60, 62.5 and 65 s of data, one token every 0.1 s.
+    for now in (95.01, 97.5, 99.95):
+        metrics = Metrics(window_s=60.0, started=0.0)
+        for i in range(int(now * 10) + 1):
+            metrics.on_tick(
+                i * 0.1, step_s=0.01, overhead_s=0.0, decode_tokens=1, prefill_tokens=0, generated=1,
+                bmt_bytes=0, cap_s=0.0,
+            )  # fmt: skip
+        card = scorecard(metrics, now, latency_cap=1.2, rss_bytes=0)
+        assert card.window_s == pytest.approx(now - 35.0, abs=1e-3)
+        assert card.tokens_per_s == pytest.approx(10.0, rel=0.01)
 
 
 def test_scorecard_right_after_start_divides_by_the_uptime() -> None:

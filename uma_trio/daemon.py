@@ -12,6 +12,7 @@ import trio
 from .config import ServerConfig
 from .engine.llama import ContextConfig, LlamaEngine, LlamaModel, ModelLoadError
 from .engine.memory_profile import memory_profile, probe_bandwidth_gbps
+from .runtime.metrics_http import MetricsPortError
 from .runtime.server import Server
 from .runtime.unix_socket import SocketInUseError
 from .sched.policy import BmtGuard, Policy, default_policy
@@ -73,7 +74,7 @@ async def run_daemon(model_path: Path, config: ServerConfig) -> None:
     engine = load_engine(model_path, config)
     try:
         await Server(engine, config, policy_for(engine, config)).serve(handle_signals=True)
-    except SocketInUseError as exc:
+    except (SocketInUseError, MetricsPortError) as exc:
         raise DaemonStartError(str(exc)) from None
     finally:
         engine.close()

@@ -39,7 +39,6 @@ class WindowSums:
     generated_at_cap: int = 0  # ... by ticks that kept the latency cap (or had none)
     capped_ticks: int = 0  # ticks with an interactive stream decoding
     kept_cap_ticks: int = 0  # ... whose step took at most latency_cap × baseline
-    ticks: int = 0
     bmt_bytes: int = 0  # estimated bytes the ticks moved (ΣBMT)
     busy_s: float = 0.0  # time inside engine steps
     overhead_s: float = 0.0  # time between back-to-back steps (scheduling, I/O, Python)
@@ -88,7 +87,6 @@ class Metrics:
         self.latency = {lane: LaneLatency(window_s) for lane in LANES}
         self.tick_time = LatencyDigest(window_s)
         self._sums: SlotWindow[WindowSums] = SlotWindow(WindowSums, window_s)
-        self.run_sums = WindowSums()
 
         self.registry = CollectorRegistry()
         self._histograms = {
@@ -155,7 +153,6 @@ class Metrics:
             generated_at_cap=generated if kept else 0,
             capped_ticks=int(cap_s > 0.0),
             kept_cap_ticks=int(cap_s > 0.0 and kept),
-            ticks=1,
             bmt_bytes=bmt_bytes,
             busy_s=step_s,
             overhead_s=overhead_s,
@@ -168,23 +165,24 @@ class Metrics:
         reason: FinishReason,
         now: float,
         *,
-        e2e_s: float,
         computed_tokens: int,
         cancel_reason: CancelReason | None = None,
     ) -> None:
         self.requests[lane][reason] += 1
         if cancel_reason is not None:
             self.cancels[cancel_reason] += 1
-        self._latency("e2e", lane, e2e_s, now)
         useful = computed_tokens if reason in ("stop", "length") else 0
         self._add_sums(WindowSums(computed_tokens=computed_tokens, useful_tokens=useful), now)
+
+    def on_completed(self, lane: Lane, e2e_s: float, now: float) -> None:
+        """A request that ended with stop or length had its eos written ``e2e_s`` after arrival."""
+        self._latency("e2e", lane, e2e_s, now)
 
     def on_error(self, code: str) -> None:
         self.errors[code] += 1
 
     def _add_sums(self, sums: WindowSums, now: float) -> None:
         self._sums.at(now).add(sums)
-        self.run_sums.add(sums)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -195,8 +193,9 @@ class Metrics:
         return total
 
     def window_elapsed(self, now: float) -> float:
-        """The seconds the window covers now: ``window_s``, or the uptime while shorter."""
-        return max(min(self.window_s, now - self.started), 1e-9)
+        """The seconds the window's sums cover now: from its first slot (or the start, while
+        the uptime is shorter) to ``now``."""
+        return max(now - max(self.started, self._sums.start(now)), 1e-9)
 
     def latency_snapshot(self, now: float) -> dict[str, Any]:
         def figures(window_now: float | None) -> dict[str, Any]:

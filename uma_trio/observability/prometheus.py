@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector, disable_creat
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .metrics import LANES
+
 # `_created` series are an OpenMetrics idea; in the classic text format they show up as
 # stray gauges.  Process-wide, and this process is the daemon.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -115,7 +117,7 @@ class SnapshotCollector(Collector):
         for key, name in names.items():
             rows = {
                 (lane, quantile): _seconds(window[lane][key][q])
-                for lane in ("interactive", "background")
+                for lane in LANES
                 for q, quantile in _QUANTILES.items()
                 if window[lane][key][q] is not None
             }
@@ -129,7 +131,7 @@ class SnapshotCollector(Collector):
                 "Generated tokens/s of ticks that kept the latency cap",
                 card["tokens_per_s_at_cap"],
             ),
-            "uma_scorecard_latency_cap_ratio": ("Configured latency cap", card["latency_cap"]),
+            "uma_scorecard_latency_cap": ("Configured latency cap (× baseline tick)", card["latency_cap"]),
             "uma_scorecard_cap_kept_ratio": (
                 "Capped ticks that kept the cap",
                 _scale(card["cap_kept_pct"], pct),

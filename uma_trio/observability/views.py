@@ -12,12 +12,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-LANES = ("interactive", "background")
+from .metrics import LANES
+
 KINDS = (("ttft_ms", "TTFT"), ("itl_ms", "token gap"), ("queue_ms", "queue"), ("e2e_ms", "request"))
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.1f}"
 
 
 def _num(value: float | None, spec: str = ",.1f", suffix: str = "") -> str:
@@ -46,8 +43,8 @@ def scorecard_table(snap: dict[str, Any]) -> Table:
         ("tokens/s", _num(card["tokens_per_s"])),
         (f"tokens/s at cap {card['latency_cap']:g}x", _num(card["tokens_per_s_at_cap"])),
         ("cap kept", _num(card["cap_kept_pct"], ".1f", " %")),
-        ("interactive gap p95 / p99", f"{_ms(card['p95_ms'])} / {_ms(card['p99_ms'])} ms"),
-        ("interactive TTFT p95", f"{_ms(card['ttft_p95_ms'])} ms"),
+        ("interactive gap p95 / p99", f"{_num(card['p95_ms'])} / {_num(card['p99_ms'])} ms"),
+        ("interactive TTFT p95", f"{_num(card['ttft_p95_ms'])} ms"),
         ("scheduler efficiency", _num(card["scheduler_efficiency"], ".3f")),
         ("engine idle", _num(card["engine_idle_pct"], ".1f", " %")),
         ("ΣBMT per token", _num(card["sum_bmt_mb_per_token"], ",.1f", " MB")),
@@ -69,12 +66,12 @@ def latency_table(snap: dict[str, Any], scope: str = "window") -> Table:
             p = figures[lane][key]
             if p["count"]:
                 table.add_row(
-                    lane, label, f"{p['count']:,}", *(_ms(p[q]) for q in ("p50", "p95", "p99", "max"))
+                    lane, label, f"{p['count']:,}", *(_num(p[q]) for q in ("p50", "p95", "p99", "max"))
                 )
     tick = figures["tick_ms"]
     if tick["count"]:
         table.add_row(
-            "-", "engine tick", f"{tick['count']:,}", *(_ms(tick[q]) for q in ("p50", "p95", "p99", "max"))
+            "-", "engine tick", f"{tick['count']:,}", *(_num(tick[q]) for q in ("p50", "p95", "p99", "max"))
         )
     return table
 
@@ -89,7 +86,7 @@ def sessions_table(snap: dict[str, Any]) -> Table:
         style = "yellow" if row["lane"] == "background" else None
         table.add_row(
             str(row["connection"]), row["id"], row["lane"], phase, prompt,
-            f"{row['generated']}/{row['max_tokens']}", _ms(row["gap_ms"]), f"{row['age_ms'] / 1000:,.1f}",
+            f"{row['generated']}/{row['max_tokens']}", _num(row["gap_ms"]), f"{row['age_ms'] / 1000:,.1f}",
             style=style,
         )  # fmt: skip
     return table

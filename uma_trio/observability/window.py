@@ -40,6 +40,10 @@ class SlotWindow(Generic[T]):
         self._slots.append((index, accumulator))
         return accumulator
 
+    def start(self, now: float) -> float:
+        """Where the window ending at ``now`` begins: the first slot it covers."""
+        return (int(now // self.slot_s) - self._span + 1) * self.slot_s
+
     def within(self, now: float) -> Iterator[T]:
         """The accumulators of the slots inside the window ending at ``now``."""
         first = int(now // self.slot_s) - self._span + 1

@@ -91,16 +91,17 @@ class Connection:
             except UmaError as exc:
                 await self._send_error(exc)
                 return
+            arrived = trio.current_time()  # every frame of this read arrived now
             for payload in frames:
                 try:
-                    await self._dispatch(decode_client_message(payload))
+                    await self._dispatch(decode_client_message(payload), arrived)
                 except UmaError as exc:
                     await self._send_error(exc)
 
-    async def _dispatch(self, message: ClientMessage) -> None:
+    async def _dispatch(self, message: ClientMessage, arrived: float) -> None:
         match message:
             case GenerateRequest():
-                await self._start_request(message)
+                await self._start_request(message, arrived)
             case CancelRequest(id=request_id):
                 self.loop.cancel(self._in_flight(request_id), "client")
             case PriorityRequest(id=request_id, priority=lane):
@@ -117,9 +118,8 @@ class Connection:
             )  # fmt: skip
         return session
 
-    async def _start_request(self, request: GenerateRequest) -> None:
+    async def _start_request(self, request: GenerateRequest, arrived: float) -> None:
         rid = request.id
-        arrived = trio.current_time()
         if rid in self.requests:
             raise UmaError(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight", request_id=rid)
         if len(self.requests) >= self.config.max_in_flight:
@@ -171,9 +171,10 @@ class Connection:
             if session.error is not None:
                 await self._send(session.error)
             if session.final is not None:
-                # Re-time the eos now that every token has been written.
-                final = msgspec.structs.replace(session.final, timings=session.timings(trio.current_time()))
-                await self._send(final)
+                now = trio.current_time()
+                await self._send(msgspec.structs.replace(session.final, timings=session.timings(now)))
+                if session.final.reason in ("stop", "length"):
+                    self.server.metrics.on_completed(session.lane, now - session.created, now)
         finally:
             # A hang-up lands here through Cancelled: the decode loop frees the request.
             self.loop.cancel(session, "disconnect")

@@ -139,6 +139,7 @@ class DecodeLoop:
             self.kv_cells_used = sum(self.engine.seq_cells(s) for s in self._active)
             plan = self._plan()
             if not plan:
+                self.kv_cells_used = sum(self.engine.seq_cells(s) for s in self._active)
                 self._update_idle()
                 self._last_step_end = None
                 await self._wakeup.wait()
@@ -331,12 +332,11 @@ class DecodeLoop:
         now = self._clock()
         session.phase = Phase.DONE
         session.pending_token = None
-        session.final = session.eos_event(reason, now, cancel_reason)
+        session.final = session.eos_event(reason, cancel_reason)  # timed as the pump writes it
         session.events.close()
         self.metrics.on_finished(
-            session.lane, reason, now, e2e_s=now - session.created,
-            computed_tokens=session.computed_tokens, cancel_reason=cancel_reason,
-        )  # fmt: skip
+            session.lane, reason, now, computed_tokens=session.computed_tokens, cancel_reason=cancel_reason
+        )
 
     def _update_idle(self) -> None:
         if not self._waiting and not self._active:

@@ -9,6 +9,7 @@ handle) and sends 404 for other paths.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -44,20 +45,33 @@ def metrics_app(registry: CollectorRegistry) -> AsgiApp:
     return app
 
 
+class MetricsPortError(Exception):
+    """The ``--metrics-port`` could not be bound."""
+
+
+def bind_metrics_port(port: int) -> socket.socket:
+    """Bind loopback ``port`` before anything starts, so a taken port is a start-up error."""
+    try:
+        return socket.create_server(("127.0.0.1", port))
+    except OSError as exc:
+        raise MetricsPortError(f"cannot serve metrics on 127.0.0.1:{port}: {exc.strerror}") from None
+
+
 async def serve_metrics_http(
-    registry: CollectorRegistry, port: int, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+    registry: CollectorRegistry,
+    sock: socket.socket,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until cancelled; ``task_status.started`` gets the URL (useful with port 0)."""
+    """Serve on the bound ``sock`` (hypercorn takes it over) until cancelled;
+    ``task_status.started`` gets the URL."""
+    host, port = sock.getsockname()[:2]
     config = Config()
-    config.bind = [f"127.0.0.1:{port}"]
+    config.bind = [f"fd://{sock.detach()}"]
     config.accesslog = None
     config.errorlog = logging.getLogger("uma_trio.metrics_http")
-
-    async def run(task_status: trio.TaskStatus[list[str]]) -> None:
-        await serve(metrics_app(registry), config, task_status=task_status)  # type: ignore[arg-type]
-
     async with trio.open_nursery() as nursery:
-        binds: list[str] = await nursery.start(run)
-        url = f"{binds[0]}/metrics"
+        await nursery.start(serve, metrics_app(registry), config)
+        url = f"http://{host}:{port}/metrics"
         log.info("Prometheus metrics on %s", url)
         task_status.started(url)

@@ -31,7 +31,7 @@ from ..protocol.messages import GenerateRequest
 from ..sched.policy import Policy
 from .connection import Connection
 from .decode_loop import DecodeLoop
-from .metrics_http import serve_metrics_http
+from .metrics_http import bind_metrics_port, serve_metrics_http
 from .unix_socket import bind_unix_listener, unlink_if_ours
 
 T = TypeVar("T")
@@ -62,7 +62,14 @@ class Server:
         self, *, handle_signals: bool = False, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Run until shut down.  ``task_status.started`` fires once the socket accepts."""
-        listener, inode = await bind_unix_listener(self.config.socket_path)
+        metrics_port = self.config.metrics_port
+        metrics_sock = bind_metrics_port(metrics_port) if metrics_port is not None else None
+        try:
+            listener, inode = await bind_unix_listener(self.config.socket_path)
+        except BaseException:
+            if metrics_sock is not None:
+                metrics_sock.close()
+            raise
         self.metrics.started = trio.current_time()
         log.info(
             "serving %s on %s (n_ctx=%d per request, max_sessions=%d)",
@@ -72,10 +79,8 @@ class Server:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.loop.run)
                 nursery.start_soon(self._metrics_task)
-                if self.config.metrics_port is not None:
-                    self.metrics_url = await nursery.start(
-                        serve_metrics_http, self.registry, self.config.metrics_port
-                    )
+                if metrics_sock is not None:
+                    self.metrics_url = await nursery.start(serve_metrics_http, self.registry, metrics_sock)
                 if handle_signals:
                     nursery.start_soon(self._signal_task)
                 async with trio.open_nursery() as connections:

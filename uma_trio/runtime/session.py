@@ -96,13 +96,14 @@ class Session:
         """The token times the client felt: written to its socket for a stream, else generated."""
         return self.delivered_at if self.request.stream else self.generated_at
 
-    def eos_event(self, reason: FinishReason, now: float, cancel_reason: CancelReason | None) -> EosEvent:
+    def eos_event(self, reason: FinishReason, cancel_reason: CancelReason | None) -> EosEvent:
+        """The last event, without its timings: the connection fills those in as it writes it."""
         usage = Usage(len(self.prompt), self.generated, len(self.prompt) + self.generated)
         return EosEvent(
             id=self.id,
             reason=reason,
             usage=usage,
-            timings=self.timings(now),
+            timings=Timings(queue_ms=0.0, total_ms=0.0),
             text="".join(self.pieces) if not self.request.stream else None,
             cancel_reason=cancel_reason,
         )
@@ -116,8 +117,9 @@ class Session:
             timings.ttft_ms = (times.first - self.created) * ms
         if times.gaps:
             gaps = np.asarray(times.gaps) * ms
-            timings.itl_p50_ms = float(np.percentile(gaps, 50))
-            timings.itl_p95_ms = float(np.percentile(gaps, 95))
+            # The rank rule of the daemon-wide quantiles (METRICS.md).
+            timings.itl_p50_ms = float(np.percentile(gaps, 50, method="lower"))
+            timings.itl_p95_ms = float(np.percentile(gaps, 95, method="lower"))
             timings.itl_max_ms = float(gaps.max())
         if times.first is not None and times.last is not None and len(times.gaps) > 0:
             span = times.last - times.first
