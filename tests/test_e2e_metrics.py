@@ -81,9 +81,12 @@ async def test_counters_and_percentiles_after_a_scripted_run(
         assert after_scenario["tokens"]["prompt"][lane] == sum(r.prompt_tokens or 0 for r in mine)
         assert after_scenario["tokens"]["generated"][lane] == sum(r.completion_tokens or 0 for r in mine)
         # Real time on 2 shared cores: the clients run in this process, on the daemon's event
-        # loop, so their timestamps carry ±1-2 ms of scheduling.  One histogram bucket here;
-        # test_metrics_sim.py checks one 1 % sketch bucket on exact virtual time.
-        assert_lane_percentiles_agree(after_scenario["latency"], result.records, lane, buckets="prometheus")
+        # loop, so their timestamps carry the loop's scheduling: usually under 0.5 ms, but a
+        # CI run once saw one late wake-up move a 23-gap p99 by 3.3 ms.  One histogram bucket
+        # or 5 ms here; test_metrics_sim.py checks one 1 % sketch bucket on exact virtual time.
+        assert_lane_percentiles_agree(
+            after_scenario["latency"], result.records, lane, buckets="prometheus", slack_ms=5.0
+        )
     assert after_scenario["errors"] == {} and after_scenario["cancels"] == {}
     assert snapshot["cancels"] == {"client": 1, "disconnect": 1}
     assert snapshot["requests"]["interactive"]["cancelled"] == 1
