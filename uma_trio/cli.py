@@ -80,6 +80,8 @@ def serve(
     metrics_window: float = _DEFAULTS.metrics_window_s,
     metrics_port: int | None = None,
     scorecard_csv: Path | None = None,
+    http: str | None = None,
+    api_key: str | None = None,
     log_level: LogLevel = "info",
 ) -> int:
     """Run the daemon in the foreground until SIGINT/SIGTERM.
@@ -147,6 +149,12 @@ def serve(
         port, logged). Default: off.
     scorecard_csv
         Append a scorecard row to this CSV file every --metrics-interval seconds.
+    http
+        Serve the OpenAI-compatible HTTP API (docs/HTTP.md) on HOST:PORT, e.g.
+        127.0.0.1:8080; a bare PORT binds 127.0.0.1. Default: off.
+    api_key
+        Require "Authorization: Bearer KEY" on every HTTP path but /health (read it from
+        UMA_API_KEY rather than the command line, which other users can see).
     log_level
         Logging verbosity.
     """
@@ -163,7 +171,7 @@ def serve(
             latency_cap=latency_cap, tick_ms_min=tick_ms_min, interactive_reserve=interactive_reserve,
             bmt_budget_gbps=bmt_budget_gbps, cost_model=cost_model or _calibrated_cost_model(),
             metrics_interval_s=metrics_interval, metrics_window_s=metrics_window,
-            metrics_port=metrics_port, scorecard_csv=scorecard_csv,
+            metrics_port=metrics_port, scorecard_csv=scorecard_csv, http=http, api_key=api_key,
         )  # fmt: skip
         model_path = check_model_path(model) if model is not None else ensure_default_model()
     except (ValueError, ModelFileError) as exc:

@@ -40,6 +40,9 @@ class ServerConfig:
     metrics_window_s: float = 60.0  # sliding window of the windowed percentiles and the scorecard
     metrics_port: int | None = None  # Prometheus text on http://127.0.0.1:PORT/metrics; 0: any free port
     scorecard_csv: Path | None = None  # append a scorecard row every metrics_interval_s
+    # HTTP gateway (docs/HTTP.md)
+    http: str | None = None  # "HOST:PORT" (or "PORT", on 127.0.0.1) for the OpenAI-compatible API
+    api_key: str | None = None  # with it, HTTP requests need "Authorization: Bearer <key>"
 
     def __post_init__(self) -> None:
         positive = {
@@ -69,3 +72,21 @@ class ServerConfig:
             raise ValueError("metrics_port must be a TCP port (0: any free one)")
         if self.threads is not None and self.threads <= 0:
             raise ValueError("threads must be positive")
+        if self.http is not None:
+            self.http_address  # noqa: B018 - validates
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
+
+    @property
+    def http_address(self) -> tuple[str, int] | None:
+        """``http`` as (host, port): "8080" and ":8080" mean 127.0.0.1:8080; IPv6 in brackets."""
+        if self.http is None:
+            return None
+        host, sep, port = self.http.rpartition(":")
+        if not sep:
+            host, port = "", self.http
+        bracketed = host.startswith("[") and host.endswith("]")
+        host = (host[1:-1] if bracketed else host) or "127.0.0.1"
+        if not port.isdigit() or not 0 <= int(port) <= 65535 or (":" in host and not bracketed):
+            raise ValueError(f"http must be HOST:PORT with a TCP port (0: any free one), not {self.http!r}")
+        return host, int(port)

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-import msgspec
 import trio
 
-from ..engine.sampling import Sampler, SamplingParams
 from ..protocol.codec import decode_client_message, encode_event
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.framing import FrameDecoder
@@ -32,6 +31,7 @@ from ..protocol.messages import (
     ServerEvent,
     TokenEvent,
 )
+from .delivery import deliver
 from .session import Session
 
 if TYPE_CHECKING:
@@ -128,26 +128,7 @@ class Connection:
                 f"at most {self.config.max_in_flight} requests may be in flight per connection",
                 request_id=rid,
             )
-        if request.max_tokens > self.config.max_tokens:
-            raise UmaError(
-                ErrorCode.MAX_TOKENS,
-                f"max_tokens {request.max_tokens} exceeds the limit of {self.config.max_tokens}",
-                request_id=rid,
-            )
-        prompt = await self.server.tokenize_request(request)
-        if len(prompt) > self.config.max_prompt_tokens:
-            raise UmaError(
-                ErrorCode.PROMPT_TOO_LARGE,
-                f"prompt has {len(prompt)} tokens; the limit is {self.config.max_prompt_tokens}",
-                request_id=rid,
-            )
-        send, receive = trio.open_memory_channel[TokenEvent](self.config.stream_buffer)
-        params = SamplingParams(
-            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-            min_p=request.min_p, seed=request.seed,
-        )  # fmt: skip
-        session = Session(request, prompt, Sampler(params), send, created=arrived, connection=self.number)
-        self.loop.submit(session)  # raises when the daemon is full or stopping
+        session, receive = await self.server.open_request(request, arrived, connection=self.number)
         self.requests[rid] = session
         self._set_idle_deadline()
         assert self._nursery is not None
@@ -158,26 +139,11 @@ class Connection:
     async def _pump(self, session: Session, receive: trio.MemoryReceiveChannel[TokenEvent]) -> None:
         """Forward one request's events to the socket; its end is the request's end."""
         try:
-            async with receive:
-                async for event in receive:
-                    if session.parked:
-                        self.loop.wake()
+            async with aclosing(deliver(self.server, session, receive)) as events:
+                async for event in events:
                     await self._send(event)
-                    # Latency is measured here, as the client will feel it: the daemon's own
-                    # event-loop delays between sampling and writing are part of it.
-                    now = trio.current_time()
-                    ttft, gap = session.delivered_at.record(now, session.created)
-                    self.server.metrics.on_token_latency(session.lane, now, ttft_s=ttft, gap_s=gap)
-            if session.error is not None:
-                await self._send(session.error)
-            if session.final is not None:
-                now = trio.current_time()
-                await self._send(msgspec.structs.replace(session.final, timings=session.timings(now)))
-                if session.final.reason in ("stop", "length"):
-                    self.server.metrics.on_completed(session.lane, now - session.created, now)
         finally:
-            # A hang-up lands here through Cancelled: the decode loop frees the request.
-            self.loop.cancel(session, "disconnect")
+            # A hang-up lands here through Cancelled; deliver() has cancelled the request.
             del self.requests[session.id]
             self._set_idle_deadline()
 

@@ -119,6 +119,11 @@ class DecodeLoop:
     def wake(self) -> None:
         self._wakeup.set()
 
+    @property
+    def accepting(self) -> bool:
+        """False once the daemon has started to shut down."""
+        return self._accepting
+
     def stop_accepting(self) -> None:
         self._accepting = False
 

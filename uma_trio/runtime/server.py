@@ -14,6 +14,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,16 +23,19 @@ import trio
 
 from ..config import ServerConfig
 from ..engine.base import Engine, TokenArray
+from ..engine.sampling import Sampler, SamplingParams
+from ..http.serve import serve_asgi
 from ..observability.metrics import Metrics
 from ..observability.process import ProcessSampler
 from ..observability.prometheus import build_registry
 from ..observability.scorecard import CSV_FIELDS, Scorecard, scorecard
 from ..protocol.errors import ErrorCode, UmaError
-from ..protocol.messages import GenerateRequest
+from ..protocol.messages import GenerateRequest, TokenEvent
 from ..sched.policy import Policy
 from .connection import Connection
 from .decode_loop import DecodeLoop
-from .metrics_http import bind_metrics_port, serve_metrics_http
+from .metrics_http import bind_metrics_port, metrics_app
+from .session import Session
 from .unix_socket import bind_unix_listener, unlink_if_ours
 
 T = TypeVar("T")
@@ -51,6 +55,7 @@ class Server:
         self.process = ProcessSampler()
         self.registry = build_registry(self.metrics.registry, self.metrics_snapshot)
         self.metrics_url: str | None = None  # set once --metrics-port serves
+        self.http_url: str | None = None  # set by the daemon once the --http gateway serves this server
         self._connections: set[Connection] = set()
         self._shutdown = trio.Event()
         self._force = trio.Event()
@@ -80,7 +85,10 @@ class Server:
                 nursery.start_soon(self.loop.run)
                 nursery.start_soon(self._metrics_task)
                 if metrics_sock is not None:
-                    self.metrics_url = await nursery.start(serve_metrics_http, self.registry, metrics_sock)
+                    app = metrics_app(self.registry)
+                    base = await nursery.start(partial(serve_asgi, app, metrics_sock, name="metrics_http"))
+                    self.metrics_url = f"{base}/metrics"
+                    log.info("Prometheus metrics on %s", self.metrics_url)
                 if handle_signals:
                     nursery.start_soon(self._signal_task)
                 async with trio.open_nursery() as connections:
@@ -125,6 +133,50 @@ class Server:
             return fn(arg)
         return await trio.to_thread.run_sync(fn, arg)
 
+    async def open_request(
+        self, request: GenerateRequest, arrived: float, *, connection: int, auto_max_tokens: bool = False
+    ) -> tuple[Session, trio.MemoryReceiveChannel[TokenEvent]]:
+        """Check ``request`` against the daemon's limits, tokenize it and queue it; the
+        session's events come out of the returned channel (hand both to
+        :func:`~uma_trio.runtime.delivery.deliver`).  ``auto_max_tokens``: the request named
+        no max_tokens, so it may use what is left of its context, up to ``--max-tokens``.
+        Raises :class:`UmaError` for anything that cannot be served."""
+        rid = request.id
+        if not auto_max_tokens and request.max_tokens > self.config.max_tokens:
+            raise UmaError(
+                ErrorCode.MAX_TOKENS,
+                f"max_tokens {request.max_tokens} exceeds the limit of {self.config.max_tokens}",
+                request_id=rid,
+            )
+        prompt = await self.tokenize_request(request)
+        if len(prompt) > self.config.max_prompt_tokens:
+            raise UmaError(
+                ErrorCode.PROMPT_TOO_LARGE,
+                f"prompt has {len(prompt)} tokens; the limit is {self.config.max_prompt_tokens}",
+                request_id=rid,
+            )
+        if auto_max_tokens:
+            room = max(1, self.engine.n_ctx_seq - len(prompt))
+            request = msgspec.structs.replace(request, max_tokens=min(self.config.max_tokens, room))
+        send, receive = trio.open_memory_channel[TokenEvent](self.config.stream_buffer)
+        params = SamplingParams(
+            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+            min_p=request.min_p, seed=request.seed,
+        )  # fmt: skip
+        session = Session(request, prompt, Sampler(params), send, created=arrived, connection=connection)
+        try:
+            self.loop.submit(session)  # raises when the daemon is full or stopping
+        except BaseException:
+            send.close()
+            receive.close()
+            raise
+        return session, receive
+
+    def next_connection_number(self) -> int:
+        """Numbers socket connections and HTTP requests alike, for logs and the live view."""
+        self._next_number += 1
+        return self._next_number
+
     async def tokenize_request(self, request: GenerateRequest) -> TokenArray:
         """The request's prompt as tokens (chat template applied), off the event loop."""
         try:
@@ -154,8 +206,7 @@ class Server:
             nursery.start_soon(self._handle, stream)
 
     async def _handle(self, stream: trio.SocketStream) -> None:
-        self._next_number += 1
-        connection = Connection(self, stream, self._next_number)
+        connection = Connection(self, stream, self.next_connection_number())
         try:
             if len(self._connections) >= self.config.max_connections:
                 await connection.reject(

@@ -1,0 +1,301 @@
+"""The HTTP gateway against a real daemon, driven by the official ``openai`` SDK (sync,
+in a worker thread, and async, on this trio run), plus raw httpx for what the SDK
+cannot send (bad JSON, no key)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+
+from uma_trio.client import UmaClient
+from uma_trio.config import ServerConfig
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.protocol.messages import TokenEvent
+from uma_trio.runtime.server import Server
+
+from .conftest import running_server
+
+pytestmark = pytest.mark.model
+
+KEY = "sk-test-key"
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
+
+
+@pytest.fixture
+async def http_server(llama_model: LlamaModel, server_config: ServerConfig) -> AsyncIterator[Server]:
+    async with running_server(llama_model, server_config, http="127.0.0.1:0", api_key=KEY) as server:
+        yield server
+
+
+def base_url(server: Server) -> str:
+    assert server.http_url is not None
+    return f"{server.http_url}/v1"
+
+
+def sync_client(server: Server, **kwargs: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url(server), api_key=KEY, max_retries=0, **kwargs)
+
+
+def async_client(server: Server, **kwargs: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url(server), api_key=KEY, max_retries=0, **kwargs)
+
+
+async def in_thread(fn: Any) -> Any:
+    return await trio.to_thread.run_sync(fn)
+
+
+async def wait_until_idle(server: Server) -> None:
+    with trio.fail_after(10):
+        while server.loop.gauges()["sessions"]["active"] or server.loop.gauges()["kv"]["cells_used"]:
+            await trio.sleep(0.01)
+
+
+async def test_models_health_and_metrics(http_server: Server) -> None:
+    models = await in_thread(lambda: sync_client(http_server).models.list())
+    assert [m.id for m in models.data] == [MODEL]
+    async with httpx.AsyncClient(base_url=http_server.http_url or "") as http:
+        health = await http.get("/health")  # open without the key
+        assert health.status_code == 200 and health.json() == {"status": "ok", "model": MODEL}
+        metrics = await http.get("/metrics", headers={"authorization": f"Bearer {KEY}"})
+        assert metrics.status_code == 200 and "uma_requests_total" in metrics.text
+        http_server.loop.stop_accepting()  # what a shutdown does first
+        draining = await http.get("/health")
+        assert draining.status_code == 503 and draining.json() == {"status": "draining"}
+
+
+async def test_chat_sync_and_async_stream_agree_and_count_tokens(http_server: Server) -> None:
+    request: dict[str, Any] = {"model": MODEL, "messages": STORY, "max_tokens": 24, "temperature": 0}
+    reply = await in_thread(lambda: sync_client(http_server).chat.completions.create(**request))
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+    assert reply.model == MODEL and reply.created > 0
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    # usage equals the daemon's own count: its chat template and tokenizer, then max_tokens
+    turns = [(m["role"], m["content"]) for m in STORY]
+    prompt_tokens = len(http_server.engine.tokenize(http_server.engine.apply_chat_template(turns)))
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (prompt_tokens, 24)
+    assert reply.usage.total_tokens == prompt_tokens + 24
+
+    before = http_server.metrics_snapshot()["tokens"]
+    stream = await async_client(http_server).chat.completions.create(
+        **request, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    after = http_server.metrics_snapshot()["tokens"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content  # greedy: streamed and whole answers agree
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    assert usage.prompt_tokens == after["prompt"]["interactive"] - before["prompt"]["interactive"]
+    assert usage.completion_tokens == after["generated"]["interactive"] - before["generated"]["interactive"]
+
+
+async def test_completion_stop_strings_and_length(http_server: Server) -> None:
+    client = sync_client(http_server)
+    prompt = "The three primary colors are"
+    full = await in_thread(
+        lambda: client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)
+    )
+    assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
+    assert full.usage is not None and full.usage.completion_tokens == 30
+    text = full.choices[0].text
+    stop = text.strip().split()[2]  # a word from the middle of the greedy answer
+    cut = await in_thread(
+        lambda: client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=[stop]
+        )
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.usage is not None and cut.usage.completion_tokens < 30
+
+    stream = await async_client(http_server).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=stop, stream=True
+    )
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_default_completion_length_is_openais_16(http_server: Server) -> None:
+    reply = await in_thread(
+        lambda: sync_client(http_server).completions.create(model=MODEL, prompt="Once upon a time")
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens <= 16
+
+
+async def test_closing_a_stream_midway_cancels_it_and_frees_kv(http_server: Server) -> None:
+    client = async_client(http_server)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=STORY, max_tokens=400, temperature=0, stream=True
+    )
+    seen = 0
+    async for chunk in stream:
+        seen += bool(chunk.choices and chunk.choices[0].delta.content)
+        if seen == 3:
+            break
+    assert http_server.loop.gauges()["kv"]["cells_used"] > 0
+    await stream.close()
+    await wait_until_idle(http_server)
+    snapshot = http_server.metrics_snapshot()
+    assert snapshot["cancels"] == {"disconnect": 1}
+    assert snapshot["requests"]["interactive"] == {"cancelled": 1}
+    assert snapshot["tokens"]["generated"]["interactive"] < 400
+    assert snapshot["in_flight"] == []
+
+
+async def test_non_streamed_request_is_cancelled_when_the_client_gives_up(http_server: Server) -> None:
+    client = async_client(http_server, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        await client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=1000, temperature=0)
+    await wait_until_idle(http_server)
+    assert http_server.metrics_snapshot()["cancels"] == {"disconnect": 1}
+
+
+async def test_errors_have_the_right_status_and_error_object(http_server: Server) -> None:
+    client = async_client(http_server)
+    chat: dict[str, Any] = {"model": MODEL, "messages": STORY, "max_tokens": 4}
+
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.chat.completions.create(**{**chat, "model": "gpt-4o"})
+    assert missing.value.status_code == 404 and missing.value.code == "model_not_found"
+    assert missing.value.param == "model"
+
+    with pytest.raises(openai.BadRequestError) as many:
+        await client.chat.completions.create(**chat, n=2)
+    assert many.value.param == "n" and many.value.type == "invalid_request_error"
+
+    with pytest.raises(openai.BadRequestError) as wrong_type:
+        await client.chat.completions.create(**chat, extra_body={"temperature": "hot"})
+    assert wrong_type.value.param == "temperature" and wrong_type.value.code == "E_PROTO_002"
+
+    with pytest.raises(openai.BadRequestError) as out_of_range:
+        await client.completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
+    assert out_of_range.value.param == "max_tokens" and out_of_range.value.code == "E_LIMIT_003"
+
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        await client.chat.completions.create(**chat, logprobs=True)
+    assert unsupported.value.param == "logprobs"
+
+    with pytest.raises(openai.AuthenticationError) as bad_key:
+        await openai.AsyncOpenAI(
+            base_url=base_url(http_server), api_key="sk-wrong", max_retries=0
+        ).models.list()
+    assert bad_key.value.status_code == 401 and bad_key.value.code == "invalid_api_key"
+
+    async with httpx.AsyncClient(base_url=http_server.http_url or "") as http:
+        no_key = await http.post("/v1/chat/completions", json=chat)
+        assert no_key.status_code == 401 and no_key.headers["www-authenticate"] == "Bearer"
+        assert no_key.json()["error"]["code"] == "invalid_api_key"
+        auth = {"authorization": f"Bearer {KEY}"}
+        bad_json = await http.post("/v1/chat/completions", content=b'{"model": ', headers=auth)
+        assert bad_json.status_code == 400
+        assert bad_json.json()["error"] == {
+            "message": bad_json.json()["error"]["message"], "type": "invalid_request_error",
+            "param": None, "code": "E_PROTO_001",
+        }  # fmt: skip
+        too_big = await http.post("/v1/completions", content=b"x" * (2 << 20), headers=auth)
+        assert too_big.status_code == 413
+        unknown = await http.get("/v2/anything", headers=auth)
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
+        wrong_method = await http.get("/v1/chat/completions", headers=auth)
+        assert wrong_method.status_code == 405
+
+    # Nothing of the above reached the decode loop.
+    assert http_server.metrics_snapshot()["requests"] == {"interactive": {}, "background": {}}
+
+
+async def test_lanes_from_header_field_and_service_tier(http_server: Server) -> None:
+    client = async_client(http_server)
+    chat: dict[str, Any] = {"model": MODEL, "messages": STORY, "max_tokens": 2}
+    await client.chat.completions.create(**chat, extra_headers={"X-Uma-Priority": "background"})
+    await client.chat.completions.create(**chat, extra_body={"priority": "background"})
+    await client.chat.completions.create(**chat, service_tier="flex")
+    await client.chat.completions.create(**chat)
+    requests = http_server.metrics_snapshot()["requests"]
+    assert requests == {"interactive": {"length": 1}, "background": {"length": 3}}
+
+
+async def test_generate_sse_and_priority(http_server: Server) -> None:
+    auth = {"authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=http_server.http_url or "", headers=auth) as http:
+        body = {"id": "g1", "messages": STORY, "max_tokens": 300, "temperature": 0}
+        async with http.stream("POST", "/generate", json=body) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            events = []
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(openai_json(line))
+                if len(events) == 2:
+                    moved = await http.post("/priority", json={"id": "g1", "priority": "background"})
+                    assert moved.status_code == 200
+                    in_flight = http_server.metrics_snapshot()["in_flight"]
+                    assert [r["lane"] for r in in_flight if r["id"] == "g1"] == ["background"]
+                    cancel = await http.post("/priority", json={"id": "nobody", "priority": "background"})
+                    assert cancel.status_code == 404 and cancel.json()["error"]["code"] == "E_PROTO_007"
+                    break
+        await wait_until_idle(http_server)
+        assert [e["event"] for e in events] == ["token", "token"]
+        assert events[0]["id"] == "g1"
+
+        whole = await http.post("/generate", json={"prompt": "Hello", "max_tokens": 3, "stream": False})
+        assert whole.status_code == 200
+        eos = whole.json()
+        assert eos["event"] == "eos" and eos["usage"]["completion_tokens"] == 3 and eos["text"]
+    snapshot = http_server.metrics_snapshot()
+    assert snapshot["lane_changes"] == 1 and snapshot["cancels"] == {"disconnect": 1}
+
+
+def openai_json(line: str) -> dict[str, Any]:
+    import json
+
+    value: dict[str, Any] = json.loads(line.removeprefix("data: "))
+    return value
+
+
+async def test_socket_and_http_clients_share_batches(http_server: Server) -> None:
+    """One socket stream and one HTTP stream at once: the metrics show both decoding in
+    the same ticks (about two decode tokens per tick), not taking turns."""
+    assert http_server.config.socket_path is not None
+    n = 60
+    before = http_server.metrics_snapshot()
+    both_decoding: list[dict[str, Any]] = []
+
+    async def socket_side() -> None:
+        async with UmaClient.connect(http_server.config.socket_path) as client:
+            async with client.stream(id="sock", messages=STORY, max_tokens=n, temperature=0) as events:
+                async for event in events:
+                    if isinstance(event, TokenEvent) and not both_decoding:
+                        in_flight = http_server.metrics_snapshot()["in_flight"]
+                        if sum(r["phase"] == "decode" for r in in_flight) == 2:
+                            both_decoding.append({r["id"]: r for r in in_flight})
+
+    async def http_side() -> None:
+        stream = await async_client(http_server).chat.completions.create(
+            model=MODEL, messages=STORY, max_tokens=n, temperature=0, stream=True
+        )
+        async for _ in stream:
+            pass
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(http_side)
+        nursery.start_soon(socket_side)
+    after = http_server.metrics_snapshot()
+    assert both_decoding, "the two requests never decoded at the same time"
+    ids = set(both_decoding[0])
+    assert "sock" in ids and any(i.startswith("chatcmpl-") for i in ids)
+    decode_tokens = after["batch_tokens"]["decode"] - before["batch_tokens"]["decode"]
+    ticks = after["ticks"] - before["ticks"]
+    assert decode_tokens >= 2 * (n - 1)
+    assert decode_tokens / ticks > 1.5, (decode_tokens, ticks)

@@ -1,0 +1,68 @@
+"""The gateway before a model is attached, and the --http address; no model needed."""
+
+from __future__ import annotations
+
+import socket
+from functools import partial
+
+import httpx
+import pytest
+import trio
+
+from uma_trio.config import ServerConfig
+from uma_trio.http.gateway import Gateway, model_id
+from uma_trio.http.serve import BindError, bind_tcp, serve_asgi
+
+
+async def test_while_loading_health_says_503_and_the_rest_waits() -> None:
+    gateway = Gateway("Some-Model.Q4_1.gguf", api_key="k", max_body_bytes=1 << 20)
+    sock = bind_tcp("127.0.0.1", 0, "test")
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(partial(serve_asgi, gateway.app, sock, name="test_http"))
+        async with httpx.AsyncClient(base_url=url) as http:
+            health = await http.get("/health")
+            assert health.status_code == 503 and health.json() == {"status": "loading"}
+            assert (await http.get("/v1/models")).status_code == 401  # the key is checked first
+            auth = {"authorization": "Bearer k"}
+            for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions")]:
+                answer = await http.request(method, path, headers=auth, json={})
+                assert answer.status_code == 503, path
+                assert answer.json()["error"]["code"] == "loading"
+        nursery.cancel_scope.cancel()
+
+
+def test_model_id_drops_the_extension() -> None:
+    assert model_id("SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+
+
+@pytest.mark.parametrize(
+    ("http", "address"),
+    [
+        ("127.0.0.1:8080", ("127.0.0.1", 8080)),
+        ("8080", ("127.0.0.1", 8080)),
+        (":0", ("127.0.0.1", 0)),
+        ("0.0.0.0:80", ("0.0.0.0", 80)),
+        ("[::1]:8080", ("::1", 8080)),
+        ("localhost:1", ("localhost", 1)),
+    ],
+)
+def test_http_address(http: str, address: tuple[str, int]) -> None:
+    assert ServerConfig(http=http).http_address == address
+
+
+@pytest.mark.parametrize("http", ["127.0.0.1", "host:port", "1:99999", "::1"])
+def test_bad_http_address(http: str) -> None:
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        ServerConfig(http=http)
+
+
+def test_empty_api_key_is_refused() -> None:
+    with pytest.raises(ValueError, match="api_key"):
+        ServerConfig(api_key=" ")
+
+
+def test_a_taken_port_is_a_bind_error() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(BindError, match=f"127.0.0.1:{port}"):
+            bind_tcp("127.0.0.1", port, "the HTTP API")

@@ -1,0 +1,195 @@
+"""The OpenAI shapes and their translation, alone (no I/O)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from uma_trio.protocol import openai
+from uma_trio.protocol.errors import ErrorCode
+from uma_trio.protocol.messages import EosEvent, Timings, Usage
+
+MODEL = "m"
+
+
+def chat(**fields: Any) -> openai.ChatBody:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+    decoded = openai.decode_body(msgspec.json.encode(body), openai.ChatBody)
+    assert isinstance(decoded, openai.ChatBody)
+    return decoded
+
+
+def completion(**fields: Any) -> openai.CompletionBody:
+    decoded = openai.decode_body(msgspec.json.encode({"model": MODEL, **fields}), openai.CompletionBody)
+    assert isinstance(decoded, openai.CompletionBody)
+    return decoded
+
+
+def translate(body: openai.ChatBody | openai.CompletionBody, header: str | None = None) -> openai.Translated:
+    return openai.translate(body, request_id="r1", lane_header=header)
+
+
+def eos(reason: Any = "stop", text: str | None = None) -> EosEvent:
+    return EosEvent("r1", reason, Usage(5, 3, 8), Timings(queue_ms=0.0, total_ms=1.0), text=text)
+
+
+def test_chat_fields_map_onto_the_socket_request() -> None:
+    t = translate(
+        chat(
+            max_completion_tokens=7, temperature=0, top_p=0.5, seed=3, stop="\n", stream=True,
+            stream_options={"include_usage": True}, user="u", top_k=5, min_p=0.1, unknown_field=1,
+        )
+    )  # fmt: skip
+    r = t.request
+    assert (r.id, r.max_tokens, r.temperature, r.top_p, r.seed, r.stop) == ("r1", 7, 0, 0.5, 3, ["\n"])
+    assert (r.stream, r.top_k, r.min_p, r.priority) == (True, 5, 0.1, "interactive")
+    assert r.messages is not None and [(m.role, m.content) for m in r.messages] == [("user", "hi")]
+    assert t.include_usage and not t.auto_max_tokens
+
+
+def test_chat_without_max_tokens_uses_the_context_left_and_completions_default_to_16() -> None:
+    assert translate(chat()).auto_max_tokens
+    t = translate(completion(prompt="x"))
+    assert not t.auto_max_tokens and t.request.max_tokens == openai.COMPLETIONS_DEFAULT_MAX_TOKENS
+    assert translate(completion(prompt=["x"], max_tokens=3)).request.max_tokens == 3
+
+
+def test_message_roles_and_text_parts() -> None:
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "ok"},
+    ]
+    r = translate(chat(messages=messages)).request
+    assert r.messages is not None
+    assert [(m.role, m.content) for m in r.messages] == [
+        ("system", "be brief"),
+        ("user", "ab"),
+        ("assistant", "ok"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": []}, "messages"),
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": [""]}, "stop[0]"),
+        ({"stop": ["s"] * 17}, "stop"),
+    ],
+)
+def test_unsupported_or_invalid_fields_are_refused_by_name(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.ApiError) as refused:
+        translate(chat(**fields))
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_neutral_values_of_unsupported_fields_pass() -> None:
+    neutral = {"n": 1, "logprobs": False, "frequency_penalty": 0, "presence_penalty": 0.0,
+               "response_format": {"type": "text"}, "tools": [], "echo": False, "best_of": 1}  # fmt: skip
+    translate(chat(**neutral))
+
+
+def test_batched_prompts_are_refused() -> None:
+    with pytest.raises(openai.ApiError) as refused:
+        translate(completion(prompt=["a", "b"]))
+    assert refused.value.param == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        (b'{"model": ', ErrorCode.INVALID_JSON, None),
+        (b'{"model": 1, "messages": []}', ErrorCode.SCHEMA, "model"),
+        (b'{"messages": []}', ErrorCode.SCHEMA, None),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": 5}]}',
+            ErrorCode.SCHEMA,
+            "messages[0].content",
+        ),
+    ],
+)
+def test_body_decoding_errors(body: bytes, code: ErrorCode, param: str | None) -> None:
+    with pytest.raises(openai.ApiError) as refused:
+        openai.decode_body(body, openai.ChatBody)
+    assert (refused.value.status, refused.value.code, refused.value.param) == (400, code, param)
+
+
+@pytest.mark.parametrize(
+    ("header", "fields", "lane"),
+    [
+        (None, {}, "interactive"),
+        ("background", {}, "background"),
+        (" Background ", {"priority": "interactive"}, "background"),
+        ("interactive", {"service_tier": "flex"}, "interactive"),
+        (None, {"priority": "background"}, "background"),
+        (None, {"service_tier": "flex"}, "background"),
+        (None, {"service_tier": "priority"}, "interactive"),
+    ],
+)
+def test_lane_precedence(header: str | None, fields: dict[str, Any], lane: str) -> None:
+    assert translate(chat(**fields), header).request.priority == lane
+
+
+def test_a_bad_lane_header_is_refused() -> None:
+    with pytest.raises(openai.ApiError):
+        translate(chat(), "urgent")
+
+
+def test_daemon_errors_map_to_http_statuses() -> None:
+    assert openai.api_error(ErrorCode.SERVER_BUSY, "x").status == 429
+    assert openai.api_error(ErrorCode.SHUTTING_DOWN, "x").status == 503
+    assert openai.api_error(ErrorCode.FRAME_TOO_LARGE, "x").status == 413
+    too_long = openai.api_error(ErrorCode.CONTEXT_OVERFLOW, "x")
+    assert (too_long.status, too_long.code) == (400, "context_length_exceeded")
+    assert set(ErrorCode) <= set(openai._STATUS), "every daemon error has an HTTP status"
+
+
+def test_chat_stream_chunks_follow_openais_order() -> None:
+    stream = openai.ChatStream("c1", 7, MODEL, include_usage=True)
+    chunks = [*stream.head(), stream.token("Hi"), *stream.end(eos("length"))]
+    decoded = [msgspec.json.decode(msgspec.json.encode(c)) for c in chunks]
+    assert [d["object"] for d in decoded] == ["chat.completion.chunk"] * 4
+    assert decoded[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert decoded[1]["choices"][0]["delta"] == {"content": "Hi"}
+    assert decoded[2]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length", "logprobs": None}
+    assert decoded[3]["choices"] == [] and decoded[3]["usage"]["total_tokens"] == 8
+    assert all(d["usage"] is None for d in decoded[:3])
+
+
+def test_without_include_usage_chunks_carry_no_usage_key() -> None:
+    stream = openai.CompletionStream("c1", 7, MODEL, include_usage=False)
+    chunks = [*stream.head(), stream.token("a"), *stream.end(eos())]
+    decoded = [msgspec.json.decode(msgspec.json.encode(c)) for c in chunks]
+    assert len(decoded) == 2 and all("usage" not in d for d in decoded)
+    assert decoded[1]["choices"][0]["finish_reason"] == "stop" and decoded[1]["object"] == "text_completion"
+
+
+def test_whole_answers() -> None:
+    answer = msgspec.json.decode(msgspec.json.encode(openai.chat_completion("c1", 7, MODEL, eos(text="yo"))))
+    assert answer["object"] == "chat.completion"
+    assert answer["choices"][0]["message"] == {"content": "yo", "role": "assistant"}
+    assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    text = msgspec.json.decode(
+        msgspec.json.encode(openai.text_completion("c1", 7, MODEL, eos("length", "t")))
+    )
+    assert text["choices"][0]["text"] == "t" and text["choices"][0]["finish_reason"] == "length"
+    early = openai.ended_early(eos("cancelled"))
+    assert early.status == 503 and early.body()["error"]["type"] == "server_error"
+
+
+def test_sse_framing() -> None:
+    assert openai.sse(b"{}") == b"data: {}\n\n"
+    assert openai.SSE_DONE == b"data: [DONE]\n\n"

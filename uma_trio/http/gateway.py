@@ -1,0 +1,392 @@
+"""``--http``: the OpenAI-compatible gateway, a small Starlette app on hypercorn's trio worker.
+
+Every HTTP request becomes a daemon request on the same decode loop as the
+socket's, so HTTP and socket clients share batches, lanes and limits.  The app
+exists before the model is loaded: until :meth:`Gateway.attach` it answers
+``/health`` with 503 ``loading`` and everything else with 503.  docs/HTTP.md
+describes the endpoints.
+
+Cancel-on-disconnect: each request that reaches the decode loop runs beside a
+task that waits for the client's ``http.disconnect``; when it comes, the
+request's task is cancelled, which closes :func:`~uma_trio.runtime.delivery.deliver`
+and so cancels the request at the next token boundary, as a socket hang-up does.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..observability.prometheus import exposition
+from ..protocol import openai
+from ..protocol.codec import decode_client_message
+from ..protocol.errors import ErrorCode, UmaError
+from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, Lane, ServerEvent, TokenEvent
+from ..protocol.openai import ApiError
+from ..runtime.delivery import deliver
+from ..runtime.session import Session
+from .serve import Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from ..runtime.server import Server
+
+log = logging.getLogger(__name__)
+
+_json = msgspec.json.Encoder()
+_OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancers, probes)
+
+
+def model_id(model_file: str) -> str:
+    """The model's name on the API: its GGUF file name without the extension."""
+    return model_file.removesuffix(".gguf")
+
+
+class PriorityBody(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    priority: Lane
+
+
+class Gateway:
+    """The app's state: the server once the model is loaded, and its requests in flight."""
+
+    def __init__(self, model_file: str, *, api_key: str | None, max_body_bytes: int) -> None:
+        self.model = model_id(model_file)
+        self._model_names = {self.model, model_file}
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.server: Server | None = None
+        self.created = int(time.time())
+        self.in_flight: dict[str, Session] = {}  # by request id, for POST /priority
+        self.url: str | None = None
+        self.app = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/generate", self.generate, methods=["POST"]),
+                Route("/priority", self.priority, methods=["POST"]),
+            ],
+            middleware=[Middleware(BearerAuth, api_key=api_key)],
+            exception_handlers={ApiError: _api_error_response, HTTPException: _http_error_response},
+        )
+
+    def attach(self, server: Server) -> None:
+        self.server = server
+
+    # -- plain endpoints ---------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        server = self.server
+        if server is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if not server.loop.accepting:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": self.model})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(exposition(self._ready().registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        self._ready()
+        listing = openai.ModelList([openai.Model(id=self.model, created=self.created)])
+        return _json_response(listing)
+
+    async def priority(self, request: Request) -> Response:
+        server = self._ready()
+        try:
+            body = msgspec.json.decode(await self._body(request), type=PriorityBody)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise openai.validation_error(exc) from None
+        session = self.in_flight.get(body.id)
+        if session is None:
+            raise openai.api_error(ErrorCode.UNKNOWN_ID, f"no HTTP request {body.id!r} in flight")
+        server.loop.set_lane(session, body.priority)
+        return JSONResponse({"id": body.id, "priority": body.priority})
+
+    # -- generation --------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._openai(request, openai.CompletionBody, "cmpl")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._openai(request, openai.ChatBody, "chatcmpl")
+
+    async def _openai(
+        self, request: Request, kind: type[openai.CompletionBody] | type[openai.ChatBody], prefix: str
+    ) -> Response:
+        self._ready()
+        body = openai.decode_body(await self._body(request), kind)
+        if body.model not in self._model_names:
+            raise ApiError(
+                404, f"The model `{body.model}` does not exist; this server has `{self.model}`",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        completion_id = f"{prefix}-{secrets.token_hex(12)}"
+        translated = openai.translate(
+            body, request_id=completion_id, lane_header=request.headers.get(openai.LANE_HEADER)
+        )
+        created = int(time.time())
+        is_chat = isinstance(body, openai.ChatBody)
+        started = await self._start(request, translated.request, auto_max_tokens=translated.auto_max_tokens)
+        headers = {"x-request-id": completion_id}
+        if not body.stream:
+            eos = _completed(await self._collect(request, started))
+            make = openai.chat_completion if is_chat else openai.text_completion
+            return _json_response(make(completion_id, created, self.model, eos), headers=headers)
+
+        stream_kind = openai.ChatStream if is_chat else openai.CompletionStream
+        chunks = stream_kind(completion_id, created, self.model, translated.include_usage)
+
+        async def sse() -> AsyncGenerator[bytes, None]:
+            for head in chunks.head():
+                yield openai.sse(_json.encode(head))
+            async with aclosing(self._events(*started)) as events:
+                async for event in events:
+                    match event:
+                        case TokenEvent(text=text):
+                            yield openai.sse(_json.encode(chunks.token(text)))
+                        case EosEvent(reason="stop" | "length"):
+                            for chunk in chunks.end(event):
+                                yield openai.sse(_json.encode(chunk))
+                            yield openai.SSE_DONE
+                        case EosEvent():
+                            yield openai.sse(_json.encode(openai.ended_early(event).body()))
+                        case ErrorEvent(code=code, message=message):
+                            error = openai.api_error(ErrorCode(code), message)
+                            yield openai.sse(_json.encode(error.body()))
+                        case _:
+                            pass
+
+        return EventStream(sse, headers=headers)
+
+    async def generate(self, request: Request) -> Response:
+        """The socket protocol over HTTP: its request body, its events as SSE (or, with
+        ``"stream": false``, the eos event as JSON)."""
+        self._ready()
+        generate_request = _generate_request(await self._body(request))
+        started = await self._start(request, generate_request, auto_max_tokens=False)
+        if not generate_request.stream:
+            events = await self._collect(request, started)
+            for event in events:
+                if isinstance(event, ErrorEvent):
+                    raise openai.api_error(ErrorCode(event.code), event.message)
+            return _json_response(events[-1])
+
+        async def sse() -> AsyncGenerator[bytes, None]:
+            async with aclosing(self._events(*started)) as events:
+                async for event in events:
+                    yield openai.sse(_json.encode(event))
+
+        return EventStream(sse, headers={"x-request-id": generate_request.id})
+
+    # -- plumbing ----------------------------------------------------------------
+
+    def _ready(self) -> Server:
+        server = self.server
+        if server is None:
+            raise ApiError(
+                503, "the model is still loading; retry shortly", type="server_error", code="loading"
+            )
+        return server
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refused (413) past ``max_body_bytes`` without reading it all."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large()
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise self._too_large()
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ApiError(400, "the client went away while sending the body") from None
+        return b"".join(chunks)
+
+    def _too_large(self) -> ApiError:
+        limit = self.max_body_bytes
+        return openai.api_error(ErrorCode.FRAME_TOO_LARGE, f"the body exceeds the limit of {limit} bytes")
+
+    async def _start(
+        self, request: Request, generate_request: GenerateRequest, *, auto_max_tokens: bool
+    ) -> tuple[Session, trio.MemoryReceiveChannel[TokenEvent]]:
+        server = self._ready()
+        rid = generate_request.id
+        if rid in self.in_flight:
+            raise openai.api_error(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight")
+        arrived = trio.current_time()
+        try:
+            session, receive = await server.open_request(
+                generate_request, arrived, connection=server.next_connection_number(),
+                auto_max_tokens=auto_max_tokens,
+            )  # fmt: skip
+        except UmaError as exc:
+            server.metrics.on_error(exc.code)
+            raise openai.from_uma_error(exc) from None
+        self.in_flight[rid] = session
+        return session, receive
+
+    async def _events(
+        self, session: Session, receive: trio.MemoryReceiveChannel[TokenEvent]
+    ) -> AsyncGenerator[ServerEvent, None]:
+        assert self.server is not None
+        try:
+            async with aclosing(deliver(self.server, session, receive)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self.in_flight.pop(session.id, None)
+
+    async def _collect(
+        self, request: Request, started: tuple[Session, trio.MemoryReceiveChannel[TokenEvent]]
+    ) -> list[ServerEvent]:
+        """All events of a non-streamed request; a disconnect meanwhile cancels it."""
+        collected: list[ServerEvent] = []
+
+        async def collect() -> None:
+            async with aclosing(self._events(*started)) as events:
+                async for event in events:
+                    collected.append(event)
+
+        await _until_disconnect(request.receive, collect)
+        return collected
+
+
+def _completed(events: list[ServerEvent]) -> EosEvent:
+    """The eos of a request that completed, or the error to answer instead."""
+    for event in events:
+        if isinstance(event, ErrorEvent):
+            raise openai.api_error(ErrorCode(event.code), event.message)
+    last = events[-1] if events else None
+    if not isinstance(last, EosEvent):  # the client went away; nobody reads this answer
+        raise ApiError(499, "client closed the request")
+    if last.reason not in ("stop", "length"):
+        raise openai.ended_early(last)
+    return last
+
+
+def _generate_request(data: bytes) -> GenerateRequest:
+    """A socket-protocol generate request from an HTTP body; ``id`` is optional here."""
+    try:
+        obj = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise openai.validation_error(exc) from None
+    if isinstance(obj, dict):
+        obj.setdefault("id", f"gen-{secrets.token_hex(12)}")
+        data = _json.encode(obj)
+    try:
+        message = decode_client_message(data)
+    except UmaError as exc:
+        raise openai.from_uma_error(exc) from None
+    if not isinstance(message, GenerateRequest):
+        raise ApiError(400, "POST /generate takes a generate request", param="type")
+    return message
+
+
+async def _until_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> None:
+    """Run ``work``; if the client disconnects first, cancel it."""
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        await work()
+        nursery.cancel_scope.cancel()
+
+
+class EventStream(Response):
+    """A ``text/event-stream`` response whose generator is closed at once, whether it ends,
+    fails or the client disconnects (Starlette's StreamingResponse leaves that to the
+    garbage collector, which would hold the request's KV cells until then)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, chunks: Callable[[], AsyncGenerator[bytes, None]], headers: dict[str, str] | None = None
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self._chunks = chunks
+        self.init_headers({"cache-control": "no-cache", **(headers or {})})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+
+        async def stream() -> None:
+            async with aclosing(self._chunks()) as chunks:
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        await _until_disconnect(receive, stream)
+
+
+class BearerAuth:
+    """ASGI middleware: with an API key set, every path but /health needs
+    ``Authorization: Bearer <key>`` (compared in constant time)."""
+
+    def __init__(self, app: Any, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected is not None and scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization")
+            if given is None:
+                error = ApiError(
+                    401, "You didn't provide an API key: send `Authorization: Bearer <key>`.",
+                    code="invalid_api_key",
+                )  # fmt: skip
+            elif not hmac.compare_digest(given, self.expected):
+                error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+            else:
+                error = None
+            if error is not None:
+                response = _error_response(error, headers={"www-authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _json_response(value: Any, headers: Mapping[str, str] | None = None, status: int = 200) -> Response:
+    return Response(_json.encode(value), status_code=status, media_type="application/json", headers=headers)
+
+
+def _error_response(error: ApiError, headers: Mapping[str, str] | None = None) -> Response:
+    return _json_response(error.body(), headers=headers, status=error.status)
+
+
+async def _api_error_response(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    log.debug("HTTP %d on %s: %s", exc.status, request.url.path, exc.message)
+    return _error_response(exc)
+
+
+async def _http_error_response(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 as OpenAI error objects."""
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return _error_response(ApiError(exc.status_code, message, code=code), headers=exc.headers)

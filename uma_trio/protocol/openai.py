@@ -1,0 +1,455 @@
+"""OpenAI's HTTP API shapes, and their translation to and from the daemon's own protocol.
+
+Pure: no I/O, no clock (callers pass ``created``), so it is tested alone.  The
+request bodies accept what OpenAI's API documents for ``/v1/completions`` and
+``/v1/chat/completions``; what the daemon cannot honour (``n > 1``, logprobs,
+penalties, tools, ...) is refused by name instead of being silently ignored, and
+fields it does not know at all are ignored, as OpenAI-compatible servers do.
+Value checks are the socket protocol's own: the translated request goes through
+:class:`~uma_trio.protocol.messages.GenerateRequest`'s validation.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+from .errors import ErrorCode, UmaError
+from .messages import EosEvent, FinishReason, GenerateRequest, Lane
+
+# -- errors ------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An HTTP error answered with OpenAI's error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# HTTP status and OpenAI error type of each daemon error code.  `code` in the error object
+# is the daemon's E_ code, except where OpenAI defines one that clients act on.
+_STATUS: dict[ErrorCode, tuple[int, str]] = {
+    ErrorCode.INVALID_JSON: (400, "invalid_request_error"),
+    ErrorCode.SCHEMA: (400, "invalid_request_error"),
+    ErrorCode.INVALID_UTF8: (400, "invalid_request_error"),
+    ErrorCode.FRAME_TOO_LARGE: (413, "invalid_request_error"),
+    ErrorCode.UNKNOWN_TYPE: (400, "invalid_request_error"),
+    ErrorCode.DUPLICATE_ID: (409, "invalid_request_error"),
+    ErrorCode.UNKNOWN_ID: (404, "invalid_request_error"),
+    ErrorCode.PROMPT_TOO_LARGE: (400, "invalid_request_error"),
+    ErrorCode.CONTEXT_OVERFLOW: (400, "invalid_request_error"),
+    ErrorCode.MAX_TOKENS: (400, "invalid_request_error"),
+    ErrorCode.SERVER_BUSY: (429, "rate_limit_error"),
+    ErrorCode.TOO_MANY_IN_FLIGHT: (429, "rate_limit_error"),
+    ErrorCode.TOO_MANY_CONNECTIONS: (429, "rate_limit_error"),
+    ErrorCode.IDLE_TIMEOUT: (408, "invalid_request_error"),
+    ErrorCode.SHUTTING_DOWN: (503, "server_error"),
+    ErrorCode.MODEL: (400, "invalid_request_error"),
+    ErrorCode.DECODE_FAILED: (500, "server_error"),
+    ErrorCode.KV_FULL: (503, "server_error"),
+}
+_OPENAI_CODE = {
+    ErrorCode.PROMPT_TOO_LARGE: "context_length_exceeded",
+    ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded",
+}
+_PARAM = {ErrorCode.MAX_TOKENS: "max_tokens", ErrorCode.PROMPT_TOO_LARGE: "messages"}
+
+
+def api_error(code: ErrorCode, message: str) -> ApiError:
+    """The HTTP answer to a daemon error."""
+    status, kind = _STATUS[code]
+    return ApiError(status, message, type=kind, param=_PARAM.get(code), code=_OPENAI_CODE.get(code, code))
+
+
+def from_uma_error(error: UmaError) -> ApiError:
+    return api_error(error.code, error.message)
+
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def validation_error(exc: msgspec.ValidationError | msgspec.DecodeError | ValueError) -> ApiError:
+    """A bad body, naming the offending field as ``param`` where msgspec says which."""
+    message = str(exc)
+    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
+        return ApiError(400, f"the body is not valid JSON: {message}", code=ErrorCode.INVALID_JSON)
+    found = _PATH.search(message)
+    param = found.group(1) if found and found.group(1) else None
+    return ApiError(400, message, param=param, code=ErrorCode.SCHEMA)
+
+
+# -- request bodies ----------------------------------------------------------------
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _Body(Struct, kw_only=True):
+    """Fields common to both endpoints.  Unknown fields are ignored."""
+
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    # The QoS lane (an extension; the X-Uma-Priority header wins), or OpenAI's service tier:
+    # "flex" (slower, for background work) maps to the background lane.
+    priority: Lane | None = None
+    service_tier: str | None = None
+    # llama.cpp's sampling knobs, which OpenAI lacks but its clients often send.
+    top_k: int | None = None
+    min_p: float | None = None
+    # Documented by OpenAI but not supported: refused unless neutral.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class CompletionBody(_Body, kw_only=True):
+    prompt: str | list[str]
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatTurn(Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatBody(_Body, kw_only=True):
+    messages: list[ChatTurn]
+
+
+# What a field may be set to and still mean "off".
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+}
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+
+def decode_body(data: bytes, kind: type[CompletionBody] | type[ChatBody]) -> CompletionBody | ChatBody:
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise validation_error(exc) from None
+
+
+class Translated(Struct, kw_only=True):
+    """A body turned into a daemon request, and what the HTTP answer needs to know."""
+
+    request: GenerateRequest
+    auto_max_tokens: bool  # no max_tokens given: use what the context has left
+    include_usage: bool
+
+
+def _check_supported(body: _Body) -> None:
+    if body.n != 1:
+        raise ApiError(400, f"n={body.n} is not supported; only one choice (n=1) per request", param="n")
+    for name, neutral in _NEUTRAL.items():
+        if getattr(body, name) not in neutral:
+            raise ApiError(400, f"`{name}` is not supported by this server", param=name)
+
+
+def _chat_messages(turns: list[ChatTurn]) -> list[dict[str, str]]:
+    if not turns:
+        raise ApiError(400, "`messages` must hold at least one message", param="messages")
+    out = []
+    for i, turn in enumerate(turns):
+        role = _ROLES.get(turn.role)
+        if role is None:
+            raise ApiError(
+                400, f"role {turn.role!r} is not supported; use system, developer, user or assistant",
+                param=f"messages[{i}].role",
+            )  # fmt: skip
+        if isinstance(turn.content, str):
+            text = turn.content
+        elif turn.content is None:
+            raise ApiError(400, "a message needs text `content`", param=f"messages[{i}].content")
+        else:
+            parts = []
+            for part in turn.content:
+                if part.type != "text" or part.text is None:
+                    raise ApiError(
+                        400, f"content part type {part.type!r} is not supported; only text",
+                        param=f"messages[{i}].content",
+                    )  # fmt: skip
+                parts.append(part.text)
+            text = "".join(parts)
+        out.append({"role": role, "content": text})
+    return out
+
+
+def translate(body: CompletionBody | ChatBody, *, request_id: str, lane_header: str | None) -> Translated:
+    """The daemon request for ``body``; raises :class:`ApiError` for what cannot be served."""
+    _check_supported(body)
+    if (
+        body.max_tokens is not None
+        and body.max_completion_tokens is not None
+        and body.max_tokens != body.max_completion_tokens
+    ):
+        raise ApiError(
+            400, "max_tokens and max_completion_tokens disagree; give one", param="max_completion_tokens"
+        )
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    lane = lane_for(body, lane_header)
+    fields: dict[str, Any] = {"id": request_id, "stream": body.stream, "priority": lane}
+    if isinstance(body, ChatBody):
+        fields["messages"] = _chat_messages(body.messages)
+    else:
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            raise ApiError(400, "one prompt per request (batches are not supported)", param="prompt")
+        fields["prompt"] = prompts[0]
+        if max_tokens is None:
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    auto = max_tokens is None
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    if body.stop is not None:
+        fields["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        if (value := getattr(body, name)) is not None:
+            fields[name] = value
+    try:
+        request = msgspec.convert(fields, GenerateRequest)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise validation_error(exc) from None
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return Translated(request=request, auto_max_tokens=auto, include_usage=include_usage)
+
+
+LANE_HEADER = "x-uma-priority"
+
+
+def lane_for(body: _Body, header: str | None) -> Lane:
+    """The request's QoS lane: the X-Uma-Priority header, else the body's ``priority``,
+    else ``service_tier: flex`` → background; interactive by default."""
+    if header is not None:
+        value = header.strip().lower()
+        if value not in ("interactive", "background"):
+            raise ApiError(400, f"X-Uma-Priority must be interactive or background, not {header!r}")
+        return "background" if value == "background" else "interactive"
+    if body.priority is not None:
+        return body.priority
+    return "background" if body.service_tier == "flex" else "interactive"
+
+
+# -- responses ---------------------------------------------------------------------
+# msgspec leaves UNSET fields out of the JSON: that is how a field is absent here, while
+# None is an explicit null.
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Completion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: Literal["text_completion"] = "text_completion"
+    # Absent from stream chunks unless usage was asked for; then null until the last.
+    usage: Usage | UnsetType | None = UNSET
+
+
+class AssistantMessage(Struct):
+    content: str
+    role: Literal["assistant"] = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class Delta(Struct):
+    role: Literal["assistant"] | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    usage: Usage | UnsetType | None = UNSET
+
+
+def usage_of(eos: EosEvent) -> Usage:
+    return Usage(eos.usage.prompt_tokens, eos.usage.completion_tokens, eos.usage.total_tokens)
+
+
+def finish_reason(reason: FinishReason) -> str:
+    """OpenAI's finish_reason for an eos that completed (stop or length)."""
+    assert reason in ("stop", "length"), reason
+    return reason
+
+
+class ChatStream:
+    """The chunks of one streamed chat completion, in OpenAI's order: a first chunk with
+    the role, one per token, one with the finish_reason, and with ``include_usage`` a last
+    one with no choices and the usage (every other chunk then carries ``usage: null``)."""
+
+    def __init__(self, completion_id: str, created: int, model: str, include_usage: bool) -> None:
+        self.id, self.created, self.model = completion_id, created, model
+        self._usage: UnsetType | None = None if include_usage else UNSET
+
+    def _chunk(self, delta: Delta, finish: str | None) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish)
+        return ChatCompletionChunk(self.id, self.created, self.model, [choice], usage=self._usage)
+
+    def head(self) -> list[ChatCompletionChunk]:
+        return [self._chunk(Delta(role="assistant", content=""), None)]
+
+    def token(self, text: str) -> ChatCompletionChunk:
+        return self._chunk(Delta(content=text), None)
+
+    def end(self, eos: EosEvent) -> list[ChatCompletionChunk]:
+        chunks = [self._chunk(Delta(), finish_reason(eos.reason))]
+        if self._usage is None:
+            chunks.append(ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage_of(eos)))
+        return chunks
+
+
+class CompletionStream:
+    """The chunks of one streamed text completion (same order as :class:`ChatStream`)."""
+
+    def __init__(self, completion_id: str, created: int, model: str, include_usage: bool) -> None:
+        self.id, self.created, self.model = completion_id, created, model
+        self._usage: UnsetType | None = None if include_usage else UNSET
+
+    def _chunk(self, text: str, finish: str | None) -> Completion:
+        choice = CompletionChoice(index=0, text=text, finish_reason=finish)
+        return Completion(self.id, self.created, self.model, [choice], usage=self._usage)
+
+    def head(self) -> list[Completion]:
+        return []
+
+    def token(self, text: str) -> Completion:
+        return self._chunk(text, None)
+
+    def end(self, eos: EosEvent) -> list[Completion]:
+        chunks = [self._chunk("", finish_reason(eos.reason))]
+        if self._usage is None:
+            chunks.append(Completion(self.id, self.created, self.model, [], usage=usage_of(eos)))
+        return chunks
+
+
+def chat_completion(completion_id: str, created: int, model: str, eos: EosEvent) -> ChatCompletion:
+    message = AssistantMessage(content=eos.text or "")
+    choice = ChatChoice(index=0, message=message, finish_reason=finish_reason(eos.reason))
+    return ChatCompletion(completion_id, created, model, [choice], usage_of(eos))
+
+
+def text_completion(completion_id: str, created: int, model: str, eos: EosEvent) -> Completion:
+    choice = CompletionChoice(index=0, text=eos.text or "", finish_reason=finish_reason(eos.reason))
+    return Completion(completion_id, created, model, [choice], usage=usage_of(eos))
+
+
+def ended_early(eos: EosEvent) -> ApiError:
+    """The error for an eos that did not complete (the daemon is shutting down)."""
+    why = eos.cancel_reason or "cancelled"
+    return api_error(ErrorCode.SHUTTING_DOWN, f"the request was cancelled ({why}) before it completed")
+
+
+class Model(Struct):
+    id: str
+    created: int
+    owned_by: str = "uma-trio"
+    object: Literal["model"] = "model"
+
+
+class ModelList(Struct):
+    data: list[Model]
+    object: Literal["list"] = "list"
+
+
+def sse(payload: bytes) -> bytes:
+    """One server-sent event carrying ``payload`` (a JSON document, or ``[DONE]``)."""
+    return b"data: " + payload + b"\n\n"
+
+
+SSE_DONE = sse(b"[DONE]")
