@@ -211,8 +211,14 @@ async def test_errors_have_the_right_status_and_error_object(http_server: Server
         wrong_method = await http.get("/v1/chat/completions", headers=auth)
         assert wrong_method.status_code == 405
 
-    # Nothing of the above reached the decode loop.
-    assert http_server.metrics_snapshot()["requests"] == {"interactive": {}, "background": {}}
+    # Nothing of the above reached the decode loop; the refusals are counted by code
+    # (unknown paths and methods are not).
+    snapshot = http_server.metrics_snapshot()
+    assert snapshot["requests"] == {"interactive": {}, "background": {}}
+    assert snapshot["errors"] == {
+        "model_not_found": 1, "invalid_request_error": 2, "E_PROTO_002": 1, "E_LIMIT_003": 1,
+        "invalid_api_key": 2, "E_PROTO_001": 1, "E_PROTO_004": 1,
+    }  # fmt: skip
 
 
 async def test_lanes_from_header_field_and_service_tier(http_server: Server) -> None:
@@ -299,3 +305,21 @@ async def test_socket_and_http_clients_share_batches(http_server: Server) -> Non
     ticks = after["ticks"] - before["ticks"]
     assert decode_tokens >= 2 * (n - 1)
     assert decode_tokens / ticks > 1.5, (decode_tokens, ticks)
+
+
+async def test_shutdown_mid_stream_ends_http_streams_with_an_error_event(
+    llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    async with running_server(llama_model, server_config, http="127.0.0.1:0", shutdown_grace_s=0) as server:
+        stream = await async_client(server).chat.completions.create(
+            model=MODEL, messages=STORY, max_tokens=400, temperature=0, stream=True
+        )
+        with pytest.raises(openai.APIError) as ended:
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    server.request_shutdown()
+        assert "shutdown" in ended.value.message
+        async with httpx.AsyncClient(base_url=server.http_url or "") as http:
+            health = await http.get("/health")
+            assert health.status_code == 503 and health.json() == {"status": "draining"}
+        assert server.metrics_snapshot()["cancels"] == {"shutdown": 1}

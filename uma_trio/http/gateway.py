@@ -83,12 +83,23 @@ class Gateway:
                 Route("/generate", self.generate, methods=["POST"]),
                 Route("/priority", self.priority, methods=["POST"]),
             ],
-            middleware=[Middleware(BearerAuth, api_key=api_key)],
-            exception_handlers={ApiError: _api_error_response, HTTPException: _http_error_response},
+            middleware=[Middleware(BearerAuth, api_key=api_key, count=self._count_error)],
+            exception_handlers={ApiError: self._api_error_response, HTTPException: _http_error_response},
         )
 
     def attach(self, server: Server) -> None:
         self.server = server
+
+    def _count_error(self, error: ApiError) -> None:
+        """Refusals count in the daemon's errors by code, as the socket's do (not 404/405)."""
+        if self.server is not None and not error.counted:
+            self.server.metrics.on_error(error.code or error.type)
+
+    async def _api_error_response(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        log.debug("HTTP %d on %s: %s", exc.status, request.url.path, exc.message)
+        self._count_error(exc)
+        return _error_response(exc)
 
     # -- plain endpoints ---------------------------------------------------------
 
@@ -132,7 +143,9 @@ class Gateway:
         self, request: Request, kind: type[openai.CompletionBody] | type[openai.ChatBody], prefix: str
     ) -> Response:
         self._ready()
-        body = openai.decode_body(await self._body(request), kind)
+        data = await self._body(request)
+        arrived = trio.current_time()
+        body = openai.decode_body(data, kind)
         if body.model not in self._model_names:
             raise ApiError(
                 404, f"The model `{body.model}` does not exist; this server has `{self.model}`",
@@ -144,7 +157,7 @@ class Gateway:
         )
         created = int(time.time())
         is_chat = isinstance(body, openai.ChatBody)
-        started = await self._start(request, translated.request, auto_max_tokens=translated.auto_max_tokens)
+        started = await self._start(translated.request, arrived, auto_max_tokens=translated.auto_max_tokens)
         headers = {"x-request-id": completion_id}
         if not body.stream:
             eos = _completed(await self._collect(request, started))
@@ -180,13 +193,15 @@ class Gateway:
         """The socket protocol over HTTP: its request body, its events as SSE (or, with
         ``"stream": false``, the eos event as JSON)."""
         self._ready()
-        generate_request = _generate_request(await self._body(request))
-        started = await self._start(request, generate_request, auto_max_tokens=False)
+        data = await self._body(request)
+        arrived = trio.current_time()
+        generate_request = _generate_request(data)
+        started = await self._start(generate_request, arrived, auto_max_tokens=False)
         if not generate_request.stream:
             events = await self._collect(request, started)
             for event in events:
                 if isinstance(event, ErrorEvent):
-                    raise openai.api_error(ErrorCode(event.code), event.message)
+                    raise _counted(openai.api_error(ErrorCode(event.code), event.message))
             return _json_response(events[-1])
 
         async def sse() -> AsyncGenerator[bytes, None]:
@@ -227,20 +242,18 @@ class Gateway:
         return openai.api_error(ErrorCode.FRAME_TOO_LARGE, f"the body exceeds the limit of {limit} bytes")
 
     async def _start(
-        self, request: Request, generate_request: GenerateRequest, *, auto_max_tokens: bool
+        self, generate_request: GenerateRequest, arrived: float, *, auto_max_tokens: bool
     ) -> tuple[Session, trio.MemoryReceiveChannel[TokenEvent]]:
         server = self._ready()
         rid = generate_request.id
         if rid in self.in_flight:
             raise openai.api_error(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight")
-        arrived = trio.current_time()
         try:
             session, receive = await server.open_request(
                 generate_request, arrived, connection=server.next_connection_number(),
                 auto_max_tokens=auto_max_tokens,
             )  # fmt: skip
         except UmaError as exc:
-            server.metrics.on_error(exc.code)
             raise openai.from_uma_error(exc) from None
         self.in_flight[rid] = session
         return session, receive
@@ -275,13 +288,18 @@ def _completed(events: list[ServerEvent]) -> EosEvent:
     """The eos of a request that completed, or the error to answer instead."""
     for event in events:
         if isinstance(event, ErrorEvent):
-            raise openai.api_error(ErrorCode(event.code), event.message)
+            raise _counted(openai.api_error(ErrorCode(event.code), event.message))
     last = events[-1] if events else None
     if not isinstance(last, EosEvent):  # the client went away; nobody reads this answer
         raise ApiError(499, "client closed the request")
     if last.reason not in ("stop", "length"):
-        raise openai.ended_early(last)
+        raise _counted(openai.ended_early(last))  # a cancel, not a refusal
     return last
+
+
+def _counted(error: ApiError) -> ApiError:
+    error.counted = True
+    return error
 
 
 def _generate_request(data: bytes) -> GenerateRequest:
@@ -347,9 +365,10 @@ class BearerAuth:
     """ASGI middleware: with an API key set, every path but /health needs
     ``Authorization: Bearer <key>`` (compared in constant time)."""
 
-    def __init__(self, app: Any, api_key: str | None) -> None:
+    def __init__(self, app: Any, api_key: str | None, count: Callable[[ApiError], None]) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.count = count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.expected is not None and scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
@@ -364,6 +383,7 @@ class BearerAuth:
             else:
                 error = None
             if error is not None:
+                self.count(error)
                 response = _error_response(error, headers={"www-authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
@@ -376,12 +396,6 @@ def _json_response(value: Any, headers: Mapping[str, str] | None = None, status:
 
 def _error_response(error: ApiError, headers: Mapping[str, str] | None = None) -> Response:
     return _json_response(error.body(), headers=headers, status=error.status)
-
-
-async def _api_error_response(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
-    log.debug("HTTP %d on %s: %s", exc.status, request.url.path, exc.message)
-    return _error_response(exc)
 
 
 async def _http_error_response(request: Request, exc: Exception) -> Response:

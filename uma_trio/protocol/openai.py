@@ -41,6 +41,7 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.counted = False  # already in the daemon's error counts (the decode loop's own errors)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -29,6 +29,7 @@ async def deliver(
     server: Server, session: Session, receive: trio.MemoryReceiveChannel[TokenEvent]
 ) -> AsyncGenerator[ServerEvent, None]:
     loop, metrics = server.loop, server.metrics
+    server.open_deliveries += 1  # shutdown waits for these to write their last event
     try:
         async with receive:
             async for event in receive:
@@ -46,4 +47,5 @@ async def deliver(
             if session.final.reason in ("stop", "length"):
                 metrics.on_completed(session.lane, now - session.created, now)
     finally:
+        server.open_deliveries -= 1
         loop.cancel(session, "disconnect")  # a no-op once the request has ended

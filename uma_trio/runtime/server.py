@@ -56,6 +56,7 @@ class Server:
         self.registry = build_registry(self.metrics.registry, self.metrics_snapshot)
         self.metrics_url: str | None = None  # set once --metrics-port serves
         self.http_url: str | None = None  # set by the daemon once the --http gateway serves this server
+        self.open_deliveries = 0  # requests whose client has not yet been handed its last event
         self._connections: set[Connection] = set()
         self._shutdown = trio.Event()
         self._force = trio.Event()
@@ -247,8 +248,9 @@ class Server:
         self.loop.cancel_all("shutdown")
         with trio.move_on_after(_FLUSH_TIMEOUT_S):
             await self.loop.wait_idle()
-            # Let each pump write its final eos before the connections are cancelled.
-            while any(c.requests for c in self._connections):  # noqa: ASYNC110 - bounded, shutdown only
+            # Let every front end (socket or HTTP) write each request's final event before the
+            # connections are cancelled.
+            while self.open_deliveries or any(c.requests for c in self._connections):  # noqa: ASYNC110
                 await trio.sleep(0.01)
 
     async def _cancel_on_force(self, scope: trio.CancelScope) -> None:
