@@ -128,10 +128,34 @@ async def test_completion_stop_strings_and_length(http_server: Server) -> None:
 
 
 async def test_default_completion_length_is_openais_16(http_server: Server) -> None:
+    prompt = "The three primary colors are"  # greedy, it goes on for 30 tokens and more
     reply = await in_thread(
-        lambda: sync_client(http_server).completions.create(model=MODEL, prompt="Once upon a time")
+        lambda: sync_client(http_server).completions.create(model=MODEL, prompt=prompt, temperature=0)
     )
-    assert reply.usage is not None and reply.usage.completion_tokens <= 16
+    assert reply.usage is not None and reply.usage.completion_tokens == 16
+    assert reply.choices[0].finish_reason == "length"
+
+
+async def test_usage_key_is_null_or_absent_on_the_wire(http_server: Server) -> None:
+    """The SDK reads an absent key and a null alike; check the raw SSE."""
+    body = {"model": MODEL, "messages": STORY, "max_tokens": 3, "temperature": 0, "stream": True}
+    auth = {"authorization": f"bearer {KEY}"}  # the scheme is case-insensitive
+    async with httpx.AsyncClient(base_url=http_server.http_url or "", headers=auth) as http:
+        for include_usage in (False, True):
+            reply = await http.post(
+                "/v1/chat/completions", json={**body, "stream_options": {"include_usage": include_usage}}
+            )
+            assert reply.status_code == 200
+            lines = [line for line in reply.text.splitlines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            chunks = [openai_json(line) for line in lines[:-1]]
+            if include_usage:
+                assert (
+                    all(c["usage"] is None for c in chunks[:-1])
+                    and chunks[-1]["usage"]["completion_tokens"] == 3
+                )
+            else:
+                assert all("usage" not in c for c in chunks)
 
 
 async def test_closing_a_stream_midway_cancels_it_and_frees_kv(http_server: Server) -> None:
@@ -228,8 +252,12 @@ async def test_lanes_from_header_field_and_service_tier(http_server: Server) -> 
     await client.chat.completions.create(**chat, extra_body={"priority": "background"})
     await client.chat.completions.create(**chat, service_tier="flex")
     await client.chat.completions.create(**chat)
+    async with httpx.AsyncClient(base_url=http_server.http_url or "") as http:
+        headers = {"authorization": f"Bearer {KEY}", "x-uma-priority": "background"}
+        body = {"prompt": "Hi", "max_tokens": 2, "stream": False}
+        assert (await http.post("/generate", json=body, headers=headers)).status_code == 200
     requests = http_server.metrics_snapshot()["requests"]
-    assert requests == {"interactive": {"length": 1}, "background": {"length": 3}}
+    assert requests == {"interactive": {"length": 1}, "background": {"length": 4}}
 
 
 async def test_generate_sse_and_priority(http_server: Server) -> None:
@@ -250,6 +278,8 @@ async def test_generate_sse_and_priority(http_server: Server) -> None:
                     assert [r["lane"] for r in in_flight if r["id"] == "g1"] == ["background"]
                     cancel = await http.post("/priority", json={"id": "nobody", "priority": "background"})
                     assert cancel.status_code == 404 and cancel.json()["error"]["code"] == "E_PROTO_007"
+                    twin = await http.post("/generate", json={**body, "stream": False})
+                    assert twin.status_code == 409 and twin.json()["error"]["code"] == "E_PROTO_006"
                     break
         await wait_until_idle(http_server)
         assert [e["event"] for e in events] == ["token", "token"]
@@ -323,3 +353,22 @@ async def test_shutdown_mid_stream_ends_http_streams_with_an_error_event(
             health = await http.get("/health")
             assert health.status_code == 503 and health.json() == {"status": "draining"}
         assert server.metrics_snapshot()["cancels"] == {"shutdown": 1}
+
+
+async def test_http_requests_in_flight_are_limited(
+    llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    async with running_server(llama_model, server_config, http="127.0.0.1:0", max_connections=1) as server:
+        client = openai.AsyncOpenAI(base_url=base_url(server), api_key="unused", max_retries=0)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=STORY, max_tokens=400, temperature=0, stream=True
+        )
+        async for _ in stream:
+            break
+        with pytest.raises(openai.RateLimitError) as busy:
+            await client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=2)
+        assert busy.value.code == "E_LIMIT_006" and busy.value.response.headers["retry-after"] == "1"
+        await stream.close()
+        await wait_until_idle(server)
+        reply = await client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=2)
+        assert reply.usage is not None and reply.usage.completion_tokens == 2

@@ -27,8 +27,10 @@ def completion(**fields: Any) -> openai.CompletionBody:
     return decoded
 
 
-def translate(body: openai.ChatBody | openai.CompletionBody, header: str | None = None) -> openai.Translated:
-    return openai.translate(body, request_id="r1", lane_header=header)
+def translate(
+    body: openai.ChatBody | openai.CompletionBody, header: str | None = None, limit: int = 2048
+) -> openai.Translated:
+    return openai.translate(body, request_id="r1", lane_header=header, max_tokens_limit=limit)
 
 
 def eos(reason: Any = "stop", text: str | None = None) -> EosEvent:
@@ -54,6 +56,14 @@ def test_chat_without_max_tokens_uses_the_context_left_and_completions_default_t
     t = translate(completion(prompt="x"))
     assert not t.auto_max_tokens and t.request.max_tokens == openai.COMPLETIONS_DEFAULT_MAX_TOKENS
     assert translate(completion(prompt=["x"], max_tokens=3)).request.max_tokens == 3
+    assert (
+        translate(completion(prompt="x"), limit=8).request.max_tokens == 8
+    )  # the default obeys --max-tokens
+
+
+def test_explicit_nulls_mean_the_defaults() -> None:
+    t = translate(chat(n=None, stream=None, stream_options={"include_usage": None}, temperature=None))
+    assert not t.request.stream and not t.include_usage and t.request.temperature == 0.8
 
 
 def test_message_roles_and_text_parts() -> None:
@@ -87,6 +97,7 @@ def test_message_roles_and_text_parts() -> None:
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": [""]}, "stop[0]"),
+        ({"stop": ""}, "stop"),
         ({"stop": ["s"] * 17}, "stop"),
     ],
 )
@@ -149,11 +160,16 @@ def test_a_bad_lane_header_is_refused() -> None:
 
 
 def test_daemon_errors_map_to_http_statuses() -> None:
+    assert openai.api_error(ErrorCode.MAX_TOKENS, "x").uma_code == ErrorCode.MAX_TOKENS
     assert openai.api_error(ErrorCode.SERVER_BUSY, "x").status == 429
     assert openai.api_error(ErrorCode.SHUTTING_DOWN, "x").status == 503
     assert openai.api_error(ErrorCode.FRAME_TOO_LARGE, "x").status == 413
     too_long = openai.api_error(ErrorCode.CONTEXT_OVERFLOW, "x")
-    assert (too_long.status, too_long.code) == (400, "context_length_exceeded")
+    assert (too_long.status, too_long.code, too_long.uma_code) == (
+        400,
+        "context_length_exceeded",
+        "E_LIMIT_002",
+    )
     assert set(ErrorCode) <= set(openai._STATUS), "every daemon error has an HTTP status"
 
 

@@ -111,11 +111,11 @@ def serve(
     max_queue
         Requests that may wait for a session; beyond that requests get E_LIMIT_004.
     max_connections
-        Client connections served at once.
+        Client connections served at once; separately, HTTP requests in flight (--http).
     max_in_flight
         Requests in flight per connection.
     max_frame_bytes
-        Largest accepted frame; a larger length prefix closes the connection.
+        Largest accepted frame (and HTTP body); a larger length prefix closes the connection.
     max_prompt_tokens
         Longest accepted prompt, in tokens.
     max_tokens

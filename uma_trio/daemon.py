@@ -77,7 +77,10 @@ async def http_gateway(config: ServerConfig, model_file: str) -> AsyncIterator[G
     sock = bind_tcp(host, port, "the HTTP API")
     if not _is_loopback(host) and config.api_key is None:
         log.warning("the HTTP API on %s is reachable from other hosts and has no --api-key", host)
-    gateway = Gateway(model_file, api_key=config.api_key, max_body_bytes=config.max_frame_bytes)
+    gateway = Gateway(
+        model_file, api_key=config.api_key, max_body_bytes=config.max_frame_bytes,
+        max_requests=config.max_connections,
+    )  # fmt: skip
     async with trio.open_nursery() as nursery:
         gateway.url = await nursery.start(partial(serve_asgi, gateway.app, sock, name="http"))
         log.info("OpenAI-compatible API on %s/v1", gateway.url)
@@ -115,15 +118,19 @@ async def serving(model: LlamaModel, config: ServerConfig) -> AsyncIterator[Serv
 
 
 async def run_daemon(model_path: Path, config: ServerConfig) -> None:
+    engine: LlamaEngine | None = None
     try:
-        async with http_gateway(config, model_path.name) as gateway:
-            # The HTTP port answers /health with 503 "loading" meanwhile.
-            log.info("loading %s", model_path)
-            engine = await trio.to_thread.run_sync(load_engine, model_path, config)
-            try:
+        try:
+            async with http_gateway(config, model_path.name) as gateway:
+                # The HTTP port answers /health with 503 "loading" meanwhile.
+                log.info("loading %s", model_path)
+                engine = await trio.to_thread.run_sync(load_engine, model_path, config)
                 policy = await trio.to_thread.run_sync(policy_for, engine, config)
                 await _serve(Server(engine, config, policy), gateway, handle_signals=True)
-            finally:
+        finally:
+            # Only once the gateway has stopped: its handlers may still be tokenizing in
+            # worker threads, which leaving its nursery waits for.
+            if engine is not None:
                 engine.close()
                 engine.model.close()
     except* (SocketInUseError, BindError, DaemonStartError) as group:

@@ -20,6 +20,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -64,14 +65,17 @@ class PriorityBody(msgspec.Struct, forbid_unknown_fields=True):
 class Gateway:
     """The app's state: the server once the model is loaded, and its requests in flight."""
 
-    def __init__(self, model_file: str, *, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self, model_file: str, *, api_key: str | None, max_body_bytes: int, max_requests: int
+    ) -> None:
         self.model = model_id(model_file)
         self._model_names = {self.model, model_file}
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.max_requests = max_requests  # generation requests in flight, tokenizing included
         self.server: Server | None = None
         self.created = int(time.time())
-        self.in_flight: dict[str, Session] = {}  # by request id, for POST /priority
+        self._flights: dict[str, Flight] = {}  # by request id, for POST /priority and the limit
         self.url: str | None = None
         self.app = Starlette(
             routes=[
@@ -84,16 +88,22 @@ class Gateway:
                 Route("/priority", self.priority, methods=["POST"]),
             ],
             middleware=[Middleware(BearerAuth, api_key=api_key, count=self._count_error)],
-            exception_handlers={ApiError: self._api_error_response, HTTPException: _http_error_response},
+            exception_handlers={
+                ApiError: self._api_error_response,
+                HTTPException: _http_error_response,
+                Exception: _unexpected_error_response,
+            },
         )
 
     def attach(self, server: Server) -> None:
         self.server = server
 
     def _count_error(self, error: ApiError) -> None:
-        """Refusals count in the daemon's errors by code, as the socket's do (not 404/405)."""
+        """Refusals count in the daemon's errors as the socket's do: by the daemon's code, else
+        by the error object's code or type.  Not counted: 404/405 (they never reach here),
+        hang-ups, and errors the decode loop has counted already."""
         if self.server is not None and not error.counted:
-            self.server.metrics.on_error(error.code or error.type)
+            self.server.metrics.on_error(error.uma_code or error.code or error.type)
 
     async def _api_error_response(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
@@ -106,7 +116,7 @@ class Gateway:
     async def health(self, request: Request) -> Response:
         server = self.server
         if server is None:
-            return JSONResponse({"status": "loading"}, status_code=503)
+            return JSONResponse({"status": "loading"}, status_code=503, headers={"retry-after": "1"})
         if not server.loop.accepting:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok", "model": self.model})
@@ -125,10 +135,10 @@ class Gateway:
             body = msgspec.json.decode(await self._body(request), type=PriorityBody)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise openai.validation_error(exc) from None
-        session = self.in_flight.get(body.id)
-        if session is None:
+        flight = self._flights.get(body.id)
+        if flight is None or flight.session is None:
             raise openai.api_error(ErrorCode.UNKNOWN_ID, f"no HTTP request {body.id!r} in flight")
-        server.loop.set_lane(session, body.priority)
+        server.loop.set_lane(flight.session, body.priority)
         return JSONResponse({"id": body.id, "priority": body.priority})
 
     # -- generation --------------------------------------------------------------
@@ -142,7 +152,7 @@ class Gateway:
     async def _openai(
         self, request: Request, kind: type[openai.CompletionBody] | type[openai.ChatBody], prefix: str
     ) -> Response:
-        self._ready()
+        server = self._ready()
         data = await self._body(request)
         arrived = trio.current_time()
         body = openai.decode_body(data, kind)
@@ -153,14 +163,15 @@ class Gateway:
             )  # fmt: skip
         completion_id = f"{prefix}-{secrets.token_hex(12)}"
         translated = openai.translate(
-            body, request_id=completion_id, lane_header=request.headers.get(openai.LANE_HEADER)
-        )
+            body, request_id=completion_id, lane_header=request.headers.get(openai.LANE_HEADER),
+            max_tokens_limit=server.config.max_tokens,
+        )  # fmt: skip
         created = int(time.time())
         is_chat = isinstance(body, openai.ChatBody)
-        started = await self._start(translated.request, arrived, auto_max_tokens=translated.auto_max_tokens)
+        flight = await self._begin(translated.request, arrived, auto_max_tokens=translated.auto_max_tokens)
         headers = {"x-request-id": completion_id}
         if not body.stream:
-            eos = _completed(await self._collect(request, started))
+            eos = _completed(await self._collect(request, flight))
             make = openai.chat_completion if is_chat else openai.text_completion
             return _json_response(make(completion_id, created, self.model, eos), headers=headers)
 
@@ -168,9 +179,9 @@ class Gateway:
         chunks = stream_kind(completion_id, created, self.model, translated.include_usage)
 
         async def sse() -> AsyncGenerator[bytes, None]:
-            for head in chunks.head():
-                yield openai.sse(_json.encode(head))
-            async with aclosing(self._events(*started)) as events:
+            async with aclosing(self._events(flight)) as events:
+                for head in chunks.head():
+                    yield openai.sse(_json.encode(head))
                 async for event in events:
                     match event:
                         case TokenEvent(text=text):
@@ -179,15 +190,15 @@ class Gateway:
                             for chunk in chunks.end(event):
                                 yield openai.sse(_json.encode(chunk))
                             yield openai.SSE_DONE
-                        case EosEvent():
+                        case EosEvent(reason="cancelled"):
                             yield openai.sse(_json.encode(openai.ended_early(event).body()))
                         case ErrorEvent(code=code, message=message):
                             error = openai.api_error(ErrorCode(code), message)
                             yield openai.sse(_json.encode(error.body()))
-                        case _:
+                        case _:  # eos(error) follows its error event: nothing more to say
                             pass
 
-        return EventStream(sse, headers=headers)
+        return EventStream(sse, on_close=lambda: self._end(flight), headers=headers)
 
     async def generate(self, request: Request) -> Response:
         """The socket protocol over HTTP: its request body, its events as SSE (or, with
@@ -196,29 +207,34 @@ class Gateway:
         data = await self._body(request)
         arrived = trio.current_time()
         generate_request = _generate_request(data)
-        started = await self._start(generate_request, arrived, auto_max_tokens=False)
+        lane = openai.lane_from_header(request.headers.get(openai.LANE_HEADER))
+        if lane is not None:
+            generate_request = msgspec.structs.replace(generate_request, priority=lane)
+        flight = await self._begin(generate_request, arrived, auto_max_tokens=False)
         if not generate_request.stream:
-            events = await self._collect(request, started)
+            events = await self._collect(request, flight)
             for event in events:
                 if isinstance(event, ErrorEvent):
                     raise _counted(openai.api_error(ErrorCode(event.code), event.message))
+            if not events or not isinstance(events[-1], EosEvent):
+                raise _client_gone()
             return _json_response(events[-1])
 
         async def sse() -> AsyncGenerator[bytes, None]:
-            async with aclosing(self._events(*started)) as events:
+            async with aclosing(self._events(flight)) as events:
                 async for event in events:
                     yield openai.sse(_json.encode(event))
 
-        return EventStream(sse, headers={"x-request-id": generate_request.id})
+        headers = {"x-request-id": generate_request.id}
+        return EventStream(sse, on_close=lambda: self._end(flight), headers=headers)
 
     # -- plumbing ----------------------------------------------------------------
 
     def _ready(self) -> Server:
         server = self.server
         if server is None:
-            raise ApiError(
-                503, "the model is still loading; retry shortly", type="server_error", code="loading"
-            )
+            message = "the model is still loading; retry shortly"
+            raise ApiError(503, message, type="server_error", code="loading")
         return server
 
     async def _body(self, request: Request) -> bytes:
@@ -234,54 +250,83 @@ class Gateway:
                     raise self._too_large()
                 chunks.append(chunk)
         except ClientDisconnect:
-            raise ApiError(400, "the client went away while sending the body") from None
+            raise _client_gone() from None
         return b"".join(chunks)
 
     def _too_large(self) -> ApiError:
         limit = self.max_body_bytes
         return openai.api_error(ErrorCode.FRAME_TOO_LARGE, f"the body exceeds the limit of {limit} bytes")
 
-    async def _start(
+    async def _begin(
         self, generate_request: GenerateRequest, arrived: float, *, auto_max_tokens: bool
-    ) -> tuple[Session, trio.MemoryReceiveChannel[TokenEvent]]:
+    ) -> Flight:
+        """Admit one generation request: its id and a place among the HTTP requests in flight
+        are taken before it is tokenized, so neither can be handed out twice."""
         server = self._ready()
+        if not server.loop.accepting:
+            raise openai.api_error(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        if len(self._flights) >= self.max_requests:
+            raise openai.api_error(
+                ErrorCode.TOO_MANY_CONNECTIONS,
+                f"at most {self.max_requests} HTTP requests may be in flight; try again later",
+            )
         rid = generate_request.id
-        if rid in self.in_flight:
+        if rid in self._flights:
             raise openai.api_error(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight")
+        flight = self._flights[rid] = Flight(rid)
         try:
-            session, receive = await server.open_request(
+            flight.session, flight.receive = await server.open_request(
                 generate_request, arrived, connection=server.next_connection_number(),
                 auto_max_tokens=auto_max_tokens,
             )  # fmt: skip
         except UmaError as exc:
+            self._end(flight)
             raise openai.from_uma_error(exc) from None
-        self.in_flight[rid] = session
-        return session, receive
+        except BaseException:
+            self._end(flight)
+            raise
+        return flight
 
-    async def _events(
-        self, session: Session, receive: trio.MemoryReceiveChannel[TokenEvent]
-    ) -> AsyncGenerator[ServerEvent, None]:
-        assert self.server is not None
+    def _end(self, flight: Flight) -> None:
+        """The request is over for its client: cancel it if it still runs (a no-op after its
+        eos) and give back its place.  Idempotent; reached however the response ends."""
+        if flight.session is not None and self.server is not None:
+            self.server.loop.cancel(flight.session, "disconnect")
+        if self._flights.get(flight.id) is flight:
+            del self._flights[flight.id]
+
+    async def _events(self, flight: Flight) -> AsyncGenerator[ServerEvent, None]:
+        assert self.server is not None and flight.session is not None and flight.receive is not None
         try:
-            async with aclosing(deliver(self.server, session, receive)) as events:
+            async with aclosing(deliver(self.server, flight.session, flight.receive)) as events:
                 async for event in events:
                     yield event
         finally:
-            self.in_flight.pop(session.id, None)
+            self._end(flight)
 
-    async def _collect(
-        self, request: Request, started: tuple[Session, trio.MemoryReceiveChannel[TokenEvent]]
-    ) -> list[ServerEvent]:
+    async def _collect(self, request: Request, flight: Flight) -> list[ServerEvent]:
         """All events of a non-streamed request; a disconnect meanwhile cancels it."""
         collected: list[ServerEvent] = []
 
         async def collect() -> None:
-            async with aclosing(self._events(*started)) as events:
+            async with aclosing(self._events(flight)) as events:
                 async for event in events:
                     collected.append(event)
 
-        await _until_disconnect(request.receive, collect)
+        try:
+            await _until_disconnect(request.receive, collect)
+        finally:
+            self._end(flight)
         return collected
+
+
+@dataclass(eq=False)
+class Flight:
+    """One HTTP generation request, from admission to its last event."""
+
+    id: str
+    session: Session | None = None  # None while it is being tokenized
+    receive: trio.MemoryReceiveChannel[TokenEvent] | None = None
 
 
 def _completed(events: list[ServerEvent]) -> EosEvent:
@@ -290,16 +335,22 @@ def _completed(events: list[ServerEvent]) -> EosEvent:
         if isinstance(event, ErrorEvent):
             raise _counted(openai.api_error(ErrorCode(event.code), event.message))
     last = events[-1] if events else None
-    if not isinstance(last, EosEvent):  # the client went away; nobody reads this answer
-        raise ApiError(499, "client closed the request")
+    if not isinstance(last, EosEvent):
+        raise _client_gone()
     if last.reason not in ("stop", "length"):
         raise _counted(openai.ended_early(last))  # a cancel, not a refusal
     return last
 
 
 def _counted(error: ApiError) -> ApiError:
+    """Mark an error the daemon's counts already hold (or that is not a refusal)."""
     error.counted = True
     return error
+
+
+def _client_gone() -> ApiError:
+    """The client went away: nobody reads this answer, and it is a hang-up, not an error."""
+    return _counted(ApiError(499, "client closed the request"))
 
 
 def _generate_request(data: bytes) -> GenerateRequest:
@@ -342,23 +393,30 @@ class EventStream(Response):
     media_type = "text/event-stream"
 
     def __init__(
-        self, chunks: Callable[[], AsyncGenerator[bytes, None]], headers: dict[str, str] | None = None
+        self,
+        chunks: Callable[[], AsyncGenerator[bytes, None]],
+        *,
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.status_code = 200
         self.background = None
         self._chunks = chunks
+        self._on_close = on_close  # runs however the response ends, even before the first chunk
         self.init_headers({"cache-control": "no-cache", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-
         async def stream() -> None:
             async with aclosing(self._chunks()) as chunks:
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
                 async for chunk in chunks:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        await _until_disconnect(receive, stream)
+        try:
+            await _until_disconnect(receive, stream)
+        finally:
+            self._on_close()
 
 
 class BearerAuth:
@@ -367,18 +425,19 @@ class BearerAuth:
 
     def __init__(self, app: Any, api_key: str | None, count: Callable[[ApiError], None]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
         self.count = count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.expected is not None and scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization")
+            scheme, _, token = (given or b"").strip().partition(b" ")
             if given is None:
                 error = ApiError(
                     401, "You didn't provide an API key: send `Authorization: Bearer <key>`.",
                     code="invalid_api_key",
                 )  # fmt: skip
-            elif not hmac.compare_digest(given, self.expected):
+            elif scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
                 error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
             else:
                 error = None
@@ -395,7 +454,15 @@ def _json_response(value: Any, headers: Mapping[str, str] | None = None, status:
 
 
 def _error_response(error: ApiError, headers: Mapping[str, str] | None = None) -> Response:
+    if error.status in (429, 503):  # busy or loading: worth a retry soon
+        headers = {"retry-after": "1", **(headers or {})}
     return _json_response(error.body(), headers=headers, status=error.status)
+
+
+async def _unexpected_error_response(request: Request, exc: Exception) -> Response:
+    """A bug: still OpenAI's error object (Starlette logs the traceback and re-raises)."""
+    error = ApiError(500, f"internal error: {type(exc).__name__}", type="server_error")
+    return _error_response(error)
 
 
 async def _http_error_response(request: Request, exc: Exception) -> Response:

@@ -34,6 +34,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        uma_code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -41,6 +42,7 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.uma_code = uma_code  # the daemon's E_ code, for its error counts (HTTP.md)
         self.counted = False  # already in the daemon's error counts (the decode loop's own errors)
 
     def body(self) -> dict[str, Any]:
@@ -73,13 +75,15 @@ _OPENAI_CODE = {
     ErrorCode.PROMPT_TOO_LARGE: "context_length_exceeded",
     ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded",
 }
-_PARAM = {ErrorCode.MAX_TOKENS: "max_tokens", ErrorCode.PROMPT_TOO_LARGE: "messages"}
+_PARAM = {ErrorCode.MAX_TOKENS: "max_tokens"}
 
 
 def api_error(code: ErrorCode, message: str) -> ApiError:
     """The HTTP answer to a daemon error."""
     status, kind = _STATUS[code]
-    return ApiError(status, message, type=kind, param=_PARAM.get(code), code=_OPENAI_CODE.get(code, code))
+    return ApiError(
+        status, message, type=kind, param=_PARAM.get(code), code=_OPENAI_CODE.get(code, code), uma_code=code
+    )
 
 
 def from_uma_error(error: UmaError) -> ApiError:
@@ -99,11 +103,21 @@ def validation_error(exc: msgspec.ValidationError | msgspec.DecodeError | ValueE
     return ApiError(400, message, param=param, code=ErrorCode.SCHEMA)
 
 
+def _stop_param(error: ApiError, stop: str | list[str] | None) -> ApiError:
+    """A single stop string is checked as a one-item list: name it as the client sent it."""
+    if isinstance(stop, str) and error.param == "stop[0]":
+        error.param = "stop"
+    return error
+
+
 # -- request bodies ----------------------------------------------------------------
 
 
+# Fields OpenAI allows to be null take None as "the default"; clients do send explicit nulls.
+
+
 class StreamOptions(Struct, kw_only=True):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class _Body(Struct, kw_only=True):
@@ -116,9 +130,9 @@ class _Body(Struct, kw_only=True):
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = 1
     user: str | None = None
     # The QoS lane (an extension; the X-Uma-Priority header wins), or OpenAI's service tier:
     # "flex" (slower, for background work) maps to the background lane.
@@ -198,7 +212,7 @@ class Translated(Struct, kw_only=True):
 
 
 def _check_supported(body: _Body) -> None:
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise ApiError(400, f"n={body.n} is not supported; only one choice (n=1) per request", param="n")
     for name, neutral in _NEUTRAL.items():
         if getattr(body, name) not in neutral:
@@ -234,8 +248,11 @@ def _chat_messages(turns: list[ChatTurn]) -> list[dict[str, str]]:
     return out
 
 
-def translate(body: CompletionBody | ChatBody, *, request_id: str, lane_header: str | None) -> Translated:
-    """The daemon request for ``body``; raises :class:`ApiError` for what cannot be served."""
+def translate(
+    body: CompletionBody | ChatBody, *, request_id: str, lane_header: str | None, max_tokens_limit: int
+) -> Translated:
+    """The daemon request for ``body``; raises :class:`ApiError` for what cannot be served.
+    ``max_tokens_limit`` (``--max-tokens``) caps the completions default of 16."""
     _check_supported(body)
     if (
         body.max_tokens is not None
@@ -247,7 +264,7 @@ def translate(body: CompletionBody | ChatBody, *, request_id: str, lane_header: 
         )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     lane = lane_for(body, lane_header)
-    fields: dict[str, Any] = {"id": request_id, "stream": body.stream, "priority": lane}
+    fields: dict[str, Any] = {"id": request_id, "stream": bool(body.stream), "priority": lane}
     if isinstance(body, ChatBody):
         fields["messages"] = _chat_messages(body.messages)
     else:
@@ -256,7 +273,7 @@ def translate(body: CompletionBody | ChatBody, *, request_id: str, lane_header: 
             raise ApiError(400, "one prompt per request (batches are not supported)", param="prompt")
         fields["prompt"] = prompts[0]
         if max_tokens is None:
-            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+            max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, max_tokens_limit)
     auto = max_tokens is None
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
@@ -268,8 +285,8 @@ def translate(body: CompletionBody | ChatBody, *, request_id: str, lane_header: 
     try:
         request = msgspec.convert(fields, GenerateRequest)
     except (msgspec.ValidationError, ValueError) as exc:
-        raise validation_error(exc) from None
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
+        raise _stop_param(validation_error(exc), body.stop) from None
+    include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     return Translated(request=request, auto_max_tokens=auto, include_usage=include_usage)
 
 
@@ -279,14 +296,22 @@ LANE_HEADER = "x-uma-priority"
 def lane_for(body: _Body, header: str | None) -> Lane:
     """The request's QoS lane: the X-Uma-Priority header, else the body's ``priority``,
     else ``service_tier: flex`` → background; interactive by default."""
-    if header is not None:
-        value = header.strip().lower()
-        if value not in ("interactive", "background"):
-            raise ApiError(400, f"X-Uma-Priority must be interactive or background, not {header!r}")
-        return "background" if value == "background" else "interactive"
+    from_header = lane_from_header(header)
+    if from_header is not None:
+        return from_header
     if body.priority is not None:
         return body.priority
     return "background" if body.service_tier == "flex" else "interactive"
+
+
+def lane_from_header(header: str | None) -> Lane | None:
+    """The lane an ``X-Uma-Priority`` header names, if one was sent."""
+    if header is None:
+        return None
+    value = header.strip().lower()
+    if value not in ("interactive", "background"):
+        raise ApiError(400, f"X-Uma-Priority must be interactive or background, not {header!r}")
+    return "background" if value == "background" else "interactive"
 
 
 # -- responses ---------------------------------------------------------------------

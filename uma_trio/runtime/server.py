@@ -143,6 +143,8 @@ class Server:
         no max_tokens, so it may use what is left of its context, up to ``--max-tokens``.
         Raises :class:`UmaError` for anything that cannot be served."""
         rid = request.id
+        if not self.loop.accepting:  # before tokenizing: the engine may be closing
+            raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=rid)
         if not auto_max_tokens and request.max_tokens > self.config.max_tokens:
             raise UmaError(
                 ErrorCode.MAX_TOKENS,
