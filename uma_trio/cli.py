@@ -1,4 +1,4 @@
-"""``uma-trio``: serve, generate, metrics, fetch-model, calibrate.
+"""``uma-trio``: serve, generate, metrics, top, bench, fetch-model, calibrate.
 
 Every ``serve`` flag also reads an environment variable: ``--n-ctx`` ⇄
 ``UMA_N_CTX`` and so on (``--socket`` also honours the seeds' ``UMA_SOCK``).
@@ -317,6 +317,46 @@ def top(*, socket: SocketPath = DEFAULT_SOCKET, interval: float = 1.0, once: boo
     except KeyboardInterrupt:
         pass
     return 0
+
+
+@app.command
+def bench(
+    scenario: str,
+    *,
+    target: Annotated[list[str] | None, Parameter(consume_multiple=False)] = None,
+    socket: SocketPath = DEFAULT_SOCKET,
+    api_key: Annotated[str | None, Parameter(env_var="UMA_API_KEY")] = None,
+    out: Path = Path("benches/results/bench"),
+) -> int:
+    """Run a benchmark scenario against one or more servers, one after the other, and print
+    them side by side (docs/BENCHMARKS.md). Exit status 1 if any request failed.
+
+    Parameters
+    ----------
+    scenario
+        A scenario or suite JSON file, or the name of one in benches/scenarios/
+        (mixed, storm, scaling, agents, ipc, ...).
+    target
+        Repeat for each server: `uma` (the daemon at --socket), `uma-http:URL` or
+        `openai:URL` (any OpenAI-compatible server, e.g. llama-server), optionally
+        labelled: `llama-server=openai:http://127.0.0.1:8081`. Default: uma.
+    socket
+        Unix socket of the `uma` target.
+    api_key
+        Bearer key for HTTP targets.
+    out
+        Directory for tokens.csv, requests.csv, summary.csv and the PNG plots.
+    """
+    from .bench_cli import BenchError, run
+
+    try:
+        return run(scenario, target or ["uma"], socket_path=socket, api_key=api_key, out=out)
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    except (ConnectionLost, OSError) as exc:
+        print(f"cannot reach a target: {exc}", file=sys.stderr)
+        return EXIT_PROTOCOL_ERROR
 
 
 @app.command(name="fetch-model")

@@ -16,12 +16,11 @@ from pathlib import Path
 import msgspec
 import trio
 
-from ..client import ConnectionLost, UmaClient
-from ..protocol.messages import EosEvent, ErrorEvent, FinishReason, TokenEvent
+from ..protocol.messages import FinishReason
 from .scenario import ClientSpec, Lane, Scenario
+from .targets import CONNECTION_LOST, Target, UmaTarget
 
-# ``error_code`` of a request whose connection died under it (not a daemon error code).
-CONNECTION_LOST = "CONNECTION_LOST"
+__all__ = ["CONNECTION_LOST", "RequestRecord", "ScenarioResult", "run_scenario"]
 
 
 class RequestRecord(msgspec.Struct, kw_only=True):
@@ -33,7 +32,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     sent: float
     token_times: list[float] = msgspec.field(default_factory=list)  # one per token event
     ended: float | None = None  # when the eos (or error) arrived
-    eos_reason: FinishReason | None = None
+    eos_reason: FinishReason | str | None = None  # the daemon's reason, or an OpenAI finish_reason
     error_code: str | None = None
     prompt_tokens: int | None = None  # from the eos usage
     completion_tokens: int | None = None  # from the eos usage (a token event may carry several)
@@ -49,17 +48,26 @@ class ScenarioResult(msgspec.Struct, kw_only=True):
     started: float  # clock() when the scenario began: client start_s is relative to it
     finished: float  # clock() when the last client was done
     records: list[RequestRecord]  # ordered by client (as in the scenario), then index
+    target: str = "uma"
 
 
 async def run_scenario(
-    socket_path: Path, scenario: Scenario, *, clock: Callable[[], float] = trio.current_time
+    target: Path | Target,
+    scenario: Scenario,
+    *,
+    clock: Callable[[], float] = trio.current_time,
+    on_token: Callable[[], None] | None = None,
 ) -> ScenarioResult:
-    """Run every client of ``scenario`` against the daemon at ``socket_path``.
+    """Run every client of ``scenario`` against ``target`` (a daemon's socket path, or any
+    :class:`~.targets.Target`).  ``on_token`` is called after each token event (progress).
 
     Request failures (error events, a lost connection) are recorded, not
     raised, so one misbehaving request does not hide what the others saw; a
     connection that cannot be opened at all raises.
     """
+    if isinstance(target, Path):
+        target = UmaTarget(target)
+    scenario = scenario.expanded()
     records: list[RequestRecord] = []
     started = clock()
 
@@ -67,13 +75,18 @@ async def run_scenario(
         delay = started + spec.start_s - clock()
         if delay > 0:
             await trio.sleep(delay)
-        async with UmaClient.connect(socket_path) as client:
+        async with target.connect() as connection:
             for index in range(spec.requests):
                 if index and spec.think_s > 0:
                     await trio.sleep(spec.think_s)
                 record = RequestRecord(client=spec.name, lane=spec.lane, index=index, sent=clock())
                 records.append(record)
-                if not await _run_request(client, spec, index, record, clock):
+                before = len(record.token_times)
+                alive = await connection.run(spec, index, record, clock)
+                if on_token is not None:
+                    for _ in range(len(record.token_times) - before):
+                        on_token()
+                if not alive:
                     return  # the connection is gone: the rest of the chain cannot run
 
     async with trio.open_nursery() as nursery:
@@ -82,30 +95,6 @@ async def run_scenario(
     finished = clock()
     order = {spec.name: i for i, spec in enumerate(scenario.clients)}
     records.sort(key=lambda r: (order[r.client], r.index))
-    return ScenarioResult(scenario=scenario, started=started, finished=finished, records=records)
-
-
-async def _run_request(
-    client: UmaClient, spec: ClientSpec, index: int, record: RequestRecord, clock: Callable[[], float]
-) -> bool:
-    """Stream one request into ``record``; False when the connection was lost."""
-    try:
-        async with client.stream(**spec.request(index)) as events:
-            async for event in events:
-                now = clock()
-                if isinstance(event, TokenEvent):
-                    record.token_times.append(now)
-                elif isinstance(event, EosEvent):
-                    record.ended, record.eos_reason = now, event.reason
-                    record.prompt_tokens = event.usage.prompt_tokens
-                    record.completion_tokens = event.usage.completion_tokens
-                elif isinstance(event, ErrorEvent):
-                    # The client's stream ends at an error event (a following eos is not seen).
-                    record.ended, record.error_code = now, event.code
-    except ConnectionLost:
-        record.ended, record.error_code = clock(), CONNECTION_LOST
-        return False
-    if record.ended is None:  # the stream ended without eos or error
-        record.ended, record.error_code = clock(), CONNECTION_LOST
-        return False
-    return True
+    return ScenarioResult(
+        scenario=scenario, started=started, finished=finished, records=records, target=target.label
+    )

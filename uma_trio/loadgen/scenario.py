@@ -32,7 +32,9 @@ class ClientSpec(Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """One client: one connection running ``requests`` requests back to back.
 
     Each request starts ``think_s`` after the previous one ended (an "agent
-    chain"), so a client never has more than one request in flight.
+    chain"), so a client never has more than one request in flight.  ``copies``
+    makes that many identical clients (``name-0``, ``name-1``, ...), the k-th
+    starting ``k * stagger_s`` after ``start_s``.
     """
 
     name: Name
@@ -42,6 +44,8 @@ class ClientSpec(Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     start_s: Seconds = 0.0  # connect and send the first request this long after the scenario starts
     requests: PositiveInt = 1
     think_s: Seconds = 0.0
+    copies: PositiveInt = 1
+    stagger_s: Seconds = 0.0
 
     def request_id(self, index: int) -> str:
         return f"{self.name}-{index}"
@@ -70,13 +74,39 @@ class Scenario(Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
 
     def __post_init__(self) -> None:
         # Names key the results (and the request ids); duplicates would merge two clients.
-        names = [c.name for c in self.clients]
+        names = [c.name for c in self.expanded().clients]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"duplicate client names: {', '.join(duplicates)}")
 
-    def client(self, name: str) -> ClientSpec:
+    def expanded(self) -> Scenario:
+        """The same scenario with every client's ``copies`` written out as clients."""
+        if all(c.copies == 1 for c in self.clients):
+            return self
+        clients: list[ClientSpec] = []
         for spec in self.clients:
+            if spec.copies == 1:
+                clients.append(spec)
+                continue
+            for k in range(spec.copies):
+                clients.append(
+                    msgspec.structs.replace(
+                        spec,
+                        name=f"{spec.name}-{k}",
+                        copies=1,
+                        stagger_s=0.0,
+                        start_s=spec.start_s + k * spec.stagger_s,
+                    )
+                )
+        return msgspec.structs.replace(self, clients=clients)
+
+    def without_lane(self, lane: Lane) -> Scenario:
+        """The scenario with ``lane``'s clients left out (e.g. the interactive clients alone)."""
+        kept = [c for c in self.clients if c.lane != lane]
+        return msgspec.structs.replace(self, name=f"{self.name}-alone", clients=kept)
+
+    def client(self, name: str) -> ClientSpec:
+        for spec in self.expanded().clients:
             if spec.name == name:
                 return spec
         raise KeyError(name)
@@ -101,6 +131,34 @@ def scenario_from_dict(data: Any) -> Scenario:
 def load_scenario(path: Path) -> Scenario:
     """Read a scenario from a JSON file."""
     return msgspec.json.decode(path.read_bytes(), type=Scenario)
+
+
+class Suite(Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """A benchmark: scenarios run one after the other on each target.
+
+    ``alone``: also run every scenario without its background clients first,
+    and report the interactive gaps relative to that run (the seeds' mixed-load
+    comparison).
+    """
+
+    name: Name
+    description: str = ""
+    runs: Annotated[list[Scenario], Meta(min_length=1)]
+    alone: bool = False
+
+    def __post_init__(self) -> None:
+        names = [r.name for r in self.runs]
+        if len(set(names)) != len(names):
+            raise ValueError("scenario names in a suite must differ")
+
+
+def load_suite(path: Path) -> Suite:
+    """Read a benchmark from a JSON file: a :class:`Suite`, or one bare :class:`Scenario`."""
+    data = msgspec.json.decode(path.read_bytes())
+    if isinstance(data, dict) and "runs" in data:
+        return msgspec.convert(data, Suite)
+    scenario = msgspec.convert(data, Scenario)
+    return Suite(name=scenario.name, runs=[scenario])
 
 
 def mixed_scenario(

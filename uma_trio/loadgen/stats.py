@@ -116,6 +116,7 @@ class LaneStats:
     gap_p50: float
     gap_p95: float
     gap_max: float
+    gap_p99: float
     ttft: tuple[float, ...]  # per request with a first token, in record order
     completion: tuple[float, ...]  # per request, in record order
     tokens_per_s: float  # over the scenario's span
@@ -123,6 +124,10 @@ class LaneStats:
     @property
     def ttft_p50(self) -> float:
         return percentile(self.ttft, 50)
+
+    @property
+    def ttft_p95(self) -> float:
+        return percentile(self.ttft, 95)
 
     @property
     def ttft_max(self) -> float:
@@ -158,6 +163,7 @@ def lane_stats(result: ScenarioResult, lane: Lane, *, window: tuple[float, float
         gap_p50=percentile(all_gaps, 50),
         gap_p95=percentile(all_gaps, 95),
         gap_max=maximum(all_gaps),
+        gap_p99=percentile(all_gaps, 99),
         ttft=tuple(ttfts),
         completion=tuple(completions),
         tokens_per_s=tokens_per_s(result, lane),
@@ -206,3 +212,23 @@ def to_csv_rows(result: ScenarioResult) -> list[dict[str, CsvValue]]:
             }
         )
     return rows
+
+
+TOKEN_CSV_FIELDS: Sequence[str] = ("target", "scenario", "client", "request", "token_idx", "t_ms", "lane")
+
+
+def token_rows(result: ScenarioResult) -> list[dict[str, CsvValue]]:
+    """One row per token event (keys :data:`TOKEN_CSV_FIELDS`); ``t_ms`` from the start."""
+    return [
+        {
+            "target": result.target,
+            "scenario": result.scenario.name,
+            "client": record.client,
+            "request": record.index,
+            "token_idx": i,
+            "t_ms": round((t - result.started) * 1000, 3),
+            "lane": record.lane,
+        }
+        for record in result.records
+        for i, t in enumerate(record.token_times)
+    ]

@@ -1,0 +1,305 @@
+"""uma-trio side by side with llama-server on every scenario in benches/scenarios/.
+
+For each scenario this starts a fresh ``uma-trio serve`` (socket and ``--http``) and a
+fresh ``llama-server`` built by ``benches/peers/build.sh`` from the llama.cpp that
+the pinned llama-cpp-python vendors.  Both get the same model, per-request context,
+threads and parallel slots.  The scenario then runs on each of them, one after the
+other, through the same load generator as ``uma-trio bench``, and the servers are
+stopped.  Results go to ``OUT/SCENARIO/`` (tokens.csv, requests.csv, summary.csv, PNG
+plots) and the side-by-side tables to ``OUT/tables.md``.
+
+Extra comparisons:
+
+* ``scaling`` also runs ``llama-batched-bench`` (the engine's ceiling, no server) at
+  the same batch sizes;
+* ``each_app_separate`` runs the mixed load with one server process per client
+  (``llama-server --parallel 1`` each, every one loading the model) against one
+  shared uma-trio, and compares aggregate tokens/s and total RSS;
+* ``long_ctx`` (the seeds' benchmark B) needs a KV-cache type option that uma-trio
+  does not have yet, and says so.
+
+    python benches/compare.py [--scenarios mixed scaling ...] [--peers DIR] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import psutil
+import trio
+
+from uma_trio.loadgen import Scenario, ScenarioResult, load_suite, run_scenario
+from uma_trio.loadgen.bench import run_bench, side_by_side, summary_rows, write_csv, write_results
+from uma_trio.loadgen.targets import OpenAITarget, Target, UmaTarget
+from uma_trio.model_files import ensure_default_model
+
+ROOT = Path(__file__).resolve().parent
+SCENARIOS = ROOT / "scenarios"
+DEFAULT_PEERS = Path(os.environ.get("UMA_CACHE_DIR", Path.home() / ".cache" / "uma-trio")) / "peers"
+THREADS = os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Setup:
+    slots: int  # parallel sequences: uma-trio --max-sessions, llama-server --parallel
+    n_ctx: int  # KV cells per request (llama-server gets slots * n_ctx in all)
+
+
+SETUPS = {
+    "mixed": Setup(slots=4, n_ctx=4096),
+    "storm": Setup(slots=4, n_ctx=8192),
+    "agents": Setup(slots=6, n_ctx=1024),
+    "scaling": Setup(slots=16, n_ctx=1024),
+    "ipc": Setup(slots=4, n_ctx=1024),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"{what} exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{what} did not become healthy in {timeout:g} s")
+
+
+def rss_bytes(process: subprocess.Popen[bytes]) -> int:
+    try:
+        return int(psutil.Process(process.pid).memory_info().rss)
+    except psutil.Error:
+        return 0
+
+
+@contextmanager
+def running(command: Sequence[str], url: str, what: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(url, process, what)
+            yield process
+        finally:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def uma_command(setup: Setup, sock: Path, port: int) -> list[str]:
+    prompt_limit = str(setup.n_ctx)
+    return [
+        sys.executable, "-m", "uma_trio", "serve", "--socket", str(sock), "--http", f"127.0.0.1:{port}",
+        "--n-ctx", str(setup.n_ctx), "--max-sessions", str(setup.slots), "--max-prompt-tokens", prompt_limit,
+        "--threads", str(THREADS), "--log-level", "warning",
+    ]  # fmt: skip
+
+
+def llama_server_command(
+    peers: Path, model: Path, setup: Setup, port: int, slots: int | None = None
+) -> list[str]:
+    slots = slots or setup.slots
+    return [
+        str(peers / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "-c", str(slots * setup.n_ctx), "-np", str(slots), "-t", str(THREADS), "-tb", str(THREADS),
+    ]  # fmt: skip
+
+
+def batched_bench(
+    peers: Path, model: Path, sizes: Sequence[int], prompt: int, tokens: int
+) -> dict[int, float]:
+    """Decode tokens/s of ``llama-batched-bench`` (S_TG) for each batch size."""
+    command = [
+        str(peers / "llama-batched-bench"), "-m", str(model), "-c", str(max(sizes) * (prompt + tokens)),
+        "-b", "512", "-ub", "512", "-npp", str(prompt), "-ntg", str(tokens),
+        "-npl", ",".join(map(str, sizes)), "-t", str(THREADS), "-tb", str(THREADS),
+    ]  # fmt: skip
+    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    speeds: dict[int, float] = {}
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and all(re.fullmatch(r"[0-9.]+", c) for c in cells[:8]):
+            speeds[int(cells[2])] = float(cells[7])  # B, S_TG t/s
+    return speeds
+
+
+def run_suite(suite_name: str, targets: list[Target]) -> list[ScenarioResult]:
+    suite = load_suite(SCENARIOS / f"{suite_name}.json")
+    return trio.run(run_bench, suite, targets)
+
+
+async def run_separate(scenario: Scenario, targets: Sequence[Target]) -> ScenarioResult:
+    """Each client of ``scenario`` on its own target (its own server process), all at once."""
+    clients = scenario.expanded().clients
+    parts: list[ScenarioResult] = []
+
+    async def one(index: int) -> None:
+        alone = msgspec.structs.replace(scenario, name=scenario.name, clients=[clients[index]])
+        parts.append(await run_scenario(targets[index], alone))
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(clients)):
+            nursery.start_soon(one, index)
+    records = [r for part in parts for r in part.records]
+    return ScenarioResult(
+        scenario=scenario, started=min(p.started for p in parts), finished=max(p.finished for p in parts),
+        records=records, target="separate",
+    )  # fmt: skip
+
+
+def table_markdown(title: str, rows: list[dict[str, Any]]) -> str:
+    header, body = side_by_side(rows)
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(line) + " |" for line in body]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    choices = [*SETUPS, "each_app_separate", "long_ctx"]
+    parser.add_argument("--scenarios", nargs="+", default=choices, choices=choices)
+    parser.add_argument("--peers", type=Path, default=DEFAULT_PEERS)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "compare")
+    args = parser.parse_args()
+    if not (args.peers / "llama-server").is_file():
+        raise SystemExit(f"no llama-server in {args.peers}: run `bash benches/peers/build.sh` first")
+    model = ensure_default_model()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tables: list[str] = [
+        f"Machine: {THREADS} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB; model {model.name}; "
+        f"peers: {(args.peers / 'VERSION').read_text().splitlines()[0]}\n"
+    ]
+    for name in args.scenarios:
+        print(f"== {name}", flush=True)
+        if name == "long_ctx":
+            message = (
+                "long_ctx (the seeds' benchmark B) is skipped: uma-trio has no KV-cache type option "
+                "(f16/q8_0/q4_0) yet, so there is nothing to sweep."
+            )
+            print(message)
+            tables.append(f"### long_ctx\n\n{message}\n")
+            continue
+        if name == "each_app_separate":
+            tables.append(each_app_separate(args.peers, model, args.out))
+            continue
+        setup = SETUPS[name]
+        with tempfile.TemporaryDirectory(prefix="uma-cmp-") as tmp, ExitStack() as stack:
+            sock, uma_port, peer_port = Path(tmp) / "u.sock", free_port(), free_port()
+            uma_url, peer_url = f"http://127.0.0.1:{uma_port}", f"http://127.0.0.1:{peer_port}"
+            out = args.out / name
+            out.mkdir(parents=True, exist_ok=True)
+            uma = stack.enter_context(
+                running(uma_command(setup, sock, uma_port), uma_url, "uma-trio", out / "uma.log")
+            )
+            peer = stack.enter_context(
+                running(llama_server_command(args.peers, model, setup, peer_port), peer_url, "llama-server",
+                        out / "llama-server.log")
+            )  # fmt: skip
+            targets: list[Target] = [UmaTarget(sock, "uma-trio")]
+            if name == "ipc":
+                targets.append(OpenAITarget(uma_url, "uma-trio-http"))
+            targets.append(OpenAITarget(peer_url, "llama-server"))
+            results = run_suite(name, targets)
+            rss = {"uma-trio": rss_bytes(uma), "llama-server": rss_bytes(peer)}
+        rows = summary_rows(results)
+        for row in rows:
+            row["rss_mb"] = round(rss.get(row["target"].removesuffix("-http"), 0) / 2**20, 1)
+        write_results(results, out)
+        extra = ""
+        if name == "scaling":
+            sizes = [len(r.scenario.expanded().clients) for r in results if r.target == "uma-trio"]
+            ceiling = batched_bench(args.peers, model, sizes, prompt=32, tokens=128)
+            extra = "\n| streams | uma-trio tok/s | llama-server tok/s | llama-batched-bench S_TG tok/s |" \
+                    "\n| --- | --- | --- | --- |\n"  # fmt: skip
+            for size in sizes:
+                got = {r["target"]: r["tokens_per_s"] for r in rows
+                       if r["scenario"] == f"streams-{size}" and r["lane"] == "all"}  # fmt: skip
+                extra += (
+                    f"| {size} | {got.get('uma-trio')} | {got.get('llama-server')} | {ceiling.get(size)} |\n"
+                )
+            ceiling_rows = [{"streams": k, "s_tg_tok_s": v} for k, v in ceiling.items()]
+            write_csv(out / "batched_bench.csv", ceiling_rows, ["streams", "s_tg_tok_s"])
+        rss_line = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in rss.items())
+        tables.append(table_markdown(name, rows) + f"\nRSS at the end: {rss_line}\n{extra}")
+        print(tables[-1], flush=True)
+    (args.out / "tables.md").write_text("\n".join(tables))
+    print(f"wrote {args.out / 'tables.md'}")
+
+
+def each_app_separate(peers: Path, model: Path, out_root: Path) -> str:
+    """The mixed load (3 chats + 1 background job) served by one uma-trio, then by one
+    llama-server per client (each loading the model), all clients at once."""
+    scenario = load_suite(SCENARIOS / "mixed.json").runs[0]
+    clients = scenario.expanded().clients
+    setup = Setup(slots=len(clients), n_ctx=4096)
+    out = out_root / "each_app_separate"
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="uma-cmp-") as tmp, ExitStack() as stack:
+        sock, port = Path(tmp) / "u.sock", free_port()
+        uma = stack.enter_context(
+            running(uma_command(setup, sock, port), f"http://127.0.0.1:{port}", "uma-trio", out / "uma.log")
+        )
+        shared = trio.run(run_scenario, UmaTarget(sock, "uma-trio (one, shared)"), scenario)
+        shared_rss = rss_bytes(uma)
+    with ExitStack() as stack:
+        ports = [free_port() for _ in clients]
+        servers = [
+            stack.enter_context(
+                running(
+                    llama_server_command(peers, model, setup, p, slots=1),
+                    f"http://127.0.0.1:{p}",
+                    f"llama-server {i}",
+                    out / f"llama-server-{i}.log",
+                )
+            )
+            for i, p in enumerate(ports)
+        ]
+        targets = [OpenAITarget(f"http://127.0.0.1:{p}", f"llama-server-{i}") for i, p in enumerate(ports)]
+        separate = trio.run(run_separate, scenario, targets)
+        separate = msgspec.structs.replace(separate, target=f"{len(clients)} x llama-server -np 1")
+        separate_rss = sum(rss_bytes(s) for s in servers)
+    results = [shared, separate]
+    rows = summary_rows(results)
+    write_results(results, out)
+    totals = [r for r in rows if r["lane"] == "all"]
+    ratio = totals[0]["tokens_per_s"] / totals[1]["tokens_per_s"] if totals[1]["tokens_per_s"] else math.nan
+    summary = (
+        f"\nAggregate tokens/s: shared {totals[0]['tokens_per_s']}, separate {totals[1]['tokens_per_s']} "
+        f"(shared / separate = {ratio:.2f}). Total RSS: shared {shared_rss / 2**20:.0f} MiB, "
+        f"separate {separate_rss / 2**20:.0f} MiB ({separate_rss / max(shared_rss, 1):.2f} x).\n"
+    )
+    text = table_markdown("each_app_separate", rows) + summary
+    print(text, flush=True)
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""The benchmark harness: suites, targets, SSE folding, summary math and file schemas
+(no model), then one smoke run of `uma-trio bench` against a real daemon's socket and
+its HTTP gateway."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+
+from uma_trio.config import ServerConfig
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.loadgen import ClientSpec, RequestRecord, Scenario, ScenarioResult, load_suite
+from uma_trio.loadgen.bench import (
+    SUMMARY_FIELDS,
+    expected_tokens,
+    plan,
+    run_bench,
+    side_by_side,
+    summary_rows,
+    write_results,
+)
+from uma_trio.loadgen.stats import TOKEN_CSV_FIELDS, lane_stats, token_rows
+from uma_trio.loadgen.targets import OpenAITarget, UmaTarget, apply_chunk, completion_body, parse_target
+
+from .conftest import running_server
+
+SCENARIOS = Path(__file__).parent.parent / "benches" / "scenarios"
+
+
+def test_every_shipped_scenario_parses() -> None:
+    names = {p.stem for p in SCENARIOS.glob("*.json")}
+    assert {"mixed", "storm", "scaling", "agents", "ipc", "smoke"} <= names
+    for path in SCENARIOS.glob("*.json"):
+        suite = load_suite(path)
+        assert suite.runs and all(expected_tokens(s) > 0 for s in suite.runs)
+
+
+def test_copies_expand_with_stagger_and_alone_variants_come_first() -> None:
+    suite = load_suite(SCENARIOS / "mixed.json")
+    runs = plan(suite)
+    assert [r.name for r in runs] == ["mixed-alone", "mixed"]
+    assert all(c.lane == "interactive" for c in runs[0].clients)
+    chats = [c for c in runs[1].expanded().clients if c.lane == "interactive"]
+    assert [(c.name, c.start_s) for c in chats] == [("chat-0", 0.0), ("chat-1", 0.1), ("chat-2", 0.2)]
+    assert expected_tokens(runs[1]) == 3 * 4 * 150 + 32
+
+
+def test_a_bare_scenario_file_is_a_suite_of_one(tmp_path: Path) -> None:
+    path = tmp_path / "one.json"
+    path.write_text(
+        json.dumps({"name": "one", "clients": [{"name": "a", "prompt_tokens": 2, "max_tokens": 3}]})
+    )
+    suite = load_suite(path)
+    assert suite.name == "one" and [r.name for r in suite.runs] == ["one"] and not suite.alone
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"name": "s", "runs": []},
+        {
+            "name": "s",
+            "runs": [{"name": "a", "clients": [{"name": "c", "prompt_tokens": 1, "max_tokens": 1}]}] * 2,
+        },
+        {
+            "name": "s",
+            "runs": [
+                {"name": "a", "clients": [{"name": "c", "prompt_tokens": 1, "max_tokens": 1, "copies": 0}]}
+            ],
+        },
+        {
+            "name": "s",
+            "runs": [
+                {
+                    "name": "a",
+                    "clients": [
+                        {"name": "c-0", "prompt_tokens": 1, "max_tokens": 1},
+                        {"name": "c", "copies": 2, "prompt_tokens": 1, "max_tokens": 1},
+                    ],
+                }
+            ],
+        },
+    ],
+)
+def test_bad_suites_are_refused(bad: object, tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises((msgspec.ValidationError, ValueError)):
+        load_suite(path)
+
+
+def test_targets_parse() -> None:
+    sock = Path("/tmp/x.sock")
+    uma = parse_target("uma", socket_path=sock)
+    assert isinstance(uma, UmaTarget) and uma.label == "uma" and uma.socket_path == sock
+    peer = parse_target("llama-server=openai:http://127.0.0.1:8081/v1", socket_path=sock, api_key="k")
+    assert isinstance(peer, OpenAITarget) and peer.label == "llama-server"
+    assert peer.base_url == "http://127.0.0.1:8081" and peer.api_key == "k"
+    assert parse_target("uma-http:http://h:1", socket_path=sock).label == "uma-http"
+    for bad in ("ollama", "openai:", "openai:ftp://x", "x=uma-https:http://h"):
+        with pytest.raises(ValueError, match="target"):
+            parse_target(bad, socket_path=sock)
+
+
+def record(**kw: object) -> RequestRecord:
+    return msgspec.convert(
+        {"client": "c", "lane": "interactive", "index": 0, "sent": 0.0, **kw}, RequestRecord
+    )
+
+
+def test_sse_chunks_fold_into_a_record() -> None:
+    r = record()
+    lines = [
+        ": keep-alive comment",
+        'data: {"choices": [{"text": "He", "finish_reason": null}]}',
+        "",
+        'data: {"choices": [{"text": "", "finish_reason": null}]}',  # a partial character: still a token
+        'data: {"choices": [{"text": "", "finish_reason": "length"}]}',
+        'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}',
+    ]
+    assert not any(apply_chunk(line, r, now) for now, line in enumerate(lines, start=1))
+    assert apply_chunk("data: [DONE]", r, 9.0)
+    assert r.token_times == [2.0, 4.0] and r.eos_reason == "length" and r.ended == 5.0
+    assert (r.prompt_tokens, r.completion_tokens, r.ok) == (5, 2, True)
+
+
+def test_a_final_chunk_with_text_is_a_token_and_errors_end_the_stream() -> None:
+    r = record()
+    apply_chunk('data: {"choices": [{"delta": {"content": "x"}, "finish_reason": "stop"}]}', r, 1.0)
+    assert r.token_times == [1.0] and r.eos_reason == "stop"
+    failed = record()
+    assert apply_chunk(
+        'data: {"error": {"message": "m", "type": "server_error", "code": "E_LIMIT_008"}}', failed, 2.0
+    )
+    assert failed.error_code == "E_LIMIT_008" and not failed.ok
+
+
+def test_completion_body_is_the_socket_request_in_openai_form() -> None:
+    spec = ClientSpec(name="c", prompt_tokens=3, max_tokens=7, lane="background")
+    body = completion_body(spec, 0, "m")
+    assert body == {"model": "m", "prompt": "hello hello hello", "max_tokens": 7, "temperature": 0.0,
+                    "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+
+
+SCENARIO = Scenario(
+    name="hand",
+    clients=[
+        ClientSpec(name="a", prompt_tokens=5, max_tokens=4),
+        ClientSpec(name="bg", lane="background", prompt_tokens=50, max_tokens=2),
+    ],
+)
+
+
+def result(target: str, name: str, chat_times: list[float], *, with_bg: bool = True) -> ScenarioResult:
+    records = [
+        record(client="a", sent=10.0, token_times=chat_times, ended=chat_times[-1], eos_reason="length")
+    ]
+    if with_bg:
+        records.append(record(client="bg", lane="background", sent=10.0, token_times=[11.0, 11.5], ended=11.5,
+                              eos_reason="length"))  # fmt: skip
+    scenario = msgspec.structs.replace(SCENARIO, name=name)
+    return ScenarioResult(scenario=scenario, started=10.0, finished=12.0, records=records, target=target)
+
+
+def test_summary_rows_percentiles_ratios_and_table() -> None:
+    results = [
+        result("uma", "hand-alone", [10.1, 10.2, 10.3, 10.4], with_bg=False),  # gaps 0.1 0.1 0.1
+        result("uma", "hand", [10.1, 10.2, 10.4, 10.8]),  # gaps 0.1 0.2 0.4
+        result("peer", "hand-alone", [10.2, 10.4, 10.6, 10.8], with_bg=False),  # gaps 0.2 0.2 0.2
+        result("peer", "hand", [10.2, 12.0, 12.1, 12.2]),  # gaps 1.8 0.1 0.1
+    ]
+    rows = summary_rows(results)
+    assert all(set(r) <= set(SUMMARY_FIELDS) for r in rows)
+    uma = next(r for r in rows if (r["target"], r["scenario"], r["lane"]) == ("uma", "hand", "interactive"))
+    assert uma["gap_p50_ms"] == 200.0 and uma["gap_max_ms"] == 400.0 and uma["ttft_p50_ms"] == 100.0
+    assert uma["gap_p95_ms"] == pytest.approx(380.0) and uma["gap_p99_ms"] == pytest.approx(396.0)
+    assert uma["gap_p95_vs_alone"] == pytest.approx(3.8) and uma["gap_max_vs_alone_p95"] == pytest.approx(4.0)
+    every = next(r for r in rows if (r["target"], r["scenario"], r["lane"]) == ("uma", "hand", "all"))
+    assert every["tokens"] == 6 and every["tokens_per_s"] == 3.0 and every["completed"] == 2
+    assert lane_stats(results[1], "background").ttft == (1.0,)
+
+    header, body = side_by_side(rows)
+    assert header == ["scenario", "lane", "figure", "uma", "peer", "peer / uma"]
+    gap_max = next(line for line in body if line[:3] == ["hand", "interactive", "gap max (ms)"])
+    assert gap_max[3:] == ["400", "1800", "4.50"]
+
+
+def test_token_rows_and_written_files(tmp_path: Path) -> None:
+    runs = [result("uma", "hand", [10.1, 10.2, 10.4, 10.8])]
+    rows = token_rows(runs[0])
+    assert [list(r) for r in rows] == [list(TOKEN_CSV_FIELDS)] * 6
+    assert [(r["client"], r["token_idx"], r["t_ms"]) for r in rows[:2]] == [("a", 0, 100.0), ("a", 1, 200.0)]
+    written = write_results(runs, tmp_path)
+    names = {p.name for p in written}
+    assert {"tokens.csv", "requests.csv", "summary.csv", "timeline-hand.png", "gap_cdf-hand.png"} <= names
+    with (tmp_path / "tokens.csv").open() as f:
+        assert next(csv.reader(f)) == list(TOKEN_CSV_FIELDS)
+    assert all(p.stat().st_size > 1000 for p in written if p.suffix == ".png")
+
+
+@pytest.mark.model
+async def test_smoke_run_on_the_socket_and_the_gateway(
+    llama_model: LlamaModel, server_config: ServerConfig, tmp_path: Path
+) -> None:
+    """The smoke suite through both kinds of target at once, as `uma-trio bench smoke
+    --target uma --target uma-http:URL` runs it."""
+    suite = load_suite(SCENARIOS / "smoke.json")
+    async with running_server(llama_model, server_config, http="127.0.0.1:0") as server:
+        targets = [UmaTarget(server.config.socket_path), OpenAITarget(server.http_url or "", "uma-http")]
+        tokens = 0
+
+        def count() -> None:
+            nonlocal tokens
+            tokens += 1
+
+        with trio.fail_after(120):
+            results = await run_bench(suite, targets, on_token=count)
+    assert [(r.target, r.scenario.name) for r in results] == [
+        ("uma", "smoke-alone"), ("uma", "smoke"), ("uma-http", "smoke-alone"), ("uma-http", "smoke"),
+    ]  # fmt: skip
+    for run in results:
+        for rec in run.records:
+            assert rec.ok, (run.target, rec)
+            spec = run.scenario.client(rec.client)
+            assert rec.prompt_tokens == spec.prompt_tokens
+            assert rec.completion_tokens == len(rec.token_times) <= spec.max_tokens
+    assert tokens == sum(len(rec.token_times) for run in results for rec in run.records)
+    # Greedy, same prompts: both paths generate the same number of tokens per request.
+    by_path = {t: [len(rec.token_times) for run in results if run.target == t for rec in run.records]
+               for t in ("uma", "uma-http")}  # fmt: skip
+    assert by_path["uma"] == by_path["uma-http"]
+    rows = summary_rows(results)
+    assert {(r["target"], r["scenario"], r["lane"]) for r in rows} >= {("uma-http", "smoke", "background")}
+    assert all(not math.isnan(r["tokens_per_s"]) for r in rows)
+    written = write_results(results, tmp_path)
+    assert (tmp_path / "summary.csv") in written

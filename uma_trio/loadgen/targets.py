@@ -1,0 +1,198 @@
+"""What a scenario runs against: the uma-trio socket, or any OpenAI-compatible server.
+
+A target opens one connection per client (:meth:`Target.connect`); a
+connection streams one request at a time into a :class:`~.runner.RequestRecord`,
+stamping every token with the runner's clock.  The OpenAI target speaks
+``POST /v1/completions`` with SSE, so the same scenario runs against
+uma-trio's HTTP gateway, llama.cpp's ``llama-server`` and llama-cpp-python's
+server.  Parsing the SSE lines is pure (:func:`apply_chunk`) and tested alone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..client import ConnectionLost, UmaClient
+from ..protocol.messages import EosEvent, ErrorEvent, TokenEvent
+from .scenario import ClientSpec
+
+if TYPE_CHECKING:
+    import httpx
+
+    from .runner import RequestRecord
+
+Clock = Callable[[], float]
+
+# ``error_code`` of a request whose connection died under it (not a daemon error code).
+CONNECTION_LOST = "CONNECTION_LOST"
+
+
+class Connection(Protocol):
+    async def run(self, spec: ClientSpec, index: int, record: RequestRecord, clock: Clock) -> bool:
+        """Stream request ``index`` of ``spec`` into ``record``; False once the connection is gone."""
+        ...
+
+
+class Target(Protocol):
+    label: str
+
+    def connect(self) -> AbstractAsyncContextManager[Connection]: ...
+
+
+# -- the uma-trio socket -------------------------------------------------------------
+
+
+class UmaTarget:
+    """The daemon's Unix socket, one :class:`UmaClient` connection per client."""
+
+    def __init__(self, socket_path: Path, label: str = "uma") -> None:
+        self.socket_path, self.label = socket_path, label
+
+    @asynccontextmanager
+    async def connect(self) -> AsyncIterator[Connection]:
+        async with UmaClient.connect(self.socket_path) as client:
+            yield _UmaConnection(client)
+
+
+class _UmaConnection:
+    def __init__(self, client: UmaClient) -> None:
+        self.client = client
+
+    async def run(self, spec: ClientSpec, index: int, record: RequestRecord, clock: Clock) -> bool:
+        try:
+            async with self.client.stream(**spec.request(index)) as events:
+                async for event in events:
+                    now = clock()
+                    if isinstance(event, TokenEvent):
+                        record.token_times.append(now)
+                    elif isinstance(event, EosEvent):
+                        record.ended, record.eos_reason = now, event.reason
+                        record.prompt_tokens = event.usage.prompt_tokens
+                        record.completion_tokens = event.usage.completion_tokens
+                    elif isinstance(event, ErrorEvent):
+                        # The client's stream ends at an error event (a following eos is not seen).
+                        record.ended, record.error_code = now, event.code
+        except ConnectionLost:
+            record.ended, record.error_code = clock(), CONNECTION_LOST
+            return False
+        if record.ended is None:  # the stream ended without eos or error
+            record.ended, record.error_code = clock(), CONNECTION_LOST
+            return False
+        return True
+
+
+# -- any OpenAI-compatible server ---------------------------------------------------
+
+
+def completion_body(spec: ClientSpec, index: int, model: str) -> dict[str, Any]:
+    """The ``/v1/completions`` body for a request: the socket request's prompt, greedy,
+    streamed, usage asked for."""
+    request = spec.request(index)
+    return {
+        "model": model, "prompt": request["prompt"], "max_tokens": request["max_tokens"],
+        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+
+
+def apply_chunk(line: str, record: RequestRecord, now: float) -> bool:
+    """Fold one SSE line into ``record``; True once the stream is over (``[DONE]`` or an
+    error).  Every chunk carrying a choice without a finish_reason is a token event (both
+    llama-server and uma-trio send one per token), and so is a final chunk with text."""
+    if not line.startswith("data:"):
+        return False
+    payload = line[5:].strip()
+    if payload == "[DONE]":
+        if record.ended is None:
+            record.ended = now
+        return True
+    chunk = json.loads(payload)
+    if "error" in chunk:
+        error = chunk["error"]
+        record.ended, record.error_code = now, str(error.get("code") or error.get("type") or "error")
+        return True
+    for choice in chunk.get("choices") or []:
+        text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+        finish = choice.get("finish_reason")
+        if finish is None or text:
+            record.token_times.append(now)
+        if finish is not None:
+            record.ended, record.eos_reason = now, finish
+    usage = chunk.get("usage")
+    if usage:
+        record.prompt_tokens = usage.get("prompt_tokens")
+        record.completion_tokens = usage.get("completion_tokens")
+    return False
+
+
+class OpenAITarget:
+    """An OpenAI-compatible server at ``base_url`` (e.g. ``http://127.0.0.1:8080``).
+
+    The lane travels in the ``X-Uma-Priority`` header, which other servers ignore.
+    The model name comes from ``GET /v1/models`` unless given.
+    """
+
+    def __init__(
+        self, base_url: str, label: str = "openai", *, api_key: str | None = None, model: str | None = None
+    ) -> None:
+        self.base_url, self.label = base_url.rstrip("/").removesuffix("/v1"), label
+        self.api_key, self.model = api_key, model
+
+    @asynccontextmanager
+    async def connect(self) -> AsyncIterator[Connection]:
+        import httpx  # only the OpenAI target needs it
+
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        limits = httpx.Limits(max_connections=1)  # one connection per client, like the socket
+        async with httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, timeout=600, limits=limits
+        ) as http:
+            if self.model is None:
+                listing = (await http.get("/v1/models")).raise_for_status().json()
+                self.model = str(listing["data"][0]["id"])
+            yield _OpenAIConnection(http, self.model)
+
+
+class _OpenAIConnection:
+    def __init__(self, http: httpx.AsyncClient, model: str) -> None:
+        self.http, self.model = http, model
+
+    async def run(self, spec: ClientSpec, index: int, record: RequestRecord, clock: Clock) -> bool:
+        import httpx
+
+        body = completion_body(spec, index, self.model)
+        try:
+            async with self.http.stream(
+                "POST", "/v1/completions", json=body, headers={"x-uma-priority": spec.lane}
+            ) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    record.ended, record.error_code = clock(), f"HTTP_{response.status_code}"
+                    return True
+                async for line in response.aiter_lines():
+                    if apply_chunk(line, record, clock()):
+                        break
+        except httpx.TransportError:
+            record.ended, record.error_code = clock(), CONNECTION_LOST
+            return False
+        if record.ended is None:
+            record.ended, record.error_code = clock(), CONNECTION_LOST
+            return False
+        return True
+
+
+def parse_target(text: str, *, socket_path: Path, api_key: str | None = None) -> Target:
+    """``uma`` (the socket at ``socket_path``), ``uma-http:URL`` or ``openai:URL``, each
+    optionally labelled ``LABEL=...`` (e.g. ``llama-server=openai:http://127.0.0.1:8081``)."""
+    label, sep, spec = text.partition("=")
+    if not sep:
+        label, spec = "", text
+    if spec == "uma":
+        return UmaTarget(socket_path, label or "uma")
+    kind, colon, url = spec.partition(":")
+    if colon and kind in ("openai", "uma-http") and url.startswith("http"):
+        return OpenAITarget(url, label or (kind if kind == "uma-http" else url), api_key=api_key)
+    raise ValueError(f"a target is uma, uma-http:URL or openai:URL (optionally LABEL=...), not {text!r}")
