@@ -240,3 +240,16 @@ async def test_smoke_run_on_the_socket_and_the_gateway(
     assert all(not math.isnan(r["tokens_per_s"]) for r in rows)
     written = write_results(results, tmp_path)
     assert (tmp_path / "summary.csv") in written
+
+
+def test_unknown_scenarios_and_targets_are_one_line_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from uma_trio.bench_cli import BenchError, find_suite, run
+
+    monkeypatch.chdir(SCENARIOS.parent.parent)
+    assert find_suite("mixed").name == "mixed"
+    with pytest.raises(BenchError, match=r"one of .*mixed"):
+        find_suite("nope")
+    with pytest.raises(BenchError, match="target"):
+        run("smoke", ["ollama"], socket_path=Path("/tmp/x.sock"), api_key=None, out=Path("/tmp/unused"))
+    with pytest.raises(BenchError, match="same label"):
+        run("smoke", ["uma", "uma"], socket_path=Path("/tmp/x.sock"), api_key=None, out=Path("/tmp/unused"))

@@ -354,9 +354,6 @@ def bench(
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_SERVER_ERROR
-    except (ConnectionLost, OSError) as exc:
-        print(f"cannot reach a target: {exc}", file=sys.stderr)
-        return EXIT_PROTOCOL_ERROR
 
 
 @app.command(name="fetch-model")

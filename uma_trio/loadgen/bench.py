@@ -126,9 +126,12 @@ def write_results(results: Sequence[ScenarioResult], out: Path) -> list[Path]:
         ["target", *CSV_FIELDS],
     )
     write_csv(written[2], summary_rows(results), SUMMARY_FIELDS)
-    from .plots import plot_results
+    try:
+        from .plots import plot_results
 
-    written += plot_results(results, out)
+        written += plot_results(results, out)
+    except ImportError:  # matplotlib is the `bench` extra: the CSVs are still complete
+        pass
     return written
 
 

@@ -23,6 +23,7 @@ def _slug(text: str) -> str:
 
 
 def plot_results(results: Sequence[ScenarioResult], out: Path) -> list[Path]:
+    """Raises ImportError without matplotlib (``pip install 'uma-trio[bench]'``)."""
     import matplotlib
 
     matplotlib.use("Agg")

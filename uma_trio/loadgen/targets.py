@@ -143,7 +143,10 @@ class OpenAITarget:
 
     @asynccontextmanager
     async def connect(self) -> AsyncIterator[Connection]:
-        import httpx  # only the OpenAI target needs it
+        try:
+            import httpx  # only the OpenAI target needs it: the `bench` extra
+        except ImportError:
+            raise RuntimeError("HTTP targets need httpx: pip install 'uma-trio[bench]'") from None
 
         headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         limits = httpx.Limits(max_connections=1)  # one connection per client, like the socket
@@ -151,7 +154,10 @@ class OpenAITarget:
             base_url=self.base_url, headers=headers, timeout=600, limits=limits
         ) as http:
             if self.model is None:
-                listing = (await http.get("/v1/models")).raise_for_status().json()
+                try:
+                    listing = (await http.get("/v1/models")).raise_for_status().json()
+                except httpx.HTTPError as exc:
+                    raise ConnectionError(f"{self.base_url}: {exc}") from None
                 self.model = str(listing["data"][0]["id"])
             yield _OpenAIConnection(http, self.model)
 
