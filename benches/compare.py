@@ -82,7 +82,7 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], what: str, timeout:
         if process.poll() is not None:
             raise SystemExit(f"{what} exited with {process.returncode}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -129,6 +129,18 @@ def llama_server_command(
         str(peers / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
         "-c", str(slots * setup.n_ctx), "-np", str(slots), "-t", str(THREADS), "-tb", str(THREADS),
     ]  # fmt: skip
+
+
+def llama_cpp_python_command(peers: Path, model: Path, setup: Setup, port: int) -> list[str]:
+    """llama-cpp-python's own server: one ``Llama`` object, one request at a time."""
+    return [
+        str(peers / "lcp-venv" / "bin" / "python"), "-m", "llama_cpp.server", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(setup.n_ctx),
+        "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS),
+    ]  # fmt: skip
+
+
+LLAMA_CPP_PYTHON_SCENARIOS = ("mixed", "ipc")  # where a one-request-at-a-time server applies
 
 
 def batched_bench(
@@ -227,11 +239,18 @@ def main() -> None:
             if name == "ipc":
                 targets.append(OpenAITarget(uma_url, "uma-trio-http"))
             targets.append(OpenAITarget(peer_url, "llama-server"))
+            rss_of = {"uma-trio": uma, "llama-server": peer}
+            if name in LLAMA_CPP_PYTHON_SCENARIOS and (args.peers / "lcp-venv").is_dir():
+                lcp_port = free_port()
+                lcp_url = f"http://127.0.0.1:{lcp_port}"
+                rss_of["llama-cpp-python"] = stack.enter_context(
+                    running(llama_cpp_python_command(args.peers, model, setup, lcp_port), lcp_url,
+                            "llama-cpp-python server", out / "llama-cpp-python.log")
+                )  # fmt: skip
+                targets.append(OpenAITarget(lcp_url, "llama-cpp-python"))
             results = run_suite(name, targets)
-            rss = {"uma-trio": rss_bytes(uma), "llama-server": rss_bytes(peer)}
+            rss = {label: rss_bytes(process) for label, process in rss_of.items()}
         rows = summary_rows(results)
-        for row in rows:
-            row["rss_mb"] = round(rss.get(row["target"].removesuffix("-http"), 0) / 2**20, 1)
         write_results(results, out)
         extra = ""
         if name == "scaling":

@@ -90,10 +90,11 @@ def test_lane_stats_split_lanes_and_take_percentiles() -> None:
     assert inter.ttft == pytest.approx((0.5, 0.4))
     assert inter.completion == pytest.approx((1.2, 0.9))
     assert inter.ttft_max == pytest.approx(0.5) and inter.completion_p50 == pytest.approx(1.05)
-    assert inter.tokens_per_s == pytest.approx(6 / 4.0)
+    assert inter.tokens_per_s == pytest.approx(6 / 1.2)  # the lane's own span: 10.0 to 11.2
     assert (bg.requests, bg.tokens, bg.gap_count) == (1, 2, 1)
     assert bg.gap_p50 == bg.gap_max == pytest.approx(0.5)
     assert bg.ttft == pytest.approx((2.0,)) and bg.completion == pytest.approx((2.6,))
+    assert bg.tokens_per_s == pytest.approx(2 / 2.6)
     assert tokens_per_s(hand_result()) == pytest.approx(8 / 4.0)
 
 

@@ -15,7 +15,9 @@ from .loadgen.bench import expected_tokens, plan, run_bench, side_by_side, summa
 from .loadgen.scenario import Suite, load_suite
 from .loadgen.targets import Target, parse_target
 
-SCENARIO_DIR = Path("benches/scenarios")
+# Scenario names are looked up under the current directory, then in the checkout this
+# package was installed from (an editable install), so `uma-trio bench mixed` works anywhere.
+SCENARIO_DIRS = (Path("benches/scenarios"), Path(__file__).resolve().parent.parent / "benches" / "scenarios")
 
 
 class BenchError(Exception):
@@ -26,9 +28,9 @@ def find_suite(name: str) -> Suite:
     """``name`` is a JSON file, or the name of one in benches/scenarios/."""
     path = Path(name)
     if not path.is_file():
-        path = SCENARIO_DIR / f"{name}.json"
+        path = next((d / f"{name}.json" for d in SCENARIO_DIRS if (d / f"{name}.json").is_file()), path)
     if not path.is_file():
-        known = sorted(p.stem for p in SCENARIO_DIR.glob("*.json"))
+        known = sorted({p.stem for d in SCENARIO_DIRS for p in d.glob("*.json")})
         raise BenchError(
             f"no scenario {name!r}: give a JSON file or one of {', '.join(known) or '(none here)'}"
         )
@@ -40,6 +42,10 @@ def find_suite(name: str) -> Suite:
 
 def run(name: str, target_specs: list[str], *, socket_path: Path, api_key: str | None, out: Path) -> int:
     suite = find_suite(name)
+    console = Console()
+    if suite.skip is not None:
+        console.print(f"{suite.name}: not run: {suite.skip}")
+        return 0
     try:
         targets: list[Target] = [
             parse_target(t, socket_path=socket_path, api_key=api_key) for t in target_specs
@@ -48,7 +54,6 @@ def run(name: str, target_specs: list[str], *, socket_path: Path, api_key: str |
         raise BenchError(str(exc)) from None
     if len({t.label for t in targets}) != len(targets):
         raise BenchError("two targets have the same label; name them LABEL=...")
-    console = Console()
     total = sum(expected_tokens(s) for s in plan(suite)) * len(targets)
     columns = (
         TextColumn(suite.name),
@@ -61,7 +66,7 @@ def run(name: str, target_specs: list[str], *, socket_path: Path, api_key: str |
         task = progress.add_task("tokens", total=total)
         try:
             results = trio.run(lambda: run_bench(suite, targets, on_token=lambda: progress.advance(task)))
-        except* (ConnectionLost, OSError, RuntimeError) as group:
+        except* (ConnectionLost, OSError, RuntimeError, ValueError) as group:
             raise BenchError(f"cannot run on a target: {_first(group)}") from None
     rows = summary_rows(results)
     header, body = side_by_side(rows)

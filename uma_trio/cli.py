@@ -354,6 +354,12 @@ def bench(
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_SERVER_ERROR
+    except BaseExceptionGroup as group:  # a BenchError beside another failure
+        errors = group.subgroup(BenchError)
+        if errors is None:
+            raise
+        print(f"error: {errors.exceptions[0]}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
 
 
 @app.command(name="fetch-model")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .runner import ScenarioResult, run_scenario
-from .scenario import Scenario, Suite
+from .scenario import ClientSpec, Scenario, Suite
 from .stats import CSV_FIELDS, LANES, TOKEN_CSV_FIELDS, lane_stats, to_csv_rows, token_rows, tokens_per_s
 from .targets import Target
 
@@ -52,11 +52,17 @@ def plan(suite: Suite) -> list[Scenario]:
     return runs
 
 
+WARM_UP = Scenario(name="warm-up", clients=[ClientSpec(name="warm-up", prompt_tokens=8, max_tokens=4)])
+
+
 async def run_bench(
     suite: Suite, targets: Sequence[Target], *, on_token: Callable[[], None] | None = None
 ) -> list[ScenarioResult]:
+    """Each target in turn: one short warm-up request (not reported; a fresh server's first
+    request pays one-off costs), then the suite's scenarios in :func:`plan` order."""
     results = []
     for target in targets:
+        await run_scenario(target, WARM_UP)
         for scenario in plan(suite):
             results.append(await run_scenario(target, scenario, on_token=on_token))
     return results

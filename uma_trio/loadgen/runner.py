@@ -81,11 +81,7 @@ async def run_scenario(
                     await trio.sleep(spec.think_s)
                 record = RequestRecord(client=spec.name, lane=spec.lane, index=index, sent=clock())
                 records.append(record)
-                before = len(record.token_times)
-                alive = await connection.run(spec, index, record, clock)
-                if on_token is not None:
-                    for _ in range(len(record.token_times) - before):
-                        on_token()
+                alive = await connection.run(spec, index, record, clock, on_token or _nothing)
                 if not alive:
                     return  # the connection is gone: the rest of the chain cannot run
 
@@ -98,3 +94,7 @@ async def run_scenario(
     return ScenarioResult(
         scenario=scenario, started=started, finished=finished, records=records, target=target.label
     )
+
+
+def _nothing() -> None:
+    pass

@@ -143,19 +143,22 @@ class Suite(Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
 
     name: Name
     description: str = ""
-    runs: Annotated[list[Scenario], Meta(min_length=1)]
+    runs: list[Scenario] = msgspec.field(default_factory=list)
     alone: bool = False
+    skip: str | None = None  # why this benchmark cannot run here (printed instead of running it)
 
     def __post_init__(self) -> None:
         names = [r.name for r in self.runs]
         if len(set(names)) != len(names):
             raise ValueError("scenario names in a suite must differ")
+        if not self.runs and self.skip is None:
+            raise ValueError("a suite needs at least one run (or a `skip` reason)")
 
 
 def load_suite(path: Path) -> Suite:
     """Read a benchmark from a JSON file: a :class:`Suite`, or one bare :class:`Scenario`."""
     data = msgspec.json.decode(path.read_bytes())
-    if isinstance(data, dict) and "runs" in data:
+    if isinstance(data, dict) and ("runs" in data or "skip" in data):
         return msgspec.convert(data, Suite)
     scenario = msgspec.convert(data, Scenario)
     return Suite(name=scenario.name, runs=[scenario])

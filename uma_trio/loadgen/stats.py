@@ -9,8 +9,9 @@ records, and simulation tests can assert on exact virtual-time figures.
 * **TTFT**: first token event - send.
 * **completion**: eos (or error) arrival - send; the last token when neither
   arrived.
-* **tokens/s**: token events of a lane over the scenario's span (start to the
-  last client done).
+* **tokens/s**: a lane's token events over the lane's own span (its first send
+  to its last end), so a late request of the other lane does not dilute it; all
+  lanes together over the scenario's span (start to the last client done).
 
 Percentiles are numpy's default (linear interpolation); figures with no data
 are ``nan``.
@@ -95,10 +96,18 @@ def span(result: ScenarioResult) -> float:
     return result.finished - result.started
 
 
+def lane_span(result: ScenarioResult, lane: Lane) -> float:
+    """Seconds from the lane's first send to its last end (eos, error or last token)."""
+    records = [r for r in result.records if r.lane == lane]
+    ends = [r.sent + c for r in records if (c := completion_time(r)) is not None]
+    return max(ends) - min(r.sent for r in records) if ends else math.nan
+
+
 def tokens_per_s(result: ScenarioResult, lane: Lane | None = None) -> float:
-    """Token events of ``lane`` (all lanes: None) per second of the scenario's span."""
+    """Token events of ``lane`` per second of the lane's own span; with ``lane=None``, of
+    all lanes per second of the scenario's span."""
     tokens = sum(len(r.token_times) for r in result.records if lane is None or r.lane == lane)
-    seconds = span(result)
+    seconds = span(result) if lane is None else lane_span(result, lane)
     return tokens / seconds if seconds > 0 else math.nan
 
 
@@ -119,7 +128,7 @@ class LaneStats:
     gap_p99: float
     ttft: tuple[float, ...]  # per request with a first token, in record order
     completion: tuple[float, ...]  # per request, in record order
-    tokens_per_s: float  # over the scenario's span
+    tokens_per_s: float  # over the lane's own span (first send to last end)
 
     @property
     def ttft_p50(self) -> float:

@@ -32,8 +32,11 @@ CONNECTION_LOST = "CONNECTION_LOST"
 
 
 class Connection(Protocol):
-    async def run(self, spec: ClientSpec, index: int, record: RequestRecord, clock: Clock) -> bool:
-        """Stream request ``index`` of ``spec`` into ``record``; False once the connection is gone."""
+    async def run(
+        self, spec: ClientSpec, index: int, record: RequestRecord, clock: Clock, on_token: Callable[[], None]
+    ) -> bool:
+        """Stream request ``index`` of ``spec`` into ``record``, calling ``on_token`` after each
+        token event; False once the connection is gone."""
         ...
 
 
@@ -62,13 +65,16 @@ class _UmaConnection:
     def __init__(self, client: UmaClient) -> None:
         self.client = client
 
-    async def run(self, spec: ClientSpec, index: int, record: RequestRecord, clock: Clock) -> bool:
+    async def run(
+        self, spec: ClientSpec, index: int, record: RequestRecord, clock: Clock, on_token: Callable[[], None]
+    ) -> bool:
         try:
             async with self.client.stream(**spec.request(index)) as events:
                 async for event in events:
                     now = clock()
                     if isinstance(event, TokenEvent):
                         record.token_times.append(now)
+                        on_token()
                     elif isinstance(event, EosEvent):
                         record.ended, record.eos_reason = now, event.reason
                         record.prompt_tokens = event.usage.prompt_tokens
@@ -109,7 +115,14 @@ def apply_chunk(line: str, record: RequestRecord, now: float) -> bool:
         if record.ended is None:
             record.ended = now
         return True
-    chunk = json.loads(payload)
+    try:
+        chunk = json.loads(payload)
+    except ValueError:
+        record.ended, record.error_code = now, "BAD_SSE"
+        return True
+    if not isinstance(chunk, dict):
+        record.ended, record.error_code = now, "BAD_SSE"
+        return True
     if "error" in chunk:
         error = chunk["error"]
         record.ended, record.error_code = now, str(error.get("code") or error.get("type") or "error")
@@ -156,9 +169,9 @@ class OpenAITarget:
             if self.model is None:
                 try:
                     listing = (await http.get("/v1/models")).raise_for_status().json()
-                except httpx.HTTPError as exc:
-                    raise ConnectionError(f"{self.base_url}: {exc}") from None
-                self.model = str(listing["data"][0]["id"])
+                    self.model = str(listing["data"][0]["id"])
+                except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+                    raise ConnectionError(f"{self.base_url}/v1/models: {exc!r}") from None
             yield _OpenAIConnection(http, self.model)
 
 
@@ -166,7 +179,9 @@ class _OpenAIConnection:
     def __init__(self, http: httpx.AsyncClient, model: str) -> None:
         self.http, self.model = http, model
 
-    async def run(self, spec: ClientSpec, index: int, record: RequestRecord, clock: Clock) -> bool:
+    async def run(
+        self, spec: ClientSpec, index: int, record: RequestRecord, clock: Clock, on_token: Callable[[], None]
+    ) -> bool:
         import httpx
 
         body = completion_body(spec, index, self.model)
@@ -178,9 +193,14 @@ class _OpenAIConnection:
                     await response.aread()
                     record.ended, record.error_code = clock(), f"HTTP_{response.status_code}"
                     return True
-                async for line in response.aiter_lines():
-                    if apply_chunk(line, record, clock()):
-                        break
+                done = False
+                async for line in response.aiter_lines():  # read to the end: the connection is reused
+                    if done:
+                        continue
+                    before = len(record.token_times)
+                    done = apply_chunk(line, record, clock())
+                    for _ in range(len(record.token_times) - before):
+                        on_token()
         except httpx.TransportError:
             record.ended, record.error_code = clock(), CONNECTION_LOST
             return False
@@ -194,7 +214,7 @@ def parse_target(text: str, *, socket_path: Path, api_key: str | None = None) ->
     """``uma`` (the socket at ``socket_path``), ``uma-http:URL`` or ``openai:URL``, each
     optionally labelled ``LABEL=...`` (e.g. ``llama-server=openai:http://127.0.0.1:8081``)."""
     label, sep, spec = text.partition("=")
-    if not sep:
+    if not sep or ":" in label:  # no label (an "=" inside a URL is not one)
         label, spec = "", text
     if spec == "uma":
         return UmaTarget(socket_path, label or "uma")
