@@ -8,6 +8,10 @@ other, through the same load generator as ``uma-trio bench``, and the servers ar
 stopped.  Results go to ``OUT/SCENARIO/`` (tokens.csv, requests.csv, summary.csv, PNG
 plots) and the side-by-side tables to ``OUT/tables.md``.
 
+Where a one-request-at-a-time server applies (``mixed``, ``ipc``), llama-cpp-python's own
+server (``python -m llama_cpp.server``, installed by build.sh into ``peers/lcp-venv``) runs
+as a third target.  Every target gets one unreported warm-up request first.
+
 Extra comparisons:
 
 * ``scaling`` also runs ``llama-batched-bench`` (the engine's ceiling, no server) at
