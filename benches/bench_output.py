@@ -1,17 +1,24 @@
-"""Where the benchmarks put their figures: CSV files under ``benches/results/``."""
+"""Helpers the benchmark scripts share: CSV output under ``benches/results/``, free ports."""
 
 from __future__ import annotations
 
-import csv
+import socket
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from uma_trio.loadgen.bench import write_csv as _write_csv
+
 
 def write_csv(path: Path, rows: Iterable[Mapping[str, Any]], fieldnames: Sequence[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(fieldnames))
-        writer.writeheader()
-        writer.writerows(rows)
+    """:func:`uma_trio.loadgen.bench.write_csv`, and say where it went."""
+    _write_csv(path, rows, fieldnames)
     print(f"wrote {path}")
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now, for a server subprocess to bind."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

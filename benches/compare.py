@@ -31,7 +31,6 @@ import argparse
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ import httpx
 import msgspec
 import psutil
 import trio
+from bench_output import free_port
 
 from uma_trio.loadgen import Scenario, ScenarioResult, load_suite, run_scenario
 from uma_trio.loadgen.bench import run_bench, side_by_side, summary_rows, write_csv, write_results
@@ -71,13 +71,6 @@ SETUPS = {
     "scaling": Setup(slots=16, n_ctx=1024),
     "ipc": Setup(slots=4, n_ctx=1024),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], what: str, timeout: float = 120) -> None:

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ import numpy as np
 import openai
 import psutil
 import trio
-from bench_output import write_csv
+from bench_output import free_port, write_csv
 
 from uma_trio.client import UmaClient
 from uma_trio.protocol.messages import TokenEvent
@@ -54,13 +53,6 @@ class Sample:
     tokens: int
     daemon_cpu_ms: float
     client_cpu_ms: float
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Paths:

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .client import ConnectionLost
+from .exception_groups import first_leaf
 from .loadgen.bench import expected_tokens, plan, run_bench, side_by_side, summary_rows, write_results
 from .loadgen.scenario import Suite, load_suite
 from .loadgen.targets import Target, parse_target
@@ -67,7 +68,7 @@ def run(name: str, target_specs: list[str], *, socket_path: Path, api_key: str |
         try:
             results = trio.run(lambda: run_bench(suite, targets, on_token=lambda: progress.advance(task)))
         except* (ConnectionLost, OSError, RuntimeError, ValueError) as group:
-            raise BenchError(f"cannot run on a target: {_first(group)}") from None
+            raise BenchError(f"cannot run on a target: {first_leaf(group)}") from None
     rows = summary_rows(results)
     header, body = side_by_side(rows)
     table = Table(title=f"{suite.name}: {suite.description}" if suite.description else suite.name)
@@ -80,10 +81,3 @@ def run(name: str, target_specs: list[str], *, socket_path: Path, api_key: str |
         console.print(f"wrote {path}")
     failed = sum(not r.ok for result in results for r in result.records)
     return 1 if failed else 0
-
-
-def _first(group: BaseExceptionGroup[Exception]) -> BaseException:
-    first: BaseException = group
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    return first

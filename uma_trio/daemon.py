@@ -14,6 +14,7 @@ import trio
 from .config import ServerConfig
 from .engine.llama import ContextConfig, LlamaEngine, LlamaModel, ModelLoadError
 from .engine.memory_profile import memory_profile, probe_bandwidth_gbps
+from .exception_groups import first_leaf
 from .http.gateway import Gateway
 from .http.serve import BindError, bind_tcp, serve_asgi
 from .runtime.server import Server
@@ -134,11 +135,4 @@ async def run_daemon(model_path: Path, config: ServerConfig) -> None:
                 engine.close()
                 engine.model.close()
     except* (SocketInUseError, BindError, DaemonStartError) as group:
-        raise DaemonStartError(str(_first_leaf(group))) from None
-
-
-def _first_leaf(group: BaseExceptionGroup[Exception]) -> BaseException:
-    first: BaseException = group
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    return first
+        raise DaemonStartError(str(first_leaf(group))) from None

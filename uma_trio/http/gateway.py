@@ -212,13 +212,7 @@ class Gateway:
             generate_request = msgspec.structs.replace(generate_request, priority=lane)
         flight = await self._begin(generate_request, arrived, auto_max_tokens=False)
         if not generate_request.stream:
-            events = await self._collect(request, flight)
-            for event in events:
-                if isinstance(event, ErrorEvent):
-                    raise _counted(openai.api_error(ErrorCode(event.code), event.message))
-            if not events or not isinstance(events[-1], EosEvent):
-                raise _client_gone()
-            return _json_response(events[-1])
+            return _json_response(_last_word(await self._collect(request, flight)))
 
         async def sse() -> AsyncGenerator[bytes, None]:
             async with aclosing(self._events(flight)) as events:
@@ -329,14 +323,20 @@ class Flight:
     receive: trio.MemoryReceiveChannel[TokenEvent] | None = None
 
 
-def _completed(events: list[ServerEvent]) -> EosEvent:
-    """The eos of a request that completed, or the error to answer instead."""
+def _last_word(events: list[ServerEvent]) -> EosEvent:
+    """The eos of a whole (non-streamed) request, or the error to answer instead."""
     for event in events:
         if isinstance(event, ErrorEvent):
             raise _counted(openai.api_error(ErrorCode(event.code), event.message))
     last = events[-1] if events else None
     if not isinstance(last, EosEvent):
         raise _client_gone()
+    return last
+
+
+def _completed(events: list[ServerEvent]) -> EosEvent:
+    """The eos of a request that completed (stop or length), or the error to answer instead."""
+    last = _last_word(events)
     if last.reason not in ("stop", "length"):
         raise _counted(openai.ended_early(last))  # a cancel, not a refusal
     return last

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +114,7 @@ def summary_rows(results: Iterable[ScenarioResult]) -> list[dict[str, Any]]:
     return rows
 
 
-def write_csv(path: Path, rows: Iterable[dict[str, Any]], fields: Sequence[str]) -> None:
+def write_csv(path: Path, rows: Iterable[Mapping[str, Any]], fields: Sequence[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=list(fields))

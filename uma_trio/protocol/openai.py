@@ -12,7 +12,7 @@ Value checks are the socket protocol's own: the translated request goes through
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
@@ -394,54 +394,57 @@ def finish_reason(reason: FinishReason) -> str:
     return reason
 
 
-class ChatStream:
-    """The chunks of one streamed chat completion, in OpenAI's order: a first chunk with
-    the role, one per token, one with the finish_reason, and with ``include_usage`` a last
-    one with no choices and the usage (every other chunk then carries ``usage: null``)."""
+ChunkT = TypeVar("ChunkT", "ChatCompletionChunk", "Completion")
+
+
+class _Stream(Generic[ChunkT]):
+    """The chunks of one streamed completion, in OpenAI's order: the head (chat: a chunk
+    with the role), one per token, one with the finish_reason, and with ``include_usage`` a
+    last one with no choices and the usage (every other chunk then carries ``usage: null``).
+    Subclasses say how one chunk is shaped."""
 
     def __init__(self, completion_id: str, created: int, model: str, include_usage: bool) -> None:
         self.id, self.created, self.model = completion_id, created, model
         self._usage: UnsetType | None = None if include_usage else UNSET
 
-    def _chunk(self, delta: Delta, finish: str | None) -> ChatCompletionChunk:
+    def _chunk(self, text: str | None, finish: str | None, *, usage: Usage | None = None) -> ChunkT:
+        """``text`` None: no content (the finish chunk); with ``usage``: the usage chunk."""
+        raise NotImplementedError
+
+    def head(self) -> list[ChunkT]:
+        return []
+
+    def token(self, text: str) -> ChunkT:
+        return self._chunk(text, None)
+
+    def end(self, eos: EosEvent) -> list[ChunkT]:
+        chunks = [self._chunk(None, finish_reason(eos.reason))]
+        if self._usage is None:
+            chunks.append(self._chunk(None, None, usage=usage_of(eos)))
+        return chunks
+
+
+class ChatStream(_Stream[ChatCompletionChunk]):
+    def _chunk(
+        self, text: str | None, finish: str | None, *, usage: Usage | None = None
+    ) -> ChatCompletionChunk:
+        if usage is not None:
+            return ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage)
+        delta = Delta() if text is None else Delta(content=text)
         choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish)
         return ChatCompletionChunk(self.id, self.created, self.model, [choice], usage=self._usage)
 
     def head(self) -> list[ChatCompletionChunk]:
-        return [self._chunk(Delta(role="assistant", content=""), None)]
-
-    def token(self, text: str) -> ChatCompletionChunk:
-        return self._chunk(Delta(content=text), None)
-
-    def end(self, eos: EosEvent) -> list[ChatCompletionChunk]:
-        chunks = [self._chunk(Delta(), finish_reason(eos.reason))]
-        if self._usage is None:
-            chunks.append(ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage_of(eos)))
-        return chunks
+        choice = ChatChunkChoice(index=0, delta=Delta(role="assistant", content=""), finish_reason=None)
+        return [ChatCompletionChunk(self.id, self.created, self.model, [choice], usage=self._usage)]
 
 
-class CompletionStream:
-    """The chunks of one streamed text completion (same order as :class:`ChatStream`)."""
-
-    def __init__(self, completion_id: str, created: int, model: str, include_usage: bool) -> None:
-        self.id, self.created, self.model = completion_id, created, model
-        self._usage: UnsetType | None = None if include_usage else UNSET
-
-    def _chunk(self, text: str, finish: str | None) -> Completion:
-        choice = CompletionChoice(index=0, text=text, finish_reason=finish)
+class CompletionStream(_Stream[Completion]):
+    def _chunk(self, text: str | None, finish: str | None, *, usage: Usage | None = None) -> Completion:
+        if usage is not None:
+            return Completion(self.id, self.created, self.model, [], usage=usage)
+        choice = CompletionChoice(index=0, text=text or "", finish_reason=finish)
         return Completion(self.id, self.created, self.model, [choice], usage=self._usage)
-
-    def head(self) -> list[Completion]:
-        return []
-
-    def token(self, text: str) -> Completion:
-        return self._chunk(text, None)
-
-    def end(self, eos: EosEvent) -> list[Completion]:
-        chunks = [self._chunk("", finish_reason(eos.reason))]
-        if self._usage is None:
-            chunks.append(Completion(self.id, self.created, self.model, [], usage=usage_of(eos)))
-        return chunks
 
 
 def chat_completion(completion_id: str, created: int, model: str, eos: EosEvent) -> ChatCompletion:
