@@ -18,7 +18,7 @@ import trio
 from cyclopts import Parameter
 
 from .client import ConnectionLost, UmaClient
-from .config import DEFAULT_SOCKET, ServerConfig
+from .config import DEFAULT_SOCKET, KvType, ServerConfig
 from .model_files import ModelFileError, check_model_path, ensure_default_model
 from .protocol.messages import EosEvent, ErrorEvent, TokenEvent
 
@@ -58,6 +58,9 @@ def serve(
     socket: SocketPath = DEFAULT_SOCKET,
     n_ctx: int = _DEFAULTS.n_ctx,
     kv_unified: bool = _DEFAULTS.kv_unified,
+    kv_type: KvType = _DEFAULTS.kv_type,
+    prefix_cache_cells: int | None = None,
+    snapshot_dir: Path | None = None,
     n_batch: int = _DEFAULTS.n_batch,
     n_ubatch: int = _DEFAULTS.n_ubatch,
     threads: int | None = None,
@@ -98,7 +101,17 @@ def serve(
         n_ctx * max_sessions cells.
     kv_unified
         One KV stream shared by all sessions instead of one per session. Same memory;
-        greedy output then depends on what else ran (freed cells get reused out of order).
+        greedy output then depends on what else ran (freed cells get reused out of order),
+        but one request may use any free cell (up to the model's trained context).
+    kv_type
+        KV cache element type for K and V: f16 (exact), q8_0 (about half the memory and
+        bytes per token, near-identical output) or q4_0 (about a quarter; output drifts).
+    prefix_cache_cells
+        Most KV cells finished requests may leave cached for reuse by later requests that
+        share their prefix. Default: any cells no request needs; 0 turns the cache off.
+    snapshot_dir
+        Where named KV snapshots are saved (`uma-trio snapshot`). Default: the per-user state
+        directory (~/.local/state/uma-trio/snapshots).
     n_batch
         Most tokens decoded in one tick.
     n_ubatch
@@ -162,7 +175,8 @@ def serve(
     log = logging.getLogger("uma_trio")
     try:
         config = ServerConfig(
-            socket_path=socket, n_ctx=n_ctx, kv_unified=kv_unified, n_batch=n_batch, n_ubatch=n_ubatch,
+            socket_path=socket, n_ctx=n_ctx, kv_unified=kv_unified, kv_type=kv_type,
+            prefix_cache_cells=prefix_cache_cells, snapshot_dir=snapshot_dir, n_batch=n_batch, n_ubatch=n_ubatch,
             threads=threads,
             max_sessions=max_sessions, max_queue=max_queue, max_connections=max_connections,
             max_in_flight=max_in_flight, max_frame_bytes=max_frame_bytes,

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 DEFAULT_SOCKET = Path("/tmp/uma.sock")
+KvType = Literal["f16", "q8_0", "q4_0"]
+KV_TYPE_NAMES: tuple[KvType, ...] = ("f16", "q8_0", "q4_0")
 
 
 @dataclass(frozen=True)
@@ -14,6 +17,11 @@ class ServerConfig:
     # Engine
     n_ctx: int = 4096  # KV cells per request (prompt + max_tokens); KV holds n_ctx * max_sessions
     kv_unified: bool = False  # one KV stream for all sessions; not batch-invariant
+    kv_type: KvType = "f16"  # K and V cache element type (docs/CONFIG.md has the trade-offs)
+    # Prefix cache (docs/SCHEDULER.md): most KV cells finished requests may leave cached for
+    # reuse; None: any cells no request needs; 0: off.
+    prefix_cache_cells: int | None = None
+    snapshot_dir: Path | None = None  # KV snapshots; None: the per-user state directory
     n_batch: int = 512  # hard cap on tokens per tick
     n_ubatch: int = 32  # llama.cpp micro-batch; < 64 keeps results batch-invariant
     threads: int | None = None  # llama.cpp threads; default all cores
@@ -66,6 +74,10 @@ class ServerConfig:
             raise ValueError("tick_ms_min must be positive and at most tick_ms")
         if self.bmt_budget_gbps is not None and self.bmt_budget_gbps < 0:
             raise ValueError("bmt_budget_gbps must not be negative")
+        if self.kv_type not in KV_TYPE_NAMES:
+            raise ValueError(f"kv_type must be one of {', '.join(KV_TYPE_NAMES)}")
+        if self.prefix_cache_cells is not None and self.prefix_cache_cells < 0:
+            raise ValueError("prefix_cache_cells must not be negative (0 turns the cache off)")
         if self.interactive_reserve < 0:
             raise ValueError("interactive_reserve must not be negative")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

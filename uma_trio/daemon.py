@@ -12,7 +12,7 @@ from pathlib import Path
 import trio
 
 from .config import ServerConfig
-from .engine.llama import ContextConfig, LlamaEngine, LlamaModel, ModelLoadError
+from .engine.llama import KV_TYPES, ContextConfig, LlamaEngine, LlamaModel, ModelLoadError
 from .engine.memory_profile import memory_profile, probe_bandwidth_gbps
 from .exception_groups import first_leaf
 from .http.gateway import Gateway
@@ -37,6 +37,7 @@ def engine_for(model: LlamaModel, config: ServerConfig) -> LlamaEngine:
         n_seq_max=config.max_sessions,
         n_threads=config.threads,
         kv_unified=config.kv_unified,
+        kv_type=config.kv_type,
     )
     return LlamaEngine(model, context)
 
@@ -55,7 +56,8 @@ def policy_for(engine: LlamaEngine, config: ServerConfig) -> Policy:
         gbps = probe_bandwidth_gbps()
         log.info("memory bandwidth probe: %.1f GB/s (set --bmt-budget-gbps to skip it)", gbps)
     # With the guard off (0 GB/s) it still estimates each tick's bytes for the scorecard.
-    guard = BmtGuard(memory_profile(engine.model, engine.config.n_ubatch), gbps)
+    kv_bytes = KV_TYPES[config.kv_type][1]
+    guard = BmtGuard(memory_profile(engine.model, engine.config.n_ubatch, kv_type_bytes=kv_bytes), gbps)
     return default_policy(config, guard)
 
 

@@ -103,3 +103,29 @@ class Engine(Protocol):
     def seq_cells(self, seq_id: int) -> int:
         """KV cells ``seq_id`` occupies now (0 once freed)."""
         ...
+
+    def trim_seq(self, seq_id: int, keep: int) -> None:
+        """Drop every cell of ``seq_id`` at position ``keep`` or later."""
+        ...
+
+    def copy_seq(self, src: int, dst: int, keep: int) -> None:
+        """Make ``dst`` (holding no cells) hold ``src``'s first ``keep`` cells."""
+        ...
+
+    @property
+    def kv_type(self) -> str:
+        """The KV cache's element type (``f16``, ``q8_0`` or ``q4_0``)."""
+        ...
+
+    def fingerprint(self) -> str:
+        """The model's identity for snapshots (the file's sha256); blocking, cached."""
+        ...
+
+    async def save_seq(self, seq_id: int) -> bytes:
+        """``seq_id``'s KV cells as bytes (``llama_state_seq_get_data``)."""
+        ...
+
+    async def load_seq(self, seq_id: int, data: bytes) -> None:
+        """Fill ``seq_id`` (holding no cells) from :meth:`save_seq`'s bytes; raises
+        :class:`EngineError` when llama.cpp refuses them."""
+        ...

@@ -28,6 +28,7 @@ from typing import Any
 import llama_cpp as llama
 import numpy as np
 
+from ..model_files import sha256_of
 from .base import BatchEntry, EngineError, Sampled, StepResult, TokenArray
 from .compute_thread import ComputeThread
 
@@ -69,6 +70,7 @@ class LlamaModel:
         self._pieces: dict[int, bytes] = {}
         template = llama.llama_model_chat_template(self._model, None)
         self.chat_template: bytes | None = template or None
+        self._fingerprint: str | None = None
 
     @property
     def handle(self) -> Any:  # llama_model_p (an opaque ctypes pointer)
@@ -95,6 +97,13 @@ class LlamaModel:
                 n = llama.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
             cached = self._pieces[token] = buf.raw[:n]
         return cached
+
+    def fingerprint(self) -> str:
+        """The sha256 of the model file: what a KV snapshot must match.  Read once (about
+        a third of a second per 100 MB), then remembered."""
+        if self._fingerprint is None:
+            self._fingerprint = sha256_of(self.path)
+        return self._fingerprint
 
     def is_eog(self, token: int) -> bool:
         return bool(llama.llama_vocab_is_eog(self._vocab, token))
@@ -134,8 +143,19 @@ class ContextConfig:
     n_seq_max: int = 8  # concurrent sessions, one seq id each
     n_threads: int | None = None  # default: all cores
     # One KV stream shared by all sequences instead of one each.  Same memory
-    # (n_ctx_seq * n_seq_max cells); gives up batch invariance (see module doc).
+    # (n_ctx_seq * n_seq_max cells); gives up batch invariance (see module doc),
+    # gains a per-request context bounded by the free cells rather than n_ctx_seq.
     kv_unified: bool = False
+    kv_type: str = "f16"  # K and V element type: f16, q8_0 or q4_0 (see KV_TYPES)
+
+
+# llama.cpp's ggml types for the KV cache, and the bytes one element takes (a q8_0 block
+# is 32 int8 plus an f16 scale; q4_0 32 nibbles plus one).
+KV_TYPES: dict[str, tuple[int, float]] = {
+    "f16": (llama.GGML_TYPE_F16, 2.0),
+    "q8_0": (llama.GGML_TYPE_Q8_0, 34 / 32),
+    "q4_0": (llama.GGML_TYPE_Q4_0, 18 / 32),
+}
 
 
 class _BatchBuffers:
@@ -175,10 +195,14 @@ class LlamaEngine:
         params.n_ubatch = min(config.n_ubatch, config.n_batch)
         params.n_seq_max = config.n_seq_max
         params.kv_unified = config.kv_unified
+        if config.kv_type not in KV_TYPES:
+            raise ModelLoadError(f"unknown KV type {config.kv_type!r}; use one of {', '.join(KV_TYPES)}")
+        params.type_k = params.type_v = KV_TYPES[config.kv_type][0]
         threads = config.n_threads or os.cpu_count() or 1
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
+        # Always on: batch invariance relies on it, and a quantized V cache requires it.
         params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self._compute = ComputeThread("uma-llama")
         self._ctx = self._compute.call(llama.llama_init_from_model, model.handle, params)
@@ -190,8 +214,12 @@ class LlamaEngine:
             )
         self._memory = llama.llama_get_memory(self._ctx)
         self._n_ctx = int(llama.llama_n_ctx(self._ctx))
-        # llama.cpp pads a stream to 256 cells; the request limit stays what was asked.
-        self._n_ctx_seq = min(config.n_ctx_seq, int(llama.llama_n_ctx_seq(self._ctx)))
+        # llama.cpp pads a stream to 256 cells; the request limit stays what was asked.  One
+        # unified stream lets a request use any free cell, up to the model's trained context.
+        if config.kv_unified:
+            self._n_ctx_seq = min(self._n_ctx, model.n_ctx_train)
+        else:
+            self._n_ctx_seq = min(config.n_ctx_seq, int(llama.llama_n_ctx_seq(self._ctx)))
         self._n_seq_max = int(llama.llama_n_seq_max(self._ctx))
         self._buffers = _BatchBuffers(config.n_batch)
         self._logits_shape = (model.n_vocab,)
@@ -222,6 +250,13 @@ class LlamaEngine:
     def tokenizer_blocks(self) -> bool:
         return True
 
+    @property
+    def kv_type(self) -> str:
+        return self.config.kv_type
+
+    def fingerprint(self) -> str:
+        return self.model.fingerprint()
+
     def tokenize(self, text: str) -> TokenArray:
         return self.model.tokenize(text)
 
@@ -247,12 +282,34 @@ class LlamaEngine:
             raise EngineError(-1, f"llama.cpp refused to trim seq {seq_id} to {keep} cells")
 
     def copy_seq(self, src: int, dst: int, keep: int) -> None:
-        """Make ``dst`` hold ``src``'s first ``keep`` cells (copied across streams at the next decode)."""
+        """Make ``dst`` hold ``src``'s first ``keep`` cells.
+
+        Across streams llama.cpp copies the whole stream buffer at the start of the next
+        ``llama_decode``, before it computes anything, and in the order copies were asked
+        for; so ``src`` may be freed or refilled right after this call."""
         if keep == 0:
             self.free_seq(dst)
             return
         llama.llama_memory_seq_cp(self._memory, src, dst, -1, -1)
         self.trim_seq(dst, keep)
+
+    async def save_seq(self, seq_id: int) -> bytes:
+        return await self._compute.run(self._save_seq, seq_id)
+
+    async def load_seq(self, seq_id: int, data: bytes) -> None:
+        await self._compute.run(self._load_seq, seq_id, data)
+
+    def _save_seq(self, seq_id: int) -> bytes:
+        size = llama.llama_state_seq_get_size(self._ctx, seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama.llama_state_seq_get_data(self._ctx, buf, size, seq_id)
+        return bytes(buf)[:n]
+
+    def _load_seq(self, seq_id: int, data: bytes) -> None:
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if llama.llama_state_seq_set_data(self._ctx, buf, len(data), seq_id) == 0:
+            self.free_seq(seq_id)
+            raise EngineError(-1, "llama.cpp refused the saved KV state (another model shape or KV type?)")
 
     def seq_cells(self, seq_id: int) -> int:
         hi = llama.llama_memory_seq_pos_max(self._memory, seq_id)

@@ -111,5 +111,33 @@ class SimEngine:
     def seq_cells(self, seq_id: int) -> int:
         return self._cells.get(seq_id, 0)
 
+    def trim_seq(self, seq_id: int, keep: int) -> None:
+        if keep == 0:
+            self.free_seq(seq_id)
+        elif seq_id in self._cells:
+            self._cells[seq_id] = min(self._cells[seq_id], keep)
+
+    def copy_seq(self, src: int, dst: int, keep: int) -> None:
+        self.free_seq(dst)
+        if keep > 0:
+            self._cells[dst] = min(self._cells.get(src, 0), keep)
+
+    @property
+    def kv_type(self) -> str:
+        return "f16"
+
+    def fingerprint(self) -> str:
+        return "sim"
+
+    async def save_seq(self, seq_id: int) -> bytes:
+        await trio.lowlevel.checkpoint()
+        return str(self._cells.get(seq_id, 0)).encode()
+
+    async def load_seq(self, seq_id: int, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        if not data.isdigit():
+            raise EngineError(-1, "not a simulated sequence state")
+        self._cells[seq_id] = int(data)
+
     def close(self) -> None:
         self._cells.clear()

@@ -1,0 +1,270 @@
+"""The KV manager: who holds which sequence id, and the shared prefix cache.
+
+Pure bookkeeping (no engine, no I/O, no clock), so it is tested alone; the
+decode task carries out the engine operations each decision names.
+
+Every sequence id is in one of three states: **free** (no KV cells),
+**running** (an admitted request's) or **cached**: a finished request left
+its prompt and output in the KV cache, indexed by its token ids.  A new
+request reuses the longest prefix it shares with any cached *or running*
+sequence, so it prefills only the rest:
+
+* a cached sequence that the new prompt covers entirely is **adopted**: the
+  request takes over its id and cells, and nothing is copied (the next turn
+  of a chat continues its own conversation's KV this way);
+* otherwise the shared cells are **copied** into the request's own sequence
+  (``llama_memory_seq_cp``) and the source stays cached for others.
+
+Cached sequences are evicted least-recently-used first, whenever a request
+needs their id or cells, or when they hold more than the cell budget: the
+cache only ever uses KV memory no request is asking for.  Pinned sequences
+(a snapshot being written) are neither adopted nor evicted.
+
+Why a linear scan and not a radix tree: each cached prefix occupies a whole
+sequence id, so there are at most ``n_seq_max`` candidates (8 by default),
+and numpy compares two 4,096-token arrays in microseconds.  A tree would only
+pay off with thousands of prefixes sharing cells, which llama.cpp's
+per-sequence streams do not allow (docs/SCHEDULER.md).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+TokenArray = npt.NDArray[np.int32]
+
+# A stream copy costs as much as prefilling a handful of tokens; below this a hit is not worth it.
+MIN_REUSE_TOKENS = 16
+
+
+def common_prefix(a: TokenArray, b: TokenArray) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+@dataclass
+class CachedSequence:
+    seq_id: int
+    tokens: TokenArray  # exactly the tokens whose KV cells the sequence holds, in position order
+    pins: int = 0
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A new request's sequence and the engine operations that set it up, in order:
+    free ``seq_id`` if it is in ``evicted``; copy ``source``'s first ``reused`` cells
+    into it (or, when adopted, trim it to ``reused``); then free the other evicted ids."""
+
+    seq_id: int
+    source: int | None = None  # the sequence whose cells it starts from (None: from scratch)
+    reused: int = 0  # prompt tokens it need not prefill
+    evicted: tuple[int, ...] = ()  # cached sequences dropped to make room
+
+    @property
+    def adopted(self) -> bool:
+        return self.source == self.seq_id
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    reused_tokens: int = 0
+    evictions: int = 0
+
+
+@dataclass
+class KvManager:
+    """Sequence ids and cells of one context; see the module docstring.
+
+    ``budget_cells``: most cells cached sequences may hold (None: whatever no
+    request needs; 0: no prefix cache).  ``n_cells`` is the whole context.
+    """
+
+    n_seqs: int
+    n_cells: int
+    budget_cells: int | None = None
+    min_reuse: int = MIN_REUSE_TOKENS
+    stats: CacheStats = field(default_factory=CacheStats)
+    _free: deque[int] = field(init=False)
+    _cached: OrderedDict[int, CachedSequence] = field(init=False, default_factory=OrderedDict)  # LRU first
+
+    def __post_init__(self) -> None:
+        self._free = deque(range(self.n_seqs))
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_cells != 0
+
+    # -- figures -------------------------------------------------------------------
+
+    @property
+    def free_seqs(self) -> int:
+        return len(self._free)
+
+    @property
+    def cached_seqs(self) -> int:
+        return len(self._cached)
+
+    @property
+    def cached_cells(self) -> int:
+        return sum(len(c.tokens) for c in self._cached.values())
+
+    @property
+    def pinned_cells(self) -> int:
+        return sum(len(c.tokens) for c in self._cached.values() if c.pins)
+
+    def available_seqs(self) -> int:
+        """Ids a new request could get now: free ones plus those the cache would yield."""
+        return len(self._free) + sum(1 for c in self._cached.values() if not c.pins)
+
+    def cached(self) -> dict[int, TokenArray]:
+        return {seq: c.tokens for seq, c in self._cached.items()}
+
+    # -- decisions -------------------------------------------------------------------
+
+    def claim(
+        self,
+        prompt: TokenArray,
+        running: Mapping[int, TokenArray],
+        *,
+        cells_needed: int,
+        cells_reserved: int,
+    ) -> Claim | None:
+        """A sequence for a request with ``prompt`` that reserves ``cells_needed`` cells
+        (running requests reserve ``cells_reserved``), reusing the longest shared prefix
+        of any cached or ``running`` sequence; None when no id or cells can be had.
+        Decides first and changes nothing until the claim is sure to succeed."""
+        source, reused = self._best_match(prompt, running)
+        entry = self._cached.get(source) if source is not None else None
+        adoptable = entry is not None and not entry.pins
+        evictable = [s for s, c in self._cached.items() if not c.pins and s != source]  # LRU first
+        evicted: list[int] = []
+        adopt = entry is not None and adoptable and reused == len(entry.tokens)
+        if entry is not None and adopt:
+            seq_id = entry.seq_id
+        elif self._free:
+            seq_id = self._free[0]
+        elif evictable:
+            seq_id = evictable.pop(0)
+            evicted.append(seq_id)
+        elif entry is not None and adoptable:  # the match's own id is the only one left: go on in it
+            seq_id, adopt = entry.seq_id, True
+        else:
+            return None
+        # Cached cells yield to reservations (in per-sequence streams they always fit).  The
+        # source goes last: it is copied before it is freed, so even then the reuse stands.
+        if entry is not None and adoptable and not adopt:
+            evictable.append(entry.seq_id)
+        leaving = [*evicted, *([seq_id] if adopt else [])]
+        held = self.cached_cells - sum(len(self._cached[s].tokens) for s in leaving)
+        while cells_reserved + cells_needed + held > self.n_cells:
+            if not evictable:
+                return None
+            victim = evictable.pop(0)
+            evicted.append(victim)
+            held -= len(self._cached[victim].tokens)
+        # Commit.
+        if adopt:
+            del self._cached[seq_id]
+        elif not evicted or evicted[0] != seq_id:
+            self._free.popleft()
+        for victim in evicted:
+            del self._cached[victim]
+        if source is not None and source in self._cached:
+            self._cached.move_to_end(source)  # a hit counts as a use
+        self.stats.evictions += len(evicted)
+        if reused:
+            self.stats.hits += 1
+            self.stats.reused_tokens += reused
+        else:
+            self.stats.misses += 1
+        return Claim(seq_id, seq_id if adopt else source, reused, tuple(evicted))
+
+    def claim_empty(self) -> tuple[int, tuple[int, ...]] | None:
+        """An id with no cells (for a snapshot restore): a free one, else the LRU cached one's."""
+        if self._free:
+            return self._free.popleft(), ()
+        victim = self._lru_victim(keep=None)
+        if victim is None:
+            return None
+        self.stats.evictions += 1
+        return victim, (victim,)
+
+    def release(self, seq_id: int, tokens: TokenArray, *, pin: bool = False) -> list[int]:
+        """A request ended holding ``tokens`` in ``seq_id``: cache it (always when
+        ``pin``) and return the ids whose cells must now be freed."""
+        if len(tokens) == 0 or not (self.enabled or pin):
+            self._free.append(seq_id)
+            return [seq_id]
+        self._cached[seq_id] = CachedSequence(seq_id, tokens, pins=int(pin))
+        return self._enforce_budget()
+
+    def add(self, seq_id: int, tokens: TokenArray) -> list[int]:
+        """A restored snapshot now fills ``seq_id`` (claimed with :meth:`claim_empty`)."""
+        self._cached[seq_id] = CachedSequence(seq_id, tokens)
+        return self._enforce_budget()
+
+    def give_back(self, seq_id: int) -> None:
+        """``seq_id`` holds no cells any more (a failed restore): it is free again."""
+        self._free.append(seq_id)
+
+    def find(self, tokens: TokenArray) -> int | None:
+        """The cached sequence holding exactly ``tokens``, if any."""
+        for seq_id, entry in self._cached.items():
+            if len(entry.tokens) == len(tokens) and common_prefix(entry.tokens, tokens) == len(tokens):
+                return seq_id
+        return None
+
+    def unpin(self, seq_id: int) -> list[int]:
+        entry = self._cached.get(seq_id)
+        if entry is not None and entry.pins:
+            entry.pins -= 1
+        if not self.enabled and entry is not None and not entry.pins:
+            del self._cached[seq_id]
+            self._free.append(seq_id)
+            return [seq_id]
+        return self._enforce_budget()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _best_match(self, prompt: TokenArray, running: Mapping[int, TokenArray]) -> tuple[int | None, int]:
+        """The longest prefix of ``prompt`` (less its last token, whose logits are
+        needed) held by any sequence; cached ones win ties (they can be adopted)."""
+        if not self.enabled:
+            return None, 0
+        limit = len(prompt) - 1
+        best: tuple[int | None, int] = (None, 0)
+        candidates = [*((s, c.tokens) for s, c in self._cached.items()), *running.items()]
+        for seq_id, tokens in candidates:
+            n = min(common_prefix(tokens, prompt), limit)
+            if n > best[1]:
+                best = (seq_id, n)
+        return best if best[1] >= self.min_reuse else (None, 0)
+
+    def _lru_victim(self, keep: int | None) -> int | None:
+        for seq_id, entry in self._cached.items():
+            if not entry.pins and seq_id != keep:
+                del self._cached[seq_id]
+                return seq_id
+        return None
+
+    def _enforce_budget(self) -> list[int]:
+        freed: list[int] = []
+        while self.budget_cells is not None and self.cached_cells > self.budget_cells:
+            victim = self._lru_victim(keep=None)
+            if victim is None:
+                break
+            self.stats.evictions += 1
+            self._free.append(victim)
+            freed.append(victim)
+        return freed
