@@ -176,8 +176,8 @@ def serve(
     try:
         config = ServerConfig(
             socket_path=socket, n_ctx=n_ctx, kv_unified=kv_unified, kv_type=kv_type,
-            prefix_cache_cells=prefix_cache_cells, snapshot_dir=snapshot_dir, n_batch=n_batch, n_ubatch=n_ubatch,
-            threads=threads,
+            prefix_cache_cells=prefix_cache_cells, snapshot_dir=snapshot_dir, n_batch=n_batch,
+            n_ubatch=n_ubatch, threads=threads,
             max_sessions=max_sessions, max_queue=max_queue, max_connections=max_connections,
             max_in_flight=max_in_flight, max_frame_bytes=max_frame_bytes,
             max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
