@@ -76,6 +76,17 @@ class SnapshotCollector(Collector):
         yield _gauge(
             "uma_kv_seqs", "KV sequence ids", ["kind"], {"total": kv["seqs_total"], "free": kv["seqs_free"]}
         )
+        cache = snap["prefix_cache"]
+        yield _counter(
+            "uma_prefix_cache_lookups", "Admitted requests, by prefix-cache result", ["result"],
+            {"hit": cache["hits"], "miss": cache["misses"]},
+        )  # fmt: skip
+        yield _counter("uma_prefix_cache_reused_tokens", "Prompt tokens reused", [], cache["reused_tokens"])
+        yield _counter("uma_prefix_cache_evictions", "Cached prefixes evicted", [], cache["evictions"])
+        yield _gauge(
+            "uma_prefix_cache_held", "What the prefix cache holds now", ["kind"],
+            {"cells": cache["cells"], "sequences": cache["sequences"]},
+        )  # fmt: skip
         yield from self._scheduler(snap["scheduler"])
         yield from self._window_quantiles(snap["latency"]["window"])
         yield from self._scorecard(snap["scorecard"])

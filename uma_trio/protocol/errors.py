@@ -35,6 +35,10 @@ class ErrorCode(enum.StrEnum):
     # Runtime: the engine failed while serving an accepted request.
     DECODE_FAILED = "E_RUNTIME_001"
     KV_FULL = "E_RUNTIME_002"
+    # KV snapshots (the `snapshot` request).
+    SNAPSHOT_NOT_FOUND = "E_SNAPSHOT_001"
+    SNAPSHOT_MISMATCH = "E_SNAPSHOT_002"  # saved from another model file, KV type or context size
+    SNAPSHOT_INVALID = "E_SNAPSHOT_003"  # unreadable, corrupt, or refused by llama.cpp
 
 
 class UmaError(Exception):

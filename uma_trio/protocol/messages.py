@@ -88,6 +88,7 @@ class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of prefilled
 
 
 class Timings(Struct, omit_defaults=True):

@@ -5,12 +5,16 @@ Theory of operation
 Connections :meth:`~DecodeLoop.submit` sessions and :meth:`~DecodeLoop.cancel`
 them; both only record the wish and wake the loop.  The loop then repeats:
 
-1. apply cancellations (between steps, never during one: vLLM's rule);
+1. apply cancellations (between steps, never during one: vLLM's rule), and
+   run snapshot jobs, the only other users of the engine's KV cache;
 2. admit waiting sessions while a seq id and enough KV cells are free (each
    admitted session reserves ``prompt + max_tokens`` cells, so a running
    batch can never run out of KV cache).  Interactive requests are admitted
    first, and background ones never take the last ``interactive_reserve``
-   seq ids, so a new interactive request joins on the next tick;
+   seq ids, so a new interactive request joins on the next tick.  The KV
+   manager (:mod:`uma_trio.sched.kv_manager`) picks the id and the longest
+   cached prefix the request can reuse; a hit simply starts the session's
+   prefill further on, and cached sequences yield their ids and cells first;
 3. ask the pure policy (:mod:`uma_trio.sched.policy`) for a plan, from a
    :class:`~uma_trio.sched.state.SchedulerState` snapshot;
 4. run it as one batch in a worker thread (``engine.step``), so sockets keep
@@ -27,22 +31,26 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import numpy as np
+import outcome
 import trio
 
 from ..config import ServerConfig
-from ..engine.base import BatchEntry, Engine, EngineError, Sampled
+from ..engine.base import BatchEntry, Engine, EngineError, Sampled, TokenArray
 from ..observability.metrics import Metrics
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEvent
+from ..sched.kv_manager import Claim, KvManager
 from ..sched.policy import Policy, default_policy
 from ..sched.state import Lane, Plan, SchedulerState, SessionState
 from .session import Phase, Session
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class DecodeLoop:
@@ -58,7 +66,9 @@ class DecodeLoop:
         self.config = config
         self.metrics = metrics
         self._clock = clock
-        self._free_seqs: deque[int] = deque(range(engine.n_seq_max))
+        self.kv = KvManager(engine.n_seq_max, engine.n_ctx, config.prefix_cache_cells)
+        self._jobs: list[Callable[[], Awaitable[None]]] = []
+        self._unpin: list[int] = []
         self._waiting: deque[Session] = deque()
         self._active: dict[int, Session] = {}
         self._aborted: list[Session] = []
@@ -135,11 +145,48 @@ class DecodeLoop:
         """Return once no session is waiting or running."""
         await self._idle.wait()
 
+    async def exclusive(self, job: Callable[[], Awaitable[T]]) -> T:
+        """Run ``job`` on the decode task between two ticks, so nothing else touches the
+        engine meanwhile; returns its result or raises its exception."""
+        done = trio.Event()
+        result: list[outcome.Outcome[T]] = []
+
+        async def run() -> None:
+            result.append(await outcome.acapture(job))
+            done.set()
+
+        self._jobs.append(run)
+        self.wake()
+        await done.wait()
+        return result[0].unwrap()
+
+    def unpin(self, seq_id: int) -> None:
+        """A snapshot of ``seq_id`` is written: its cached prefix may be evicted again."""
+        self._unpin.append(seq_id)
+        self.wake()
+
+    async def restore(self, tokens: TokenArray, data: bytes) -> None:
+        """Load a saved sequence into the prefix cache (a job: run it through :meth:`exclusive`)."""
+        if self.kv.find(tokens) is not None:
+            return  # already cached
+        claim = self.kv.claim_empty(cells_needed=len(tokens), cells_reserved=self._reserved_cells)
+        if claim is None:
+            raise UmaError(ErrorCode.SERVER_BUSY, "every KV sequence is in use; try again later")
+        seq_id, evicted = claim
+        self._free_cells(evicted)
+        try:
+            await self.engine.load_seq(seq_id, data)
+        except EngineError as exc:
+            self.kv.give_back(seq_id)
+            raise UmaError(ErrorCode.SNAPSHOT_INVALID, str(exc)) from None
+        self._free_cells(self.kv.add(seq_id, tokens))
+
     # -- the task ----------------------------------------------------------------
 
     async def run(self) -> None:
         while True:
             self._apply_aborts()
+            await self._run_jobs()
             self._admit()
             self.kv_cells_used = sum(self.engine.seq_cells(s) for s in self._active)
             plan = self._plan()
@@ -203,8 +250,22 @@ class DecodeLoop:
                 self._waiting.remove(session)
             self._finish(session, "cancelled", cancel_reason=session.abort or "client")
 
+    async def _run_jobs(self) -> None:
+        for seq_id in self._unpin:
+            self._free_cells(self.kv.unpin(seq_id))
+        self._unpin.clear()
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            await job()
+
+    def _free_cells(self, seq_ids: list[int] | tuple[int, ...]) -> None:
+        for seq_id in seq_ids:
+            self.engine.free_seq(seq_id)
+
     def _can_admit_now(self, session: Session) -> bool:
-        if not self._free_seqs or self._reserved_cells + session.reserved_cells > self.engine.n_ctx:
+        # Cached prefixes yield their ids and cells to requests; only pinned ones stay.
+        room = self.engine.n_ctx - self.kv.pinned_cells
+        if not self.kv.available_seqs() or self._reserved_cells + session.reserved_cells > room:
             return False
         if session.lane == "background":
             background = sum(s.lane == "background" for s in self._active.values())
@@ -223,14 +284,31 @@ class DecodeLoop:
 
     def _admit(self) -> None:
         while (session := self._next_admittable()) is not None:
+            running = {seq: s.kv_tokens() for seq, s in self._active.items()} if self.kv.enabled else {}
+            needed, reserved = session.reserved_cells, self._reserved_cells
+            claim = self.kv.claim(session.prompt, running, cells_needed=needed, cells_reserved=reserved)
+            if claim is None:  # pragma: no cover - _can_admit_now said there was room
+                break
             self._waiting.remove(session)
-            session.seq_id = self._free_seqs.popleft()
+            self._set_up_sequence(claim)
+            session.seq_id = claim.seq_id
+            session.n_past = session.cached_tokens = claim.reused
             session.phase = Phase.PREFILL
             session.admitted = self._clock()
             session.admitted_tick = self._tick
             self.metrics.on_admitted(session.lane, session.admitted - session.created, session.admitted)
             self._reserved_cells += session.reserved_cells
             self._active[session.seq_id] = session
+
+    def _set_up_sequence(self, claim: Claim) -> None:
+        """Carry out a claim's engine operations, in the order :class:`Claim` gives."""
+        if claim.seq_id in claim.evicted:
+            self.engine.free_seq(claim.seq_id)
+        if claim.adopted:
+            self.engine.trim_seq(claim.seq_id, claim.reused)
+        elif claim.source is not None:
+            self.engine.copy_seq(claim.source, claim.seq_id, claim.reused)
+        self._free_cells([s for s in claim.evicted if s != claim.seq_id])
 
     def _plan(self) -> Plan:
         now = self._clock()
@@ -286,6 +364,7 @@ class DecodeLoop:
         if sampled.is_eog:
             self._finish(session, "stop")
             return 0
+        session.output_ids.append(sampled.token_id)
         ttft, gap = session.generated_at.record(now, session.created)
         session.generated += 1
         self.metrics.on_generated(session.lane)
@@ -330,9 +409,11 @@ class DecodeLoop:
         if reason in ("stop", "length"):
             self._emit(session, session.text.flush(), session.last_token_id)
         if session.seq_id is not None:
-            self.engine.free_seq(session.seq_id)
+            # Its KV stays cached for later requests sharing the prefix, unless a failed
+            # decode left it in doubt.
+            held = session.kv_tokens() if reason != "error" else session.prompt[:0]
             del self._active[session.seq_id]
-            self._free_seqs.append(session.seq_id)
+            self._free_cells(self.kv.release(session.seq_id, held, pin=session.pin_on_finish))
             self._reserved_cells -= session.reserved_cells
         now = self._clock()
         session.phase = Phase.DONE
@@ -368,7 +449,18 @@ class DecodeLoop:
                 "cells_used": self.kv_cells_used,
                 "cells_reserved": self._reserved_cells,
                 "seqs_total": self.engine.n_seq_max,
-                "seqs_free": len(self._free_seqs),
+                "seqs_free": self.kv.free_seqs,
+                "kv_type": self.engine.kv_type,
+            },
+            "prefix_cache": {
+                "enabled": self.kv.enabled,
+                "budget_cells": self.kv.budget_cells,
+                "sequences": self.kv.cached_seqs,
+                "cells": self.kv.cached_cells,
+                "hits": self.kv.stats.hits,
+                "misses": self.kv.stats.misses,
+                "reused_tokens": self.kv.stats.reused_tokens,
+                "evictions": self.kv.stats.evictions,
             },
         }
 

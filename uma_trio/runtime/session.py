@@ -53,6 +53,9 @@ class Session:
     pending_token: int | None = None  # sampled, to be fed next tick
     last_token_id: int = -1  # the latest sampled token (tags held-back text sent at the end)
     generated: int = 0
+    output_ids: list[int] = field(default_factory=list)  # generated tokens, end-of-generation excluded
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (never prefilled)
+    pin_on_finish: bool = False  # keep its KV cached and pinned at the end (a snapshot is taken)
     computed_tokens: int = 0  # prompt and fed-back tokens this request put through the engine
     lane: Lane = "interactive"  # from the request's priority; a priority message moves it
     last_served_tick: int = -1  # the last tick this session was in the batch
@@ -79,6 +82,14 @@ class Session:
         """KV cells this request may come to need: its prompt plus max_tokens."""
         return len(self.prompt) + self.request.max_tokens
 
+    def kv_tokens(self) -> TokenArray:
+        """The tokens whose KV cells this session's sequence holds, in position order."""
+        n_prompt = len(self.prompt)
+        if self.n_past <= n_prompt:
+            return self.prompt[: self.n_past]
+        fed = np.asarray(self.output_ids[: self.n_past - n_prompt], dtype=np.int32)
+        return np.concatenate([self.prompt, fed])
+
     @property
     def prompt_remaining(self) -> int:
         return len(self.prompt) - self.n_past if self.phase is Phase.PREFILL else 0
@@ -98,7 +109,7 @@ class Session:
 
     def eos_event(self, reason: FinishReason, cancel_reason: CancelReason | None) -> EosEvent:
         """The last event, without its timings: the connection fills those in as it writes it."""
-        usage = Usage(len(self.prompt), self.generated, len(self.prompt) + self.generated)
+        usage = Usage(len(self.prompt), self.generated, len(self.prompt) + self.generated, self.cached_tokens)
         return EosEvent(
             id=self.id,
             reason=reason,

@@ -142,8 +142,26 @@ class KvManager:
     ) -> Claim | None:
         """A sequence for a request with ``prompt`` that reserves ``cells_needed`` cells
         (running requests reserve ``cells_reserved``), reusing the longest shared prefix
-        of any cached or ``running`` sequence; None when no id or cells can be had.
-        Decides first and changes nothing until the claim is sure to succeed."""
+        of any cached or ``running`` sequence; None when no id or cells can be had."""
+        claim = self._claim(prompt, running, cells_needed, cells_reserved)
+        if claim is not None:
+            if claim.reused:
+                self.stats.hits += 1
+                self.stats.reused_tokens += claim.reused
+            else:
+                self.stats.misses += 1
+        return claim
+
+    def claim_empty(self, *, cells_needed: int, cells_reserved: int) -> tuple[int, tuple[int, ...]] | None:
+        """An id holding no cells, for a snapshot restore of ``cells_needed`` cells, and the
+        cached ids evicted for it; None when none can be had."""
+        claim = self._claim(np.empty(0, dtype=np.int32), {}, cells_needed, cells_reserved)
+        return None if claim is None else (claim.seq_id, claim.evicted)
+
+    def _claim(
+        self, prompt: TokenArray, running: Mapping[int, TokenArray], cells_needed: int, cells_reserved: int
+    ) -> Claim | None:
+        """:meth:`claim`'s decision; changes nothing until it is sure to succeed."""
         source, reused = self._best_match(prompt, running)
         entry = self._cached.get(source) if source is not None else None
         adoptable = entry is not None and not entry.pins
@@ -183,22 +201,7 @@ class KvManager:
         if source is not None and source in self._cached:
             self._cached.move_to_end(source)  # a hit counts as a use
         self.stats.evictions += len(evicted)
-        if reused:
-            self.stats.hits += 1
-            self.stats.reused_tokens += reused
-        else:
-            self.stats.misses += 1
         return Claim(seq_id, seq_id if adopt else source, reused, tuple(evicted))
-
-    def claim_empty(self) -> tuple[int, tuple[int, ...]] | None:
-        """An id with no cells (for a snapshot restore): a free one, else the LRU cached one's."""
-        if self._free:
-            return self._free.popleft(), ()
-        victim = self._lru_victim(keep=None)
-        if victim is None:
-            return None
-        self.stats.evictions += 1
-        return victim, (victim,)
 
     def release(self, seq_id: int, tokens: TokenArray, *, pin: bool = False) -> list[int]:
         """A request ended holding ``tokens`` in ``seq_id``: cache it (always when
