@@ -113,3 +113,47 @@ def test_corrupt_model_file_is_a_clear_error(tmp_path) -> None:  # type: ignore[
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(ModelLoadError, match="could not load"):
         LlamaModel(bad)
+
+
+class LogitsRecorder(Sampler):
+    """Greedy, keeping a copy of every logits row it saw."""
+
+    def __init__(self) -> None:
+        super().__init__(SamplingParams(temperature=0.0))
+        self.rows: list[np.ndarray] = []
+
+    def sample(self, logits: np.ndarray) -> int:
+        self.rows.append(np.array(logits, copy=True))
+        return int(np.argmax(logits))
+
+
+def test_deep_context_logits_exact_whether_decoded_or_prefilled_in_any_chunks(engine: LlamaEngine) -> None:
+    """Past 256 cells of context llama.cpp's f16 flash attention switches kernels for one-token
+    steps; with the q8_0 cache every path gives the same bits, which the prefix cache relies on
+    (a cached conversation's answer was decoded, a cold one's is prefilled)."""
+    assert engine.kv_type == "q8_0"
+    prompt = engine.tokenize("The history of the lighthouse, chapter by chapter. " * 40)[:420]
+
+    def prefill(seq: int, tokens: np.ndarray, sizes: Iterator[int]) -> LogitsRecorder:
+        recorder, pos = LogitsRecorder(), 0
+        while pos < len(tokens):
+            n = min(next(sizes), len(tokens) - pos)
+            last = pos + n == len(tokens)
+            engine.step_sync([BatchEntry(seq, tokens[pos : pos + n], pos, recorder if last else None)])
+            pos += n
+        return recorder
+
+    def repeat(*sizes: int) -> Iterator[int]:
+        while True:
+            yield from sizes
+
+    decoder = prefill(0, prompt, repeat(32))
+    generated = [int(np.argmax(decoder.rows[-1]))]
+    for k in range(20):  # decoded one token per step, the way a request generates
+        step = BatchEntry(0, np.array([generated[-1]], np.int32), len(prompt) + k, decoder)
+        generated.append(engine.step_sync([step]).sampled[0].token_id)
+    history = np.concatenate([prompt, np.array(generated[:20], np.int32)])
+    for seq, sizes in [(1, repeat(32)), (2, repeat(7)), (3, repeat(1, 31, 5, 63, 2))]:
+        assert np.array_equal(prefill(seq, history, sizes).rows[-1], decoder.rows[-1]), seq
+        engine.free_seq(seq)
+    engine.free_seq(0)

@@ -1,17 +1,29 @@
 """The real engine, on llama-cpp-python's low-level (ctypes) API.
 
-One model, one context, one ``llama_seq_id`` per active request.  By default
-each seq id gets its own KV stream (``kv_unified=False``): llama.cpp refills
-cells freed by a finished request with other requests' new tokens, and flash
-attention accumulates a sequence's cells in cache order, so in one unified
-stream a request's logits would depend on its neighbours' history.  One
-stream per sequence keeps every sequence's cells in position order, which
-makes greedy output identical alone or batched (docs/SCHEDULER.md).  The ``llama_batch`` is built once over
-numpy-owned buffers and refilled every tick with slice assignments, so a tick
-costs no per-token ctypes calls; logits are read through a zero-copy numpy
-view of ``llama_get_logits_ith``.  ``llama_decode`` runs in a worker thread
-(ctypes releases the GIL), always the same one (:mod:`.compute_thread`), which
-keeps the trio loop serving sockets meanwhile.
+One model, one context, one ``llama_seq_id`` per active request.
+
+**Exact greedy output.**  A request's tokens must not depend on who shares its
+ticks, how its prompt was chunked, or whether its prefix came from the cache.
+Two settings give that (docs/SCHEDULER.md):
+
+* each seq id gets its own KV stream (``kv_unified=False``): in one unified
+  stream llama.cpp refills freed cells with other requests' tokens, and flash
+  attention sums a sequence's cells in cache order, so logits would depend on
+  the neighbours' history;
+* the KV cache is quantized (``q8_0``, the default).  llama.cpp's CPU flash
+  attention has two f16-only kernels besides its per-query one: a tiled one
+  for 64+ queries of a stream and a split-KV one for a single query over 512+
+  cells (every decode step past 256 tokens of context).  They round
+  differently, so with f16 a token computed while decoding differs from the
+  same token prefilled.  Quantized K/V always take the per-query kernel, and
+  results are bit-identical either way (tests/test_engine.py).
+
+The ``llama_batch`` is built once over numpy-owned buffers and refilled every
+tick with slice assignments, so a tick costs no per-token ctypes calls;
+logits are read through a zero-copy numpy view of ``llama_get_logits_ith``.
+``llama_decode`` runs in a worker thread (ctypes releases the GIL), always the
+same one (:mod:`.compute_thread`), which keeps the trio loop serving sockets
+meanwhile.
 """
 
 from __future__ import annotations
@@ -146,7 +158,7 @@ class ContextConfig:
     # (n_ctx_seq * n_seq_max cells); gives up batch invariance (see module doc),
     # gains a per-request context bounded by the free cells rather than n_ctx_seq.
     kv_unified: bool = False
-    kv_type: str = "f16"  # K and V element type: f16, q8_0 or q4_0 (see KV_TYPES)
+    kv_type: str = "q8_0"  # K and V element type: f16, q8_0 or q4_0 (see KV_TYPES and the module doc)
 
 
 # llama.cpp's ggml types for the KV cache, and the bytes one element takes (a q8_0 block
@@ -202,7 +214,7 @@ class LlamaEngine:
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
-        # Always on: batch invariance relies on it, and a quantized V cache requires it.
+        # Always on: a quantized V cache requires it.
         params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self._compute = ComputeThread("uma-llama")
         self._ctx = self._compute.call(llama.llama_init_from_model, model.handle, params)

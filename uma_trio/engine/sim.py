@@ -124,7 +124,7 @@ class SimEngine:
 
     @property
     def kv_type(self) -> str:
-        return "f16"
+        return "q8_0"
 
     def fingerprint(self) -> str:
         return "sim"
