@@ -88,7 +88,6 @@ async def test_hit_gives_the_same_greedy_output_as_no_cache(
     assert figures["hits"] == 2 and figures["misses"] == 1
     assert figures["reused_tokens"] == other_eos.usage.cached_tokens + second_eos.usage.cached_tokens
     expected = await reference(llama_model, server_config, [chat(("user", QUESTIONS[1])), turn2])
-    print("ON", other, second, "OFF", expected, flush=True)
     assert [other, second] == expected
     assert len(other) > 5
 

@@ -7,6 +7,8 @@ Each test runs minutes of virtual load in about a second of real time.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import trio
 
@@ -109,3 +111,17 @@ async def test_background_prompt_completes_under_steady_interactive_load(
     bound = (prompt / tokens_per_rescue + 1) * config.rescue_every * tick
     ttft = record.token_times[0] - record.sent
     assert ttft <= bound, (ttft, bound)
+
+
+async def test_cache_hit_is_scheduled_as_a_shorter_prefill(autojump_clock: trio.abc.Clock) -> None:
+    """The same 2,000-token prompt twice, one after the other: the second prefills one token."""
+    repeat = [ClientSpec(name="repeat", prompt_tokens=2000, max_tokens=8, requests=2)]
+    cached, server = await simulate(
+        Scenario(name="cached", clients=repeat), COST, replace(SIM_CONFIG, prefix_cache_cells=None)
+    )
+    uncached, _ = await simulate(Scenario(name="uncached", clients=repeat), COST)
+    ttft = [r.token_times[0] - r.sent for r in cached.records]
+    cold = [r.token_times[0] - r.sent for r in uncached.records]
+    assert server.loop.kv.stats.hits == 1 and server.loop.kv.stats.reused_tokens == 1999
+    assert ttft[1] < 0.05 * ttft[0]
+    assert cold[1] > 0.8 * cold[0]  # without the cache the second request pays in full

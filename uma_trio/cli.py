@@ -17,10 +17,10 @@ import cyclopts
 import trio
 from cyclopts import Parameter
 
-from .client import ConnectionLost, UmaClient
+from .client import ConnectionLost, RequestFailed, UmaClient
 from .config import DEFAULT_SOCKET, KvType, ServerConfig
 from .model_files import ModelFileError, check_model_path, ensure_default_model
-from .protocol.messages import EosEvent, ErrorEvent, TokenEvent
+from .protocol.messages import EosEvent, ErrorEvent, SnapshotEvent, TokenEvent
 
 app = cyclopts.App(
     name="uma-trio",
@@ -374,6 +374,98 @@ def bench(
             raise
         print(f"error: {errors.exceptions[0]}", file=sys.stderr)
         return EXIT_SERVER_ERROR
+
+
+snapshot_app = cyclopts.App(
+    name="snapshot",
+    help="Save a prompt's KV cache under a name, restore it after a restart, or list snapshots.",
+)
+app.command(snapshot_app)
+
+
+@snapshot_app.command(name="save")
+def snapshot_save(
+    name: str,
+    *,
+    prompt: str | None = None,
+    file: Path | None = None,
+    system: bool = False,
+    socket: SocketPath = DEFAULT_SOCKET,
+) -> int:
+    """Prefill a prompt and write its KV cells to the daemon's snapshot directory.
+
+    Parameters
+    ----------
+    name
+        Snapshot name: letters, digits, '.', '_' and '-'.
+    prompt
+        The prompt text.
+    file
+        Read the prompt text from this file instead.
+    system
+        Treat the text as a chat's system message (formatted with the model's chat template),
+        so chats that start with it reuse the snapshot.
+    socket
+        Unix socket path of the daemon.
+    """
+    if (prompt is None) == (file is None):
+        print("error: give exactly one of --prompt and --file", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    try:
+        text = prompt if prompt is not None else Path(file or "").read_text()
+    except OSError as exc:
+        print(f"error: cannot read {file}: {exc}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    fields: dict[str, Any] = {"prompt": text}
+    if system:
+        fields = {"messages": [{"role": "system", "content": text}]}
+    return _snapshot(socket, "save", name, fields)
+
+
+@snapshot_app.command(name="restore")
+def snapshot_restore(name: str, *, socket: SocketPath = DEFAULT_SOCKET) -> int:
+    """Load a saved snapshot into the prefix cache (checked against the loaded model).
+
+    Parameters
+    ----------
+    name
+        Snapshot name.
+    socket
+        Unix socket path of the daemon.
+    """
+    return _snapshot(socket, "restore", name, {})
+
+
+@snapshot_app.command(name="list")
+def snapshot_list(*, socket: SocketPath = DEFAULT_SOCKET) -> int:
+    """List the daemon's snapshots.
+
+    Parameters
+    ----------
+    socket
+        Unix socket path of the daemon.
+    """
+    return _snapshot(socket, "list", None, {})
+
+
+def _snapshot(socket: Path, op: str, name: str | None, fields: dict[str, Any]) -> int:
+    async def ask() -> SnapshotEvent:
+        async with UmaClient.connect(socket) as client:
+            return await client.snapshot(op, name, **fields)
+
+    try:
+        event = anyio.run(ask)
+    except RequestFailed as exc:
+        print(f"error {exc.event.code}: {exc.event.message}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    except (ConnectionLost, OSError) as exc:
+        print(f"cannot talk to the daemon at {socket}: {exc}", file=sys.stderr)
+        return EXIT_PROTOCOL_ERROR
+    verb = {"save": "saved", "restore": "restored", "list": ""}[op]
+    for info in event.snapshots:
+        print(f"{verb + ' ' if verb else ''}{info.name}: {info.tokens} tokens, {info.bytes / 1e6:.1f} MB, "
+              f"{info.model}, KV {info.kv_type}")  # fmt: skip
+    return 0
 
 
 @app.command(name="fetch-model")

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import SocketStream, TaskGroup
@@ -28,9 +28,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .protocol.codec import decode_server_event, encode_message
 from .protocol.errors import UmaError
 from .protocol.framing import FrameDecoder
-from .protocol.messages import EosEvent, ErrorEvent, MetricsEvent, ServerEvent, TokenEvent
+from .protocol.messages import EosEvent, ErrorEvent, MetricsEvent, ServerEvent, SnapshotEvent, TokenEvent
 
 _ids = itertools.count(1)
+E = TypeVar("E", MetricsEvent, SnapshotEvent)
 
 
 class ConnectionLost(Exception):
@@ -128,20 +129,32 @@ class UmaClient:
         await self.send({"type": "cancel", "id": request_id})
 
     async def metrics(self) -> dict[str, Any]:
-        request_id = f"metrics-{next(_ids)}"
+        event = await self._ask({"type": "metrics"}, MetricsEvent)
+        return event.metrics
+
+    async def snapshot(self, op: str, name: str | None = None, **fields: Any) -> SnapshotEvent:
+        """Save (``prompt=`` or ``messages=``), restore or list KV snapshots (docs/PROTOCOL.md)."""
+        message: dict[str, Any] = {"type": "snapshot", "op": op, **fields}
+        if name is not None:
+            message["name"] = name
+        return await self._ask(message, SnapshotEvent)
+
+    async def _ask(self, message: dict[str, Any], answer: type[E]) -> E:
+        """Send a request that is answered by one event of type ``answer``, or an error."""
+        request_id = f"{message['type']}-{next(_ids)}"
         receive = self._route(request_id)
         try:
-            await self.send({"type": "metrics", "id": request_id})
+            await self.send({**message, "id": request_id})
             async for item in receive:
                 if isinstance(item, Exception):
                     raise item
-                if isinstance(item, MetricsEvent):
-                    return item.metrics
+                if isinstance(item, answer):
+                    return item
                 if isinstance(item, ErrorEvent):
                     raise RequestFailed(item)
         finally:
             self._routes.pop(request_id, None)
-        raise ConnectionLost("no metrics event")
+        raise ConnectionLost(f"no {message['type']} answer")
 
     async def send(self, message: dict[str, Any]) -> None:
         """Send one raw message (a dict); for callers that speak the protocol directly."""

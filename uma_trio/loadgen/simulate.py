@@ -23,9 +23,12 @@ from ..sched.policy import Policy, default_policy
 from .runner import ScenarioResult, run_scenario
 from .scenario import Scenario
 
+# Every scenario prompt is one word repeated, so with the prefix cache on every prompt after
+# the first would be nearly free: simulations measure the scheduler, with the cache off.
 SIM_CONFIG = ServerConfig(
-    n_ctx=10_240, max_prompt_tokens=8192, max_tokens=4096, max_queue=256, metrics_interval_s=3600.0
-)
+    n_ctx=10_240, max_prompt_tokens=8192, max_tokens=4096, max_queue=256, metrics_interval_s=3600.0,
+    prefix_cache_cells=0,
+)  # fmt: skip
 
 
 async def simulate(

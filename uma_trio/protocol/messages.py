@@ -19,6 +19,8 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 CancelReason = Literal["client", "disconnect", "shutdown"]
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
+# A file name in the snapshot directory: no path separators, no leading dot.
+SnapshotName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 StopString = Annotated[str, Meta(min_length=1, max_length=256)]
 
 
@@ -74,13 +76,37 @@ class PriorityRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     priority: Lane
 
 
-ClientMessage = GenerateRequest | CancelRequest | MetricsRequest | PriorityRequest
+class SnapshotRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Save a prompt's KV cells under a name, restore them into the prefix cache, or list.
+
+    ``save`` needs ``name`` and exactly one of ``prompt`` and ``messages``;
+    ``restore`` needs ``name``; ``list`` takes neither."""
+
+    type: Literal["snapshot"]
+    op: Literal["save", "restore", "list"]
+    id: RequestId | None = None
+    name: SnapshotName | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+
+    def __post_init__(self) -> None:
+        has_text = self.prompt is not None or self.messages is not None
+        if self.op == "save" and (self.prompt is None) == (self.messages is None):
+            raise ValueError("save needs exactly one of `prompt` and `messages`")
+        if self.op != "save" and has_text:
+            raise ValueError(f"{self.op} takes no `prompt` or `messages`")
+        if (self.op == "list") != (self.name is None):
+            raise ValueError("list takes no `name`" if self.op == "list" else f"{self.op} needs a `name`")
+
+
+ClientMessage = GenerateRequest | CancelRequest | MetricsRequest | PriorityRequest | SnapshotRequest
 
 MESSAGE_TYPES: dict[str, type[ClientMessage]] = {
     "generate": GenerateRequest,
     "cancel": CancelRequest,
     "metrics": MetricsRequest,
     "priority": PriorityRequest,
+    "snapshot": SnapshotRequest,
 }
 
 
@@ -133,4 +159,21 @@ class MetricsEvent(Struct, tag_field="event", tag="metrics", omit_defaults=True)
     id: str | None = None
 
 
-ServerEvent = TokenEvent | EosEvent | ErrorEvent | MetricsEvent
+class SnapshotInfo(Struct):
+    name: str
+    tokens: int  # KV cells the snapshot fills
+    bytes: int  # size of its file
+    model: str
+    kv_type: str
+    created_unix: float
+
+
+class SnapshotEvent(Struct, tag_field="event", tag="snapshot", omit_defaults=True):
+    """The answer to a snapshot request: the snapshot saved or restored, or all of them."""
+
+    op: Literal["save", "restore", "list"]
+    snapshots: list[SnapshotInfo]
+    id: str | None = None
+
+
+ServerEvent = TokenEvent | EosEvent | ErrorEvent | MetricsEvent | SnapshotEvent

@@ -29,6 +29,7 @@ from ..protocol.messages import (
     MetricsRequest,
     PriorityRequest,
     ServerEvent,
+    SnapshotRequest,
     TokenEvent,
 )
 from .delivery import deliver
@@ -108,6 +109,10 @@ class Connection:
                 self.loop.set_lane(self._in_flight(request_id), lane)
             case MetricsRequest(id=request_id):
                 await self._send(MetricsEvent(metrics=self.server.metrics_snapshot(), id=request_id))
+            case SnapshotRequest():
+                # Saving prefills a whole prompt: answer in its own task, so the reader goes on.
+                assert self._nursery is not None
+                self._nursery.start_soon(self._snapshot, message)
 
     def _in_flight(self, request_id: str) -> Session:
         session = self.requests.get(request_id)
@@ -133,6 +138,12 @@ class Connection:
         self._set_idle_deadline()
         assert self._nursery is not None
         self._nursery.start_soon(self._pump, session, receive)
+
+    async def _snapshot(self, request: SnapshotRequest) -> None:
+        try:
+            await self._send(await self.server.snapshot(request, self.number))
+        except UmaError as exc:
+            await self._send_error(exc)
 
     # -- writing -----------------------------------------------------------------
 

@@ -413,7 +413,8 @@ class DecodeLoop:
             # decode left it in doubt.
             held = session.kv_tokens() if reason != "error" else session.prompt[:0]
             del self._active[session.seq_id]
-            self._free_cells(self.kv.release(session.seq_id, held, pin=session.pin_on_finish))
+            pin = session.pin_on_finish and reason in ("stop", "length")  # a snapshot will be taken
+            self._free_cells(self.kv.release(session.seq_id, held, pin=pin))
             self._reserved_cells -= session.reserved_cells
         now = self._clock()
         session.phase = Phase.DONE

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import numpy as np
 import trio
 
 from ..config import ServerConfig
@@ -30,12 +31,13 @@ from ..observability.process import ProcessSampler
 from ..observability.prometheus import build_registry
 from ..observability.scorecard import CSV_FIELDS, Scorecard, scorecard
 from ..protocol.errors import ErrorCode, UmaError
-from ..protocol.messages import GenerateRequest, TokenEvent
+from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotInfo, SnapshotRequest, TokenEvent
 from ..sched.policy import Policy
 from .connection import Connection
 from .decode_loop import DecodeLoop
 from .metrics_http import bind_metrics_port, metrics_app
 from .session import Session
+from .snapshots import SnapshotHeader, SnapshotStore, default_snapshot_dir
 from .unix_socket import bind_unix_listener, unlink_if_ours
 
 T = TypeVar("T")
@@ -57,6 +59,7 @@ class Server:
         self.metrics_url: str | None = None  # set once --metrics-port serves
         self.http_url: str | None = None  # set by the daemon once the --http gateway serves this server
         self.open_deliveries = 0  # requests whose client has not yet been handed its last event
+        self.snapshots = SnapshotStore(config.snapshot_dir or default_snapshot_dir())
         self._connections: set[Connection] = set()
         self._shutdown = trio.Event()
         self._force = trio.Event()
@@ -135,7 +138,13 @@ class Server:
         return await trio.to_thread.run_sync(fn, arg)
 
     async def open_request(
-        self, request: GenerateRequest, arrived: float, *, connection: int, auto_max_tokens: bool = False
+        self,
+        request: GenerateRequest,
+        arrived: float,
+        *,
+        connection: int,
+        auto_max_tokens: bool = False,
+        pin_on_finish: bool = False,
     ) -> tuple[Session, trio.MemoryReceiveChannel[TokenEvent]]:
         """Check ``request`` against the daemon's limits, tokenize it and queue it; the
         session's events come out of the returned channel (hand both to
@@ -167,6 +176,7 @@ class Server:
             min_p=request.min_p, seed=request.seed,
         )  # fmt: skip
         session = Session(request, prompt, Sampler(params), send, created=arrived, connection=connection)
+        session.pin_on_finish = pin_on_finish
         try:
             self.loop.submit(session)  # raises when the daemon is full or stopping
         except BaseException:
@@ -174,6 +184,86 @@ class Server:
             receive.close()
             raise
         return session, receive
+
+    # -- KV snapshots --------------------------------------------------------------
+
+    async def snapshot(self, request: SnapshotRequest, connection: int) -> SnapshotEvent:
+        """Carry out a snapshot request (docs/PROTOCOL.md); :class:`UmaError` on failure."""
+        if request.op == "list":
+            infos = await trio.to_thread.run_sync(self.snapshots.list)
+        elif request.op == "save":
+            infos = [await self._save_snapshot(request, connection)]
+        else:
+            infos = [await self._restore_snapshot(request)]
+        return SnapshotEvent(op=request.op, snapshots=infos, id=request.id)
+
+    async def _save_snapshot(self, request: SnapshotRequest, connection: int) -> SnapshotInfo:
+        """Prefill the prompt as a one-token greedy request whose sequence stays cached and
+        pinned, copy its cells out between two ticks, and write them to disk."""
+        assert request.name is not None
+        fill = GenerateRequest(
+            id=request.id or f"snapshot:{request.name}", prompt=request.prompt, messages=request.messages,
+            max_tokens=1, temperature=0.0, stream=False,
+        )  # fmt: skip
+        arrived = trio.current_time()
+        session, receive = await self.open_request(fill, arrived, connection=connection, pin_on_finish=True)
+        try:
+            async with receive:
+                async for _ in receive:  # a non-stream request sends nothing before it ends
+                    pass
+        finally:
+            if not session.finished:
+                self.loop.cancel(session, "disconnect")
+        assert session.final is not None and session.seq_id is not None
+        if session.error is not None:
+            raise UmaError(ErrorCode(session.error.code), session.error.message, request_id=request.id)
+        if session.final.reason not in ("stop", "length"):
+            raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=request.id)
+        try:  # finished normally, so its sequence is cached and pinned until we are done
+            state = await self.loop.exclusive(partial(self.engine.save_seq, session.seq_id))
+        finally:
+            self.loop.unpin(session.seq_id)
+        header = SnapshotHeader(
+            name=request.name, model=self.engine.model_name, model_sha256=await self._fingerprint(),
+            kv_type=self.engine.kv_type, tokens=session.prompt.tolist(), created_unix=time.time(),
+        )  # fmt: skip
+        try:
+            return await trio.to_thread.run_sync(self.snapshots.write, header, state)
+        except OSError as exc:
+            message = f"cannot write snapshot {request.name!r}: {exc}"
+            raise UmaError(ErrorCode.SNAPSHOT_INVALID, message, request_id=request.id) from None
+
+    async def _restore_snapshot(self, request: SnapshotRequest) -> SnapshotInfo:
+        """Check the snapshot was made by this model file and cache layout, then load it
+        into a free sequence of the prefix cache between two ticks."""
+        assert request.name is not None
+        header, state = await trio.to_thread.run_sync(self.snapshots.read, request.name)
+        fingerprint = await self._fingerprint()
+        problem, engine = None, self.engine
+        if header.model_sha256 != fingerprint:
+            problem = (
+                f"it was saved from another model file ({header.model}, sha256 {header.model_sha256[:12]}…) "
+                f"and this daemon serves {self.engine.model_name} (sha256 {fingerprint[:12]}…)"
+            )
+        elif header.kv_type != self.engine.kv_type:
+            problem = f"it holds a {header.kv_type} KV cache and this daemon runs --kv-type {engine.kv_type}"
+        elif len(header.tokens) >= engine.n_ctx_seq:
+            problem = f"it holds {len(header.tokens)} tokens and a request's context is {engine.n_ctx_seq}"
+        if problem is not None:
+            raise UmaError(
+                ErrorCode.SNAPSHOT_MISMATCH, f"snapshot {request.name!r} cannot be restored: {problem}",
+                request_id=request.id,
+            )  # fmt: skip
+        tokens = np.asarray(header.tokens, dtype=np.int32)
+        try:
+            await self.loop.exclusive(partial(self.loop.restore, tokens, state))
+        except UmaError as exc:
+            exc.request_id = request.id
+            raise
+        return header.info(len(state))
+
+    async def _fingerprint(self) -> str:
+        return await self._off_loop(lambda _: self.engine.fingerprint(), None)
 
     def next_connection_number(self) -> int:
         """Numbers socket connections and HTTP requests alike, for logs and the live view."""

@@ -1,0 +1,103 @@
+"""KV snapshots on the real model: saved, restored after a restart, refused for another model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import trio
+
+from uma_trio.client import RequestFailed, UmaClient
+from uma_trio.config import ServerConfig
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.protocol.errors import ErrorCode
+from uma_trio.runtime.snapshots import SUFFIX
+
+from .conftest import running_server
+from .test_e2e_prefix_cache import SYSTEM, chat, greedy
+
+pytestmark = pytest.mark.model
+
+
+async def test_snapshot_restored_after_a_restart_gives_the_same_greedy_output(
+    llama_model: LlamaModel, server_config: ServerConfig, tmp_path: Path
+) -> None:
+    question = chat(("user", "Where are the maps?"))
+    with trio.fail_after(180):
+        async with running_server(llama_model, server_config, snapshot_dir=tmp_path) as first:
+            async with UmaClient.connect(first.config.socket_path) as client:
+                saved = await client.snapshot(
+                    "save", "library", messages=[{"role": "system", "content": SYSTEM}]
+                )
+                before, before_eos = await greedy(client, question)
+        assert saved.op == "save" and saved.snapshots[0].tokens > 300
+        assert (tmp_path / f"library{SUFFIX}").is_file()
+        assert before_eos.usage.cached_tokens > 300  # the save left the prefix cached too
+
+        async with running_server(llama_model, server_config, snapshot_dir=tmp_path) as second:
+            async with UmaClient.connect(second.config.socket_path) as client:
+                listed = await client.snapshot("list")
+                restored = await client.snapshot("restore", "library")
+                after, after_eos = await greedy(client, question)
+                cache = (await client.metrics())["prefix_cache"]
+    assert [s.name for s in listed.snapshots] == ["library"]
+    assert restored.snapshots[0].tokens == saved.snapshots[0].tokens
+    assert after_eos.usage.cached_tokens > 300 and cache["hits"] == 1  # served from the restored cells
+    assert after == before and len(after) > 5
+
+
+async def test_snapshot_of_another_model_file_is_refused(
+    llama_model: LlamaModel, model_path: Path, server_config: ServerConfig, tmp_path: Path
+) -> None:
+    """Same architecture, one byte of weights changed: llama.cpp would load the cells happily."""
+    other_path = tmp_path / "other.gguf"
+    shutil.copyfile(model_path, other_path)
+    with other_path.open("r+b") as file:
+        file.seek(-7, 2)
+        byte = file.read(1)
+        file.seek(-7, 2)
+        file.write(bytes([byte[0] ^ 0x01]))
+    other = LlamaModel(other_path)
+    snapshots = tmp_path / "snapshots"
+    try:
+        with trio.fail_after(120):
+            async with running_server(llama_model, server_config, snapshot_dir=snapshots) as original:
+                async with UmaClient.connect(original.config.socket_path) as client:
+                    await client.snapshot("save", "sys", prompt=SYSTEM)
+            async with running_server(other, server_config, snapshot_dir=snapshots) as changed:
+                async with UmaClient.connect(changed.config.socket_path) as client:
+                    with pytest.raises(RequestFailed) as refused:
+                        await client.snapshot("restore", "sys")
+                    assert (await client.metrics())["prefix_cache"]["sequences"] == 0
+    finally:
+        other.close()
+    assert refused.value.event.code == ErrorCode.SNAPSHOT_MISMATCH
+    assert "another model file" in refused.value.event.message and "other.gguf" in refused.value.event.message
+
+
+async def test_snapshot_errors_are_clear(
+    llama_model: LlamaModel, server_config: ServerConfig, tmp_path: Path
+) -> None:
+    (tmp_path / f"broken{SUFFIX}").write_bytes(b"not a snapshot at all")
+    async with running_server(llama_model, server_config, snapshot_dir=tmp_path, kv_type="f16") as srv:
+        async with UmaClient.connect(srv.config.socket_path) as client:
+            failures = {}
+            for op, name, fields in [
+                ("restore", "missing", {}),
+                ("restore", "broken", {}),
+                ("restore", "../escape", {}),
+                ("save", "x", {}),
+                ("list", None, {"prompt": "hi"}),
+            ]:
+                with pytest.raises(RequestFailed) as failed:
+                    await client.snapshot(op, name, **fields)
+                failures[(op, name)] = failed.value.event.code
+            assert (await client.snapshot("list")).snapshots == []  # the broken file is left out
+    assert failures == {
+        ("restore", "missing"): ErrorCode.SNAPSHOT_NOT_FOUND,
+        ("restore", "broken"): ErrorCode.SNAPSHOT_INVALID,
+        ("restore", "../escape"): ErrorCode.SCHEMA,
+        ("save", "x"): ErrorCode.SCHEMA,
+        ("list", None): ErrorCode.SCHEMA,
+    }

@@ -1,0 +1,173 @@
+"""The KV manager's decisions, alone: which id a request gets, what it reuses, what is evicted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from uma_trio.sched.kv_manager import Claim, KvManager, common_prefix
+
+
+def toks(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int32)
+
+
+def seq(start: int, n: int) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+SYSTEM = seq(1000, 40)  # a shared 40-token prefix
+
+
+def prompt(tail_start: int, tail: int = 10) -> np.ndarray:
+    return np.concatenate([SYSTEM, seq(tail_start, tail)])
+
+
+def test_common_prefix() -> None:
+    assert common_prefix(toks(1, 2, 3), toks(1, 2, 4)) == 2
+    assert common_prefix(toks(1, 2), toks(1, 2, 3)) == 2
+    assert common_prefix(toks(), toks(1)) == 0
+    assert common_prefix(toks(5), toks(6)) == 0
+
+
+def test_cold_request_takes_a_free_id_and_its_end_leaves_it_cached() -> None:
+    kv = KvManager(n_seqs=2, n_cells=1000)
+    claim = kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)
+    assert claim == Claim(seq_id=0)
+    assert kv.release(0, prompt(1)) == []
+    assert kv.cached() and kv.free_seqs == 1 and kv.cached_cells == 50
+    assert (kv.stats.hits, kv.stats.misses) == (0, 1)
+
+
+def test_shared_prefix_is_copied_and_the_source_stays_cached() -> None:
+    kv = KvManager(n_seqs=3, n_cells=1000)
+    kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)
+    kv.release(0, prompt(1))
+    claim = kv.claim(prompt(500), {}, cells_needed=60, cells_reserved=0)
+    assert claim == Claim(seq_id=1, source=0, reused=40)
+    assert not claim.adopted and 0 in kv.cached()
+    assert kv.stats.reused_tokens == 40
+
+
+def test_next_turn_adopts_the_whole_conversation_without_copying() -> None:
+    kv = KvManager(n_seqs=2, n_cells=1000)
+    kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)
+    history = np.concatenate([prompt(1), seq(7000, 5)])  # prompt plus the answer fed back
+    kv.release(0, history)
+    turn2 = np.concatenate([history, seq(9000, 8)])
+    claim = kv.claim(turn2, {}, cells_needed=80, cells_reserved=0)
+    assert claim == Claim(seq_id=0, source=0, reused=len(history))
+    assert claim.adopted and not kv.cached() and kv.free_seqs == 1
+
+
+def test_the_last_prompt_token_is_always_computed() -> None:
+    kv = KvManager(n_seqs=2, n_cells=1000)
+    kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)
+    kv.release(0, prompt(1))
+    claim = kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)  # the very same prompt
+    assert claim is not None and claim.reused == len(prompt(1)) - 1
+
+
+def test_running_sequences_are_sources_too() -> None:
+    kv = KvManager(n_seqs=2, n_cells=1000)
+    kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)
+    claim = kv.claim(prompt(2), {0: prompt(1)[:45]}, cells_needed=60, cells_reserved=60)
+    assert claim == Claim(seq_id=1, source=0, reused=40)
+
+
+def test_short_matches_are_not_worth_a_copy() -> None:
+    kv = KvManager(n_seqs=2, n_cells=1000, min_reuse=16)
+    kv.claim(seq(0, 20), {}, cells_needed=30, cells_reserved=0)
+    kv.release(0, seq(0, 20))
+    claim = kv.claim(np.concatenate([seq(0, 10), seq(500, 10)]), {}, cells_needed=30, cells_reserved=0)
+    assert claim == Claim(seq_id=1)
+
+
+def test_cache_yields_ids_least_recently_used_first() -> None:
+    kv = KvManager(n_seqs=2, n_cells=1000)
+    for i in (0, 1):
+        kv.claim(seq(100 * i, 30), {}, cells_needed=40, cells_reserved=0)
+    kv.release(0, seq(0, 30))
+    kv.release(1, seq(100, 30))
+    # A hit on id 0 makes id 1 the least recently used.
+    assert kv.claim(
+        np.concatenate([seq(0, 20), seq(900, 5)]), {}, cells_needed=30, cells_reserved=0
+    ) == Claim(seq_id=1, source=0, reused=20, evicted=(1,))
+    assert kv.stats.evictions == 1 and list(kv.cached()) == [0]
+
+
+def test_the_match_is_adopted_when_its_id_is_the_only_one_left() -> None:
+    kv = KvManager(n_seqs=1, n_cells=1000)
+    kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)
+    kv.release(0, prompt(1))
+    claim = kv.claim(prompt(500), {}, cells_needed=60, cells_reserved=0)
+    assert claim == Claim(seq_id=0, source=0, reused=40)  # trimmed to the shared part
+    assert claim.adopted
+
+
+def test_cached_cells_yield_to_a_reservation_source_last() -> None:
+    """One unified pool of 100 cells: two cached prefixes hold 85 of them."""
+    kv = KvManager(n_seqs=4, n_cells=100)
+    kv.claim(prompt(1), {}, cells_needed=50, cells_reserved=0)
+    kv.release(0, prompt(1)[:45])
+    kv.claim(seq(5000, 40), {}, cells_needed=40, cells_reserved=0)
+    kv.release(1, seq(5000, 40))
+    claim = kv.claim(prompt(2), {}, cells_needed=50, cells_reserved=0)
+    assert claim == Claim(seq_id=2, source=0, reused=40, evicted=(1,))
+    # Needing more still, the source goes too; it is copied before it is freed.
+    kv.release(2, np.array([], dtype=np.int32))
+    claim = kv.claim(prompt(3), {}, cells_needed=90, cells_reserved=0)
+    assert claim is not None and claim.source == 0 and 0 in claim.evicted and claim.seq_id != 0
+
+
+def test_no_id_or_no_cells_means_no_claim_and_nothing_changes() -> None:
+    kv = KvManager(n_seqs=1, n_cells=100)
+    assert kv.claim(prompt(1), {}, cells_needed=50, cells_reserved=60) is None
+    assert kv.free_seqs == 1
+    kv.claim(prompt(1), {}, cells_needed=50, cells_reserved=0)
+    assert kv.claim(prompt(2), {}, cells_needed=10, cells_reserved=50) is None  # the one id is running
+
+
+def test_budget_evicts_on_release() -> None:
+    kv = KvManager(n_seqs=3, n_cells=1000, budget_cells=70)
+    for i in range(3):
+        kv.claim(seq(100 * i, 40), {}, cells_needed=50, cells_reserved=0)
+    assert kv.release(0, seq(0, 40)) == []
+    assert kv.release(1, seq(100, 40)) == [0]  # 80 > 70: the older one goes
+    assert kv.cached_cells == 40 and kv.free_seqs == 1
+
+
+def test_disabled_cache_frees_at_once_and_never_matches() -> None:
+    kv = KvManager(n_seqs=2, n_cells=1000, budget_cells=0)
+    kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)
+    assert kv.release(0, prompt(1)) == [0]
+    assert kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0) == Claim(seq_id=1)
+
+
+def test_pinned_sequence_is_a_source_but_never_evicted_or_adopted() -> None:
+    kv = KvManager(n_seqs=2, n_cells=1000, budget_cells=0)  # pinning works with the cache off
+    kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)
+    assert kv.release(0, prompt(1), pin=True) == []
+    assert kv.available_seqs() == 1 and kv.pinned_cells == 50
+    assert kv.find(prompt(1)) == 0
+    assert kv.unpin(0) == [0]  # the cache is off: unpinned, it is freed
+    assert kv.free_seqs == 2
+
+
+def test_pinned_source_is_copied_not_adopted() -> None:
+    kv = KvManager(n_seqs=2, n_cells=1000)
+    kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)
+    kv.release(0, prompt(1), pin=True)
+    claim = kv.claim(np.concatenate([prompt(1), seq(3, 4)]), {}, cells_needed=60, cells_reserved=0)
+    assert claim == Claim(seq_id=1, source=0, reused=50)
+
+
+@pytest.mark.parametrize("free_first", [True, False])
+def test_restore_gets_an_empty_id(free_first: bool) -> None:
+    kv = KvManager(n_seqs=1, n_cells=1000)
+    if not free_first:
+        kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)
+        kv.release(0, prompt(1))
+    assert kv.claim_empty(cells_needed=50, cells_reserved=0) == (0, () if free_first else (0,))
+    assert kv.add(0, prompt(9)) == []
+    assert kv.find(prompt(9)) == 0
