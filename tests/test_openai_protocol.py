@@ -197,7 +197,9 @@ def test_whole_answers() -> None:
     answer = msgspec.json.decode(msgspec.json.encode(openai.chat_completion("c1", 7, MODEL, eos(text="yo"))))
     assert answer["object"] == "chat.completion"
     assert answer["choices"][0]["message"] == {"content": "yo", "role": "assistant"}
-    assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert answer["usage"] == {
+        "prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}
+    }  # fmt: skip
     text = msgspec.json.decode(
         msgspec.json.encode(openai.text_completion("c1", 7, MODEL, eos("length", "t")))
     )

@@ -70,6 +70,10 @@ _STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.MODEL: (400, "invalid_request_error"),
     ErrorCode.DECODE_FAILED: (500, "server_error"),
     ErrorCode.KV_FULL: (503, "server_error"),
+    # Snapshots are socket-only today; mapped so every code has an answer.
+    ErrorCode.SNAPSHOT_NOT_FOUND: (404, "invalid_request_error"),
+    ErrorCode.SNAPSHOT_MISMATCH: (409, "invalid_request_error"),
+    ErrorCode.SNAPSHOT_INVALID: (422, "invalid_request_error"),
 }
 _OPENAI_CODE = {
     ErrorCode.PROMPT_TOO_LARGE: "context_length_exceeded",
@@ -319,10 +323,15 @@ def lane_from_header(header: str | None) -> Lane | None:
 # None is an explicit null.
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionChoice(Struct):
@@ -385,7 +394,8 @@ class ChatCompletionChunk(Struct):
 
 
 def usage_of(eos: EosEvent) -> Usage:
-    return Usage(eos.usage.prompt_tokens, eos.usage.completion_tokens, eos.usage.total_tokens)
+    u = eos.usage
+    return Usage(u.prompt_tokens, u.completion_tokens, u.total_tokens, PromptTokensDetails(u.cached_tokens))
 
 
 def finish_reason(reason: FinishReason) -> str:
