@@ -198,7 +198,8 @@ def test_whole_answers() -> None:
     assert answer["object"] == "chat.completion"
     assert answer["choices"][0]["message"] == {"content": "yo", "role": "assistant"}
     assert answer["usage"] == {
-        "prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}
+        "prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }  # fmt: skip
     text = msgspec.json.decode(
         msgspec.json.encode(openai.text_completion("c1", 7, MODEL, eos("length", "t")))
