@@ -16,7 +16,10 @@ last ``--steps``; afterwards it trims sequence 0 back to D cells and frees the c
 next measurement and the next prefill segment start from exactly the same KV state.  Each
 measurement runs ``--repeats`` times and keeps the fastest (anything else running on the
 machine can only slow a run down; with llama.cpp's threads on every core a busy neighbour
-can slow it 10-100 fold), and the median goes to the CSV.
+can slow it 10-100 fold), and the median goes to the CSV.  ``cpu`` in the table is the CPU
+time the process got over wall time × threads (the lower of the decode's and the prefill
+segment's): llama.cpp's threads spin, so about 1.0 means the run had the cores to itself
+and anything well below (say < 0.9) means something else was running.
 
 Reported per (kv_type, depth, streams):
 
@@ -49,6 +52,7 @@ valid.  Writes ``benches/results/long_ctx.csv`` and, with matplotlib, ``long_ctx
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -95,6 +99,7 @@ class Measurement:
     median_tok_s: float
     ms_per_step: float
     llama_ms_per_step: float  # StepResult.decode_s: llama_decode plus sampling
+    cpu_share: float  # CPU time this process got / (wall time × threads); well under 1: contended
     ratio_vs_f16: float | None
     kv_bytes_per_cell: int
     kv_read_mb: float  # KV one decode step reads: streams * depth cells
@@ -105,6 +110,7 @@ class Measurement:
     prefill_tokens: int  # the segment that brought seq 0 to this depth
     prefill_s: float
     prefill_tok_s: float
+    prefill_cpu_share: float
     first_text: str  # the first AGREE_TOKENS generated tokens, as text
 
 
@@ -138,24 +144,30 @@ def prefill(engine: LlamaEngine, tokens: TokenArray, pos0: int) -> int:
     return next_token
 
 
-def decode(
-    engine: LlamaEngine, first: int, depth: int, streams: int, warmup: int, steps: int
-) -> tuple[list[int], float, float]:
-    """Greedy-decode ``warmup + steps`` tokens per stream after ``depth`` cells of sequence 0.
+@dataclass
+class DecodeRun:
+    tokens: list[int]  # sequence 0's, the one sampled at the end of the prefill first
+    seconds: float  # wall time of the timed steps
+    llama_s: float  # their summed StepResult.decode_s
+    cpu_s: float  # this process's CPU time meanwhile
 
-    Returns sequence 0's tokens (``first`` included), the wall seconds of the last
-    ``steps`` steps and their summed ``decode_s``.  Leaves the cache as it found it."""
+
+def decode(engine: LlamaEngine, first: int, depth: int, streams: int, warmup: int, steps: int) -> DecodeRun:
+    """Greedy-decode ``warmup + steps`` tokens per stream after ``depth`` cells of sequence 0,
+    timing the last ``steps``.  Leaves the cache as it found it."""
     for seq in range(1, streams):
         engine.copy_seq(0, seq, depth)
     greedy = Sampler(SamplingParams(temperature=0.0))
     current = [first] * streams
     generated = [first]
     started = time.perf_counter()
+    cpu_started = time.process_time()
     llama_s = 0.0
     try:
         for i in range(warmup + steps):
             if i == warmup:
                 started = time.perf_counter()
+                cpu_started = time.process_time()
                 llama_s = 0.0
             entries = [
                 BatchEntry(seq, np.array([current[seq]], dtype=np.int32), depth + i, greedy)
@@ -167,11 +179,12 @@ def decode(
                 current[sampled.seq_id] = sampled.token_id
             generated.append(current[0])
         elapsed = time.perf_counter() - started
+        cpu_s = time.process_time() - cpu_started
     finally:
         engine.trim_seq(0, depth)
         for seq in range(1, streams):
             engine.free_seq(seq)
-    return generated, elapsed, llama_s
+    return DecodeRun(generated, elapsed, llama_s, cpu_s)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -200,28 +213,31 @@ def sweep_type(
         kv_type=kv_type,
     )
     engine = LlamaEngine(model, config)
+    threads = args.threads or os.cpu_count() or 1
     rows: list[Measurement] = []
     outputs: dict[tuple[int, int], list[int]] = {}
     try:
         filled = 0
         first = -1
         for depth in depths:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             segment = depth - filled
             if segment > 0:
                 first = prefill(engine, fill[filled:depth], filled)
             prefill_s = time.perf_counter() - t0
+            prefill_share = (time.process_time() - cpu0) / (prefill_s * threads)
             filled = depth
             for streams in sorted(args.streams):
                 runs = [
                     decode(engine, first, depth, streams, args.warmup, args.steps)
                     for _ in range(args.repeats)
                 ]
-                tokens = runs[0][0]
-                if any(run[0] != tokens for run in runs):
+                tokens = runs[0].tokens
+                if any(run.tokens != tokens for run in runs):
                     print(f"warning: {kv_type} depth {depth}: repeated runs generated different tokens")
-                _, elapsed, llama_s = min(runs, key=lambda run: run[1])
-                median_s = float(np.median([run[1] for run in runs]))
+                best = min(runs, key=lambda run: run.seconds)
+                elapsed = best.seconds
+                median_s = float(np.median([run.seconds for run in runs]))
                 outputs[(depth, streams)] = tokens
                 step_s = elapsed / args.steps
                 kv_read = streams * depth * bpc
@@ -232,7 +248,8 @@ def sweep_type(
                         decode_tok_s=round(streams * args.steps / elapsed, 1),
                         median_tok_s=round(streams * args.steps / median_s, 1),
                         ms_per_step=round(1e3 * step_s, 2),
-                        llama_ms_per_step=round(1e3 * llama_s / args.steps, 2),
+                        llama_ms_per_step=round(1e3 * best.llama_s / args.steps, 2),
+                        cpu_share=round(best.cpu_s / (elapsed * threads), 2),
                         ratio_vs_f16=None, kv_bytes_per_cell=bpc,
                         kv_read_mb=round(kv_read / 1e6, 1),
                         kv_alloc_mb=round(engine.n_ctx * bpc / 1e6, 1),
@@ -240,6 +257,7 @@ def sweep_type(
                         gb_per_s=round((profile.weight_bytes + kv_read) / step_s / 1e9, 2),
                         agree_f16=None, prefill_tokens=segment, prefill_s=round(prefill_s, 2),
                         prefill_tok_s=round(segment / prefill_s, 1) if segment > 0 else 0.0,
+                        prefill_cpu_share=round(prefill_share, 2),
                         first_text=text.decode("utf-8", errors="replace").replace("\n", "\\n"),
                     )
                 )  # fmt: skip
@@ -251,7 +269,7 @@ def sweep_type(
 
 HEADER = (
     f"{'kv_type':>7} {'depth':>6} {'streams':>7} {'tok/s':>7} {'ms/step':>8} {'vs f16':>7} "
-    f"{'KV MB':>7} {'GB/s':>6} {'agree':>6} {'prefill tok/s':>13}"
+    f"{'KV MB':>7} {'GB/s':>6} {'agree':>6} {'prefill tok/s':>13} {'cpu':>5}"
 )
 
 
@@ -261,7 +279,8 @@ def print_row(m: Measurement, *, flush: bool = False) -> None:
     prefill = f"{m.prefill_tok_s:.0f}" if m.prefill_tokens else "-"
     print(
         f"{m.kv_type:>7} {m.depth:>6} {m.streams:>7} {m.decode_tok_s:>7.1f} {m.ms_per_step:>8.2f} "
-        f"{ratio:>7} {m.kv_read_mb:>7.1f} {m.gb_per_s:>6.2f} {agree:>6} {prefill:>13}",
+        f"{ratio:>7} {m.kv_read_mb:>7.1f} {m.gb_per_s:>6.2f} {agree:>6} {prefill:>13} "
+        f"{min(m.cpu_share, m.prefill_cpu_share if m.prefill_tokens else 1.0):>5.2f}",
         flush=flush,
     )
 
