@@ -19,8 +19,8 @@ Extra comparisons:
 * ``each_app_separate`` runs the mixed load with one server process per client
   (``llama-server --parallel 1`` each, every one loading the model) against one
   shared uma-trio, and compares aggregate tokens/s and total RSS;
-* ``long_ctx`` (the seeds' benchmark B) needs a KV-cache type option that uma-trio
-  does not have yet, and says so.
+* ``long_ctx`` (the seeds' benchmark B) is an engine-level sweep over KV types, not a
+  load-generator suite: it runs in ``benches/long_ctx.py``, and this script says so.
 
     python benches/compare.py [--scenarios mixed scaling ...] [--peers DIR] [--out DIR]
 """
@@ -210,8 +210,8 @@ def main() -> None:
         print(f"== {name}", flush=True)
         if name == "long_ctx":
             message = (
-                "long_ctx (the seeds' benchmark B) is skipped: uma-trio has no KV-cache type option "
-                "(f16/q8_0/q4_0) yet, so there is nothing to sweep."
+                "long_ctx (the seeds' benchmark B) sweeps KV types and context depths on the engine "
+                "itself: run `python benches/long_ctx.py` (docs/BENCHMARKS.md)."
             )
             print(message)
             tables.append(f"### long_ctx\n\n{message}\n")

@@ -268,7 +268,7 @@ def sweep_type(
 
 
 HEADER = (
-    f"{'kv_type':>7} {'depth':>6} {'streams':>7} {'tok/s':>7} {'ms/step':>8} {'vs f16':>7} "
+    f"{'kv_type':>7} {'depth':>6} {'streams':>7} {'tok/s':>7} {'median':>7} {'ms/step':>8} {'vs f16':>7} "
     f"{'KV MB':>7} {'GB/s':>6} {'agree':>6} {'prefill tok/s':>13} {'cpu':>5}"
 )
 
@@ -278,8 +278,8 @@ def print_row(m: Measurement, *, flush: bool = False) -> None:
     agree = f"{m.agree_f16}/{AGREE_TOKENS}" if m.agree_f16 is not None else "-"
     prefill = f"{m.prefill_tok_s:.0f}" if m.prefill_tokens else "-"
     print(
-        f"{m.kv_type:>7} {m.depth:>6} {m.streams:>7} {m.decode_tok_s:>7.1f} {m.ms_per_step:>8.2f} "
-        f"{ratio:>7} {m.kv_read_mb:>7.1f} {m.gb_per_s:>6.2f} {agree:>6} {prefill:>13} "
+        f"{m.kv_type:>7} {m.depth:>6} {m.streams:>7} {m.decode_tok_s:>7.1f} {m.median_tok_s:>7.1f} "
+        f"{m.ms_per_step:>8.2f} {ratio:>7} {m.kv_read_mb:>7.1f} {m.gb_per_s:>6.2f} {agree:>6} {prefill:>13} "
         f"{min(m.cpu_share, m.prefill_cpu_share if m.prefill_tokens else 1.0):>5.2f}",
         flush=flush,
     )
@@ -306,6 +306,9 @@ def plot(rows: list[Measurement], path: Path) -> None:
     right.set(
         xlabel="MB read per step (weights + KV)", ylabel="ms per step", title="step time vs bytes (ΣBMT)"
     )
+    depths = sorted({m.depth for m in rows})
+    left.set_xticks(depths, labels=[str(d) for d in depths])
+    left.minorticks_off()
     left.legend(fontsize=8)
     left.grid(alpha=0.3)
     right.grid(alpha=0.3)
