@@ -56,7 +56,7 @@ CHAT_TURNS = [
 ]  # fmt: skip
 
 
-def system_prompt(round_no: int, rules: int = 30) -> str:
+def system_prompt(round_no: int, rules: int = 23) -> str:
     """About 1,000 tokens of library rules; the round number makes each round's prompt new."""
     lines = [f"Session {round_no}. You are the help desk of a public library. Answer briefly."]
     for i in range(rules):
@@ -182,7 +182,7 @@ def plot(samples: list[Sample], path: Path) -> None:
             [s.index for s in chat], [s.ttft_ms for s in chat], "o-", color=colour, label=f"cache {cache}"
         )
     left.set(
-        title="Shared ~1,000-token system prompt", xlabel="request (rounds back to back)", ylabel="TTFT (ms)"
+        title="Shared 1,000-token system prompt", xlabel="request (rounds back to back)", ylabel="TTFT (ms)"
     )
     right.set(title="5-turn chat", xlabel="turn", ylabel="TTFT (ms)")
     for axis in (left, right):
@@ -210,7 +210,7 @@ def main() -> None:
     write_csv(out / "prefix_cache.csv", [vars(s) for s in samples], list(vars(samples[0])))
     write_csv(out / "prefix_cache_summary.csv", rows, list(rows[0]))
     plot(samples, out / "prefix_cache.png")
-    print(f"\nwrote {out / 'prefix_cache.csv'}, prefix_cache_summary.csv and prefix_cache.png")
+    print(f"wrote {out / 'prefix_cache.png'}")
 
 
 if __name__ == "__main__":

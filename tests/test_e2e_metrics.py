@@ -103,7 +103,7 @@ async def test_counters_and_percentiles_after_a_scripted_run(
         if s.name == "uma_requests_total"
     }
     assert requests[("interactive", "cancelled")] == 1
-    assert requests[("interactive", "length")] + requests.get(("interactive", "stop"), 0) == 6
+    assert requests.get(("interactive", "length"), 0) + requests.get(("interactive", "stop"), 0) == 6
     errors = {s.labels["code"]: s.value for s in families["uma_errors"].samples}
     assert errors == {"E_PROTO_001": 1, "E_LIMIT_003": 1, "E_PROTO_007": 1}
     itl_count = next(

@@ -54,13 +54,13 @@ async def greedy(
 
 
 async def reference(
-    model: LlamaModel, config: ServerConfig, conversations: list[list[dict[str, str]]]
+    model: LlamaModel, config: ServerConfig, conversations: list[list[dict[str, str]]], max_tokens: int = 24
 ) -> list[list[int]]:
     """Each conversation's greedy tokens from a daemon with the cache off."""
     off_socket = config.socket_path.with_name("cache-off.sock")
     async with running_server(model, config, prefix_cache_cells=0, socket_path=off_socket) as off:
         async with UmaClient.connect(off.config.socket_path) as client:
-            results = [await greedy(client, c) for c in conversations]
+            results = [await greedy(client, c, max_tokens) for c in conversations]
     assert all(eos.usage.cached_tokens == 0 for _, eos in results)
     return [ids for ids, _ in results]
 
@@ -136,4 +136,4 @@ async def test_prefix_evicted_while_a_request_reuses_it_breaks_nothing(
                             assert event.usage.cached_tokens > 300
     assert evicted_midway
     assert len(ids) > 16
-    assert [ids] == await reference(llama_model, server_config, [long_answer])
+    assert [ids] == await reference(llama_model, server_config, [long_answer], max_tokens=64)
