@@ -82,7 +82,7 @@ async def test_snapshot_errors_are_clear(
     (tmp_path / f"broken{SUFFIX}").write_bytes(b"not a snapshot at all")
     async with running_server(llama_model, server_config, snapshot_dir=tmp_path, kv_type="f16") as srv:
         async with UmaClient.connect(srv.config.socket_path) as client:
-            failures = {}
+            failures: dict[tuple[str, str | None], str] = {}
             for op, name, fields in [
                 ("restore", "missing", {}),
                 ("restore", "broken", {}),
@@ -94,10 +94,19 @@ async def test_snapshot_errors_are_clear(
                     await client.snapshot(op, name, **fields)
                 failures[(op, name)] = failed.value.event.code
             assert (await client.snapshot("list")).snapshots == []  # the broken file is left out
+            await client.snapshot("save", "f16", prompt=SYSTEM)
+    for name, overrides in [("cache off", {"kv_type": "f16", "prefix_cache_cells": 0}), ("q8_0", {})]:
+        async with running_server(llama_model, server_config, snapshot_dir=tmp_path, **overrides) as srv:
+            async with UmaClient.connect(srv.config.socket_path) as client:
+                with pytest.raises(RequestFailed) as failed:
+                    await client.snapshot("restore", "f16")
+                failures[("restore f16 into", name)] = failed.value.event.code
     assert failures == {
         ("restore", "missing"): ErrorCode.SNAPSHOT_NOT_FOUND,
         ("restore", "broken"): ErrorCode.SNAPSHOT_INVALID,
         ("restore", "../escape"): ErrorCode.SCHEMA,
         ("save", "x"): ErrorCode.SCHEMA,
         ("list", None): ErrorCode.SCHEMA,
+        ("restore f16 into", "cache off"): ErrorCode.SNAPSHOT_MISMATCH,
+        ("restore f16 into", "q8_0"): ErrorCode.SNAPSHOT_MISMATCH,
     }

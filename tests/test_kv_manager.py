@@ -114,10 +114,12 @@ def test_cached_cells_yield_to_a_reservation_source_last() -> None:
     kv.release(1, seq(5000, 40))
     claim = kv.claim(prompt(2), {}, cells_needed=50, cells_reserved=0)
     assert claim == Claim(seq_id=2, source=0, reused=40, evicted=(1,))
+    assert kv.free_seqs == 2  # 3 and the evicted 1: no id is lost
     # Needing more still, the source goes too; it is copied before it is freed.
     kv.release(2, np.array([], dtype=np.int32))
     claim = kv.claim(prompt(3), {}, cells_needed=90, cells_reserved=0)
     assert claim is not None and claim.source == 0 and 0 in claim.evicted and claim.seq_id != 0
+    assert kv.free_seqs + kv.cached_seqs == 3 and kv.available_seqs() == 3  # all but the new request's
 
 
 def test_no_id_or_no_cells_means_no_claim_and_nothing_changes() -> None:

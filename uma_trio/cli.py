@@ -104,8 +104,10 @@ def serve(
         greedy output then depends on what else ran (freed cells get reused out of order),
         but one request may use any free cell (up to the model's trained context).
     kv_type
-        KV cache element type for K and V: f16 (exact), q8_0 (about half the memory and
-        bytes per token, near-identical output) or q4_0 (about a quarter; output drifts).
+        KV cache element type for K and V: q8_0 (half f16's memory; greedy output exact
+        however tokens were batched, chunked or cached), f16 (llama.cpp's default, 1.1-1.3x
+        faster at long context here, but output depends on batching past 256 cells) or q4_0
+        (a quarter of f16's memory, slowest here).
     prefix_cache_cells
         Most KV cells finished requests may leave cached for reuse by later requests that
         share their prefix. Default: any cells no request needs; 0 turns the cache off.

@@ -17,8 +17,8 @@ class ServerConfig:
     # Engine
     n_ctx: int = 4096  # KV cells per request (prompt + max_tokens); KV holds n_ctx * max_sessions
     kv_unified: bool = False  # one KV stream for all sessions; not batch-invariant
-    # K and V cache element type.  q8_0 by default: half f16's memory, and the only choice
-    # that keeps greedy output exact across batching, chunking and cache hits (docs/CONFIG.md).
+    # K and V cache element type.  q8_0 by default: half f16's memory, and unlike f16 it keeps
+    # greedy output exact across batching, chunking and cache hits (docs/CONFIG.md).
     kv_type: KvType = "q8_0"
     # Prefix cache (docs/SCHEDULER.md): most KV cells finished requests may leave cached for
     # reuse; None: any cells no request needs; 0: off.

@@ -140,10 +140,15 @@ class Connection:
         self._nursery.start_soon(self._pump, session, receive)
 
     async def _snapshot(self, request: SnapshotRequest) -> None:
+        """One answer, whatever happens: the event, or an error with the request's id."""
         try:
             await self._send(await self.server.snapshot(request, self.number))
         except UmaError as exc:
             await self._send_error(exc)
+        except Exception as exc:  # a bug must not take the connection down unanswered
+            log.exception("snapshot %s failed", request.op)
+            failed = f"snapshot {request.op} failed: {exc}"
+            await self._send_error(UmaError(ErrorCode.SNAPSHOT_INVALID, failed, request_id=request.id))
 
     # -- writing -----------------------------------------------------------------
 

@@ -152,12 +152,18 @@ class DecodeLoop:
         result: list[outcome.Outcome[T]] = []
 
         async def run() -> None:
-            result.append(await outcome.acapture(job))
-            done.set()
+            try:  # Exception only: the decode task's own cancellation must stay its own
+                result.append(outcome.Value(await job()))
+            except Exception as exc:
+                result.append(outcome.Error(exc))
+            finally:
+                done.set()
 
         self._jobs.append(run)
         self.wake()
         await done.wait()
+        if not result:
+            raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         return result[0].unwrap()
 
     def unpin(self, seq_id: int) -> None:
@@ -167,6 +173,13 @@ class DecodeLoop:
 
     async def restore(self, tokens: TokenArray, data: bytes) -> None:
         """Load a saved sequence into the prefix cache (a job: run it through :meth:`exclusive`)."""
+        budget = self.kv.budget_cells
+        if budget is not None and len(tokens) > budget:
+            raise UmaError(
+                ErrorCode.SNAPSHOT_MISMATCH,
+                f"the snapshot holds {len(tokens)} tokens and the prefix cache may keep {budget} "
+                "(--prefix-cache-cells)",
+            )
         if self.kv.find(tokens) is not None:
             return  # already cached
         claim = self.kv.claim_empty(cells_needed=len(tokens), cells_reserved=self._reserved_cells)
@@ -176,8 +189,12 @@ class DecodeLoop:
         self._free_cells(evicted)
         try:
             await self.engine.load_seq(seq_id, data)
+            if self.engine.seq_cells(seq_id) != len(tokens):
+                raise EngineError(
+                    -1, f"the saved KV state holds {self.engine.seq_cells(seq_id)} cells, not {len(tokens)}"
+                )
         except EngineError as exc:
-            self.kv.give_back(seq_id)
+            self._free_cells(self.kv.release(seq_id, tokens[:0]))
             raise UmaError(ErrorCode.SNAPSHOT_INVALID, str(exc)) from None
         self._free_cells(self.kv.add(seq_id, tokens))
 
@@ -290,9 +307,8 @@ class DecodeLoop:
             if claim is None:  # pragma: no cover - _can_admit_now said there was room
                 break
             self._waiting.remove(session)
-            self._set_up_sequence(claim)
             session.seq_id = claim.seq_id
-            session.n_past = session.cached_tokens = claim.reused
+            session.n_past = session.cached_tokens = self._set_up_sequence(claim)
             session.phase = Phase.PREFILL
             session.admitted = self._clock()
             session.admitted_tick = self._tick
@@ -300,15 +316,23 @@ class DecodeLoop:
             self._reserved_cells += session.reserved_cells
             self._active[session.seq_id] = session
 
-    def _set_up_sequence(self, claim: Claim) -> None:
-        """Carry out a claim's engine operations, in the order :class:`Claim` gives."""
+    def _set_up_sequence(self, claim: Claim) -> int:
+        """Carry out a claim's engine operations, in the order :class:`Claim` gives; returns
+        the prompt tokens reused (0 when the engine cannot trim: recurrent models)."""
+        reused = claim.reused
         if claim.seq_id in claim.evicted:
             self.engine.free_seq(claim.seq_id)
-        if claim.adopted:
-            self.engine.trim_seq(claim.seq_id, claim.reused)
-        elif claim.source is not None:
-            self.engine.copy_seq(claim.source, claim.seq_id, claim.reused)
+        try:
+            if claim.adopted:
+                self.engine.trim_seq(claim.seq_id, claim.reused)
+            elif claim.source is not None:
+                self.engine.copy_seq(claim.source, claim.seq_id, claim.reused)
+        except EngineError as exc:
+            log.warning("prefix reuse failed (%s); prefilling from scratch", exc)
+            self.engine.free_seq(claim.seq_id)
+            reused = 0
         self._free_cells([s for s in claim.evicted if s != claim.seq_id])
+        return reused
 
     def _plan(self) -> Plan:
         now = self._clock()
@@ -413,8 +437,7 @@ class DecodeLoop:
             # decode left it in doubt.
             held = session.kv_tokens() if reason != "error" else session.prompt[:0]
             del self._active[session.seq_id]
-            pin = session.pin_on_finish and reason in ("stop", "length")  # a snapshot will be taken
-            self._free_cells(self.kv.release(session.seq_id, held, pin=pin))
+            self._free_cells(self.kv.release(session.seq_id, held, pin=session.pins_on(reason)))
             self._reserved_cells -= session.reserved_cells
         now = self._clock()
         session.phase = Phase.DONE

@@ -189,12 +189,16 @@ class Server:
 
     async def snapshot(self, request: SnapshotRequest, connection: int) -> SnapshotEvent:
         """Carry out a snapshot request (docs/PROTOCOL.md); :class:`UmaError` on failure."""
-        if request.op == "list":
-            infos = await trio.to_thread.run_sync(self.snapshots.list)
-        elif request.op == "save":
-            infos = [await self._save_snapshot(request, connection)]
-        else:
-            infos = [await self._restore_snapshot(request)]
+        try:
+            if request.op == "list":
+                infos = await trio.to_thread.run_sync(self.snapshots.list)
+            elif request.op == "save":
+                infos = [await self._save_snapshot(request, connection)]
+            else:
+                infos = [await self._restore_snapshot(request)]
+        except UmaError as exc:
+            exc.request_id = request.id  # the client routes by it; never another request's id
+            raise
         return SnapshotEvent(op=request.op, snapshots=infos, id=request.id)
 
     async def _save_snapshot(self, request: SnapshotRequest, connection: int) -> SnapshotInfo:
@@ -211,18 +215,20 @@ class Server:
             async with receive:
                 async for _ in receive:  # a non-stream request sends nothing before it ends
                     pass
-        finally:
-            if not session.finished:
-                self.loop.cancel(session, "disconnect")
-        assert session.final is not None and session.seq_id is not None
-        if session.error is not None:
-            raise UmaError(ErrorCode(session.error.code), session.error.message, request_id=request.id)
-        if session.final.reason not in ("stop", "length"):
-            raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=request.id)
-        try:  # finished normally, so its sequence is cached and pinned until we are done
+            final = session.final
+            assert final is not None
+            if session.error is not None:
+                raise UmaError(ErrorCode(session.error.code), session.error.message)
+            if final.reason not in ("stop", "length"):
+                raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+            assert session.seq_id is not None
             state = await self.loop.exclusive(partial(self.engine.save_seq, session.seq_id))
         finally:
-            self.loop.unpin(session.seq_id)
+            if not session.finished:
+                self.loop.cancel(session, "disconnect")  # sets abort: it will not be pinned
+            elif session.final is not None and session.pins_on(session.final.reason):
+                assert session.seq_id is not None
+                self.loop.unpin(session.seq_id)
         header = SnapshotHeader(
             name=request.name, model=self.engine.model_name, model_sha256=await self._fingerprint(),
             kv_type=self.engine.kv_type, tokens=session.prompt.tolist(), created_unix=time.time(),
@@ -230,8 +236,9 @@ class Server:
         try:
             return await trio.to_thread.run_sync(self.snapshots.write, header, state)
         except OSError as exc:
-            message = f"cannot write snapshot {request.name!r}: {exc}"
-            raise UmaError(ErrorCode.SNAPSHOT_INVALID, message, request_id=request.id) from None
+            raise UmaError(
+                ErrorCode.SNAPSHOT_INVALID, f"cannot write snapshot {request.name!r}: {exc}"
+            ) from None
 
     async def _restore_snapshot(self, request: SnapshotRequest) -> SnapshotInfo:
         """Check the snapshot was made by this model file and cache layout, then load it
@@ -251,19 +258,19 @@ class Server:
             problem = f"it holds {len(header.tokens)} tokens and a request's context is {engine.n_ctx_seq}"
         if problem is not None:
             raise UmaError(
-                ErrorCode.SNAPSHOT_MISMATCH, f"snapshot {request.name!r} cannot be restored: {problem}",
-                request_id=request.id,
-            )  # fmt: skip
+                ErrorCode.SNAPSHOT_MISMATCH, f"snapshot {request.name!r} cannot be restored: {problem}"
+            )
         tokens = np.asarray(header.tokens, dtype=np.int32)
-        try:
-            await self.loop.exclusive(partial(self.loop.restore, tokens, state))
-        except UmaError as exc:
-            exc.request_id = request.id
-            raise
+        await self.loop.exclusive(partial(self.loop.restore, tokens, state))
         return header.info(len(state))
 
     async def _fingerprint(self) -> str:
-        return await self._off_loop(lambda _: self.engine.fingerprint(), None)
+        try:
+            return await self._off_loop(lambda _: self.engine.fingerprint(), None)
+        except OSError as exc:
+            raise UmaError(
+                ErrorCode.SNAPSHOT_INVALID, f"cannot read the model file to identify it: {exc}"
+            ) from None
 
     def next_connection_number(self) -> int:
         """Numbers socket connections and HTTP requests alike, for logs and the live view."""

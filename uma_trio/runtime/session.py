@@ -82,6 +82,11 @@ class Session:
         """KV cells this request may come to need: its prompt plus max_tokens."""
         return len(self.prompt) + self.request.max_tokens
 
+    def pins_on(self, reason: FinishReason) -> bool:
+        """Whether ending with ``reason`` leaves its sequence cached and pinned: a snapshot
+        save's fill that completed while its requester was still there."""
+        return self.pin_on_finish and reason in ("stop", "length") and self.abort is None
+
     def kv_tokens(self) -> TokenArray:
         """The tokens whose KV cells this session's sequence holds, in position order."""
         n_prompt = len(self.prompt)

@@ -14,6 +14,7 @@ import os
 import struct
 import tempfile
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 import platformdirs
@@ -33,7 +34,7 @@ class SnapshotHeader(msgspec.Struct, kw_only=True):
     model: str  # the model file's name, for messages
     model_sha256: str
     kv_type: str
-    tokens: list[int]  # what the saved cells hold, in position order
+    tokens: list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]]  # what the cells hold, in order
     created_unix: float
 
     def info(self, size: int) -> SnapshotInfo:
@@ -60,7 +61,7 @@ def decode(blob: bytes, name: str) -> tuple[SnapshotHeader, bytes]:
     (length,) = _LENGTH.unpack_from(blob, len(MAGIC))
     try:
         header = msgspec.json.decode(blob[start : start + length], type=SnapshotHeader)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} has a corrupt header: {exc}") from None
     if header.version != FORMAT_VERSION:
         version = f"format version {header.version}, not {FORMAT_VERSION}"
@@ -111,7 +112,7 @@ class SnapshotStore:
         for path in sorted(self.directory.glob(f"*{SUFFIX}")):
             try:
                 header, _ = self.read(path.name.removesuffix(SUFFIX))
-            except UmaError:
+                infos.append(header.info(path.stat().st_size))
+            except (UmaError, OSError):  # unreadable, or removed meanwhile
                 continue
-            infos.append(header.info(path.stat().st_size))
         return infos

@@ -198,6 +198,7 @@ class KvManager:
             self._free.popleft()
         for victim in evicted:
             del self._cached[victim]
+        self._free.extend(v for v in evicted if v != seq_id)  # the caller frees their cells now
         if source is not None and source in self._cached:
             self._cached.move_to_end(source)  # a hit counts as a use
         self.stats.evictions += len(evicted)
@@ -216,10 +217,6 @@ class KvManager:
         """A restored snapshot now fills ``seq_id`` (claimed with :meth:`claim_empty`)."""
         self._cached[seq_id] = CachedSequence(seq_id, tokens)
         return self._enforce_budget()
-
-    def give_back(self, seq_id: int) -> None:
-        """``seq_id`` holds no cells any more (a failed restore): it is free again."""
-        self._free.append(seq_id)
 
     def find(self, tokens: TokenArray) -> int | None:
         """The cached sequence holding exactly ``tokens``, if any."""
@@ -254,9 +251,9 @@ class KvManager:
                 best = (seq_id, n)
         return best if best[1] >= self.min_reuse else (None, 0)
 
-    def _lru_victim(self, keep: int | None) -> int | None:
+    def _lru_victim(self) -> int | None:
         for seq_id, entry in self._cached.items():
-            if not entry.pins and seq_id != keep:
+            if not entry.pins:
                 del self._cached[seq_id]
                 return seq_id
         return None
@@ -264,7 +261,7 @@ class KvManager:
     def _enforce_budget(self) -> list[int]:
         freed: list[int] = []
         while self.budget_cells is not None and self.cached_cells > self.budget_cells:
-            victim = self._lru_victim(keep=None)
+            victim = self._lru_victim()
             if victim is None:
                 break
             self.stats.evictions += 1
