@@ -29,6 +29,8 @@ def decode_client_message(payload: bytes) -> ClientMessage:
         obj = _json_decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise UmaError(ErrorCode.INVALID_JSON, f"invalid JSON: {exc}") from None
+    except RecursionError:  # msgspec recurses per nesting level; found by the fuzz tests
+        raise UmaError(ErrorCode.INVALID_JSON, "invalid JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise UmaError(ErrorCode.INVALID_JSON, f"expected a JSON object, got {type(obj).__name__}")
     request_id = _request_id_of(obj)
