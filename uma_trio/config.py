@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 DEFAULT_SOCKET = Path("/tmp/uma.sock")
 KvType = Literal["f16", "q8_0", "q4_0"]
-KV_TYPE_NAMES: tuple[KvType, ...] = ("f16", "q8_0", "q4_0")
+KV_TYPE_NAMES: tuple[KvType, ...] = get_args(KvType)
 
 
 @dataclass(frozen=True)

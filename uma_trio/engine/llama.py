@@ -315,7 +315,7 @@ class LlamaEngine:
         size = llama.llama_state_seq_get_size(self._ctx, seq_id)
         buf = (ctypes.c_uint8 * size)()
         n = llama.llama_state_seq_get_data(self._ctx, buf, size, seq_id)
-        return bytes(buf)[:n]
+        return ctypes.string_at(buf, n)
 
     def _load_seq(self, seq_id: int, data: bytes) -> None:
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)

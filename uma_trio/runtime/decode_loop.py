@@ -300,8 +300,10 @@ class DecodeLoop:
         return None
 
     def _admit(self) -> None:
+        running: dict[int, TokenArray] | None = None  # what running sequences hold: built once
         while (session := self._next_admittable()) is not None:
-            running = {seq: s.kv_tokens() for seq, s in self._active.items()} if self.kv.enabled else {}
+            if running is None:
+                running = {seq: s.kv_tokens() for seq, s in self._active.items()} if self.kv.enabled else {}
             needed, reserved = session.reserved_cells, self._reserved_cells
             claim = self.kv.claim(session.prompt, running, cells_needed=needed, cells_reserved=reserved)
             if claim is None:  # pragma: no cover - _can_admit_now said there was room
@@ -315,6 +317,8 @@ class DecodeLoop:
             self.metrics.on_admitted(session.lane, session.admitted - session.created, session.admitted)
             self._reserved_cells += session.reserved_cells
             self._active[session.seq_id] = session
+            if self.kv.enabled:  # a source for the rest of this round too
+                running[session.seq_id] = session.kv_tokens()
 
     def _set_up_sequence(self, claim: Claim) -> int:
         """Carry out a claim's engine operations, in the order :class:`Claim` gives; returns

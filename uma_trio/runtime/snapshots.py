@@ -53,20 +53,32 @@ def encode(header: SnapshotHeader, state: bytes) -> bytes:
     return MAGIC + _LENGTH.pack(len(head)) + head + state
 
 
-def decode(blob: bytes, name: str) -> tuple[SnapshotHeader, bytes]:
-    """The header and state bytes of a snapshot file; :class:`UmaError` if it is not one."""
-    start = len(MAGIC) + _LENGTH.size
-    if not blob.startswith(MAGIC) or len(blob) < start:
+_PREFIX = len(MAGIC) + _LENGTH.size
+
+
+def _header_length(prefix: bytes, name: str) -> int:
+    if len(prefix) < _PREFIX or not prefix.startswith(MAGIC):
         raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} is not a uma-trio KV snapshot file")
-    (length,) = _LENGTH.unpack_from(blob, len(MAGIC))
+    (length,) = _LENGTH.unpack_from(prefix, len(MAGIC))
+    return int(length)
+
+
+def _parse_header(raw: bytes, name: str) -> SnapshotHeader:
     try:
-        header = msgspec.json.decode(blob[start : start + length], type=SnapshotHeader)
+        header = msgspec.json.decode(raw, type=SnapshotHeader)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} has a corrupt header: {exc}") from None
     if header.version != FORMAT_VERSION:
         version = f"format version {header.version}, not {FORMAT_VERSION}"
         raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} has {version}")
-    state = blob[start + length :]
+    return header
+
+
+def decode(blob: bytes, name: str) -> tuple[SnapshotHeader, bytes]:
+    """The header and state bytes of a snapshot file; :class:`UmaError` if it is not one."""
+    end = _PREFIX + _header_length(blob, name)
+    header = _parse_header(blob[_PREFIX:end], name)
+    state = blob[end:]
     if not state or not header.tokens:
         raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} is truncated")
     return header, state
@@ -107,11 +119,13 @@ class SnapshotStore:
         return decode(blob, name)
 
     def list(self) -> list[SnapshotInfo]:
-        """Every readable snapshot, by name; unreadable files are left out."""
+        """Every snapshot whose header reads, by name; other files are left out."""
         infos = []
         for path in sorted(self.directory.glob(f"*{SUFFIX}")):
-            try:
-                header, _ = self.read(path.name.removesuffix(SUFFIX))
+            name = path.name.removesuffix(SUFFIX)
+            try:  # the header only: the KV bytes after it may be hundreds of MB
+                with path.open("rb") as file:
+                    header = _parse_header(file.read(_header_length(file.read(_PREFIX), name)), name)
                 infos.append(header.info(path.stat().st_size))
             except (UmaError, OSError):  # unreadable, or removed meanwhile
                 continue

@@ -220,10 +220,9 @@ class KvManager:
 
     def find(self, tokens: TokenArray) -> int | None:
         """The cached sequence holding exactly ``tokens``, if any."""
-        for seq_id, entry in self._cached.items():
-            if len(entry.tokens) == len(tokens) and common_prefix(entry.tokens, tokens) == len(tokens):
-                return seq_id
-        return None
+        return next(
+            (seq for seq, entry in self._cached.items() if np.array_equal(entry.tokens, tokens)), None
+        )
 
     def unpin(self, seq_id: int) -> list[int]:
         entry = self._cached.get(seq_id)
