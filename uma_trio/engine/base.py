@@ -8,7 +8,7 @@ read only the immutable vocabulary and may run in any thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -43,14 +43,33 @@ class Sampled:
 
 
 @dataclass(frozen=True, slots=True)
+class SampleFailure:
+    """Choosing ``seq_id``'s next token raised; the batch itself decoded."""
+
+    seq_id: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     sampled: list[Sampled]
     n_tokens: int
     decode_s: float  # wall time of the decode call (plus sampling)
+    failed: list[SampleFailure] = field(default_factory=list)
+
+    def __add__(self, other: StepResult) -> StepResult:
+        """Two steps' results as one (a batch decoded in parts)."""
+        return StepResult(
+            self.sampled + other.sampled, self.n_tokens + other.n_tokens,
+            self.decode_s + other.decode_s, self.failed + other.failed,
+        )  # fmt: skip
 
 
 class EngineError(Exception):
-    """``llama_decode`` failed; ``kv_full`` when no KV slot could be found."""
+    """``llama_decode`` returned ``status`` (llama.h): 1, no KV slot for the batch; -1, an
+    invalid batch; 2, aborted; below -1, a fatal error.  After 1 and -1 llama.cpp has
+    changed nothing (:attr:`rejected`); after the others, ubatches already processed stay
+    in the KV cache, so the context no longer matches anybody's bookkeeping."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -59,6 +78,11 @@ class EngineError(Exception):
     @property
     def kv_full(self) -> bool:
         return self.status == 1
+
+    @property
+    def rejected(self) -> bool:
+        """The batch was refused before anything ran: it may be retried in parts."""
+        return self.status in (1, -1)
 
 
 class Engine(Protocol):
@@ -93,7 +117,15 @@ class Engine(Protocol):
     def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str: ...
 
     async def step(self, entries: Sequence[BatchEntry]) -> StepResult:
-        """Decode one batch and sample where asked.  Cancellation waits for the step."""
+        """Decode one batch and sample where asked.  Cancellation waits for the step.
+
+        Raises :class:`EngineError` when the decode fails.  A sampler that raises fails
+        only its own entry: it is listed in ``StepResult.failed``."""
+        ...
+
+    async def rebuild(self) -> None:
+        """Replace the context with a fresh one (every sequence empty), after a failure
+        that left it in an unknown state."""
         ...
 
     def free_seq(self, seq_id: int) -> None:

@@ -41,7 +41,7 @@ import llama_cpp as llama
 import numpy as np
 
 from ..model_files import sha256_of
-from .base import BatchEntry, EngineError, Sampled, StepResult, TokenArray
+from .base import BatchEntry, EngineError, Sampled, SampleFailure, StepResult, TokenArray
 from .compute_thread import ComputeThread
 
 log = logging.getLogger(__name__)
@@ -216,6 +216,7 @@ class LlamaEngine:
         params.no_perf = True
         # Always on: a quantized V cache requires it.
         params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        self._params = params
         self._compute = ComputeThread("uma-llama")
         self._ctx = self._compute.call(llama.llama_init_from_model, model.handle, params)
         if not self._ctx:
@@ -225,6 +226,7 @@ class LlamaEngine:
                 f"(n_ctx_seq={config.n_ctx_seq}, n_seq_max={config.n_seq_max})"
             )
         self._memory = llama.llama_get_memory(self._ctx)
+        self.rebuilds = 0
         self._n_ctx = int(llama.llama_n_ctx(self._ctx))
         # llama.cpp pads a stream to 256 cells; the request limit stays what was asked.  One
         # unified stream lets a request use any free cell, up to the model's trained context.
@@ -282,6 +284,19 @@ class LlamaEngine:
     def step_sync(self, entries: Sequence[BatchEntry]) -> StepResult:
         """:meth:`step` for callers outside trio (tests, benchmarks); blocks."""
         return self._compute.call(self._step, entries)
+
+    async def rebuild(self) -> None:
+        await self._compute.run(self._rebuild)
+
+    def _rebuild(self) -> None:
+        # Same parameters, so the same cell counts and sequence ids; the old context's KV
+        # memory is freed first, so the two never coexist.
+        llama.llama_free(self._ctx)
+        self._ctx = llama.llama_init_from_model(self.model.handle, self._params)
+        if not self._ctx:
+            raise ModelLoadError("llama.cpp could not create a new context")
+        self._memory = llama.llama_get_memory(self._ctx)
+        self.rebuilds += 1
 
     def free_seq(self, seq_id: int) -> None:
         llama.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
@@ -353,15 +368,19 @@ class LlamaEngine:
         status = llama.llama_decode(self._ctx, buf.batch)
         if status != 0:
             raise EngineError(status, f"llama_decode returned {status} for a batch of {n} tokens")
-        sampled = []
+        sampled, failed = [], []
         for row, entry in outputs:
             assert entry.sampler is not None
             logits = np.ctypeslib.as_array(
                 llama.llama_get_logits_ith(self._ctx, row), shape=self._logits_shape
             )
-            token = entry.sampler.sample(logits)
+            try:
+                token = entry.sampler.sample(logits)
+            except Exception as exc:  # one request's sampler must not cost the others their tokens
+                failed.append(SampleFailure(entry.seq_id, f"sampling failed: {exc}"))
+                continue
             sampled.append(Sampled(entry.seq_id, token, self.model.piece(token), self.model.is_eog(token)))
-        return StepResult(sampled, n, time.perf_counter() - started)
+        return StepResult(sampled, n, time.perf_counter() - started, failed)
 
     def close(self) -> None:
         if self._ctx:

@@ -36,7 +36,7 @@ class Sampler:
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         p = self.params
-        if p.greedy:
+        if p.greedy or logits.shape[0] == 1:  # one candidate (the simulated engine's row): no draw
             return int(np.argmax(logits))
         n_vocab = logits.shape[0]
         k = p.top_k if 0 < p.top_k < n_vocab else n_vocab

@@ -22,10 +22,12 @@ import numpy as np
 import trio
 
 from ..sched.cost import CostCoefficients, kv_cells_read
-from .base import BatchEntry, EngineError, Sampled, StepResult, TokenArray
+from .base import BatchEntry, EngineError, Sampled, SampleFailure, StepResult, TokenArray
 
 GENERATED_TOKEN = 7
 GENERATED_PIECE = b" tok"
+SIM_VOCAB = 30100  # tokenize() yields ids 100 .. 30099
+_ONE_LOGIT = np.zeros(1, dtype=np.float32)  # the samplers still run: their failures must show
 
 
 class SimEngine:
@@ -44,6 +46,7 @@ class SimEngine:
         self._cells: dict[int, int] = {}  # seq id -> cells held
         self._sampled_once: set[int] = set()  # sequences past their prompt
         self.steps: list[tuple[int, int, float]] = []  # (decode tokens, prefill tokens, seconds)
+        self.rebuilds = 0
 
     @property
     def n_ctx(self) -> int:
@@ -85,6 +88,8 @@ class SimEngine:
             n_tokens += n
             if entry.pos0 + n > self._n_ctx_seq:
                 raise EngineError(1, f"sequence {entry.seq_id} would exceed {self._n_ctx_seq} cells")
+            if n and (int(entry.tokens.min()) < 0 or int(entry.tokens.max()) >= SIM_VOCAB):  # as llama.cpp
+                raise EngineError(-1, f"invalid token in the batch of sequence {entry.seq_id}")
             if entry.seq_id in self._sampled_once and n == 1:
                 decode_ctx.append(entry.pos0)
             else:
@@ -95,14 +100,25 @@ class SimEngine:
         seconds = self.cost.predict(len(decode_ctx), prefill_tokens, kv_cells_read(decode_ctx, prefill))
         with trio.CancelScope(shield=True):  # like the real engine: a started step finishes
             await trio.sleep(seconds)
-        sampled = []
+        sampled, failed = [], []
         for entry in entries:
             self._cells[entry.seq_id] = entry.pos0 + len(entry.tokens)
             if entry.sampler is not None:
                 self._sampled_once.add(entry.seq_id)
+                try:
+                    entry.sampler.sample(_ONE_LOGIT)
+                except Exception as exc:  # as the real engine: only this entry fails
+                    failed.append(SampleFailure(entry.seq_id, f"sampling failed: {exc}"))
+                    continue
                 sampled.append(Sampled(entry.seq_id, GENERATED_TOKEN, GENERATED_PIECE, False))
         self.steps.append((len(decode_ctx), prefill_tokens, seconds))
-        return StepResult(sampled, n_tokens, seconds)
+        return StepResult(sampled, n_tokens, seconds, failed)
+
+    async def rebuild(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self._cells.clear()
+        self._sampled_once.clear()
+        self.rebuilds += 1
 
     def free_seq(self, seq_id: int) -> None:
         self._cells.pop(seq_id, None)

@@ -84,6 +84,7 @@ class Metrics:
         self.connections_open = 0
         self.connections_total = 0
         self.lane_changes = 0
+        self.context_rebuilds = 0  # contexts replaced after a failure that left them in doubt
         self.latency = {lane: LaneLatency(window_s) for lane in LANES}
         self.tick_time = LatencyDigest(window_s)
         self._sums: SlotWindow[WindowSums] = SlotWindow(WindowSums, window_s)
@@ -224,5 +225,6 @@ class Metrics:
             "decode_s_total": round(self.decode_s_total, 6),
             "connections": {"open": self.connections_open, "total": self.connections_total},
             "lane_changes": self.lane_changes,
+            "context_rebuilds": self.context_rebuilds,
             "latency": self.latency_snapshot(now),
         }

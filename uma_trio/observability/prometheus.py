@@ -65,6 +65,8 @@ class SnapshotCollector(Collector):
         yield _counter("uma_engine_busy_seconds", "Seconds inside engine steps", [], snap["decode_s_total"])
         yield _counter("uma_connections", "Connections accepted", [], snap["connections"]["total"])
         yield _counter("uma_lane_changes", "Priority messages that moved a request", [], snap["lane_changes"])
+        rebuilds = snap["context_rebuilds"]
+        yield _counter("uma_context_rebuilds", "Contexts replaced after a failed decode", [], rebuilds)
 
         yield _gauge("uma_connections_open", "Connections open now", [], {"": snap["connections"]["open"]})
         yield _gauge("uma_sessions", "Requests by state", ["state"], snap["sessions"])

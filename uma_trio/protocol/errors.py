@@ -21,6 +21,7 @@ class ErrorCode(enum.StrEnum):
     UNKNOWN_TYPE = "E_PROTO_005"
     DUPLICATE_ID = "E_PROTO_006"
     UNKNOWN_ID = "E_PROTO_007"
+    FRAME_TIMEOUT = "E_PROTO_008"  # a frame begun did not arrive whole in time
     # Limits: the request is well formed but exceeds what the daemon allows.
     PROMPT_TOO_LARGE = "E_LIMIT_001"
     CONTEXT_OVERFLOW = "E_LIMIT_002"
@@ -35,6 +36,10 @@ class ErrorCode(enum.StrEnum):
     # Runtime: the engine failed while serving an accepted request.
     DECODE_FAILED = "E_RUNTIME_001"
     KV_FULL = "E_RUNTIME_002"
+    SAMPLING_FAILED = "E_RUNTIME_003"  # choosing this request's next token raised
+    CONTEXT_LOST = "E_RUNTIME_004"  # the context failed beyond repair and was rebuilt
+    # Access control: the peer may not use this daemon.
+    PEER_NOT_ALLOWED = "E_AUTH_001"
     # KV snapshots (the `snapshot` request).
     SNAPSHOT_NOT_FOUND = "E_SNAPSHOT_001"
     SNAPSHOT_MISMATCH = "E_SNAPSHOT_002"  # saved from another model file, KV type or context size

@@ -16,7 +16,7 @@ from msgspec import Meta, Struct
 
 Lane = Literal["interactive", "background"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
-CancelReason = Literal["client", "disconnect", "shutdown"]
+CancelReason = Literal["client", "disconnect", "shutdown", "stalled"]
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
 # A file name in the snapshot directory: no path separators, no leading dot.

@@ -39,7 +39,7 @@ import outcome
 import trio
 
 from ..config import ServerConfig
-from ..engine.base import BatchEntry, Engine, EngineError, Sampled, TokenArray
+from ..engine.base import BatchEntry, Engine, EngineError, Sampled, StepResult, TokenArray
 from ..observability.metrics import Metrics
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEvent
@@ -222,25 +222,34 @@ class DecodeLoop:
     async def _run_plan(self, plan: Plan) -> None:
         entries = self._entries(plan)
         try:
-            result = await self.engine.step(entries)
-        except EngineError as exc:
+            try:
+                result = await self.engine.step(entries)
+            except EngineError as exc:
+                if not exc.rejected:
+                    raise
+                result = await self._step_apart(entries, exc)
+            else:
+                self.policy.observe(plan, self._state, result.decode_s)
+        except Exception as exc:  # the context is in doubt: only a fresh one can be trusted
             self._last_step_end = None
-            self._fail_batch(plan, exc)
+            await self._rebuild_context(exc)
             return
-        self.policy.observe(plan, self._state, result.decode_s)
+        # Sessions failed above are gone from _active; the rest ran.
         for seq_id, n in plan.prefill:
-            session = self._active[seq_id]
-            session.last_served_tick = self._tick
-            session.n_past += n
-            session.computed_tokens += n
-            if session.n_past == len(session.prompt):
-                session.phase = Phase.DECODE
+            if (session := self._active.get(seq_id)) is not None:
+                session.last_served_tick = self._tick
+                session.n_past += n
+                session.computed_tokens += n
+                if session.n_past == len(session.prompt):
+                    session.phase = Phase.DECODE
         for seq_id in plan.decode:
-            session = self._active[seq_id]
-            session.last_served_tick = self._tick
-            session.n_past += 1
-            session.computed_tokens += 1
-            session.pending_token = None
+            if (session := self._active.get(seq_id)) is not None:
+                session.last_served_tick = self._tick
+                session.n_past += 1
+                session.computed_tokens += 1
+                session.pending_token = None
+        for failure in result.failed:
+            self._fail(self._active[failure.seq_id], ErrorCode.SAMPLING_FAILED, failure.message)
         now = self._clock()
         generated = 0
         for sampled in result.sampled:
@@ -422,14 +431,40 @@ class DecodeLoop:
         except trio.WouldBlock:  # pragma: no cover - _channel_full keeps room
             log.error("stream buffer of %s overflowed; token text dropped", session.id)
 
-    def _fail_batch(self, plan: Plan, exc: EngineError) -> None:
-        code = ErrorCode.KV_FULL if exc.kv_full else ErrorCode.DECODE_FAILED
-        log.error("decode failed (%s); failing %d sessions of the batch", exc, plan.n_tokens)
-        for seq_id in {*plan.decode, *(k for k, _ in plan.prefill)}:
-            session = self._active[seq_id]
-            session.error = ErrorEvent(id=session.id, code=code, message=str(exc))
-            self.metrics.on_error(code)
-            self._finish(session, "error")
+    async def _step_apart(self, entries: list[BatchEntry], exc: EngineError) -> StepResult:
+        """llama.cpp refused the batch without running any of it: run each sequence's entry
+        alone, so only the requests it refuses again fail.  Batch invariance keeps everyone
+        else's tokens what they would have been."""
+        log.warning("decode refused a batch of %d sequences (%s); retrying each alone", len(entries), exc)
+        result = StepResult([], 0, 0.0)
+        for entry in entries:
+            try:
+                result += await self.engine.step([entry])
+            except EngineError as alone:
+                if not alone.rejected:
+                    raise
+                code = ErrorCode.KV_FULL if alone.kv_full else ErrorCode.DECODE_FAILED
+                self._fail(self._active[entry.seq_id], code, f"decode failed: {alone}")
+        return result
+
+    async def _rebuild_context(self, exc: Exception) -> None:
+        """A decode failed after part of it ran (or in a way nobody expected): every running
+        request fails, the cache forgets every prefix, and a fresh context replaces the old
+        one.  Waiting requests are untouched and start on the new context."""
+        running = list(self._active.values())
+        log.error("the context failed (%r); failing %d running requests and rebuilding it", exc, len(running))
+        for session in running:
+            self._fail(session, ErrorCode.CONTEXT_LOST, f"the model context failed ({exc}); retry")
+        self.kv.forget_cached()
+        await self.engine.rebuild()
+        self.metrics.context_rebuilds += 1
+        log.info("context rebuilt; serving again")
+
+    def _fail(self, session: Session, code: ErrorCode, message: str) -> None:
+        """End ``session`` with an error event; its KV cells are dropped, not cached."""
+        session.error = ErrorEvent(id=session.id, code=code, message=message)
+        self.metrics.on_error(code)
+        self._finish(session, "error")
 
     def _finish(
         self, session: Session, reason: FinishReason, *, cancel_reason: CancelReason | None = None

@@ -234,6 +234,12 @@ class KvManager:
             return [seq_id]
         return self._enforce_budget()
 
+    def forget_cached(self) -> None:
+        """The context was replaced and holds nothing: every cached sequence, pinned or
+        not, is free again (no cells to free)."""
+        self._free.extend(self._cached)
+        self._cached.clear()
+
     # -- internals -------------------------------------------------------------------
 
     def _best_match(self, prompt: TokenArray, running: Mapping[int, TokenArray]) -> tuple[int | None, int]:
