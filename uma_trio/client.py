@@ -1,10 +1,17 @@
 """A small anyio client for the daemon: usable from trio and asyncio apps alike.
 
-    async with UmaClient.connect("/tmp/uma.sock") as client:
+    async with UmaClient.connect(default_socket_path()) as client:
         async with client.stream(prompt="Hello", max_tokens=32) as events:
             async for event in events:
                 if isinstance(event, TokenEvent):
                     print(event.text, end="")
+
+``default_socket_path()`` (from :mod:`uma_trio.config`) is where ``uma-trio serve``
+listens by default: ``$XDG_RUNTIME_DIR/uma-trio/uma.sock``, else
+``/tmp/uma-trio-<uid>/uma.sock``.  Before anything is sent, ``connect`` asks the
+kernel which user the daemon runs as and refuses (:class:`UntrustedDaemon`) one
+that runs as neither this user nor root: an impostor listening where the daemon
+should be would otherwise see every prompt (docs/SECURITY.md).
 
 Several requests may be in flight on one client at once; one reader task
 routes the daemon's events to each request by id.  Leaving a ``stream`` block
@@ -22,13 +29,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
-from anyio.abc import SocketStream, TaskGroup
+from anyio.abc import SocketAttribute, SocketStream, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .protocol.codec import decode_server_event, encode_message
 from .protocol.errors import UmaError
 from .protocol.framing import FrameDecoder
 from .protocol.messages import EosEvent, ErrorEvent, MetricsEvent, ServerEvent, SnapshotEvent, TokenEvent
+from .runtime.peer import peer_uid
 
 _ids = itertools.count(1)
 E = TypeVar("E", MetricsEvent, SnapshotEvent)
@@ -36,6 +44,10 @@ E = TypeVar("E", MetricsEvent, SnapshotEvent)
 
 class ConnectionLost(Exception):
     """The daemon closed the connection or sent something unreadable."""
+
+
+class UntrustedDaemon(ConnectionError):
+    """The process listening on the socket runs as another user (neither this one nor root)."""
 
 
 class RequestFailed(Exception):
@@ -59,6 +71,8 @@ class UmaClient:
         self._routes: dict[str | None, MemoryObjectSendStream[ServerEvent | Exception]] = {}
         self._send_lock = anyio.Lock()
         self._closed: Exception | None = None
+        self._connection_error: ErrorEvent | None = None  # the last one with no request id
+        self._reader_done = anyio.Event()
 
     @classmethod
     @asynccontextmanager
@@ -66,6 +80,11 @@ class UmaClient:
         cls, path: str | os.PathLike[str], *, max_frame_bytes: int = 1 << 24
     ) -> AsyncIterator[UmaClient]:
         stream = await anyio.connect_unix(os.fspath(Path(path)))
+        try:
+            _check_daemon_user(stream, path)
+        except BaseException:
+            await anyio.aclose_forcefully(stream)
+            raise
         try:
             async with stream, anyio.create_task_group() as tg:
                 client = cls(stream, tg)
@@ -164,7 +183,12 @@ class UmaClient:
             try:
                 await self._stream.send(encode_message(message))
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-                raise ConnectionLost(f"cannot send to the daemon: {exc}") from exc
+                # The daemon may have said why before hanging up (E_AUTH_001): let the reader
+                # take in what is already here.
+                with anyio.move_on_after(1.0, shield=True):
+                    await self._reader_done.wait()
+                reason = self._hang_up_reason() if self._connection_error else exc
+                raise ConnectionLost(f"cannot send to the daemon: {reason}") from exc
 
     # -- plumbing ----------------------------------------------------------------
 
@@ -173,6 +197,12 @@ class UmaClient:
         self._routes[request_id] = send
         return receive
 
+    def _hang_up_reason(self) -> str:
+        """The daemon closed the connection, and why if it said so (a connection-level error)."""
+        error = self._connection_error
+        after = "" if error is None else f" after {error.code}: {error.message}"
+        return f"the daemon closed the connection{after}"
+
     async def _read_loop(self, max_frame_bytes: int) -> None:
         decoder = FrameDecoder(max_frame_bytes)
         try:
@@ -180,7 +210,7 @@ class UmaClient:
                 try:
                     data = await self._stream.receive()
                 except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    raise ConnectionLost("the daemon closed the connection") from None
+                    raise ConnectionLost(self._hang_up_reason()) from None
                 for payload in decoder.feed(data):
                     self._deliver(decode_server_event(payload))
         except (ConnectionLost, UmaError) as exc:
@@ -188,12 +218,28 @@ class UmaClient:
             self._closed = error
             for route in list(self._routes.values()):
                 route.send_nowait(error)
+        finally:
+            self._reader_done.set()
 
     def _deliver(self, event: ServerEvent) -> None:
         route = self._routes.get(event.id)
         if route is not None:
             route.send_nowait(event)
         elif event.id is None and isinstance(event, ErrorEvent):
-            # A connection-level error (idle timeout, bad frame): everyone hears it.
+            # A connection-level error (idle timeout, bad frame, E_AUTH_001): everyone hears
+            # it, and the hang-up that usually follows names it.
+            self._connection_error = event
             for other in list(self._routes.values()):
                 other.send_nowait(event)
+
+
+def _check_daemon_user(stream: SocketStream, path: str | os.PathLike[str]) -> None:
+    """Refuse a daemon that runs as another user; where the platform cannot tell, trust the
+    socket's 0600 mode and private directory."""
+    uid = peer_uid(stream.extra(SocketAttribute.raw_socket))
+    me = os.geteuid()
+    if uid is not None and uid not in (me, 0):
+        raise UntrustedDaemon(
+            f"the daemon on {os.fspath(path)} runs as uid {uid}, not as you (uid {me}); "
+            "refusing to send it anything"
+        )

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-DEFAULT_SOCKET = Path("/tmp/uma.sock")
+
+def default_socket_path() -> Path:
+    """Where the daemon listens unless told otherwise: a directory private to this user,
+    ``$XDG_RUNTIME_DIR/uma-trio/uma.sock`` when ``XDG_RUNTIME_DIR`` is an absolute path to a
+    directory we own, else ``/tmp/uma-trio-<uid>/uma.sock``.  The daemon creates the
+    directory (0700) and refuses to serve in one that is not ours alone (docs/SECURITY.md)."""
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(runtime_dir):
+        try:
+            info = os.stat(runtime_dir)
+        except OSError:
+            pass
+        else:
+            if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():
+                return Path(runtime_dir) / "uma-trio" / "uma.sock"
+    return Path("/tmp") / f"uma-trio-{os.geteuid()}" / "uma.sock"
+
+
+DEFAULT_SOCKET = default_socket_path()  # computed once, at import: the CLI's default
 KvType = Literal["f16", "q8_0", "q4_0"]
 KV_TYPE_NAMES: tuple[KvType, ...] = get_args(KvType)
 
@@ -43,6 +63,8 @@ class ServerConfig:
     max_prompt_tokens: int = 4096
     max_tokens: int = 2048  # per request
     idle_timeout_s: float = 300.0  # a connection with nothing in flight
+    stall_timeout_s: float = 30.0  # a connection that reads none of its events for this long is cut off
+    frame_timeout_s: float = 10.0  # a frame begun must arrive whole within this
     shutdown_grace_s: float = 10.0
     stream_buffer: int = 16  # token events held per request before it is parked
     # Observability (docs/METRICS.md)
@@ -52,7 +74,10 @@ class ServerConfig:
     scorecard_csv: Path | None = None  # append a scorecard row every metrics_interval_s
     # HTTP gateway (docs/HTTP.md)
     http: str | None = None  # "HOST:PORT" (or "PORT", on 127.0.0.1) for the OpenAI-compatible API
-    api_key: str | None = None  # with it, HTTP requests need "Authorization: Bearer <key>"
+    api_key: str | None = field(default=None, repr=False)  # HTTP requests need "Authorization: Bearer <key>"
+    # Access control (docs/SECURITY.md): peer uids the socket serves; None: whoever can open
+    # the 0600 socket (our uid and root).  Authoritative: our own uid is not added.
+    allowed_uids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -60,7 +85,8 @@ class ServerConfig:
             "max_sessions": self.max_sessions, "max_connections": self.max_connections,
             "max_in_flight": self.max_in_flight, "max_frame_bytes": self.max_frame_bytes,
             "max_prompt_tokens": self.max_prompt_tokens, "max_tokens": self.max_tokens,
-            "idle_timeout_s": self.idle_timeout_s, "metrics_interval_s": self.metrics_interval_s,
+            "idle_timeout_s": self.idle_timeout_s, "stall_timeout_s": self.stall_timeout_s,
+            "frame_timeout_s": self.frame_timeout_s, "metrics_interval_s": self.metrics_interval_s,
             "metrics_window_s": self.metrics_window_s,
         }  # fmt: skip
         bad = [name for name, value in positive.items() if value <= 0]
@@ -90,6 +116,11 @@ class ServerConfig:
             self.http_address  # noqa: B018 - validates
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if self.allowed_uids is not None:
+            if not self.allowed_uids:
+                raise ValueError("allowed_uids must not be empty (None: whoever can open the socket)")
+            if any(not isinstance(uid, int) or uid < 0 for uid in self.allowed_uids):
+                raise ValueError("allowed_uids must be user ids (integers, 0 or more)")
 
     @property
     def http_address(self) -> tuple[str, int] | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
@@ -198,7 +199,7 @@ class Gateway:
                         case _:  # eos(error) follows its error event: nothing more to say
                             pass
 
-        return EventStream(sse, on_close=lambda: self._end(flight), headers=headers)
+        return self._event_stream(sse, flight, headers)
 
     async def generate(self, request: Request) -> Response:
         """The socket protocol over HTTP: its request body, its events as SSE (or, with
@@ -220,7 +221,7 @@ class Gateway:
                     yield openai.sse(_json.encode(event))
 
         headers = {"x-request-id": generate_request.id}
-        return EventStream(sse, on_close=lambda: self._end(flight), headers=headers)
+        return self._event_stream(sse, flight, headers)
 
     # -- plumbing ----------------------------------------------------------------
 
@@ -280,6 +281,18 @@ class Gateway:
             self._end(flight)
             raise
         return flight
+
+    def _event_stream(
+        self, sse: Callable[[], AsyncGenerator[bytes, None]], flight: Flight, headers: dict[str, str]
+    ) -> EventStream:
+        assert self.server is not None
+        loop, session = self.server.loop, flight.session
+        assert session is not None
+        stall = self.server.config.stall_timeout_s
+        return EventStream(
+            sse, on_close=lambda: self._end(flight), headers=headers,
+            stall_timeout_s=stall, on_stall=lambda: loop.cancel(session, "stalled"),
+        )  # fmt: skip
 
     def _end(self, flight: Flight) -> None:
         """The request is over for its client: cancel it if it still runs (a no-op after its
@@ -398,11 +411,15 @@ class EventStream(Response):
         *,
         on_close: Callable[[], None],
         headers: dict[str, str] | None = None,
+        stall_timeout_s: float = math.inf,
+        on_stall: Callable[[], None] = lambda: None,
     ) -> None:
         self.status_code = 200
         self.background = None
         self._chunks = chunks
         self._on_close = on_close  # runs however the response ends, even before the first chunk
+        self._stall_timeout_s = stall_timeout_s  # a client reading nothing this long is cut off
+        self._on_stall = on_stall
         self.init_headers({"cache-control": "no-cache", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -410,7 +427,12 @@ class EventStream(Response):
             async with aclosing(self._chunks()) as chunks:
                 await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
                 async for chunk in chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    with trio.move_on_after(self._stall_timeout_s) as stall:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if stall.cancelled_caught:  # end the response unfinished: the client is stuck
+                        log.warning("an HTTP client read nothing for %g s; cancelling", self._stall_timeout_s)
+                        self._on_stall()
+                        return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         try:

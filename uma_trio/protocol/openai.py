@@ -70,6 +70,11 @@ _STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.MODEL: (400, "invalid_request_error"),
     ErrorCode.DECODE_FAILED: (500, "server_error"),
     ErrorCode.KV_FULL: (503, "server_error"),
+    ErrorCode.SAMPLING_FAILED: (500, "server_error"),
+    ErrorCode.CONTEXT_LOST: (503, "server_error"),  # a retry runs on the rebuilt context
+    # Socket-only (framing, peer credentials); mapped so every code has an answer.
+    ErrorCode.FRAME_TIMEOUT: (408, "invalid_request_error"),
+    ErrorCode.PEER_NOT_ALLOWED: (403, "permission_error"),
     # Snapshots are socket-only today; mapped so every code has an answer.
     ErrorCode.SNAPSHOT_NOT_FOUND: (404, "invalid_request_error"),
     ErrorCode.SNAPSHOT_MISMATCH: (409, "invalid_request_error"),

@@ -6,6 +6,12 @@ scope is cancelled; each pump's ``finally`` then cancels its request in the
 decode loop, which frees the request's KV cells before the next tick.  Nothing
 else is disturbed, and no exception leaves :meth:`Connection.run` except
 ``trio.Cancelled``.
+
+Clients that stop half-way are cut off on timers, so they hold nothing for
+long: a connection with nothing in flight after ``idle_timeout_s``; a frame
+begun but not finished within ``frame_timeout_s``; and a client whose socket
+accepts none of its events for ``stall_timeout_s`` (its requests are parked
+meanwhile, then cancelled with ``cancel_reason="stalled"``).
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ class Connection:
         self._send_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._idle_deadline = trio.current_time() + self.config.idle_timeout_s
-        self._idle_scope: trio.CancelScope | None = None
+        self._frame_deadline = math.inf  # set while part of a frame is buffered
+        self._read_scope: trio.CancelScope | None = None
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -72,18 +79,15 @@ class Connection:
     async def _read_loop(self) -> None:
         decoder = FrameDecoder(self.config.max_frame_bytes)
         while True:
-            with trio.CancelScope(deadline=self._idle_deadline) as scope:
-                self._idle_scope = scope
+            with trio.CancelScope(deadline=self._read_deadline()) as scope:
+                self._read_scope = scope
                 try:
                     data = await self.stream.receive_some(_READ_SIZE)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
-            self._idle_scope = None
+            self._read_scope = None
             if scope.cancelled_caught:
-                timeout = self.config.idle_timeout_s
-                await self._send_error(
-                    UmaError(ErrorCode.IDLE_TIMEOUT, f"connection idle for {timeout:g} s; closing")
-                )
+                await self._send_error(self._read_timeout(decoder.buffered))
                 return
             if not data:
                 return
@@ -93,6 +97,10 @@ class Connection:
                 await self._send_error(exc)
                 return
             arrived = trio.current_time()  # every frame of this read arrived now
+            if not decoder.buffered:
+                self._frame_deadline = math.inf
+            elif frames or self._frame_deadline == math.inf:  # a new frame has begun
+                self._frame_deadline = arrived + self.config.frame_timeout_s
             for payload in frames:
                 try:
                     await self._dispatch(decode_client_message(payload), arrived)
@@ -113,6 +121,19 @@ class Connection:
                 # Saving prefills a whole prompt: answer in its own task, so the reader goes on.
                 assert self._nursery is not None
                 self._nursery.start_soon(self._snapshot, message)
+
+    def _read_deadline(self) -> float:
+        return min(self._idle_deadline, self._frame_deadline)
+
+    def _read_timeout(self, buffered: int) -> UmaError:
+        if self._frame_deadline <= self._idle_deadline:
+            timeout = self.config.frame_timeout_s
+            return UmaError(
+                ErrorCode.FRAME_TIMEOUT,
+                f"a frame begun was not complete after {timeout:g} s ({buffered} bytes arrived); closing",
+            )
+        idle = self.config.idle_timeout_s
+        return UmaError(ErrorCode.IDLE_TIMEOUT, f"connection idle for {idle:g} s; closing")
 
     def _in_flight(self, request_id: str) -> Session:
         session = self.requests.get(request_id)
@@ -165,14 +186,28 @@ class Connection:
 
     async def _send(self, event: ServerEvent) -> None:
         async with self._send_lock:
-            try:
-                await self.stream.send_all(encode_event(event))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                # The client hung up: end the whole connection, which cancels its
-                # requests; inside the nursery the checkpoint raises Cancelled.
-                if self._nursery is not None:
-                    self._nursery.cancel_scope.cancel()
-                await trio.lowlevel.checkpoint()
+            with trio.move_on_after(self.config.stall_timeout_s) as stall:
+                try:
+                    await self.stream.send_all(encode_event(event))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    # The client hung up: end the whole connection, which cancels its requests.
+                    await self._close()
+            if stall.cancelled_caught:
+                # The client has read nothing for that long (and half an event is now on the
+                # wire): its requests are cancelled with the reason, and it is disconnected.
+                log.warning(
+                    "connection %d read none of its events for %g s; cancelling its %d requests",
+                    self.number, self.config.stall_timeout_s, len(self.requests),
+                )  # fmt: skip
+                for session in self.requests.values():
+                    self.loop.cancel(session, "stalled")
+                await self._close()
+
+    async def _close(self) -> None:
+        """End the connection; inside its nursery the checkpoint raises Cancelled."""
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+        await trio.lowlevel.checkpoint()
 
     async def _send_error(self, error: UmaError) -> None:
         self.server.metrics.on_error(error.code)
@@ -182,5 +217,5 @@ class Connection:
     def _set_idle_deadline(self) -> None:
         idle = self.config.idle_timeout_s
         self._idle_deadline = math.inf if self.requests else trio.current_time() + idle
-        if self._idle_scope is not None:
-            self._idle_scope.deadline = self._idle_deadline
+        if self._read_scope is not None:
+            self._read_scope.deadline = self._read_deadline()

@@ -36,6 +36,7 @@ from ..sched.policy import Policy
 from .connection import Connection
 from .decode_loop import DecodeLoop
 from .metrics_http import bind_metrics_port, metrics_app
+from .peer import peer_uid
 from .session import Session
 from .snapshots import SnapshotHeader, SnapshotStore, default_snapshot_dir
 from .unix_socket import bind_unix_listener, unlink_if_ours
@@ -222,7 +223,7 @@ class Server:
             if final.reason not in ("stop", "length"):
                 raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
             assert session.seq_id is not None
-            state = await self.loop.exclusive(partial(self.engine.save_seq, session.seq_id))
+            state = await self.loop.exclusive(partial(self._read_cells, session.seq_id, session.n_past))
         finally:
             if not session.finished:
                 self.loop.cancel(session, "disconnect")  # sets abort: it will not be pinned
@@ -239,6 +240,12 @@ class Server:
             raise UmaError(
                 ErrorCode.SNAPSHOT_INVALID, f"cannot write snapshot {request.name!r}: {exc}"
             ) from None
+
+    async def _read_cells(self, seq_id: int, n_cells: int) -> bytes:
+        # A context rebuilt since the fill finished holds nothing for it any more.
+        if self.engine.seq_cells(seq_id) != n_cells:
+            raise UmaError(ErrorCode.CONTEXT_LOST, "the context was rebuilt before the snapshot was read")
+        return await self.engine.save_seq(seq_id)
 
     async def _restore_snapshot(self, request: SnapshotRequest) -> SnapshotInfo:
         """Check the snapshot was made by this model file and cache layout, then load it
@@ -308,13 +315,14 @@ class Server:
     async def _handle(self, stream: trio.SocketStream) -> None:
         connection = Connection(self, stream, self.next_connection_number())
         try:
-            if len(self._connections) >= self.config.max_connections:
-                await connection.reject(
-                    UmaError(
-                        ErrorCode.TOO_MANY_CONNECTIONS,
-                        f"at most {self.config.max_connections} connections are served at once",
-                    )
+            refusal = self._peer_refusal(stream)
+            if refusal is None and len(self._connections) >= self.config.max_connections:
+                refusal = UmaError(
+                    ErrorCode.TOO_MANY_CONNECTIONS,
+                    f"at most {self.config.max_connections} connections are served at once",
                 )
+            if refusal is not None:
+                await connection.reject(refusal)
                 return
             self._track(connection, +1)
             try:
@@ -325,6 +333,19 @@ class Server:
             log.exception("connection %d failed", connection.number)
         finally:
             await trio.aclose_forcefully(stream)
+
+    def _peer_refusal(self, stream: trio.SocketStream) -> UmaError | None:
+        """With ``--allow-uid``: E_AUTH_001 for a peer whose uid is not in the list, or
+        cannot be told (the list is authoritative; the daemon's own uid is not implied)."""
+        allowed = self.config.allowed_uids
+        if allowed is None:
+            return None
+        uid = peer_uid(stream.socket)
+        if uid is not None and uid in allowed:
+            return None
+        log.warning("refused a connection from uid %s: not in --allow-uid", "unknown" if uid is None else uid)
+        who = "a peer whose uid cannot be determined is" if uid is None else f"uid {uid} is"
+        return UmaError(ErrorCode.PEER_NOT_ALLOWED, f"{who} not allowed to use this daemon")
 
     def _track(self, connection: Connection, delta: int) -> None:
         if delta > 0:

@@ -1,4 +1,5 @@
-"""The daemon's Unix socket: created 0600, stale files removed, live daemons respected."""
+"""The daemon's Unix socket: created 0600 in a private directory, stale files removed, live
+daemons respected."""
 
 from __future__ import annotations
 
@@ -13,6 +14,54 @@ import trio
 
 class SocketInUseError(Exception):
     """Another daemon answers on the socket path, or the path is not ours to replace."""
+
+
+class UnsafeSocketDirError(SocketInUseError):
+    """The socket's directory is not private to us: another user could replace the socket."""
+
+
+def ensure_private_dir(directory: Path) -> None:
+    """Make sure ``directory`` (the socket's parent) is ours alone, creating it 0700 if it
+    is missing (its own parent must exist).  It must be a real directory, not a symbolic
+    link, owned by our effective uid and writable by nobody else; otherwise another local
+    user could remove our socket and put theirs in its place.  Raise
+    :class:`UnsafeSocketDirError` naming what is wrong and what to do."""
+    shown = os.path.abspath(directory)
+    old_umask = os.umask(0o077)  # exactly 0700 whatever the umask, and no chmod to race with
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise UnsafeSocketDirError(
+            f"cannot create the socket directory {shown}: {exc.strerror or exc}; "
+            "create it (mode 0700) or choose another --socket"
+        ) from None
+    finally:
+        os.umask(old_umask)
+    try:
+        info = directory.lstat()
+    except OSError as exc:
+        raise UnsafeSocketDirError(f"cannot check the socket directory {shown}: {exc.strerror}") from None
+    euid = os.geteuid()
+    mode = stat.S_IMODE(info.st_mode)
+    problem = None
+    if stat.S_ISLNK(info.st_mode):
+        problem = "it is a symbolic link, and the socket needs a real directory"
+    elif not stat.S_ISDIR(info.st_mode):
+        problem = "it is not a directory"
+    elif info.st_uid != euid:
+        problem = f"it is owned by uid {info.st_uid} (mode {mode:04o}), not by this user (uid {euid})"
+    elif mode & 0o022:
+        problem = (
+            f"its mode is {mode:04o}: other users can write to it, so they could replace the socket; "
+            f"`chmod go-w {shown}` fixes that"
+        )
+    if problem is not None:
+        raise UnsafeSocketDirError(
+            f"refusing to serve in {shown}: {problem}. Fix or remove it, or give --socket a path "
+            "in a directory only you can write to"
+        )
 
 
 def _probe_live(path: Path) -> bool:
@@ -46,7 +95,9 @@ def remove_stale_socket(path: Path) -> None:
 
 
 async def bind_unix_listener(path: Path, backlog: int = 128) -> tuple[trio.SocketListener, int]:
-    """Bind and listen with mode 0600; return the listener and the file's inode."""
+    """Bind and listen with mode 0600 in a private directory (:func:`ensure_private_dir`);
+    return the listener and the file's inode."""
+    ensure_private_dir(path.parent)
     remove_stale_socket(path)
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o177)  # no window in which the socket is world-accessible

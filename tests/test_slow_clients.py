@@ -1,0 +1,139 @@
+"""Slow and stuck clients: a reader that stops is parked, then cut off with a reason; a
+sender that stops half-way through a frame is timed out; nobody else notices.
+
+Simulated engine on virtual time (MockClock): the daemon's timers of tens of seconds
+pass in milliseconds, while the sockets, connections and decode loop are the real ones.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from uma_trio.engine.sim import SimEngine
+from uma_trio.loadgen.simulate import SIM_CONFIG
+from uma_trio.runtime.server import Server
+from uma_trio.sched.cost import CostCoefficients
+
+from .helpers import RawClient, frame, text_of
+
+STALL_S = 20.0
+FRAME_S = 10.0
+
+
+@asynccontextmanager
+async def sim_daemon(**overrides: Any) -> AsyncIterator[Server]:
+    with tempfile.TemporaryDirectory(prefix="uma-slow-") as tmp:
+        config = replace(
+            SIM_CONFIG, socket_path=Path(tmp) / "d.sock", stall_timeout_s=STALL_S, frame_timeout_s=FRAME_S,
+            **overrides,
+        )  # fmt: skip
+        server = Server(
+            SimEngine(CostCoefficients(), n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions), config
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            yield server
+            server.request_shutdown(force=True)
+
+
+async def stream(server: Server, rid: str, max_tokens: int) -> list[dict[str, Any]]:
+    client = await RawClient.connect(server.config.socket_path)
+    await client.send({"id": rid, "prompt": "tell me everything", "max_tokens": max_tokens})
+    events = await client.until_end(rid)
+    await client.aclose()
+    return events
+
+
+async def test_a_stuck_reader_is_parked_then_cancelled_with_a_reason(autojump_clock: trio.abc.Clock) -> None:
+    async with sim_daemon() as server:
+        stuck = await RawClient.connect(server.config.socket_path)
+        for i in range(4):  # far more than the socket buffers hold
+            await stuck.send({"id": f"s{i}", "prompt": "tell me everything", "max_tokens": 4000})
+        started = trio.current_time()
+        bystander = await stream(server, "b", 500)  # runs its course meanwhile
+        assert bystander[-1]["event"] == "eos" and len(text_of(bystander).split()) == 500
+
+        # Before the timeout: the stuck requests sit out of the batch with bounded buffers.
+        gauges = server.loop.gauges()
+        assert trio.current_time() - started < STALL_S
+        assert gauges["sessions"]["active"] == gauges["sessions"]["parked"] == 4
+        assert all(row["generated"] < 4000 for row in gauges["in_flight"])
+        with trio.fail_after(STALL_S + 5):
+            while server.metrics.cancels["stalled"] < 4:
+                await trio.sleep(0.5)
+        assert trio.current_time() - started >= STALL_S
+
+        # The stuck client finds what fitted in the socket, then the end of the connection.
+        received: list[dict[str, Any]] = []
+        while (event := await stuck.next_event()) is not None:
+            received.append(event)
+        assert 0 < len(received) < 4 * 4000
+        assert {e["event"] for e in received} <= {"token"}
+        await stuck.aclose()
+    gauges = server.loop.gauges()
+    assert gauges["sessions"]["active"] == gauges["kv"]["cells_reserved"] == 0
+    assert server.metrics.connections_open == 0
+
+
+async def test_a_slow_reader_loses_nothing(autojump_clock: trio.abc.Clock) -> None:
+    """Reading a little every few seconds is slow, not stuck: every token arrives."""
+    async with sim_daemon() as server:
+        client = await RawClient.connect(server.config.socket_path)
+        await client.send({"id": "slow", "prompt": "tell me everything", "max_tokens": 3000})
+        await trio.sleep(STALL_S / 2)  # the socket fills and the session parks
+        events: list[dict[str, Any]] = []
+        while not events or events[-1]["event"] != "eos":
+            event = await client.next_event()
+            assert event is not None
+            events.append(event)
+            if len(events) % 500 == 0:
+                await trio.sleep(STALL_S / 4)
+        await client.aclose()
+    assert len(text_of(events).split()) == 3000 and events[-1]["reason"] == "length"
+    assert server.metrics.cancels["stalled"] == 0
+
+
+async def test_half_a_frame_is_timed_out_even_with_a_request_in_flight(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with sim_daemon() as server:
+        client = await RawClient.connect(server.config.socket_path)
+        await client.send({"id": "long", "prompt": "tell me everything", "max_tokens": 4000})
+        half = frame({"id": "next", "prompt": "and then"})
+        sent_at = trio.current_time()
+        await client.send_bytes(half[:12])
+        events: list[dict[str, Any]] = []
+        while (event := await client.next_event()) is not None:
+            events.append(event)
+        await client.aclose()
+        gone_at = trio.current_time()
+    errors = [e for e in events if e["event"] == "error"]
+    assert [e["code"] for e in errors] == ["E_PROTO_008"] and "12 bytes" in errors[0]["message"]
+    assert FRAME_S <= gone_at - sent_at < FRAME_S + 1
+    assert server.metrics.cancels["disconnect"] == 1  # the request in flight went with the connection
+
+
+async def test_a_frame_trickling_in_within_the_timeout_is_served(autojump_clock: trio.abc.Clock) -> None:
+    async with sim_daemon() as server:
+        client = await RawClient.connect(server.config.socket_path)
+        data = frame({"id": "t", "prompt": "slowly typed", "max_tokens": 3})
+        for i in range(0, len(data), 8):  # the whole frame over about 0.8 of the timeout
+            await client.send_bytes(data[i : i + 8])
+            await trio.sleep(FRAME_S * 0.8 / (len(data) / 8))
+        events = await client.until_end("t")
+        # A second frame gets a fresh allowance: half of one, then the rest after 0.6 of it.
+        second = frame({"id": "u", "prompt": "again", "max_tokens": 3})
+        await client.send_bytes(second[:10])
+        await trio.sleep(FRAME_S * 0.6)
+        await client.send_bytes(second[10:])
+        more = await client.until_end("u")
+        await client.aclose()
+    assert events[-1]["event"] == "eos" and more[-1]["event"] == "eos"
+    assert not server.metrics.errors
