@@ -100,7 +100,7 @@ class DecodeLoop:
                 f"{self.engine.n_ctx_seq} tokens",
                 request_id=session.id,
             )
-        if len(self._waiting) >= self.config.max_queue and not self._can_admit_now(session):
+        if self._queue_full(session):
             raise UmaError(
                 ErrorCode.SERVER_BUSY,
                 f"{len(self._active)} sessions running and {len(self._waiting)} queued; try again later",
@@ -110,6 +110,16 @@ class DecodeLoop:
         self.metrics.on_submitted(session.lane, len(session.prompt))
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self.wake()
+
+    def _queue_full(self, session: Session) -> bool:
+        """Waiting requests that free ids will take at the next tick are not queued yet; the
+        rest may number at most max_queue, however many arrive within one tick.  An
+        interactive request that can start at once still gets in past background ones."""
+        if len(self._waiting) < self.config.max_queue + self.kv.available_seqs():
+            return False
+        if session.lane == "interactive" and all(s.lane == "background" for s in self._waiting):
+            return not self._can_admit_now(session)
+        return True
 
     def cancel(self, session: Session, reason: CancelReason) -> None:
         """Ask for ``session`` to end with ``eos(cancelled)``; idempotent."""
