@@ -1,15 +1,55 @@
-"""A raw protocol client for tests that need to send arbitrary bytes."""
+"""Test helpers: a raw protocol client for sending arbitrary bytes, a whole daemon on the
+simulated engine, and the checks shared by the reliability tests."""
 
 from __future__ import annotations
 
 import json
 import struct
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from uma_trio.engine.base import Engine
+from uma_trio.engine.sim import SimEngine
+from uma_trio.loadgen.simulate import SIM_CONFIG
 from uma_trio.protocol.framing import FrameDecoder
+from uma_trio.runtime.server import Server
+from uma_trio.sched.cost import CostCoefficients
+
+
+@asynccontextmanager
+async def sim_daemon(
+    wrap: Callable[[SimEngine], Engine] | None = None,
+    cost: CostCoefficients | None = None,
+    **overrides: Any,
+) -> AsyncIterator[Server]:
+    """A whole daemon (real socket, connections, policy, decode loop) on the simulated
+    engine, with SIM_CONFIG plus ``overrides``; its socket in a fresh private directory.
+    ``wrap`` wraps the engine (fault injection).  Force-stopped on exit."""
+    with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
+        config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock", **overrides)
+        sim = SimEngine(cost or CostCoefficients(), n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
+        server = Server(wrap(sim) if wrap is not None else sim, config)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            yield server
+            server.request_shutdown(force=True)
+
+
+def assert_nothing_held(server: Server) -> None:
+    """No request waiting or running, no KV cell reserved, and the engine's cells exactly
+    the cached prefixes' (which belong to no request), every sequence id free or cached."""
+    gauges = server.loop.gauges()
+    assert gauges["sessions"] == {"active": 0, "waiting": 0, "prefilling": 0, "decoding": 0, "parked": 0}
+    assert gauges["kv"]["cells_reserved"] == 0
+    engine_cells = sum(server.engine.seq_cells(s) for s in range(server.engine.n_seq_max))
+    assert engine_cells == gauges["prefix_cache"]["cells"]
+    assert gauges["kv"]["seqs_free"] + gauges["prefix_cache"]["sequences"] == server.engine.n_seq_max
 
 
 def frame(obj: Any) -> bytes:

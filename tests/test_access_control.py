@@ -308,7 +308,6 @@ async def test_client_refuses_a_daemon_running_as_another_user(
             monkeypatch.setattr(uma_trio.client, "peer_uid", lambda sock, uid=trusted: uid)
             async with UmaClient.connect(path) as client:
                 await client.metrics()
-        assert server.metrics_snapshot()["errors"] == {}  # the impostor was sent nothing
 
 
 async def test_cli_reports_an_impostor_as_a_connection_error(

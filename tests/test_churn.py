@@ -3,7 +3,7 @@
 Afterwards the daemon holds nothing for them: no session, no KV cell reserved or held by
 a request (cached prefixes aside, which belong to nobody), no connection, no file
 descriptor more than before, and its memory back within a small bound.  Run on the
-simulated engine (virtual time, 400 clients) and on the real model (120 clients).
+simulated engine (virtual time, 400 clients) and on the real model (100 clients).
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ from __future__ import annotations
 import gc
 import os
 import random
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import psutil
 import pytest
@@ -23,12 +21,9 @@ import trio
 from uma_trio.config import ServerConfig
 from uma_trio.daemon import serving
 from uma_trio.engine.llama import LlamaModel
-from uma_trio.engine.sim import SimEngine
-from uma_trio.loadgen.simulate import SIM_CONFIG
 from uma_trio.runtime.server import Server
-from uma_trio.sched.cost import CostCoefficients
 
-from .helpers import RawClient, frame
+from .helpers import RawClient, assert_nothing_held, frame, sim_daemon
 
 WHEN = ("before the request", "mid-frame", "while waiting or prefilling", "mid-decode", "after eos")
 
@@ -111,16 +106,6 @@ async def settle(server: Server) -> None:
         await server.loop.wait_idle()
 
 
-def assert_nothing_held(server: Server) -> None:
-    gauges = server.loop.gauges()
-    assert gauges["sessions"] == {"active": 0, "waiting": 0, "prefilling": 0, "decoding": 0, "parked": 0}
-    assert gauges["kv"]["cells_reserved"] == 0
-    engine_cells = sum(server.engine.seq_cells(s) for s in range(server.engine.n_seq_max))
-    assert engine_cells == gauges["prefix_cache"]["cells"]  # only cached prefixes: no request's
-    assert gauges["kv"]["seqs_free"] + gauges["prefix_cache"]["sequences"] == server.engine.n_seq_max
-    assert server.metrics.connections_open == 0
-
-
 async def churn_and_check(server: Server, n_clients: int, shape: Shape, *, rss_bound_mb: float) -> None:
     await churn(server, 40, shape, seed=1)  # warm-up: buffers, caches, lazily made objects
     await settle(server)
@@ -130,6 +115,7 @@ async def churn_and_check(server: Server, n_clients: int, shape: Shape, *, rss_b
     await settle(server)
     gc.collect()
     assert_nothing_held(server)
+    assert server.metrics.connections_open == 0
     assert open_fds() <= fds, (fds, open_fds())
     assert rss_mb() - rss < rss_bound_mb, (rss, rss_mb())
     # Every point was hit: queued or prefilling, decoding, and already ended.
@@ -139,16 +125,8 @@ async def churn_and_check(server: Server, n_clients: int, shape: Shape, *, rss_b
 
 
 async def test_churn_on_the_simulated_engine(autojump_clock: trio.abc.Clock) -> None:
-    with tempfile.TemporaryDirectory(prefix="uma-churn-") as tmp:
-        config = replace(
-            SIM_CONFIG, socket_path=Path(tmp) / "d.sock", prefix_cache_cells=None, max_sessions=6
-        )
-        engine = SimEngine(CostCoefficients(), n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
-        server = Server(engine, config)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
-            await churn_and_check(server, 400, Shape(16, (20, 400), 64), rss_bound_mb=8.0)
-            server.request_shutdown(force=True)
+    async with sim_daemon(prefix_cache_cells=None, max_sessions=6) as server:
+        await churn_and_check(server, 400, Shape(16, (20, 400), 64), rss_bound_mb=8.0)
     assert server.metrics.cancels["disconnect"] > 0
 
 

@@ -10,13 +10,11 @@ really freed and created again.
 from __future__ import annotations
 
 import random
-import tempfile
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,12 +24,9 @@ from uma_trio.config import ServerConfig
 from uma_trio.daemon import engine_for, policy_for
 from uma_trio.engine.faults import FaultKind, FaultyEngine, seed_is
 from uma_trio.engine.llama import LlamaEngine, LlamaModel
-from uma_trio.engine.sim import SimEngine
-from uma_trio.loadgen.simulate import SIM_CONFIG
 from uma_trio.runtime.server import Server
-from uma_trio.sched.cost import CostCoefficients
 
-from .helpers import RawClient, text_of
+from .helpers import RawClient, assert_nothing_held, sim_daemon, text_of
 
 Events = list[dict[str, Any]]
 
@@ -45,17 +40,10 @@ CODE = {
 
 
 @asynccontextmanager
-async def sim_daemon(**overrides: Any) -> AsyncIterator[tuple[Server, FaultyEngine]]:
-    with tempfile.TemporaryDirectory(prefix="uma-fault-") as tmp:
-        config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock", **overrides)
-        engine = FaultyEngine(
-            SimEngine(CostCoefficients(), n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
-        )
-        server = Server(engine, config)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
-            yield server, engine
-            server.request_shutdown(force=True)
+async def faulty_sim(**overrides: Any) -> AsyncIterator[tuple[Server, FaultyEngine]]:
+    async with sim_daemon(FaultyEngine, **overrides) as server:
+        assert isinstance(server.engine, FaultyEngine)
+        yield server, server.engine
 
 
 async def run_request(server: Server, request: dict[str, Any]) -> Events:
@@ -74,15 +62,6 @@ def both(*tests: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda entry: all(test(entry) for test in tests)
 
 
-def assert_nothing_held(server: Server) -> None:
-    """No session, no reservation, and the engine's cells are exactly the cached prefixes."""
-    gauges = server.loop.gauges()
-    assert gauges["sessions"]["active"] == gauges["sessions"]["waiting"] == 0
-    assert gauges["kv"]["cells_reserved"] == 0
-    engine_cells = sum(server.engine.seq_cells(s) for s in range(server.engine.n_seq_max))
-    assert engine_cells == gauges["prefix_cache"]["cells"]
-
-
 def request(rid: str, seed: int, max_tokens: int = 60) -> dict[str, Any]:
     return {"id": rid, "prompt": f"story number {seed} " * 8, "max_tokens": max_tokens, "seed": seed}
 
@@ -91,7 +70,7 @@ def request(rid: str, seed: int, max_tokens: int = 60) -> dict[str, Any]:
 async def test_a_request_fault_ends_only_that_request(
     autojump_clock: trio.abc.Clock, kind: FaultKind
 ) -> None:
-    async with sim_daemon() as (server, engine):
+    async with faulty_sim() as (server, engine):
         fault = engine.arm(kind, both(seed_is(99), after(40)))  # mid-decode
         results: dict[str, Events] = {}
 
@@ -119,7 +98,7 @@ async def test_a_request_fault_ends_only_that_request(
 async def test_a_poisoned_context_is_rebuilt_and_waiting_requests_go_on(
     autojump_clock: trio.abc.Clock, kind: FaultKind
 ) -> None:
-    async with sim_daemon(max_sessions=2, interactive_reserve=0, prefix_cache_cells=None) as (server, engine):
+    async with faulty_sim(max_sessions=2, interactive_reserve=0, prefix_cache_cells=None) as (server, engine):
         engine.arm(kind, both(seed_is(1), after(30)))
         results: dict[str, Events] = {}
 
@@ -151,7 +130,7 @@ async def test_random_faults_under_load_end_only_what_they_hit(autojump_clock: t
     n_requests, n_faults = 300, 60
     targets = rng.sample(range(n_requests), n_faults)
     kinds: list[FaultKind] = ["bad_token", "sampling", "poison", "crash"]
-    async with sim_daemon(max_sessions=6, prefix_cache_cells=None) as (server, engine):
+    async with faulty_sim(max_sessions=6, prefix_cache_cells=None) as (server, engine):
         aimed = {
             seed: engine.arm(rng.choice(kinds), both(seed_is(seed), after(rng.randrange(1, 80))))
             for seed in targets
@@ -268,7 +247,8 @@ async def test_real_engine_poisoned_context_is_rebuilt(
             engine.arm("poison", both(seed_is(1), after(40)))  # 25 tokens into a's answer
 
             async def queued() -> Events:
-                await trio.sleep(0.05)  # after a and b have both sessions
+                while server.loop.gauges()["sessions"]["active"] < 2:  # a and b hold both sessions
+                    await trio.sleep(0.01)
                 return await run_request(server, chat("queued", BYSTANDERS[2], 3))
 
             results = await concurrently(

@@ -173,3 +173,18 @@ def test_restore_gets_an_empty_id(free_first: bool) -> None:
     assert kv.claim_empty(cells_needed=50, cells_reserved=0) == (0, () if free_first else (0,))
     assert kv.add(0, prompt(9)) == []
     assert kv.find(prompt(9)) == 0
+
+
+def test_forget_cached_frees_every_prefix_but_a_pinned_id_stays_taken_and_empty() -> None:
+    """After a context rebuild: nothing is reused, no id is on the free list twice, and a
+    snapshot's pinned id is not handed to anyone before its pin is released."""
+    kv = KvManager(n_seqs=3, n_cells=1000)
+    for seq_id, tail in ((0, 1), (1, 500), (2, 900)):
+        assert kv.claim(prompt(tail), {}, cells_needed=60, cells_reserved=0) is not None
+        kv.release(seq_id, prompt(tail), pin=seq_id == 2)
+    kv.forget_cached()
+    assert kv.free_seqs == 2 and kv.cached_cells == 0 and kv.cached_seqs == 1
+    claims = [kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0) for _ in range(3)]
+    assert claims[2] is None and {c.seq_id for c in claims[:2] if c} == {0, 1}  # id 2 stays held
+    assert all(c is None or c.reused == 0 for c in claims)
+    assert kv.unpin(2) == [] and kv.available_seqs() == 1  # now it may be evicted for a request

@@ -6,60 +6,47 @@ Simulated engine on virtual time, real sockets and decode loop.
 
 from __future__ import annotations
 
-import tempfile
 from collections import Counter
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import trio
 
-from uma_trio.engine.sim import SimEngine
-from uma_trio.loadgen.simulate import SIM_CONFIG
-from uma_trio.runtime.server import Server
-from uma_trio.sched.cost import CostCoefficients
-
-from .helpers import RawClient, text_of
+from .helpers import RawClient, sim_daemon, text_of
 
 
 async def test_a_burst_beyond_sessions_and_queue(autojump_clock: trio.abc.Clock) -> None:
     sessions, queue, clients = 4, 16, 100
-    with tempfile.TemporaryDirectory(prefix="uma-over-") as tmp:
-        config = replace(
-            SIM_CONFIG, socket_path=Path(tmp) / "d.sock", max_sessions=sessions, max_queue=queue,
-            interactive_reserve=0, max_connections=clients + 10,
-        )  # fmt: skip
-        server = Server(SimEngine(CostCoefficients(), n_ctx_seq=1024, n_seq_max=sessions), config)
-        outcomes: dict[int, tuple[list[dict[str, Any]], float]] = {}
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
-            connected = trio.Event()
-            ready = 0
+    outcomes: dict[int, tuple[list[dict[str, Any]], float]] = {}
+    async with sim_daemon(
+        max_sessions=sessions, max_queue=queue, interactive_reserve=0, n_ctx=1024, max_connections=200
+    ) as server:
+        config = server.config
+        connected = trio.Event()
+        ready = 0
 
-            async def client(i: int) -> None:
-                nonlocal ready
-                raw = await RawClient.connect(config.socket_path)
-                ready += 1
-                if ready == clients:
-                    connected.set()
-                await connected.wait()  # all at the same instant
-                sent = trio.current_time()
-                await raw.send({"id": f"r{i}", "prompt": "word " * 100, "max_tokens": 50})
-                events = await raw.until_end(f"r{i}")
-                outcomes[i] = (events, trio.current_time() - sent)
-                await raw.aclose()
-
-            with trio.fail_after(600):
-                async with trio.open_nursery() as burst:
-                    for i in range(clients):
-                        burst.start_soon(client, i)
-
-            # Beyond the context: refused with its own code, at once.
+        async def client(i: int) -> None:
+            nonlocal ready
             raw = await RawClient.connect(config.socket_path)
-            await raw.send({"id": "huge", "prompt": "word " * 1000, "max_tokens": 100})
-            huge = await raw.until_end("huge")
+            ready += 1
+            if ready == clients:
+                connected.set()
+            await connected.wait()  # all at the same instant
+            sent = trio.current_time()
+            await raw.send({"id": f"r{i}", "prompt": "word " * 100, "max_tokens": 50})
+            events = await raw.until_end(f"r{i}")
+            outcomes[i] = (events, trio.current_time() - sent)
             await raw.aclose()
-            server.request_shutdown(force=True)
+
+        with trio.fail_after(600):
+            async with trio.open_nursery() as burst:
+                for i in range(clients):
+                    burst.start_soon(client, i)
+
+        # Beyond the context: refused with its own code, at once.
+        raw = await RawClient.connect(config.socket_path)
+        await raw.send({"id": "huge", "prompt": "word " * 1000, "max_tokens": 100})
+        huge = await raw.until_end("huge")
+        await raw.aclose()
 
     codes = Counter(events[-1].get("code", events[-1]["event"]) for events, _ in outcomes.values())
     assert codes == Counter({"eos": sessions + queue, "E_LIMIT_004": clients - sessions - queue}), codes
@@ -75,24 +62,20 @@ async def test_a_burst_beyond_sessions_and_queue(autojump_clock: trio.abc.Clock)
 async def test_an_interactive_request_gets_past_a_full_background_queue(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    with tempfile.TemporaryDirectory(prefix="uma-over-") as tmp:
-        config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock", max_sessions=2, max_queue=2)
-        server = Server(SimEngine(CostCoefficients(), n_ctx_seq=1024, n_seq_max=2), config)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
-            raw = await RawClient.connect(config.socket_path)
-            background = {"prompt": "word " * 100, "max_tokens": 200, "priority": "background"}
-            for i in range(6):  # 2 free ids + a queue of 2 are taken, the rest refused at once
-                await raw.send({"id": f"bg{i}", **background})
-            await trio.sleep(0.1)
-            await raw.send({"id": "fg", "prompt": "quick question", "max_tokens": 10})
-            by_id: dict[str, list[dict[str, Any]]] = {}
-            while sum(e[-1]["event"] in ("eos", "error") for e in by_id.values()) < 7:
-                event = await raw.next_event()
-                assert event is not None
-                by_id.setdefault(event["id"], []).append(event)
-            await raw.aclose()
-            server.request_shutdown(force=True)
+    async with sim_daemon(max_sessions=2, max_queue=2, n_ctx=1024) as server:
+        config = server.config
+        raw = await RawClient.connect(config.socket_path)
+        background = {"prompt": "word " * 100, "max_tokens": 200, "priority": "background"}
+        for i in range(6):  # 2 free ids + a queue of 2 are taken, the rest refused at once
+            await raw.send({"id": f"bg{i}", **background})
+        await trio.sleep(0.1)
+        await raw.send({"id": "fg", "prompt": "quick question", "max_tokens": 10})
+        by_id: dict[str, list[dict[str, Any]]] = {}
+        while sum(e[-1]["event"] in ("eos", "error") for e in by_id.values()) < 7:
+            event = await raw.next_event()
+            assert event is not None
+            by_id.setdefault(event["id"], []).append(event)
+        await raw.aclose()
     fg = by_id.pop("fg")
     assert fg[-1]["event"] == "eos" and len(text_of(fg).split()) == 10
     codes = Counter(events[-1].get("code", "eos") for events in by_id.values())

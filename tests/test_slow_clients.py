@@ -7,40 +7,30 @@ pass in milliseconds, while the sockets, connections and decode loop are the rea
 
 from __future__ import annotations
 
+import json
+import socket
 import tempfile
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from uma_trio.daemon import http_gateway
 from uma_trio.engine.sim import SimEngine
 from uma_trio.loadgen.simulate import SIM_CONFIG
 from uma_trio.runtime.server import Server
 from uma_trio.sched.cost import CostCoefficients
 
-from .helpers import RawClient, frame, text_of
+from .helpers import RawClient, frame, sim_daemon, text_of
 
 STALL_S = 20.0
 FRAME_S = 10.0
 
 
-@asynccontextmanager
-async def sim_daemon(**overrides: Any) -> AsyncIterator[Server]:
-    with tempfile.TemporaryDirectory(prefix="uma-slow-") as tmp:
-        config = replace(
-            SIM_CONFIG, socket_path=Path(tmp) / "d.sock", stall_timeout_s=STALL_S, frame_timeout_s=FRAME_S,
-            **overrides,
-        )  # fmt: skip
-        server = Server(
-            SimEngine(CostCoefficients(), n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions), config
-        )
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
-            yield server
-            server.request_shutdown(force=True)
+def slow_daemon(**overrides: Any) -> AbstractAsyncContextManager[Server]:
+    return sim_daemon(stall_timeout_s=STALL_S, frame_timeout_s=FRAME_S, **overrides)
 
 
 async def stream(server: Server, rid: str, max_tokens: int) -> list[dict[str, Any]]:
@@ -52,7 +42,7 @@ async def stream(server: Server, rid: str, max_tokens: int) -> list[dict[str, An
 
 
 async def test_a_stuck_reader_is_parked_then_cancelled_with_a_reason(autojump_clock: trio.abc.Clock) -> None:
-    async with sim_daemon() as server:
+    async with slow_daemon() as server:
         stuck = await RawClient.connect(server.config.socket_path)
         for i in range(4):  # far more than the socket buffers hold
             await stuck.send({"id": f"s{i}", "prompt": "tell me everything", "max_tokens": 4000})
@@ -84,7 +74,7 @@ async def test_a_stuck_reader_is_parked_then_cancelled_with_a_reason(autojump_cl
 
 async def test_a_slow_reader_loses_nothing(autojump_clock: trio.abc.Clock) -> None:
     """Reading a little every few seconds is slow, not stuck: every token arrives."""
-    async with sim_daemon() as server:
+    async with slow_daemon() as server:
         client = await RawClient.connect(server.config.socket_path)
         await client.send({"id": "slow", "prompt": "tell me everything", "max_tokens": 3000})
         await trio.sleep(STALL_S / 2)  # the socket fills and the session parks
@@ -103,7 +93,7 @@ async def test_a_slow_reader_loses_nothing(autojump_clock: trio.abc.Clock) -> No
 async def test_half_a_frame_is_timed_out_even_with_a_request_in_flight(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    async with sim_daemon() as server:
+    async with slow_daemon() as server:
         client = await RawClient.connect(server.config.socket_path)
         await client.send({"id": "long", "prompt": "tell me everything", "max_tokens": 4000})
         half = frame({"id": "next", "prompt": "and then"})
@@ -121,7 +111,7 @@ async def test_half_a_frame_is_timed_out_even_with_a_request_in_flight(
 
 
 async def test_a_frame_trickling_in_within_the_timeout_is_served(autojump_clock: trio.abc.Clock) -> None:
-    async with sim_daemon() as server:
+    async with slow_daemon() as server:
         client = await RawClient.connect(server.config.socket_path)
         data = frame({"id": "t", "prompt": "slowly typed", "max_tokens": 3})
         for i in range(0, len(data), 8):  # the whole frame over about 0.8 of the timeout
@@ -137,3 +127,69 @@ async def test_a_frame_trickling_in_within_the_timeout_is_served(autojump_clock:
         await client.aclose()
     assert events[-1]["event"] == "eos" and more[-1]["event"] == "eos"
     assert not server.metrics.errors
+
+
+async def test_a_frame_trickling_in_too_slowly_is_timed_out(autojump_clock: trio.abc.Clock) -> None:
+    """Each byte resets nothing: the whole frame must be in within the timeout."""
+    async with slow_daemon() as server:
+        client = await RawClient.connect(server.config.socket_path)
+        data = frame({"id": "t", "prompt": "slowly typed", "max_tokens": 3})
+        started = trio.current_time()
+        with trio.move_on_after(FRAME_S * 2):
+            for byte in data:  # one byte every quarter of the timeout, until the daemon hangs up
+                try:
+                    await client.send_bytes(bytes([byte]))
+                except trio.BrokenResourceError:
+                    break
+                await trio.sleep(FRAME_S / 4)
+        event = await client.next_event()
+        assert event is not None and event["code"] == "E_PROTO_008"
+        assert FRAME_S <= trio.current_time() - started < FRAME_S * 1.3
+        await client.aclose()
+
+
+async def test_a_client_that_only_polls_metrics_is_not_idle(autojump_clock: trio.abc.Clock) -> None:
+    """Found by the soak: a connection with no request in flight that sends other messages
+    (metrics every few seconds, as `uma-trio top` does) was cut off as idle."""
+    idle = 30.0
+    async with slow_daemon(idle_timeout_s=idle) as server:
+        client = await RawClient.connect(server.config.socket_path)
+        for n in range(8):  # 3 idle timeouts' worth
+            await client.send({"type": "metrics", "id": f"m{n}"})
+            event = await client.next_event()
+            assert event is not None and event["event"] == "metrics", event
+            await trio.sleep(idle / 2.5)
+        await trio.sleep(idle)  # and silence is still idleness
+        event = await client.next_event()
+        assert event is not None and event["code"] == "E_LIMIT_007"
+        await client.aclose()
+
+
+async def test_a_stuck_http_stream_is_cancelled_with_a_reason() -> None:
+    """Real time (hypercorn's own timers): an SSE client that reads nothing has its request
+    cancelled as stalled, even though hypercorn's socket write cannot be interrupted."""
+    fast = CostCoefficients(fixed_s=0.0001, decode_s=0.00001, prefill_s=0.00001, ctx_s_per_kcell=0.0)
+    with tempfile.TemporaryDirectory(prefix="uma-slow-") as tmp:
+        config = replace(
+            SIM_CONFIG, socket_path=Path(tmp) / "d.sock", stall_timeout_s=1.0, http="127.0.0.1:0"
+        )
+        engine = SimEngine(fast, n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
+        server = Server(engine, config)
+        async with http_gateway(config, "sim.gguf") as gateway, trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            assert gateway is not None and gateway.url is not None
+            gateway.attach(server)
+            host, port = gateway.url.removeprefix("http://").split(":")
+            sock = trio.socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills fast
+            await sock.connect((host, int(port)))
+            body = json.dumps({"prompt": "tell me everything", "max_tokens": 4000}).encode()
+            head = "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            await sock.send(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            with trio.fail_after(20):
+                while server.metrics.cancels["stalled"] < 1:
+                    await trio.sleep(0.1)
+            gauges = server.loop.gauges()
+            assert gauges["sessions"]["active"] == gauges["kv"]["cells_reserved"] == 0
+            sock.close()
+            server.request_shutdown(force=True)

@@ -93,6 +93,8 @@ class FaultyEngine:
             hit = next((i for i, e in enumerate(entries) if fault.when(e)), None)
             if hit is None or (fault.kind == "sampling" and entries[hit].sampler is None):
                 continue
+            if fault.kind == "poison" and poison is not None:
+                continue  # one failed context per step: the second waits for a later step
             self.armed.remove(fault)
             self.fired.append(fault)
             fault.fired_on = entries[hit].seq_id

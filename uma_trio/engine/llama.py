@@ -292,6 +292,7 @@ class LlamaEngine:
         # Same parameters, so the same cell counts and sequence ids; the old context's KV
         # memory is freed first, so the two never coexist.
         llama.llama_free(self._ctx)
+        self._ctx = self._memory = None  # nothing may touch the freed context if the next fails
         self._ctx = llama.llama_init_from_model(self.model.handle, self._params)
         if not self._ctx:
             raise ModelLoadError("llama.cpp could not create a new context")

@@ -423,20 +423,37 @@ class EventStream(Response):
         self.init_headers({"cache-control": "no-cache", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sending_since: float | None = None  # when the body write now blocked began
+
         async def stream() -> None:
+            nonlocal sending_since
             async with aclosing(self._chunks()) as chunks:
                 await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
                 async for chunk in chunks:
-                    with trio.move_on_after(self._stall_timeout_s) as stall:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    if stall.cancelled_caught:  # end the response unfinished: the client is stuck
-                        log.warning("an HTTP client read nothing for %g s; cancelling", self._stall_timeout_s)
-                        self._on_stall()
-                        return
+                    sending_since = trio.current_time()
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    sending_since = None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+        async def watchdog() -> None:
+            # Hypercorn shields its socket writes from cancellation, so a client that reads
+            # nothing is detected from outside: its request ends and frees what it held, and
+            # the write stays blocked until the client goes away.
+            while True:
+                since = sending_since
+                if since is not None and trio.current_time() - since >= self._stall_timeout_s:
+                    log.warning("an HTTP client read nothing for %g s; cancelling", self._stall_timeout_s)
+                    self._on_stall()
+                    self._on_close()
+                    return
+                start = since if since is not None else trio.current_time()
+                await trio.sleep_until(start + self._stall_timeout_s)
+
         try:
-            await _until_disconnect(receive, stream)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watchdog)
+                await _until_disconnect(receive, stream)
+                nursery.cancel_scope.cancel()
         finally:
             self._on_close()
 

@@ -97,15 +97,19 @@ class Connection:
                 await self._send_error(exc)
                 return
             arrived = trio.current_time()  # every frame of this read arrived now
-            if not decoder.buffered:
-                self._frame_deadline = math.inf
-            elif frames or self._frame_deadline == math.inf:  # a new frame has begun
-                self._frame_deadline = arrived + self.config.frame_timeout_s
+            new_frame = bool(frames) or self._frame_deadline == math.inf
             for payload in frames:
                 try:
                     await self._dispatch(decode_client_message(payload), arrived)
                 except UmaError as exc:
                     await self._send_error(exc)
+            if frames:
+                self._set_idle_deadline()  # any message is activity (a metrics poller is not idle)
+            # From now, not from the read: dispatching may have waited on a slow write.
+            if not decoder.buffered:
+                self._frame_deadline = math.inf
+            elif new_frame:
+                self._frame_deadline = trio.current_time() + self.config.frame_timeout_s
 
     async def _dispatch(self, message: ClientMessage, arrived: float) -> None:
         match message:

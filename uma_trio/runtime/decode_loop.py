@@ -231,19 +231,21 @@ class DecodeLoop:
 
     async def _run_plan(self, plan: Plan) -> None:
         entries = self._entries(plan)
+        whole = True
         try:
             try:
                 result = await self.engine.step(entries)
             except EngineError as exc:
                 if not exc.rejected:
                     raise
+                whole = False
                 result = await self._step_apart(entries, exc)
-            else:
-                self.policy.observe(plan, self._state, result.decode_s)
         except Exception as exc:  # the context is in doubt: only a fresh one can be trusted
             self._last_step_end = None
             await self._rebuild_context(exc)
             return
+        if whole:  # a batch run in parts says nothing about the cost of the plan
+            self.policy.observe(plan, self._state, result.decode_s)
         # Sessions failed above are gone from _active; the rest ran.
         for seq_id, n in plan.prefill:
             if (session := self._active.get(seq_id)) is not None:
@@ -471,20 +473,29 @@ class DecodeLoop:
         log.info("context rebuilt; serving again")
 
     def _fail(self, session: Session, code: ErrorCode, message: str) -> None:
-        """End ``session`` with an error event; its KV cells are dropped, not cached."""
+        """End ``session`` with an error event; its KV cells are dropped, not cached.  One
+        already cancelled ends as that (its client asked first)."""
+        if session.abort is not None:
+            self._finish(session, "cancelled", cancel_reason=session.abort, keep_kv=False)
+            return
         session.error = ErrorEvent(id=session.id, code=code, message=message)
         self.metrics.on_error(code)
         self._finish(session, "error")
 
     def _finish(
-        self, session: Session, reason: FinishReason, *, cancel_reason: CancelReason | None = None
+        self,
+        session: Session,
+        reason: FinishReason,
+        *,
+        cancel_reason: CancelReason | None = None,
+        keep_kv: bool = True,
     ) -> None:
         if reason in ("stop", "length"):
             self._emit(session, session.text.flush(), session.last_token_id)
         if session.seq_id is not None:
-            # Its KV stays cached for later requests sharing the prefix, unless a failed
-            # decode left it in doubt.
-            held = session.kv_tokens() if reason != "error" else session.prompt[:0]
+            # Its KV stays cached for later requests sharing the prefix, unless a failure
+            # left it in doubt.
+            held = session.kv_tokens() if keep_kv and reason != "error" else session.prompt[:0]
             del self._active[session.seq_id]
             self._free_cells(self.kv.release(session.seq_id, held, pin=session.pins_on(reason)))
             self._reserved_cells -= session.reserved_cells

@@ -235,10 +235,15 @@ class KvManager:
         return self._enforce_budget()
 
     def forget_cached(self) -> None:
-        """The context was replaced and holds nothing: every cached sequence, pinned or
-        not, is free again (no cells to free)."""
-        self._free.extend(self._cached)
-        self._cached.clear()
+        """The context was replaced and holds nothing: cached sequences are free again (no
+        cells to free).  A pinned one keeps its id, empty, until its pin is released: its
+        snapshot then finds no cells and fails, rather than reading another request's."""
+        for seq_id, entry in list(self._cached.items()):
+            if entry.pins:
+                entry.tokens = entry.tokens[:0]
+            else:
+                del self._cached[seq_id]
+                self._free.append(seq_id)
 
     # -- internals -------------------------------------------------------------------
 
