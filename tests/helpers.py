@@ -14,12 +14,33 @@ from typing import Any
 
 import trio
 
+from uma_trio.config import ServerConfig
 from uma_trio.engine.base import Engine
 from uma_trio.engine.sim import SimEngine
 from uma_trio.loadgen.simulate import SIM_CONFIG
 from uma_trio.protocol.framing import FrameDecoder
 from uma_trio.runtime.server import Server
 from uma_trio.sched.cost import CostCoefficients
+
+
+def sim_server(
+    config: ServerConfig,
+    wrap: Callable[[SimEngine], Engine] | None = None,
+    cost: CostCoefficients | None = None,
+) -> Server:
+    """A daemon for ``config`` on the simulated engine (not started); ``wrap`` wraps the
+    engine (fault injection)."""
+    sim = SimEngine(cost or CostCoefficients(), n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
+    return Server(wrap(sim) if wrap is not None else sim, config)
+
+
+@asynccontextmanager
+async def serving_sim(server: Server) -> AsyncIterator[Server]:
+    """``server`` serving for the duration of the block; force-stopped on exit."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        yield server
+        server.request_shutdown(force=True)
 
 
 @asynccontextmanager
@@ -29,16 +50,11 @@ async def sim_daemon(
     **overrides: Any,
 ) -> AsyncIterator[Server]:
     """A whole daemon (real socket, connections, policy, decode loop) on the simulated
-    engine, with SIM_CONFIG plus ``overrides``; its socket in a fresh private directory.
-    ``wrap`` wraps the engine (fault injection).  Force-stopped on exit."""
+    engine, with SIM_CONFIG plus ``overrides``, its socket in a fresh private directory."""
     with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
         config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock", **overrides)
-        sim = SimEngine(cost or CostCoefficients(), n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
-        server = Server(wrap(sim) if wrap is not None else sim, config)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
+        async with serving_sim(sim_server(config, wrap, cost)) as server:
             yield server
-            server.request_shutdown(force=True)
 
 
 def assert_nothing_held(server: Server) -> None:

@@ -10,8 +10,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,14 +24,11 @@ from uma_trio import cli
 from uma_trio.client import ConnectionLost, RequestFailed, UmaClient, UntrustedDaemon
 from uma_trio.config import DEFAULT_SOCKET, ServerConfig, default_socket_path
 from uma_trio.daemon import http_gateway
-from uma_trio.engine.sim import SimEngine
 from uma_trio.loadgen.simulate import SIM_CONFIG
 from uma_trio.runtime.peer import peer_uid
-from uma_trio.runtime.server import Server
 from uma_trio.runtime.unix_socket import SocketInUseError, UnsafeSocketDirError, ensure_private_dir
-from uma_trio.sched.cost import CostCoefficients
 
-from .helpers import RawClient
+from .helpers import RawClient, serving_sim, sim_server
 
 ME = os.geteuid()
 OTHER_UID = ME + 12345
@@ -44,20 +40,6 @@ def tmp() -> Iterator[Path]:
     # Short paths (AF_UNIX) in a directory mkdtemp made 0700 and ours.
     with tempfile.TemporaryDirectory(prefix="uma-ac-") as name:
         yield Path(name)
-
-
-def sim(config: ServerConfig) -> Server:
-    engine = SimEngine(CostCoefficients(), n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
-    return Server(engine, config)
-
-
-@asynccontextmanager
-async def sim_server(config: ServerConfig) -> AsyncIterator[Server]:
-    server = sim(config)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
-        yield server
-        server.request_shutdown(force=True)
 
 
 def sim_config(tmp: Path, **overrides: Any) -> ServerConfig:
@@ -124,7 +106,7 @@ async def test_the_daemon_refuses_to_serve_in_a_shared_directory(tmp: Path) -> N
     shared = tmp / "shared"
     shared.mkdir()
     shared.chmod(0o1777)  # like /tmp
-    server = sim(replace(SIM_CONFIG, socket_path=shared / "d.sock"))
+    server = sim_server(replace(SIM_CONFIG, socket_path=shared / "d.sock"))
     with pytest.raises(UnsafeSocketDirError, match="other users can write"):
         await server.serve()
     assert not (shared / "d.sock").exists()
@@ -132,7 +114,7 @@ async def test_the_daemon_refuses_to_serve_in_a_shared_directory(tmp: Path) -> N
 
 async def test_the_daemon_creates_its_directory(tmp: Path) -> None:
     config = replace(SIM_CONFIG, socket_path=tmp / "run" / "d.sock")
-    async with sim_server(config), UmaClient.connect(config.socket_path) as client:
+    async with serving_sim(sim_server(config)), UmaClient.connect(config.socket_path) as client:
         assert stat.S_IMODE((tmp / "run").stat().st_mode) == 0o700
         assert (await client.metrics())["sessions"]["active"] == 0
 
@@ -220,7 +202,7 @@ def test_allow_uid_flag_repeats_and_reads_its_env_var(monkeypatch: pytest.Monkey
 
 
 async def test_an_allowed_uid_is_served(tmp: Path) -> None:
-    async with sim_server(sim_config(tmp, allowed_uids=(OTHER_UID, ME))) as server:
+    async with serving_sim(sim_server(sim_config(tmp, allowed_uids=(OTHER_UID, ME)))) as server:
         client = await RawClient.connect(server.config.socket_path)
         await client.send({"id": "a", "prompt": "hello there", "max_tokens": 3})
         events = await client.until_end("a")
@@ -233,7 +215,7 @@ async def test_a_uid_not_on_the_list_gets_e_auth_001_and_is_closed(
     tmp: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    async with sim_server(sim_config(tmp, allowed_uids=(OTHER_UID,))) as server:
+    async with serving_sim(sim_server(sim_config(tmp, allowed_uids=(OTHER_UID,)))) as server:
         client = await RawClient.connect(server.config.socket_path)
         with trio.fail_after(10):
             event = await client.next_event()
@@ -254,7 +236,7 @@ async def test_an_undeterminable_uid_is_refused_when_a_list_is_set(
     tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("uma_trio.runtime.server.peer_uid", lambda sock: None)
-    async with sim_server(sim_config(tmp, allowed_uids=(ME,))) as server:
+    async with serving_sim(sim_server(sim_config(tmp, allowed_uids=(ME,)))) as server:
         client = await RawClient.connect(server.config.socket_path)
         with trio.fail_after(10):
             event = await client.next_event()
@@ -264,7 +246,7 @@ async def test_an_undeterminable_uid_is_refused_when_a_list_is_set(
 
 @pytest.mark.parametrize("pause", [0.0, 0.2])  # ask at once, or after the refusal is in
 async def test_a_refused_client_is_told_why(tmp: Path, pause: float) -> None:
-    async with sim_server(sim_config(tmp, allowed_uids=(OTHER_UID,))) as server:
+    async with serving_sim(sim_server(sim_config(tmp, allowed_uids=(OTHER_UID,)))) as server:
         with pytest.raises((RequestFailed, ConnectionLost), match=f"E_AUTH_001: uid {ME} is not allowed"):
             async with UmaClient.connect(server.config.socket_path) as client:
                 await trio.sleep(pause)
@@ -273,7 +255,7 @@ async def test_a_refused_client_is_told_why(tmp: Path, pause: float) -> None:
 
 
 async def test_cli_reports_a_refusal_in_one_line(tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    async with sim_server(sim_config(tmp, allowed_uids=(OTHER_UID,))) as server:
+    async with serving_sim(sim_server(sim_config(tmp, allowed_uids=(OTHER_UID,)))) as server:
         path = server.config.socket_path
         codes = [
             await trio.to_thread.run_sync(lambda: cli.metrics(socket=path)),
@@ -291,7 +273,7 @@ async def test_cli_reports_a_refusal_in_one_line(tmp: Path, capsys: pytest.Captu
 async def test_client_refuses_a_daemon_running_as_another_user(
     tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with sim_server(sim_config(tmp)) as server:
+    async with serving_sim(sim_server(sim_config(tmp))) as server:
         path = server.config.socket_path
         async with UmaClient.connect(path) as client:  # the real check: the daemon is us
             await client.metrics()
@@ -314,7 +296,7 @@ async def test_cli_reports_an_impostor_as_a_connection_error(
     tmp: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(uma_trio.client, "peer_uid", lambda sock: OTHER_UID)
-    async with sim_server(sim_config(tmp)) as server:
+    async with serving_sim(sim_server(sim_config(tmp))) as server:
         path = server.config.socket_path
         # The command runs its own event loop (asyncio, via anyio.run): in a worker thread.
         code = await trio.to_thread.run_sync(lambda: cli.metrics(socket=path))
@@ -338,7 +320,7 @@ async def test_no_api_key_or_prompt_in_the_logs(tmp: Path, caplog: pytest.LogCap
     config = sim_config(tmp, http="127.0.0.1:0", api_key=KEY)
     assert KEY not in repr(config) and "api_key" not in repr(config)
     statuses: dict[str, int] = {}
-    async with http_gateway(config, "sim.gguf") as gateway, sim_server(config) as server:
+    async with http_gateway(config, "sim.gguf") as gateway, serving_sim(sim_server(config)) as server:
         assert gateway is not None and gateway.url is not None
         gateway.attach(server)
         body = {"model": "sim", "prompt": PROMPT, "max_tokens": 3}

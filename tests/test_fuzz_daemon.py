@@ -7,19 +7,14 @@ from __future__ import annotations
 
 import json
 import random
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import trio
 
-from uma_trio.engine.sim import SimEngine
 from uma_trio.loadgen.simulate import SIM_CONFIG
-from uma_trio.runtime.server import Server
-from uma_trio.sched.cost import CostCoefficients
 
-from .helpers import RawClient, frame
+from .helpers import RawClient, frame, sim_daemon
 
 INPUTS = 600
 STREAM_TOKENS = 300
@@ -65,39 +60,34 @@ async def test_fuzzed_inputs_never_disturb_another_stream() -> None:
     rng = random.Random(7)
     sent: Counter[str] = Counter()
     victim_events: list[dict[str, object]] = []
-    with tempfile.TemporaryDirectory(prefix="uma-fuzz-") as tmp:
-        config = SIM_CONFIG.__class__(**{**SIM_CONFIG.__dict__, "socket_path": Path(tmp) / "d.sock"})
-        engine = SimEngine(CostCoefficients(), n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
-        server = Server(engine, config)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
+    async with sim_daemon() as server, trio.open_nursery() as nursery:
+        config = server.config
 
-            async def victim() -> None:
-                client = await RawClient.connect(config.socket_path)
-                await client.send({"id": "v", "prompt": "tell me a story", "max_tokens": STREAM_TOKENS})
-                victim_events.extend(await client.until_end("v"))
-                await client.aclose()
+        async def victim() -> None:
+            client = await RawClient.connect(config.socket_path)
+            await client.send({"id": "v", "prompt": "tell me a story", "max_tokens": STREAM_TOKENS})
+            victim_events.extend(await client.until_end("v"))
+            await client.aclose()
 
-            nursery.start_soon(victim)
-            fuzzer = await RawClient.connect(config.socket_path)
-            inputs = garbage(rng)
-            for _ in range(INPUTS):
-                kind, data = next(inputs)
-                sent[kind] += 1
-                await fuzzer.send_bytes(data)
-                event = await fuzzer.next_event()
-                assert event is not None and event["event"] == "error", (kind, data[:80], event)
-                assert event["code"].startswith("E_"), event
-                if kind == "oversized":
-                    assert event["code"] == "E_PROTO_004"
-                    assert await fuzzer.next_event() is None  # closed after the error
-                    fuzzer = await RawClient.connect(config.socket_path)
-            victim_still_running = not victim_events
-            with trio.fail_after(60):
-                while not victim_events or victim_events[-1]["event"] != "eos":
-                    await trio.sleep(0.1)
-            snapshot = server.metrics_snapshot()
-            server.request_shutdown(force=True)
+        nursery.start_soon(victim)
+        fuzzer = await RawClient.connect(config.socket_path)
+        inputs = garbage(rng)
+        for _ in range(INPUTS):
+            kind, data = next(inputs)
+            sent[kind] += 1
+            await fuzzer.send_bytes(data)
+            event = await fuzzer.next_event()
+            assert event is not None and event["event"] == "error", (kind, data[:80], event)
+            assert event["code"].startswith("E_"), event
+            if kind == "oversized":
+                assert event["code"] == "E_PROTO_004"
+                assert await fuzzer.next_event() is None  # closed after the error
+                fuzzer = await RawClient.connect(config.socket_path)
+        victim_still_running = not victim_events
+        with trio.fail_after(60):
+            while not victim_events or victim_events[-1]["event"] != "eos":
+                await trio.sleep(0.1)
+        snapshot = server.metrics_snapshot()
     assert victim_still_running  # every input arrived while the victim streamed
     tokens = [e for e in victim_events if e["event"] == "token"]
     assert len(tokens) == STREAM_TOKENS and victim_events[-1]["reason"] == "length"

@@ -9,17 +9,12 @@ from __future__ import annotations
 
 import json
 import socket
-import tempfile
 from contextlib import AbstractAsyncContextManager
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import trio
 
 from uma_trio.daemon import http_gateway
-from uma_trio.engine.sim import SimEngine
-from uma_trio.loadgen.simulate import SIM_CONFIG
 from uma_trio.runtime.server import Server
 from uma_trio.sched.cost import CostCoefficients
 
@@ -169,27 +164,22 @@ async def test_a_stuck_http_stream_is_cancelled_with_a_reason() -> None:
     """Real time (hypercorn's own timers): an SSE client that reads nothing has its request
     cancelled as stalled, even though hypercorn's socket write cannot be interrupted."""
     fast = CostCoefficients(fixed_s=0.0001, decode_s=0.00001, prefill_s=0.00001, ctx_s_per_kcell=0.0)
-    with tempfile.TemporaryDirectory(prefix="uma-slow-") as tmp:
-        config = replace(
-            SIM_CONFIG, socket_path=Path(tmp) / "d.sock", stall_timeout_s=1.0, http="127.0.0.1:0"
-        )
-        engine = SimEngine(fast, n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
-        server = Server(engine, config)
-        async with http_gateway(config, "sim.gguf") as gateway, trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
-            assert gateway is not None and gateway.url is not None
-            gateway.attach(server)
-            host, port = gateway.url.removeprefix("http://").split(":")
-            sock = trio.socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills fast
-            await sock.connect((host, int(port)))
-            body = json.dumps({"prompt": "tell me everything", "max_tokens": 4000}).encode()
-            head = "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            await sock.send(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            with trio.fail_after(20):
-                while server.metrics.cancels["stalled"] < 1:
-                    await trio.sleep(0.1)
-            gauges = server.loop.gauges()
-            assert gauges["sessions"]["active"] == gauges["kv"]["cells_reserved"] == 0
-            sock.close()
-            server.request_shutdown(force=True)
+    async with (
+        sim_daemon(cost=fast, stall_timeout_s=1.0, http="127.0.0.1:0") as server,
+        http_gateway(server.config, "sim.gguf") as gateway,
+    ):
+        assert gateway is not None and gateway.url is not None
+        gateway.attach(server)
+        host, port = gateway.url.removeprefix("http://").split(":")
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills fast
+        await sock.connect((host, int(port)))
+        body = json.dumps({"prompt": "tell me everything", "max_tokens": 4000}).encode()
+        head = "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        await sock.send(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        with trio.fail_after(20):
+            while server.metrics.cancels["stalled"] < 1:
+                await trio.sleep(0.1)
+        gauges = server.loop.gauges()
+        assert gauges["sessions"]["active"] == gauges["kv"]["cells_reserved"] == 0
+        sock.close()

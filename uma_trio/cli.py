@@ -46,6 +46,17 @@ def _setup_logging(level: str) -> None:
 _DEFAULTS = ServerConfig()
 
 
+def _daemon_failure(socket: Path, exc: Exception) -> int:
+    """Say why talking to the daemon at ``socket`` failed; returns the exit code.  An error
+    event (e.g. E_AUTH_001: this user is not on the daemon's --allow-uid) is the daemon's
+    answer; anything else means it could not be reached or hung up."""
+    if isinstance(exc, RequestFailed):
+        print(f"error {exc.event.code}: {exc.event.message}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    print(f"cannot talk to the daemon at {socket}: {exc}", file=sys.stderr)
+    return EXIT_PROTOCOL_ERROR
+
+
 def _calibrated_cost_model() -> Path | None:
     from .sched.calibrate import default_cost_model_path
 
@@ -293,8 +304,7 @@ async def _generate(socket: Path, request: dict[str, object]) -> int:
                     sys.stdout.write("\n")
                     return EXIT_SERVER_ERROR if event.reason == "error" else 0
     except (ConnectionLost, OSError) as exc:
-        print(f"cannot talk to the daemon at {socket}: {exc}", file=sys.stderr)
-        return EXIT_PROTOCOL_ERROR
+        return _daemon_failure(socket, exc)
     print("the daemon ended the stream without an eos event", file=sys.stderr)
     return EXIT_PROTOCOL_ERROR
 
@@ -319,12 +329,8 @@ def metrics(
 
     try:
         snapshot = anyio.run(fetch)
-    except RequestFailed as exc:  # e.g. E_AUTH_001: this user is not on the daemon's --allow-uid
-        print(f"error {exc.event.code}: {exc.event.message}", file=sys.stderr)
-        return EXIT_SERVER_ERROR
-    except (ConnectionLost, OSError) as exc:
-        print(f"cannot talk to the daemon at {socket}: {exc}", file=sys.stderr)
-        return EXIT_PROTOCOL_ERROR
+    except (RequestFailed, ConnectionLost, OSError) as exc:
+        return _daemon_failure(socket, exc)
     if json_:
         print(json.dumps(snapshot, indent=2, sort_keys=True))
     else:
@@ -356,12 +362,8 @@ def top(*, socket: SocketPath = DEFAULT_SOCKET, interval: float = 1.0, once: boo
         return EXIT_SERVER_ERROR
     try:
         trio.run(run_top, socket, interval, once)
-    except RequestFailed as exc:
-        print(f"error {exc.event.code}: {exc.event.message}", file=sys.stderr)
-        return EXIT_SERVER_ERROR
-    except (ConnectionLost, OSError) as exc:
-        print(f"cannot talk to the daemon at {socket}: {exc}", file=sys.stderr)
-        return EXIT_PROTOCOL_ERROR
+    except (RequestFailed, ConnectionLost, OSError) as exc:
+        return _daemon_failure(socket, exc)
     except KeyboardInterrupt:
         pass
     return 0
@@ -489,12 +491,8 @@ def _snapshot(socket: Path, op: str, name: str | None, fields: dict[str, Any]) -
 
     try:
         event = anyio.run(ask)
-    except RequestFailed as exc:
-        print(f"error {exc.event.code}: {exc.event.message}", file=sys.stderr)
-        return EXIT_SERVER_ERROR
-    except (ConnectionLost, OSError) as exc:
-        print(f"cannot talk to the daemon at {socket}: {exc}", file=sys.stderr)
-        return EXIT_PROTOCOL_ERROR
+    except (RequestFailed, ConnectionLost, OSError) as exc:
+        return _daemon_failure(socket, exc)
     verb = {"save": "saved", "restore": "restored", "list": ""}[op]
     for info in event.snapshots:
         print(f"{verb + ' ' if verb else ''}{info.name}: {info.tokens} tokens, {info.bytes / 1e6:.1f} MB, "

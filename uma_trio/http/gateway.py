@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
 import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
@@ -410,9 +409,9 @@ class EventStream(Response):
         chunks: Callable[[], AsyncGenerator[bytes, None]],
         *,
         on_close: Callable[[], None],
+        stall_timeout_s: float,
+        on_stall: Callable[[], None],
         headers: dict[str, str] | None = None,
-        stall_timeout_s: float = math.inf,
-        on_stall: Callable[[], None] = lambda: None,
     ) -> None:
         self.status_code = 200
         self.background = None
