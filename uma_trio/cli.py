@@ -19,7 +19,8 @@ import trio
 from cyclopts import Parameter
 
 from .client import ConnectionLost, RequestFailed, UmaClient
-from .config import DEFAULT_SOCKET, KvType, ServerConfig
+from .config import DEFAULT_SOCKET, FlashAttn, KvType, ServerConfig, SplitMode
+from .engine.offload import parse_tensor_split
 from .model_files import ModelFileError, check_model_path, ensure_default_model
 from .protocol.messages import EosEvent, ErrorEvent, SnapshotEvent, TokenEvent
 from .runtime.unix_socket import SocketInUseError, ensure_private_dir
@@ -71,11 +72,17 @@ def serve(
     socket: SocketPath = DEFAULT_SOCKET,
     n_ctx: int = _DEFAULTS.n_ctx,
     kv_unified: bool = _DEFAULTS.kv_unified,
-    kv_type: KvType = _DEFAULTS.kv_type,
+    kv_type: KvType | None = None,
+    deterministic: bool = False,
+    gpu_layers: str = _DEFAULTS.gpu_layers,
+    flash_attn: FlashAttn = _DEFAULTS.flash_attn,
+    main_gpu: int = _DEFAULTS.main_gpu,
+    split_mode: SplitMode = _DEFAULTS.split_mode,
+    tensor_split: str | None = None,
     prefix_cache_cells: int | None = None,
     snapshot_dir: Path | None = None,
     n_batch: int = _DEFAULTS.n_batch,
-    n_ubatch: int = _DEFAULTS.n_ubatch,
+    n_ubatch: int | None = None,
     threads: int | None = None,
     max_sessions: int = _DEFAULTS.max_sessions,
     max_queue: int = _DEFAULTS.max_queue,
@@ -123,10 +130,26 @@ def serve(
         greedy output then depends on what else ran (freed cells get reused out of order),
         but one request may use any free cell (up to the model's trained context).
     kv_type
-        KV cache element type for K and V: q8_0 (half f16's memory; greedy output exact
-        however tokens were batched, chunked or cached), f16 (llama.cpp's default, 1.1-1.3x
-        faster at long context here, but output depends on batching past 256 cells) or q4_0
-        (a quarter of f16's memory, slowest here).
+        KV cache element type for K and V: f16 (the default: llama.cpp's, fastest), q8_0
+        (half f16's memory; the --deterministic default) or q4_0 (a quarter of f16's memory).
+    deterministic
+        Exact, batch-invariant greedy output: a request's tokens do not depend on what else
+        runs, how its prompt was chunked or whether its prefix came from the cache. Uses a
+        q8_0 KV cache, micro-batches of 32 and one KV stream per session (slower prefill).
+        Guaranteed on the CPU backend (docs/CONFIG.md).
+    gpu_layers
+        Model layers on the GPU: auto (all when llama.cpp has a GPU backend and the
+        weights plus the KV cache fit the devices' free memory, else as many as fit, logged),
+        all, or a number (0: CPU only). Env: UMA_GPU_LAYERS.
+    flash_attn
+        Flash attention: auto (where the backend supports it), on or off (off needs --kv-type f16).
+    main_gpu
+        The GPU that holds the model with --split-mode none (and the scratch buffers).
+    split_mode
+        Across several GPUs: layer (whole layers per GPU), row (tensor parallel rows, where
+        the backend supports it) or none (everything on --main-gpu).
+    tensor_split
+        Share of the model per GPU, in device order, e.g. 3,1. Default: by free memory.
     prefix_cache_cells
         Most KV cells finished requests may leave cached for reuse by later requests that
         share their prefix. Default: any cells no request needs; 0 turns the cache off.
@@ -136,8 +159,8 @@ def serve(
     n_batch
         Most tokens decoded in one tick.
     n_ubatch
-        llama.cpp micro-batch size. Below 64, greedy output is identical alone or batched;
-        larger values prefill faster (about 1.4x at 512) but make results batch-dependent.
+        llama.cpp micro-batch size. Default 512 (32 with --deterministic, which needs it under
+        64: llama.cpp's CPU kernels change arithmetic from there on).
     threads
         llama.cpp threads (default: all cores).
     max_sessions
@@ -207,6 +230,8 @@ def serve(
     try:
         config = ServerConfig(
             socket_path=socket, n_ctx=n_ctx, kv_unified=kv_unified, kv_type=kv_type,
+            deterministic=deterministic, gpu_layers=gpu_layers, flash_attn=flash_attn, main_gpu=main_gpu,
+            split_mode=split_mode, tensor_split=parse_tensor_split(tensor_split) if tensor_split else None,
             prefix_cache_cells=prefix_cache_cells, snapshot_dir=snapshot_dir, n_batch=n_batch,
             n_ubatch=n_ubatch, threads=threads,
             max_sessions=max_sessions, max_queue=max_queue, max_connections=max_connections,
@@ -238,6 +263,78 @@ def serve(
     except DaemonStartError as exc:
         log.error("%s", exc)
         return EXIT_SERVER_ERROR
+    return 0
+
+
+@app.command
+def info(
+    *,
+    model: Path | None = None,
+    n_ctx: int = _DEFAULTS.n_ctx,
+    max_sessions: int = _DEFAULTS.max_sessions,
+    kv_type: KvType | None = None,
+    kv_unified: bool = _DEFAULTS.kv_unified,
+    deterministic: bool = False,
+    gpu_layers: str = _DEFAULTS.gpu_layers,
+    flash_attn: FlashAttn = _DEFAULTS.flash_attn,
+    main_gpu: int = _DEFAULTS.main_gpu,
+    split_mode: SplitMode = _DEFAULTS.split_mode,
+    tensor_split: str | None = None,
+    n_batch: int = _DEFAULTS.n_batch,
+    n_ubatch: int | None = None,
+    threads: int | None = None,
+    json_: Annotated[bool, Parameter(name="--json")] = False,
+) -> int:
+    """Print what `uma-trio serve` would run on, with no daemon running: llama.cpp's build
+    (system info, backends), the devices and their free memory, how many layers go to the
+    GPU and why, where the KV cache lives and its size, flash attention, the engine settings.
+    Reads the model's metadata only (no weights). The flags are serve's.
+
+    Parameters
+    ----------
+    json_
+        Print the summary as JSON.
+    """
+    try:
+        config = ServerConfig(
+            n_ctx=n_ctx, max_sessions=max_sessions, kv_type=kv_type, kv_unified=kv_unified,
+            deterministic=deterministic, gpu_layers=gpu_layers, flash_attn=flash_attn, main_gpu=main_gpu,
+            split_mode=split_mode, tensor_split=parse_tensor_split(tensor_split) if tensor_split else None,
+            n_batch=n_batch, n_ubatch=n_ubatch, threads=threads,
+        )  # fmt: skip
+        model_path = check_model_path(model) if model is not None else ensure_default_model()
+    except (ValueError, ModelFileError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    from .engine.llama import ModelLoadError
+    from .engine.planned import planned_summary
+
+    try:
+        summary = planned_summary(model_path, config)
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    if json_:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+        return 0
+    mib = 1024 * 1024
+    layers, kv, st = summary["gpu_layers"], summary["kv"], summary["settings"]
+    print(f"llama.cpp     {summary['system_info']}")
+    print(f"backends      {', '.join(summary['backends'])}")
+    for d in summary["devices"]:
+        print(f"device        {d['name']} ({d['kind']}, {d['backend']}): {d['description']}, "
+              f"{d['free_mib']} of {d['total_mib']} MiB free")  # fmt: skip
+    print(f"model         {summary['model']['file']}: {summary['model']['n_layer']} layers, "
+          f"{summary['model']['weight_bytes'] / mib:.0f} MiB")  # fmt: skip
+    print(f"GPU layers    {layers['offloaded']} of {layers['total']} ({layers['reason']})")
+    print(
+        f"KV cache      {kv['type']}, {kv['cells']} cells, {kv['bytes'] / mib:.0f} MiB, on {kv['location']}"
+    )
+    print(f"flash attn    {summary['flash_attn']}")
+    mode = "deterministic (exact greedy output)" if st["deterministic"] else "fast"
+    print(f"mode          {mode}: n_ubatch {st['n_ubatch']}, n_batch {st['n_batch']}, "
+          f"{st['n_seq_max']} sessions x {st['n_ctx_seq']} cells, kv_unified {st['kv_unified']}, "
+          f"threads {st['threads']}")  # fmt: skip
     return 0
 
 
@@ -525,6 +622,8 @@ def calibrate(
     out: Path | None = None,
     repeats: int = 5,
     threads: int | None = None,
+    gpu_layers: str = _DEFAULTS.gpu_layers,
+    deterministic: bool = False,
 ) -> int:
     """Measure this machine's tick costs on the real engine and write them as JSON.
 
@@ -543,6 +642,10 @@ def calibrate(
         Timed runs of every batch configuration.
     threads
         llama.cpp threads (default: all cores), as the daemon will run them.
+    gpu_layers
+        Layers on the GPU, as `serve --gpu-layers` (auto, all or a count).
+    deterministic
+        Measure the --deterministic engine settings instead of the fast ones.
     """
     from .sched.calibrate import calibrate as run_calibration  # numpy, llama_cpp: keep others light
     from .sched.calibrate import default_cost_model_path
@@ -561,9 +664,18 @@ def calibrate(
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    from .daemon import context_config, offload_plan, placement_for
+
     try:
-        result = run_calibration(model_path, repeats=repeats, threads=threads, progress=progress)
-    except ModelLoadError as exc:
+        config = ServerConfig(gpu_layers=gpu_layers, deterministic=deterministic, threads=threads)
+        plan = offload_plan(model_path, config)
+        engine = context_config(config)
+        context = {"n_ubatch": engine.n_ubatch, "kv_type": engine.kv_type, "flash_attn": engine.flash_attn}
+        result = run_calibration(
+            model_path, repeats=repeats, threads=threads, progress=progress, context=context,
+            placement=placement_for(plan, config),
+        )  # fmt: skip
+    except (ModelLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_SERVER_ERROR
     c, q = result.coefficients, result.quality
@@ -577,6 +689,8 @@ def calibrate(
     print(f"decode_s         {c.decode_s:.6f}  s per decode token")
     print(f"prefill_s        {c.prefill_s:.6f}  s per prompt token")
     print(f"ctx_s_per_kcell  {c.ctx_s_per_kcell:.6f}  s per 1,000 KV cells read")
+    print(f"flat_tokens      {c.flat_tokens}  tokens a tick carries for fixed_s (the knee)")
+    print(f"device           {c.device}")
     print(f"R²               {q.r2:.4f}  ({q.n_samples} configurations, medians)")
     print(f"mean |rel. err|  {100.0 * q.mean_abs_rel_error:.1f} %")
     target = out if out is not None else default_cost_model_path()

@@ -29,6 +29,16 @@ def default_socket_path() -> Path:
 DEFAULT_SOCKET = default_socket_path()  # computed once, at import: the CLI's default
 KvType = Literal["f16", "q8_0", "q4_0"]
 KV_TYPE_NAMES: tuple[KvType, ...] = get_args(KvType)
+FlashAttn = Literal["auto", "on", "off"]
+SplitMode = Literal["none", "layer", "row"]
+
+# The engine settings of the two modes (docs/CONFIG.md): fast, as llama-server runs, or
+# deterministic, where greedy output does not depend on batching, chunking or the cache.
+FAST_N_UBATCH = 512
+FAST_KV_TYPE: KvType = "f16"
+DETERMINISTIC_N_UBATCH = 32
+DETERMINISTIC_KV_TYPE: KvType = "q8_0"
+DETERMINISTIC_MAX_UBATCH = 63  # llama.cpp's CPU matrix kernels change arithmetic at 64 tokens
 
 
 @dataclass(frozen=True)
@@ -37,15 +47,24 @@ class ServerConfig:
     # Engine
     n_ctx: int = 4096  # KV cells per request (prompt + max_tokens); KV holds n_ctx * max_sessions
     kv_unified: bool = False  # one KV stream for all sessions; not batch-invariant
-    # K and V cache element type.  q8_0 by default: half f16's memory, and unlike f16 it keeps
+    # K and V cache element type; None: f16 (fast), or q8_0 with --deterministic, which keeps
     # greedy output exact across batching, chunking and cache hits (docs/CONFIG.md).
-    kv_type: KvType = "q8_0"
+    kv_type: KvType | None = None
+    # Exact, batch-invariant greedy output (q8_0 KV, micro-batches under 64, one KV stream per
+    # session) instead of llama-server's fast settings.
+    deterministic: bool = False
+    # Placement (docs/CONFIG.md "GPU"): "auto" | "all" | a layer count
+    gpu_layers: str = "auto"
+    flash_attn: FlashAttn = "auto"
+    main_gpu: int = 0
+    split_mode: SplitMode = "layer"
+    tensor_split: tuple[float, ...] | None = None
     # Prefix cache (docs/SCHEDULER.md): most KV cells finished requests may leave cached for
     # reuse; None: any cells no request needs; 0: off.
     prefix_cache_cells: int | None = None
     snapshot_dir: Path | None = None  # KV snapshots; None: the per-user state directory
     n_batch: int = 512  # hard cap on tokens per tick
-    n_ubatch: int = 32  # llama.cpp micro-batch; < 64 keeps results batch-invariant
+    n_ubatch: int | None = None  # llama.cpp micro-batch; None: 512, or 32 with --deterministic
     threads: int | None = None  # llama.cpp threads; default all cores
     # Scheduling (docs/SCHEDULER.md)
     tick_ms: float = 50.0  # tick budget when no interactive stream decodes (throughput mode)
@@ -81,7 +100,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         positive = {
-            "n_ctx": self.n_ctx, "n_batch": self.n_batch, "n_ubatch": self.n_ubatch, "tick_ms": self.tick_ms,
+            "n_ctx": self.n_ctx, "n_batch": self.n_batch, "n_ubatch": self.engine_n_ubatch,
+            "tick_ms": self.tick_ms,
             "max_sessions": self.max_sessions, "max_connections": self.max_connections,
             "max_in_flight": self.max_in_flight, "max_frame_bytes": self.max_frame_bytes,
             "max_prompt_tokens": self.max_prompt_tokens, "max_tokens": self.max_tokens,
@@ -102,8 +122,11 @@ class ServerConfig:
             raise ValueError("tick_ms_min must be positive and at most tick_ms")
         if self.bmt_budget_gbps is not None and self.bmt_budget_gbps < 0:
             raise ValueError("bmt_budget_gbps must not be negative")
-        if self.kv_type not in KV_TYPE_NAMES:
+        if self.kv_type is not None and self.kv_type not in KV_TYPE_NAMES:
             raise ValueError(f"kv_type must be one of {', '.join(KV_TYPE_NAMES)}")
+        self._check_placement()
+        if self.deterministic:
+            self._check_deterministic()
         if self.prefix_cache_cells is not None and self.prefix_cache_cells < 0:
             raise ValueError("prefix_cache_cells must not be negative (0 turns the cache off)")
         if self.interactive_reserve < 0:
@@ -121,6 +144,56 @@ class ServerConfig:
                 raise ValueError("allowed_uids must not be empty (None: whoever can open the socket)")
             if any(not isinstance(uid, int) or uid < 0 for uid in self.allowed_uids):
                 raise ValueError("allowed_uids must be user ids (integers, 0 or more)")
+
+    def _check_placement(self) -> None:
+        from .engine.offload import parse_gpu_layers
+
+        parse_gpu_layers(self.gpu_layers)  # raises, naming the flag
+        if self.flash_attn not in get_args(FlashAttn):
+            raise ValueError(f"--flash-attn must be auto, on or off, not {self.flash_attn!r}")
+        if self.split_mode not in get_args(SplitMode):
+            raise ValueError(f"--split-mode must be none, layer or row, not {self.split_mode!r}")
+        if self.main_gpu < 0:
+            raise ValueError(f"--main-gpu must be a device index (0 or more), not {self.main_gpu}")
+        if self.tensor_split is not None and (
+            not self.tensor_split or any(not s >= 0 for s in self.tensor_split) or sum(self.tensor_split) <= 0
+        ):
+            raise ValueError("--tensor-split must be non-negative shares such as 3,1")
+        if self.flash_attn == "off" and self.engine_kv_type != "f16":
+            raise ValueError(
+                f"--flash-attn off needs --kv-type f16 (a {self.engine_kv_type} V cache needs it)"
+            )
+
+    def _check_deterministic(self) -> None:
+        if self.kv_type == "f16":
+            raise ValueError("--deterministic needs a quantized KV cache (--kv-type q8_0 or q4_0), not f16")
+        if self.engine_n_ubatch > DETERMINISTIC_MAX_UBATCH:
+            raise ValueError(f"--deterministic needs --n-ubatch under 64, not {self.engine_n_ubatch}")
+        if self.kv_unified:
+            raise ValueError("--deterministic needs one KV stream per session: drop --kv-unified")
+        if self.flash_attn == "off":
+            raise ValueError(
+                "--deterministic needs flash attention (a quantized V cache): drop --flash-attn off"
+            )
+
+    @property
+    def engine_kv_type(self) -> KvType:
+        """The KV type in force: the one asked for, else the mode's."""
+        if self.kv_type is not None:
+            return self.kv_type
+        return DETERMINISTIC_KV_TYPE if self.deterministic else FAST_KV_TYPE
+
+    @property
+    def engine_n_ubatch(self) -> int:
+        """The micro-batch in force: the one asked for, else the mode's (never above n_batch)."""
+        if self.n_ubatch is not None:
+            return min(self.n_ubatch, self.n_batch)
+        return min(DETERMINISTIC_N_UBATCH if self.deterministic else FAST_N_UBATCH, self.n_batch)
+
+    @property
+    def engine_flash_attn(self) -> FlashAttn:
+        """Deterministic mode needs flash attention on (its quantized V cache does)."""
+        return "on" if self.deterministic and self.flash_attn == "auto" else self.flash_attn
 
     @property
     def http_address(self) -> tuple[str, int] | None:

@@ -12,13 +12,25 @@ from pathlib import Path
 import trio
 
 from .config import ServerConfig
-from .engine.llama import KV_TYPES, ContextConfig, LlamaEngine, LlamaModel, ModelLoadError
-from .engine.memory_profile import memory_profile, probe_bandwidth_gbps
+from .engine.devices import devices, supports_gpu_offload
+from .engine.llama import (
+    KV_TYPES,
+    ContextConfig,
+    LlamaEngine,
+    LlamaModel,
+    ModelLoadError,
+    Placement,
+    read_shape,
+)
+from .engine.memory_profile import memory_profile, probe_bandwidth_gbps, probe_step_bandwidth_gbps
+from .engine.offload import OffloadPlan, parse_gpu_layers, plan_offload
+from .engine.summary import one_line
 from .exception_groups import first_leaf
 from .http.gateway import Gateway
 from .http.serve import BindError, bind_tcp, serve_asgi
 from .runtime.server import Server
 from .runtime.unix_socket import SocketInUseError
+from .sched.cost import CostCoefficients
 from .sched.policy import BmtGuard, Policy, default_policy
 
 log = logging.getLogger(__name__)
@@ -28,37 +40,104 @@ class DaemonStartError(Exception):
     """The daemon could not start: bad model, socket taken, ..."""
 
 
-def engine_for(model: LlamaModel, config: ServerConfig) -> LlamaEngine:
-    """A context over ``model`` sized by the daemon's settings."""
-    context = ContextConfig(
+def context_config(config: ServerConfig) -> ContextConfig:
+    """The llama.cpp context the daemon's settings describe (fast or deterministic mode)."""
+    return ContextConfig(
         n_ctx_seq=config.n_ctx,
         n_batch=config.n_batch,
-        n_ubatch=config.n_ubatch,
+        n_ubatch=config.engine_n_ubatch,
         n_seq_max=config.max_sessions,
         n_threads=config.threads,
         kv_unified=config.kv_unified,
-        kv_type=config.kv_type,
+        kv_type=config.engine_kv_type,
+        flash_attn=config.engine_flash_attn,
     )
-    return LlamaEngine(model, context)
+
+
+def engine_for(model: LlamaModel, config: ServerConfig) -> LlamaEngine:
+    """A context over ``model`` sized by the daemon's settings."""
+    return LlamaEngine(model, context_config(config))
+
+
+def offload_plan(model_path: Path, config: ServerConfig) -> OffloadPlan:
+    """``--gpu-layers`` against this machine's devices and the model's size (no weights read)."""
+    shape = read_shape(model_path)
+    kv_cells = config.n_ctx * config.max_sessions
+    return plan_offload(
+        parse_gpu_layers(config.gpu_layers),
+        supports_offload=supports_gpu_offload(),
+        devices=tuple(d.as_memory() for d in devices() if d.offloads),
+        n_layer=shape.n_layer,
+        weight_bytes=shape.file_bytes,
+        kv_bytes=kv_cells * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1]),
+    )
+
+
+def placement_for(plan: OffloadPlan, config: ServerConfig) -> Placement:
+    return Placement(
+        n_gpu_layers=plan.n_gpu_layers, main_gpu=config.main_gpu, split_mode=config.split_mode,
+        tensor_split=config.tensor_split, reason=plan.reason,
+    )  # fmt: skip
+
+
+def load_model(model_path: Path, config: ServerConfig) -> LlamaModel:
+    plan = offload_plan(model_path, config)
+    log.info("GPU layers: %d of %d (%s)", plan.offloaded, plan.total, plan.reason)
+    return LlamaModel(model_path, placement_for(plan, config))
 
 
 def load_engine(model_path: Path, config: ServerConfig) -> LlamaEngine:
     try:
-        return engine_for(LlamaModel(model_path), config)
+        engine = engine_for(load_model(model_path, config), config)
     except ModelLoadError as exc:
         raise DaemonStartError(str(exc)) from None
+    log.info("%s", one_line(engine.describe(deterministic=config.deterministic)))
+    return engine
+
+
+def cost_prior(engine: LlamaEngine, config: ServerConfig) -> CostCoefficients:
+    """The cost model for this engine: the ``--cost-model`` file if it was measured on this
+    device with these settings; on a GPU without one, a quick calibration now (a CPU prior
+    is 10-40x off there); otherwise the built-in CPU coefficients, which the policy keeps
+    correcting online."""
+    from .sched.calibrate import calibrate_engine, engine_device_key
+
+    key = engine_device_key(engine)
+    if config.cost_model is not None:
+        loaded = CostCoefficients.load(config.cost_model)
+        if loaded.device in ("", key) and (loaded.device or engine.model.layers_offloaded == 0):
+            return loaded
+        log.warning(
+            "cost model %s was measured on %r, not %r: not used", config.cost_model, loaded.device, key
+        )
+    if engine.model.layers_offloaded == 0:
+        return CostCoefficients()
+    log.info("calibrating the tick-cost model on the GPU (no cost model for %s)", key)
+    result = calibrate_engine(engine)
+    c = result.coefficients
+    log.info(
+        "cost model: fixed %.2f ms, %.3f ms/decode token, %.3f ms/prompt token past %d tokens, "
+        "%.4f ms/1k cells (R² %.3f)",
+        c.fixed_s * 1e3, c.decode_s * 1e3, c.prefill_s * 1e3, c.flat_tokens, c.ctx_s_per_kcell * 1e3,
+        result.quality.r2,
+    )  # fmt: skip
+    return c
 
 
 def policy_for(engine: LlamaEngine, config: ServerConfig) -> Policy:
-    """The scheduling policy with the ΣBMT guard sized for this model and machine."""
+    """The scheduling policy with the ΣBMT guard sized for this model and device."""
     gbps = config.bmt_budget_gbps
     if gbps is None:
-        gbps = probe_bandwidth_gbps()
-        log.info("memory bandwidth probe: %.1f GB/s (set --bmt-budget-gbps to skip it)", gbps)
+        if engine.model.layers_offloaded > 0:
+            gbps = probe_step_bandwidth_gbps(engine)
+            log.info("device bandwidth from one-token steps: %.0f GB/s (--bmt-budget-gbps to skip)", gbps)
+        else:
+            gbps = probe_bandwidth_gbps()
+            log.info("memory bandwidth probe: %.1f GB/s (set --bmt-budget-gbps to skip it)", gbps)
     # With the guard off (0 GB/s) it still estimates each tick's bytes for the scorecard.
-    kv_bytes = KV_TYPES[config.kv_type][1]
-    guard = BmtGuard(memory_profile(engine.model, engine.config.n_ubatch, kv_type_bytes=kv_bytes), gbps)
-    return default_policy(config, guard)
+    kv_bytes = KV_TYPES[engine.config.kv_type][1]
+    guard = BmtGuard(memory_profile(engine.model, config.engine_n_ubatch, kv_type_bytes=kv_bytes), gbps)
+    return default_policy(config, guard, prior=cost_prior(engine, config))
 
 
 def _is_loopback(host: str) -> bool:
@@ -112,7 +191,12 @@ async def serving(model: LlamaModel, config: ServerConfig) -> AsyncIterator[Serv
     engine = engine_for(model, config)
     try:
         async with http_gateway(config, model.path.name) as gateway, trio.open_nursery() as nursery:
-            server = Server(engine, config, policy_for(engine, config))
+            server = Server(
+                engine,
+                config,
+                policy_for(engine, config),
+                describe=partial(engine.describe, deterministic=config.deterministic),
+            )
             await nursery.start(partial(_serve, server, gateway, handle_signals=False))
             yield server
             server.request_shutdown(force=True)
@@ -129,7 +213,13 @@ async def run_daemon(model_path: Path, config: ServerConfig) -> None:
                 log.info("loading %s", model_path)
                 engine = await trio.to_thread.run_sync(load_engine, model_path, config)
                 policy = await trio.to_thread.run_sync(policy_for, engine, config)
-                await _serve(Server(engine, config, policy), gateway, handle_signals=True)
+                server = Server(
+                    engine,
+                    config,
+                    policy,
+                    describe=partial(engine.describe, deterministic=config.deterministic),
+                )
+                await _serve(server, gateway, handle_signals=True)
         finally:
             # Only once the gateway has stopped: its handlers may still be tokenizing in
             # worker threads, which leaving its nursery waits for.

@@ -1,29 +1,31 @@
 """The real engine, on llama-cpp-python's low-level (ctypes) API.
 
-One model, one context, one ``llama_seq_id`` per active request.
+One model, one context, one ``llama_seq_id`` per active request.  The model's layers
+go where :class:`Placement` says (``--gpu-layers``; :mod:`.offload` decides ``auto``).
 
-**Exact greedy output.**  A request's tokens must not depend on who shares its
-ticks, how its prompt was chunked, or whether its prefix came from the cache.
-Two settings give that (docs/SCHEDULER.md):
+**Two modes** (docs/CONFIG.md).  By default the context is set for speed, as
+llama-server sets it: micro-batches of 512 tokens, an f16 KV cache, flash attention
+when the backend supports it.  ``--deterministic`` instead keeps a request's greedy
+tokens independent of who shares its ticks, how its prompt was chunked and whether its
+prefix came from the cache:
 
-* each seq id gets its own KV stream (``kv_unified=False``): in one unified
-  stream llama.cpp refills freed cells with other requests' tokens, and flash
-  attention sums a sequence's cells in cache order, so logits would depend on
-  the neighbours' history;
-* the KV cache is quantized (``q8_0``, the default).  llama.cpp's CPU flash
-  attention has two f16-only kernels besides its per-query one: a tiled one
-  for 64+ queries of a stream and a split-KV one for a single query over 512+
-  cells (every decode step past 256 tokens of context).  They round
-  differently, so with f16 a token computed while decoding differs from the
-  same token prefilled.  Quantized K/V always take the per-query kernel, and
-  results are bit-identical either way (tests/test_engine.py).
+* each seq id gets its own KV stream (``kv_unified=False``, also the default): in one
+  unified stream llama.cpp refills freed cells with other requests' tokens, and flash
+  attention sums a sequence's cells in cache order;
+* micro-batches stay under 64 tokens: llama.cpp's CPU matrix kernels change their
+  arithmetic from there on;
+* the KV cache is quantized (``q8_0``).  llama.cpp's CPU flash attention has two
+  f16-only kernels besides its per-query one (a tiled one for 64+ queries of a stream,
+  a split-KV one for one query over 512+ cells); they round differently, so with f16 a
+  token computed while decoding differs from the same token prefilled.  Quantized K/V
+  always take the per-query kernel (tests/test_engine.py).
 
 The ``llama_batch`` is built once over numpy-owned buffers and refilled every
 tick with slice assignments, so a tick costs no per-token ctypes calls;
-logits are read through a zero-copy numpy view of ``llama_get_logits_ith``.
-``llama_decode`` runs in a worker thread (ctypes releases the GIL), always the
-same one (:mod:`.compute_thread`), which keeps the trio loop serving sockets
-meanwhile.
+logits are read through one zero-copy numpy view of every output row, and greedy rows
+are argmax-ed together.  ``llama_decode`` runs in a worker thread (ctypes releases the
+GIL), always the same one (:mod:`.compute_thread`), which keeps the trio loop serving
+sockets meanwhile.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import llama_cpp as llama
 import numpy as np
@@ -43,21 +45,107 @@ import numpy as np
 from ..model_files import sha256_of
 from .base import BatchEntry, EngineError, Sampled, SampleFailure, StepResult, TokenArray
 from .compute_thread import ComputeThread
+from .devices import LlamaLog, devices, flash_attention_resolved, init_backend, offloaded_layers, system_info
+from .offload import OffloadPlan
+from .step_gaps import StepGaps
+from .summary import engine_summary
 
 log = logging.getLogger(__name__)
 
-_backend_ready = False
+FlashAttn = Literal["auto", "on", "off"]
+SplitMode = Literal["none", "layer", "row"]
+_FLASH_ATTN = {
+    "auto": llama.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": llama.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": llama.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+_SPLIT_MODE = {
+    "none": llama.LLAMA_SPLIT_MODE_NONE,
+    "layer": llama.LLAMA_SPLIT_MODE_LAYER,
+    "row": llama.LLAMA_SPLIT_MODE_ROW,
+}
 
 
-def _init_backend() -> None:
-    global _backend_ready
-    if not _backend_ready:
-        # llama-cpp-python prints llama.cpp's log to stderr unless its logger is raised.
-        logging.getLogger("llama-cpp-python").setLevel(
-            logging.DEBUG if log.isEnabledFor(logging.DEBUG) else logging.ERROR
-        )
-        llama.llama_backend_init()
-        _backend_ready = True
+@dataclass(frozen=True)
+class Placement:
+    """Where the weights go: llama_model_params' device fields, passed through."""
+
+    n_gpu_layers: int = 0
+    main_gpu: int = 0  # the GPU that holds everything with split_mode none (and the scratch)
+    split_mode: SplitMode = "layer"  # across several GPUs: whole layers, or rows (tensor parallel)
+    tensor_split: tuple[float, ...] | None = None  # share of the model per GPU; None: by free memory
+    reason: str = "CPU only"  # why this many layers (the offload decision, for the log and info)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What sizing the KV cache and the offload needs, read without loading weights."""
+
+    n_layer: int
+    n_head_kv: int
+    key_length: int
+    value_length: int
+    n_ctx_train: int
+    file_bytes: int
+
+    def kv_bytes_per_cell(self, kv_type_bytes: float) -> int:
+        """K and V of one token over every layer (layer 0's head counts stand for all)."""
+        return round(self.n_layer * self.n_head_kv * (self.key_length + self.value_length) * kv_type_bytes)
+
+
+def _meta_int(model: Any, key: str) -> int | None:
+    buf = ctypes.create_string_buffer(64)
+    if llama.llama_model_meta_val_str(model, key.encode(), buf, len(buf)) < 0:
+        return None
+    try:
+        return int(buf.value.decode())
+    except ValueError:
+        return None
+
+
+def _meta_str(model: Any, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(128)
+    n = llama.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return None if n < 0 else buf.value.decode(errors="replace")
+
+
+def shape_of(model: Any, path: Path) -> ModelShape:
+    """A model's layer and head sizes from its GGUF metadata (which a vocab-only load
+    reads too; llama.cpp's hparams getters need the weights).  The head sizes come from
+    ``<arch>.attention.key_length`` / ``value_length`` when the GGUF has them (models
+    whose K and V heads differ set them), else ``n_embd / n_head``; a per-layer KV head
+    array falls back to the head count (an upper bound)."""
+    arch = _meta_str(model, "general.architecture") or ""
+
+    def key(name: str) -> int | None:
+        return _meta_int(model, f"{arch}.{name}")
+
+    n_head = key("attention.head_count") or 0
+    n_embd = key("embedding_length") or 0
+    head = n_embd // n_head if n_head > 0 else 0
+    return ModelShape(
+        n_layer=key("block_count") or 0,
+        n_head_kv=key("attention.head_count_kv") or n_head,
+        key_length=key("attention.key_length") or head,
+        value_length=key("attention.value_length") or head,
+        n_ctx_train=key("context_length") or 0,
+        file_bytes=path.stat().st_size,
+    )
+
+
+def read_shape(path: Path) -> ModelShape:
+    """:class:`ModelShape` from the GGUF's metadata alone (a vocab-only load: no weights)."""
+    init_backend()
+    params = llama.llama_model_default_params()
+    params.vocab_only = True
+    params.n_gpu_layers = 0
+    handle = llama.llama_model_load_from_file(str(path).encode(), params)
+    if not handle:
+        raise ModelLoadError(f"llama.cpp could not read {path} (corrupt or unsupported GGUF)")
+    try:
+        return shape_of(handle, path)
+    finally:
+        llama.llama_model_free(handle)
 
 
 class ModelLoadError(Exception):
@@ -67,14 +155,31 @@ class ModelLoadError(Exception):
 class LlamaModel:
     """Weights and vocabulary, loaded once; read-only, so safe from any thread."""
 
-    def __init__(self, path: Path) -> None:
-        _init_backend()
+    def __init__(self, path: Path, placement: Placement = Placement()) -> None:
+        init_backend()
         self.path = path
+        self.placement = placement
         params = llama.llama_model_default_params()
-        params.n_gpu_layers = 0
-        self._model = llama.llama_model_load_from_file(str(path).encode(), params)
+        params.n_gpu_layers = placement.n_gpu_layers
+        params.main_gpu = placement.main_gpu
+        params.split_mode = _SPLIT_MODE[placement.split_mode]
+        if placement.tensor_split is not None:
+            # llama.cpp reads llama_max_devices() floats; keep the array alive with the params.
+            shares = (ctypes.c_float * max(int(llama.llama_max_devices()), len(placement.tensor_split)))()
+            for i, share in enumerate(placement.tensor_split):
+                shares[i] = share
+            self._tensor_split = shares
+            params.tensor_split = ctypes.cast(shares, ctypes.POINTER(ctypes.c_float))
+        with LlamaLog.capture() as lines:
+            self._model = llama.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF)")
+        self.shape = shape_of(self._model, path)
+        # llama.cpp says how many layers it placed on a GPU; without a GPU backend, none.
+        said = offloaded_layers(lines)
+        self.layers_offloaded, self.layers_total = said or (0, self.shape.n_layer + 1)
+        self.weight_bytes = int(llama.llama_model_size(self._model))
+        self.description = _model_desc(self._model)
         self._vocab = llama.llama_model_get_vocab(self._model)
         self.n_vocab = int(llama.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_train = int(llama.llama_model_n_ctx_train(self._model))
@@ -144,21 +249,33 @@ class LlamaModel:
             self._model = None
 
 
+def _model_desc(model: Any) -> str:
+    buf = ctypes.create_string_buffer(256)
+    n = llama.llama_model_desc(model, buf, len(buf))
+    return buf.value.decode(errors="replace") if n > 0 else ""
+
+
 @dataclass(frozen=True)
 class ContextConfig:
+    """A context's settings.  The defaults are the fast mode; :data:`DETERMINISTIC` holds
+    the settings that keep greedy output batch-invariant (module doc)."""
+
     n_ctx_seq: int = 4096  # KV cells one sequence may use (prompt + generated tokens)
     n_batch: int = 512  # most tokens one tick may decode
-    # llama.cpp's CPU kernels change their arithmetic once a ubatch holds 64+ tokens,
-    # so a token's logits would depend on who shares its tick.  Below that every
-    # sequence gets bit-identical results alone or batched (docs/SCHEDULER.md).
-    n_ubatch: int = 32
+    n_ubatch: int = 512  # llama.cpp micro-batch; under 64 for batch invariance on the CPU
     n_seq_max: int = 8  # concurrent sessions, one seq id each
     n_threads: int | None = None  # default: all cores
     # One KV stream shared by all sequences instead of one each.  Same memory
     # (n_ctx_seq * n_seq_max cells); gives up batch invariance (see module doc),
     # gains a per-request context bounded by the free cells rather than n_ctx_seq.
     kv_unified: bool = False
-    kv_type: str = "q8_0"  # K and V element type: f16, q8_0 or q4_0 (see KV_TYPES and the module doc)
+    kv_type: str = "f16"  # K and V element type: f16, q8_0 or q4_0 (see KV_TYPES and the module doc)
+    flash_attn: FlashAttn = "auto"  # auto: where the backend supports it (quantized V needs it)
+
+
+# The settings --deterministic fixes (module doc); with f16 KV or 64+ token micro-batches
+# greedy output depends on the batch.
+DETERMINISTIC: dict[str, Any] = {"n_ubatch": 32, "kv_type": "q8_0", "kv_unified": False, "flash_attn": "on"}
 
 
 # llama.cpp's ggml types for the KV cache, and the bytes one element takes (a q8_0 block
@@ -214,17 +331,24 @@ class LlamaEngine:
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
-        # Always on: a quantized V cache requires it.
-        params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.flash_attn_type = _FLASH_ATTN[config.flash_attn]
+        if config.flash_attn == "off" and config.kv_type != "f16":
+            raise ModelLoadError(
+                f"--flash-attn off needs --kv-type f16 (a {config.kv_type} V cache needs it)"
+            )
         self._params = params
         self._compute = ComputeThread("uma-llama")
-        self._ctx = self._compute.call(llama.llama_init_from_model, model.handle, params)
+        with LlamaLog.capture() as lines:
+            self._ctx = self._compute.call(llama.llama_init_from_model, model.handle, params)
         if not self._ctx:
             self._compute.close()
             raise ModelLoadError(
                 "llama.cpp could not create a context "
                 f"(n_ctx_seq={config.n_ctx_seq}, n_seq_max={config.n_seq_max})"
             )
+        resolved = flash_attention_resolved(lines)
+        # auto with a quantized V cache is forced on without a probe line; an explicit choice is kept.
+        self.flash_attn = resolved if resolved is not None else config.flash_attn != "off"
         self._memory = llama.llama_get_memory(self._ctx)
         self.rebuilds = 0
         self._n_ctx = int(llama.llama_n_ctx(self._ctx))
@@ -236,7 +360,9 @@ class LlamaEngine:
             self._n_ctx_seq = min(config.n_ctx_seq, int(llama.llama_n_ctx_seq(self._ctx)))
         self._n_seq_max = int(llama.llama_n_seq_max(self._ctx))
         self._buffers = _BatchBuffers(config.n_batch)
-        self._logits_shape = (model.n_vocab,)
+        self._n_vocab = model.n_vocab
+        self.kv_bytes = self._n_ctx * model.shape.kv_bytes_per_cell(KV_TYPES[config.kv_type][1])
+        self.step_gaps = StepGaps()
 
     # -- Engine protocol -------------------------------------------------------
 
@@ -349,39 +475,79 @@ class LlamaEngine:
 
     def _step(self, entries: Sequence[BatchEntry]) -> StepResult:
         """Fill the batch, run ``llama_decode``, sample.  Runs on the compute thread."""
+        began = time.perf_counter()
         buf = self._buffers
         n = 0
-        outputs: list[tuple[int, BatchEntry]] = []
+        outputs: list[BatchEntry] = []
         for entry in entries:
             k = len(entry.tokens)
             if n + k > buf.capacity:
                 raise ValueError(f"batch of {n + k} tokens exceeds n_batch={buf.capacity}")
-            buf.token[n : n + k] = entry.tokens
-            buf.pos[n : n + k] = np.arange(entry.pos0, entry.pos0 + k, dtype=np.int32)
-            buf.seq[n : n + k] = entry.seq_id
+            if k == 1:  # a decode token: scalar stores beat five slice assignments
+                buf.token[n] = entry.tokens[0]
+                buf.pos[n] = entry.pos0
+                buf.seq[n] = entry.seq_id
+            else:
+                buf.token[n : n + k] = entry.tokens
+                buf.pos[n : n + k] = np.arange(entry.pos0, entry.pos0 + k, dtype=np.int32)
+                buf.seq[n : n + k] = entry.seq_id
             buf.logits[n : n + k] = 0
             if entry.sampler is not None:
                 buf.logits[n + k - 1] = 1
-                outputs.append((n + k - 1, entry))
+                outputs.append(entry)
             n += k
         buf.batch.n_tokens = n
         started = time.perf_counter()
+        self.step_gaps.on_start(began, started)
         status = llama.llama_decode(self._ctx, buf.batch)
         if status != 0:
+            self.step_gaps.on_end(None)
             raise EngineError(status, f"llama_decode returned {status} for a batch of {n} tokens")
         sampled, failed = [], []
-        for row, entry in outputs:
-            assert entry.sampler is not None
-            logits = np.ctypeslib.as_array(
-                llama.llama_get_logits_ith(self._ctx, row), shape=self._logits_shape
+        if not outputs:  # a GPU's decode returns before the device is done: time all of it
+            llama.llama_synchronize(self._ctx)
+        else:
+            # Every output row in batch order, one view (llama_get_logits waits for the device).
+            rows = np.ctypeslib.as_array(
+                llama.llama_get_logits(self._ctx), shape=(len(outputs), self._n_vocab)
             )
-            try:
-                token = entry.sampler.sample(logits)
-            except Exception as exc:  # one request's sampler must not cost the others their tokens
-                failed.append(SampleFailure(entry.seq_id, f"sampling failed: {exc}"))
-                continue
-            sampled.append(Sampled(entry.seq_id, token, self.model.piece(token), self.model.is_eog(token)))
-        return StepResult(sampled, n, time.perf_counter() - started, failed)
+            greedy = [i for i, e in enumerate(outputs) if e.sampler is not None and e.sampler.is_argmax]
+            argmax = dict(zip(greedy, rows[greedy].argmax(axis=1).tolist(), strict=True)) if greedy else {}
+            for i, entry in enumerate(outputs):
+                assert entry.sampler is not None
+                token = argmax.get(i)
+                if token is None:
+                    try:
+                        token = entry.sampler.sample(rows[i])
+                    except Exception as exc:  # one request's sampler must not cost the others their tokens
+                        failed.append(SampleFailure(entry.seq_id, f"sampling failed: {exc}"))
+                        continue
+                sampled.append(
+                    Sampled(entry.seq_id, token, self.model.piece(token), self.model.is_eog(token))
+                )
+        ended = time.perf_counter()
+        self.step_gaps.on_end(ended)
+        return StepResult(sampled, n, ended - started, failed)
+
+    def describe(self, *, deterministic: bool = False) -> dict[str, Any]:
+        """:func:`.summary.engine_summary` of this engine, device memory read now."""
+        m, c = self.model, self.config
+        plan = OffloadPlan(m.placement.n_gpu_layers, m.layers_offloaded, m.layers_total, m.placement.reason)
+        return engine_summary(
+            system_info=system_info(), devices=devices(), plan=plan, offloaded=m.layers_offloaded,
+            kv_type=c.kv_type, kv_bytes=self.kv_bytes, kv_cells=self._n_ctx,
+            flash_attn="on" if self.flash_attn else "off",
+            settings={
+                "n_ctx_seq": self._n_ctx_seq, "n_seq_max": self._n_seq_max, "n_batch": c.n_batch,
+                "n_ubatch": int(llama.llama_n_ubatch(self._ctx)), "threads": self._params.n_threads,
+                "kv_unified": c.kv_unified, "deterministic": deterministic,
+                "main_gpu": m.placement.main_gpu, "split_mode": m.placement.split_mode,
+                "tensor_split": list(m.placement.tensor_split) if m.placement.tensor_split else None,
+            },
+            model={"file": m.path.name, "description": m.description, "weight_bytes": m.weight_bytes,
+                   "n_layer": m.shape.n_layer},
+            step_overhead=self.step_gaps.snapshot(),
+        )  # fmt: skip
 
     def close(self) -> None:
         if self._ctx:

@@ -2,38 +2,20 @@
 
 :func:`memory_profile` reads the sizes :mod:`uma_trio.sched.bmt` needs from
 llama.cpp's view of the model, so the scheduler's byte estimate follows the
-model actually loaded rather than a table.  :func:`probe_bandwidth_gbps`
-measures the memory bandwidth those bytes are divided by to get seconds.
+model actually loaded rather than a table.  The bandwidth those bytes are divided
+by comes from where the weights live: :func:`probe_bandwidth_gbps` measures host
+memory (a CPU engine), :func:`probe_step_bandwidth_gbps` times real one-token
+steps (an engine with layers on a GPU, whose bandwidth a host copy says nothing of).
 """
 
 from __future__ import annotations
 
-import ctypes
 import time
 
-import llama_cpp as llama
 import numpy as np
 
 from ..sched.bmt import MemoryProfile
-from .llama import LlamaModel
-
-
-def _meta_int(model: LlamaModel, key: str) -> int | None:
-    """A GGUF metadata value as an int, or None when the model lacks the key."""
-    buf = ctypes.create_string_buffer(64)
-    n = llama.llama_model_meta_val_str(model.handle, key.encode(), buf, len(buf))
-    if n < 0:
-        return None
-    try:
-        return int(buf.value.decode())
-    except ValueError:
-        return None
-
-
-def _meta_str(model: LlamaModel, key: str) -> str | None:
-    buf = ctypes.create_string_buffer(128)
-    n = llama.llama_model_meta_val_str(model.handle, key.encode(), buf, len(buf))
-    return None if n < 0 else buf.value.decode(errors="replace")
+from .llama import LlamaEngine, LlamaModel
 
 
 def memory_profile(model: LlamaModel, n_ubatch: int, kv_type_bytes: float = 2.0) -> MemoryProfile:
@@ -42,29 +24,39 @@ def memory_profile(model: LlamaModel, n_ubatch: int, kv_type_bytes: float = 2.0)
     ``weight_bytes`` is ``llama_model_size`` (all tensor data, as quantized):
     every micro-batch runs the whole graph, and with tied embeddings even the
     token table is read in full by the output projection.  A cell holds K and
-    V for every layer: ``n_layer · n_head_kv · (key_length + value_length)``
-    elements of ``kv_type_bytes`` each (2.0 for the default f16 cache; use
-    e.g. 34/32 for q8_0).  The head sizes come from the GGUF keys
-    ``<arch>.attention.key_length`` / ``value_length`` when present (models
-    whose K and V heads differ set them) and otherwise ``n_embd / n_head``.
-    Per-layer variations (sliding-window layers, varying KV heads) are not
-    modelled: layer 0's head counts stand for all layers, an upper bound.
+    V for every layer (:meth:`~uma_trio.engine.llama.ModelShape.kv_bytes_per_cell`:
+    2.0 bytes an element for f16, 34/32 for q8_0).  Per-layer variations
+    (sliding-window layers, varying KV heads) are not modelled: layer 0's head
+    counts stand for all layers, an upper bound.
     """
-    handle = model.handle
-    n_layer = int(llama.llama_model_n_layer(handle))
-    n_head = int(llama.llama_model_n_head(handle))
-    n_head_kv = int(llama.llama_model_n_head_kv(handle))
-    n_embd = int(llama.llama_model_n_embd(handle))
-    arch = _meta_str(model, "general.architecture") or ""
-    default_head = n_embd // n_head if n_head > 0 else 0
-    key_length = _meta_int(model, f"{arch}.attention.key_length") or default_head
-    value_length = _meta_int(model, f"{arch}.attention.value_length") or default_head
-    kv_elements = n_layer * n_head_kv * (key_length + value_length)
     return MemoryProfile(
-        weight_bytes=int(llama.llama_model_size(handle)),
-        kv_bytes_per_cell=round(kv_elements * kv_type_bytes),
+        weight_bytes=model.weight_bytes,
+        kv_bytes_per_cell=model.shape.kv_bytes_per_cell(kv_type_bytes),
         n_ubatch=n_ubatch,
     )
+
+
+def probe_step_bandwidth_gbps(engine: LlamaEngine, steps: int = 8) -> float:
+    """The bytes a one-token step really moves per second on this engine's device(s).
+
+    On a GPU the guard must divide by the device's bandwidth, not the host's, and a step
+    moves the weights once (plus a few KV cells): so this times ``steps`` one-token
+    decodes of a scratch sequence at position 0 and divides the weight bytes by the
+    median.  It runs before any request, on seq id 0, which it leaves empty.
+    """
+    from .base import BatchEntry
+
+    token = np.array([0], dtype=np.int32)
+    times = []
+    try:
+        for i in range(steps + 1):
+            took = engine.step_sync([BatchEntry(0, token, 0, None)]).decode_s
+            engine.free_seq(0)
+            if i > 0:  # the first one pays for graph allocation and kernel loading
+                times.append(took)
+    finally:
+        engine.free_seq(0)
+    return engine.model.weight_bytes / max(float(np.median(times)), 1e-9) / 1e9
 
 
 def probe_bandwidth_gbps(size_mb: int = 256, repeats: int = 3) -> float:

@@ -34,6 +34,12 @@ class Sampler:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
 
+    @property
+    def is_argmax(self) -> bool:
+        """Whether :meth:`sample` is a plain argmax, which the engine may run for many
+        rows in one call instead."""
+        return self.params.greedy
+
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         p = self.params
         if p.greedy or logits.shape[0] == 1:  # one candidate (the simulated engine's row): no draw

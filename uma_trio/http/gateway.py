@@ -119,7 +119,7 @@ class Gateway:
             return JSONResponse({"status": "loading"}, status_code=503, headers={"retry-after": "1"})
         if not server.loop.accepting:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": self.model})
+        return JSONResponse({"status": "ok", "model": self.model, "engine": server.describe_engine()})
 
     async def metrics(self, request: Request) -> Response:
         return Response(exposition(self._ready().registry), media_type=CONTENT_TYPE_LATEST)

@@ -68,6 +68,7 @@ class SnapshotCollector(Collector):
         rebuilds = snap["context_rebuilds"]
         yield _counter("uma_context_rebuilds", "Contexts replaced after a failed decode", [], rebuilds)
 
+        yield from self._engine(snap.get("engine") or {})
         yield _gauge("uma_connections_open", "Connections open now", [], {"": snap["connections"]["open"]})
         yield _gauge("uma_sessions", "Requests by state", ["state"], snap["sessions"])
         kv = snap["kv"]
@@ -92,6 +93,33 @@ class SnapshotCollector(Collector):
         yield from self._scheduler(snap["scheduler"])
         yield from self._window_quantiles(snap["latency"]["window"])
         yield from self._scorecard(snap["scorecard"])
+
+    def _engine(self, e: dict[str, Any]) -> Iterator[Metric]:
+        """What the engine runs on: one info row, the layers on a GPU, the KV bytes, the
+        per-step overhead (docs/METRICS.md "engine")."""
+        if "gpu_layers" not in e:  # a simulated engine
+            return
+        gpus = [d for d in e["devices"] if d["kind"] in ("GPU", "IGPU")]
+        info = {
+            "backend": "/".join(e["backends"]),
+            "device": ", ".join(f"{d['name']} {d['description']}" for d in gpus) or "CPU",
+            "kv_location": e["kv"]["location"], "kv_type": e["kv"]["type"], "flash_attn": e["flash_attn"],
+            "mode": "deterministic" if e["settings"]["deterministic"] else "fast",
+            "n_ubatch": str(e["settings"]["n_ubatch"]),
+        }  # fmt: skip
+        yield _gauge("uma_engine_info", "The engine's backend, devices and settings", list(info), {
+            tuple(info.values()): 1})  # fmt: skip
+        layers = e["gpu_layers"]
+        yield _gauge("uma_engine_gpu_layers", "Model layers", ["kind"], {
+            "offloaded": layers["offloaded"], "total": layers["total"]})  # fmt: skip
+        yield _gauge("uma_engine_kv_bytes", "Bytes of the KV cache", [], {"": e["kv"]["bytes"]})
+        steps = e.get("step_overhead") or {}
+        if steps:
+            yield _gauge(
+                "uma_engine_step_gap_seconds", "Mean time from a step's results to the next decode", [],
+                {"": _seconds(steps["gap_ms_mean"])},
+            )  # fmt: skip
+            yield _gauge("uma_engine_step_gap_ratio", "Step gap over step time", [], {"": steps["gap_share"]})
 
     def _scheduler(self, s: dict[str, Any]) -> Iterator[Metric]:
         yield _gauge(

@@ -50,8 +50,15 @@ _FLUSH_TIMEOUT_S = 5.0
 
 
 class Server:
-    def __init__(self, engine: Engine, config: ServerConfig, policy: Policy | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: ServerConfig,
+        policy: Policy | None = None,
+        describe: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         self.engine = engine
+        self._describe = describe  # the engine's devices and settings (engine/summary.py)
         self.config = config
         self.metrics = Metrics(config.metrics_window_s)
         self.loop = DecodeLoop(engine, config, self.metrics, policy=policy)
@@ -122,10 +129,17 @@ class Server:
         process = self.process.sample()
         snapshot = self.metrics.snapshot(now)
         snapshot["model"] = self.engine.model_name
+        snapshot["engine"] = self.describe_engine()
         snapshot.update(self.loop.gauges())
         snapshot["process"] = msgspec.to_builtins(process)
         snapshot["scorecard"] = msgspec.to_builtins(self.scorecard(now, process.rss_bytes))
         return snapshot
+
+    def describe_engine(self) -> dict[str, Any]:
+        """What the engine runs on (docs/METRICS.md "engine"); a simulated engine says so."""
+        if self._describe is None:
+            return {"backends": ["simulated"], "model": {"file": self.engine.model_name}}
+        return self._describe()
 
     def scorecard(self, now: float, rss_bytes: int | None = None) -> Scorecard:
         rss = self.process.sample().rss_bytes if rss_bytes is None else rss_bytes

@@ -26,22 +26,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ..model_files import cache_dir
-from .cost import CostCoefficients, kv_cells_read
+from .cost import CostCoefficients, kv_cells_read, over_knee
 
 if TYPE_CHECKING:
-    from ..engine.llama import LlamaEngine
+    from ..engine.llama import LlamaEngine, Placement
 
 Progress = Callable[[str], None]
 
 CALIBRATION_N_CTX_SEQ = 2048
 CALIBRATION_N_SEQ_MAX = 9
-CALIBRATION_N_UBATCH = 32  # the daemon's default: ubatch size changes the per-token cost
 
 _TEXT = (
     "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor incididunt ut "
@@ -77,16 +76,27 @@ class FitQuality:
 # -- fitting (pure) ------------------------------------------------------------------
 
 
-def _design(samples: Sequence[TickSample]) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-    x = np.array(
-        [(1.0, s.decode_tokens, s.prefill_tokens, s.kv_cells / 1000.0) for s in samples], dtype=np.float64
-    )
+# Knees tried by the fit: tokens a tick may carry for its fixed cost (0: a CPU's line).
+FLAT_CANDIDATES = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def _design(
+    samples: Sequence[TickSample], flat_tokens: int = 0
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    rows = []
+    for s in samples:
+        beyond = over_knee(s.decode_tokens + s.prefill_tokens, flat_tokens)
+        rows.append((1.0, beyond * s.decode_tokens, beyond * s.prefill_tokens, s.kv_cells / 1000.0))
+    x = np.array(rows, dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
     return x, y
 
 
-def fit_coefficients(samples: Sequence[TickSample], source: str) -> CostCoefficients:
-    """Non-negative least squares of seconds on ``[1, D, P, kv_cells/1000]``.
+def fit_coefficients(samples: Sequence[TickSample], source: str, device: str = "") -> CostCoefficients:
+    """Non-negative least squares of seconds on ``[1, D', P', kv_cells/1000]``, for each
+    knee in :data:`FLAT_CANDIDATES` (``D'``, ``P'``: the tokens' share past the knee), keeping
+    the knee with the smallest residual: a CPU comes out at 0 (a line), a GPU at the batch
+    size its step stays flat to.
 
     Repeats of one configuration are first reduced to their median: on a busy
     machine a tick whose llama.cpp thread got preempted takes 10-50× its usual
@@ -104,7 +114,46 @@ def fit_coefficients(samples: Sequence[TickSample], source: str) -> CostCoeffici
         raise ValueError("no samples to fit")
     if any(not (s.seconds > 0.0 and np.isfinite(s.seconds)) for s in samples):
         raise ValueError("every sample needs a positive, finite duration")
-    x, y = _design(median_per_configuration(samples))
+    medians = median_per_configuration(samples)
+    widest = max(s.decode_tokens + s.prefill_tokens for s in medians)
+    knees = FLAT_CANDIDATES if looks_flat(medians) else (0,)
+    best, best_flat, best_residual = np.zeros(4), 0, float("inf")
+    for flat in knees:
+        if flat >= widest:  # a knee past every sample says nothing about per-token costs
+            break
+        coef, residual = _nnls_relative(*_design(medians, flat))
+        if residual < best_residual:
+            best, best_flat, best_residual = coef, flat, residual
+    return CostCoefficients(
+        fixed_s=float(best[0]),
+        decode_s=float(best[1]),
+        prefill_s=float(best[2]),
+        ctx_s_per_kcell=float(best[3]),
+        flat_tokens=best_flat,
+        source=source,
+        device=device,
+    )
+
+
+def looks_flat(medians: Sequence[TickSample]) -> bool:
+    """Whether decode steps are memory-bound: the widest decode-only tick at the shallowest
+    context costs less than half its width times the one-token tick (a CPU's grows nearly
+    linearly; a GPU's barely moves).  Only then is a knee fitted."""
+    decode = [s for s in medians if s.prefill_tokens == 0]
+    if not decode:
+        return False
+    shallow = min(s.kv_cells / s.decode_tokens for s in decode)
+    at = {s.decode_tokens: s.seconds for s in decode if s.kv_cells / s.decode_tokens == shallow}
+    if 1 not in at or len(at) < 2:
+        return False
+    widest = max(at)
+    return at[widest] < 0.5 * widest * at[1]
+
+
+def _nnls_relative(
+    x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]
+) -> tuple[npt.NDArray[np.float64], float]:
+    """Non-negative least squares of relative error; returns the coefficients and residual."""
     a = x / y[:, None]
     b = np.ones_like(y)
     best = np.zeros(x.shape[1])
@@ -121,13 +170,7 @@ def fit_coefficients(samples: Sequence[TickSample], source: str) -> CostCoeffici
         residual = float(np.linalg.norm(a @ full - b))
         if residual < best_residual:
             best, best_residual = full, residual
-    return CostCoefficients(
-        fixed_s=float(best[0]),
-        decode_s=float(best[1]),
-        prefill_s=float(best[2]),
-        ctx_s_per_kcell=float(best[3]),
-        source=source,
-    )
+    return best, best_residual
 
 
 def median_per_configuration(samples: Sequence[TickSample]) -> list[TickSample]:
@@ -196,6 +239,14 @@ class Grid:
 
 
 DEFAULT_GRID = Grid()
+# On a GPU a step stays flat up to a knee: wider batches and chunks find it.
+GPU_GRID = Grid(
+    decode_batches=(1, 2, 4, 8, 16, 32),
+    decode_contexts=(64, 512, 1536),
+    mixed_batches=(0, 1, 4, 16),
+    prefill_chunks=(16, 64, 128, 256, 480),
+    prefill_starts=(0, 1000),
+)
 
 
 def measure(
@@ -322,33 +373,85 @@ def calibrate(
     repeats: int = 5,
     threads: int | None = None,
     progress: Progress | None = None,
-    grid: Grid = DEFAULT_GRID,
+    grid: Grid | None = None,
+    context: dict[str, Any] | None = None,
+    placement: Placement | None = None,
 ) -> Calibration:
-    """Load the model into the calibration context, measure, fit.
+    """Load the model into a calibration context, measure, fit.
 
+    ``context`` holds the :class:`~uma_trio.engine.llama.ContextConfig` settings the daemon
+    will run with (micro-batch, KV type, flash attention; default: the fast mode's), and
+    ``placement`` where the layers go; the grid is :data:`GPU_GRID` when layers are on a GPU.
     Raises ``ModelLoadError`` (from :mod:`uma_trio.engine.llama`) if llama.cpp refuses the model.
     """
     from ..engine.llama import ContextConfig, LlamaEngine, LlamaModel
 
-    model = LlamaModel(model_path)
+    model = LlamaModel(model_path, placement) if placement is not None else LlamaModel(model_path)
     try:
+        if grid is None:
+            grid = GPU_GRID if model.layers_offloaded > 0 else DEFAULT_GRID
         config = ContextConfig(
-            n_ctx_seq=CALIBRATION_N_CTX_SEQ,
-            n_seq_max=CALIBRATION_N_SEQ_MAX,
-            n_ubatch=CALIBRATION_N_UBATCH,
-            n_threads=threads,
+            **{
+                "n_ctx_seq": CALIBRATION_N_CTX_SEQ,
+                "n_seq_max": max(CALIBRATION_N_SEQ_MAX, grid.seqs_needed),
+                "n_threads": threads,
+                **(context or {}),
+            }
         )
         engine = LlamaEngine(model, config)
         try:
             samples = measure(engine, repeats=repeats, progress=progress, grid=grid)
+            device = engine_device_key(engine)
         finally:
             engine.close()
     finally:
         model.close()
     source = describe_run(model_path, threads or os.cpu_count() or 1)
-    coefficients = fit_coefficients(samples, source)
+    coefficients = fit_coefficients(samples, source, device=device)
     quality = fit_quality(coefficients, median_per_configuration(samples))
     return Calibration(coefficients, quality, samples)
+
+
+def calibrate_engine(
+    engine: LlamaEngine, *, repeats: int = 3, progress: Progress | None = None
+) -> Calibration:
+    """Calibrate a running engine in place (the daemon at start-up, on a GPU it has no cost
+    model for): :data:`GPU_GRID` cut down to what its context holds."""
+    grid = fit_grid(GPU_GRID if engine.model.layers_offloaded > 0 else DEFAULT_GRID, engine)
+    samples = measure(engine, repeats=repeats, progress=progress, grid=grid)
+    source = describe_run(engine.model.path, engine.config.n_threads or os.cpu_count() or 1)
+    coefficients = fit_coefficients(samples, source + " (at start-up)", device=engine_device_key(engine))
+    return Calibration(coefficients, fit_quality(coefficients, median_per_configuration(samples)), samples)
+
+
+def fit_grid(grid: Grid, engine: LlamaEngine) -> Grid:
+    """``grid`` without the configurations ``engine``'s context cannot hold."""
+    seqs, cells, batch = engine.n_seq_max, engine.n_ctx_seq, engine.n_batch
+    chunks = tuple(p for p in grid.prefill_chunks if p < cells // 2)
+    starts = tuple(st for st in grid.prefill_starts if st + max(chunks, default=0) < cells)
+    mixed = tuple(d for d in grid.mixed_batches if d + 2 <= seqs and d + max(chunks, default=0) <= batch)
+    return Grid(
+        decode_batches=tuple(d for d in grid.decode_batches if d + 1 <= seqs and d <= batch),
+        decode_contexts=tuple(c for c in grid.decode_contexts if c + 1 < cells) or (min(64, cells // 2),),
+        mixed_batches=mixed or (0,),
+        mixed_context=min(grid.mixed_context, cells // 2),
+        prefill_chunks=chunks,
+        prefill_starts=starts or (0,),
+    )
+
+
+def engine_device_key(engine: LlamaEngine) -> str:
+    """What a cost model is only valid for: the device that runs the layers, how many, the
+    model file and the engine settings that change a step's cost."""
+    from ..engine.devices import devices
+
+    m, c = engine.model, engine.config
+    gpus = [f"{d.name} {d.description}" for d in devices() if d.offloads] if m.layers_offloaded else []
+    where = ", ".join(gpus) if gpus else "CPU"
+    return (
+        f"{where}; layers {m.layers_offloaded}/{m.layers_total}; {m.path.name}; n_ubatch "
+        f"{min(c.n_ubatch, c.n_batch)}; kv {c.kv_type}; flash_attn {'on' if engine.flash_attn else 'off'}"
+    )
 
 
 def describe_run(model_path: Path, threads: int) -> str:

@@ -7,6 +7,13 @@ A tick's decode time on the CPU backend is close to linear in
 * the KV cells attention reads: every batched token scans its sequence's
   context, so the cost grows with ``n_past``.
 
+On a GPU a step is memory-bound up to a knee: the weights are read once whatever the
+batch holds, so the first ``flat_tokens`` tokens of a tick cost no more than one
+(``fixed_s``), and only the tokens beyond the knee add their per-token cost.  On the
+CPU ``flat_tokens`` is 0 and the model is the plain line.  The policy spends the flat
+part: a tick with room under the knee takes prompt tokens and background decoders for
+free (:meth:`CostCoefficients.predict`).
+
 :class:`CostCoefficients` hold one fit of that line; ``uma-trio calibrate``
 measures them on the real engine and writes them as JSON, which both the
 policy (as its prior) and the simulated engine (as ground truth) load.
@@ -33,15 +40,18 @@ class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
     decode_s: float = 0.0038  # per decode token
     prefill_s: float = 0.0023  # per prompt token
     ctx_s_per_kcell: float = 0.0018  # per 1,000 KV cells scanned by the batch's tokens
+    flat_tokens: int = 0  # tokens a tick carries for fixed_s alone (the knee; 0 on a CPU)
     source: str = "built-in defaults (2-core AMD EPYC, SmolLM2-135M Q4_1)"
+    device: str = ""  # what the coefficients were measured on (engine_device_key); "" = any CPU
 
     def predict(self, decode_tokens: int, prefill_tokens: int, kv_cells_read: int) -> float:
-        if decode_tokens + prefill_tokens == 0:
+        n = decode_tokens + prefill_tokens
+        if n == 0:
             return 0.0
+        beyond = over_knee(n, self.flat_tokens)
         return (
             self.fixed_s
-            + self.decode_s * decode_tokens
-            + self.prefill_s * prefill_tokens
+            + beyond * (self.decode_s * decode_tokens + self.prefill_s * prefill_tokens)
             + self.ctx_s_per_kcell * kv_cells_read / 1000.0
         )
 
@@ -52,6 +62,11 @@ class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def load(cls, path: Path) -> CostCoefficients:
         return msgspec.json.decode(path.read_bytes(), type=cls)
+
+
+def over_knee(n_tokens: int, flat_tokens: int) -> float:
+    """The share of a tick's tokens past the knee, which pay their per-token cost."""
+    return max(0, n_tokens - flat_tokens) / n_tokens if n_tokens > 0 else 0.0
 
 
 def kv_cells_read(decode_ctx: list[int], prefill: list[tuple[int, int]]) -> int:
@@ -90,11 +105,16 @@ class TickCostModel:
         self.ewma_s = seconds if self.ewma_s == 0.0 else self._mix(self.ewma_s, seconds)
         c = self.coefficients
         rest = seconds - c.fixed_s - c.ctx_s_per_kcell * kv_cells / 1000.0
-        if prefill_tokens == 0:
-            sample = max(rest / decode_tokens, 0.1 * self.prior.decode_s)
+        beyond = over_knee(decode_tokens + prefill_tokens, c.flat_tokens)
+        if beyond == 0.0:  # under the knee the tick costs fixed_s: that is what it measured
+            sample = max(seconds - c.ctx_s_per_kcell * kv_cells / 1000.0, 0.1 * self.prior.fixed_s)
+            self.current = replace(c, fixed_s=self._mix(c.fixed_s, sample))
+        elif prefill_tokens == 0:
+            sample = max(rest / (beyond * decode_tokens), 0.1 * self.prior.decode_s)
             self.current = replace(c, decode_s=self._mix(c.decode_s, sample))
         else:
-            sample = max((rest - c.decode_s * decode_tokens) / prefill_tokens, 0.1 * self.prior.prefill_s)
+            per = (rest / beyond - c.decode_s * decode_tokens) / prefill_tokens
+            sample = max(per, 0.1 * self.prior.prefill_s)
             self.current = replace(c, prefill_s=self._mix(c.prefill_s, sample))
 
     def _mix(self, old: float, new: float) -> float:

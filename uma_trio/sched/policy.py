@@ -110,14 +110,21 @@ class _Batch:
         return self.cost.predict(len(decode), prefill_tokens, cells)
 
     def prefill_room(self, limit_s: float, candidates: Sequence[SessionState]) -> int:
-        """Prompt tokens that still fit under ``limit_s`` (priced at the deepest context)."""
-        headroom = limit_s - self.predicted()
-        if not self.decode and not self.prefill:
-            headroom -= self.cost.fixed_s
+        """Prompt tokens that still fit under ``limit_s`` (priced at the deepest context).
+        The cost only grows with tokens, so binary-search the largest count: under a knee
+        (:class:`CostCoefficients` ``flat_tokens``) tokens are free, past it linear."""
         deepest = max((s.n_past for s in candidates), default=0)
-        per_token = self.cost.prefill_s + self.cost.ctx_s_per_kcell * deepest / 1000.0
-        room = int(headroom / per_token) if per_token > 0 else self.max_batch
-        return max(0, min(room, self.max_batch - self.n_tokens))
+        decode = len(self.decode)
+        prefill = sum(n for _, n in self.prefill)
+        cells = kv_cells_read([s.n_past for s in self.decode], [(s.n_past, n) for s, n in self.prefill])
+        lo, hi = 0, max(0, self.max_batch - self.n_tokens)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.cost.predict(decode, prefill + mid, cells + mid * deepest) <= limit_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
 
 # -- stages 2-5 -------------------------------------------------------------------

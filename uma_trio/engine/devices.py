@@ -1,0 +1,190 @@
+"""What this llama.cpp build can run on: its backends, devices and their free memory.
+
+llama-cpp-python binds ``llama_*`` but not ggml's device registry, so the few
+``ggml_backend_dev_*`` calls needed are bound here with ctypes, through the library
+llama_cpp already loaded (``dlsym`` on it also finds the symbols of the ggml libraries it
+links).  Nothing here loads a model.
+
+llama.cpp writes its own log through one process-wide callback; :class:`LlamaLog` takes
+it over so the lines go to Python's logging (``uma_trio.llama_cpp``, DEBUG) and the
+few that report a decision (layers offloaded, flash attention resolved) can be read back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as llama
+
+from .offload import DeviceMemory
+
+log = logging.getLogger("uma_trio.llama_cpp")
+
+# enum ggml_backend_dev_type
+_DEVICE_TYPES = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL", 4: "META"}
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    name: str
+    description: str
+    kind: str  # CPU, GPU, IGPU, ACCEL
+    backend: str  # the ggml backend that drives it: CPU, CUDA, Metal, Vulkan, ROCm...
+    free_bytes: int
+    total_bytes: int
+
+    @property
+    def offloads(self) -> bool:
+        """Whether llama.cpp can put layers on it (GPUs, integrated GPUs)."""
+        return self.kind in ("GPU", "IGPU")
+
+    def as_memory(self) -> DeviceMemory:
+        return DeviceMemory(self.name, self.description, self.free_bytes, self.total_bytes)
+
+
+def _ggml() -> Any:
+    lib = llama.llama_cpp._lib
+    try:
+        lib.ggml_backend_dev_count  # noqa: B018 - resolved through libllama's dependencies
+        return lib
+    except AttributeError:  # pragma: no cover - a platform whose dlsym does not search deps
+        suffix = Path(lib._name).suffix
+        return ctypes.CDLL(str(Path(lib._name).with_name(f"libggml{suffix}")))
+
+
+def _bind() -> Any:
+    lib = _ggml()
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    lib.ggml_backend_dev_count.restype = sz
+    lib.ggml_backend_dev_get.argtypes = [sz]
+    lib.ggml_backend_dev_get.restype = vp
+    for fn in (lib.ggml_backend_dev_name, lib.ggml_backend_dev_description):
+        fn.argtypes, fn.restype = [vp], ctypes.c_char_p
+    lib.ggml_backend_dev_type.argtypes, lib.ggml_backend_dev_type.restype = [vp], ctypes.c_int
+    lib.ggml_backend_dev_memory.argtypes = [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]
+    lib.ggml_backend_dev_memory.restype = None
+    lib.ggml_backend_dev_backend_reg.argtypes, lib.ggml_backend_dev_backend_reg.restype = [vp], vp
+    lib.ggml_backend_reg_name.argtypes, lib.ggml_backend_reg_name.restype = [vp], ctypes.c_char_p
+    return lib
+
+
+_lib: Any = None
+_backend_ready = False
+
+
+def init_backend() -> None:
+    """``llama_backend_init`` once per process, with llama.cpp's log routed to :data:`log`."""
+    global _backend_ready
+    if not _backend_ready:
+        LlamaLog.install()
+        llama.llama_backend_init()
+        _backend_ready = True
+
+
+def devices() -> tuple[Device, ...]:
+    """Every device llama.cpp's backends registered, CPU included, with free memory now."""
+    global _lib
+    init_backend()
+    if _lib is None:
+        _lib = _bind()
+    found = []
+    for i in range(int(_lib.ggml_backend_dev_count())):
+        dev = _lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        _lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        reg = _lib.ggml_backend_dev_backend_reg(dev)
+        found.append(
+            Device(
+                name=(_lib.ggml_backend_dev_name(dev) or b"?").decode(errors="replace"),
+                description=(_lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
+                kind=_DEVICE_TYPES.get(int(_lib.ggml_backend_dev_type(dev)), "?"),
+                backend=(_lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace") if reg else "?",
+                free_bytes=int(free.value),
+                total_bytes=int(total.value),
+            )
+        )
+    return tuple(found)
+
+
+def supports_gpu_offload() -> bool:
+    init_backend()
+    return bool(llama.llama_supports_gpu_offload())
+
+
+def system_info() -> str:
+    """llama.cpp's one-line build summary (SIMD features, backends)."""
+    init_backend()
+    return bytes(llama.llama_print_system_info()).decode(errors="replace").strip()
+
+
+class LlamaLog:
+    """llama.cpp's log, forwarded to Python logging and readable while :meth:`capture` runs."""
+
+    _callback: Any = None
+    _lines: list[str] | None = None
+    _partial = ""
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._callback is not None:
+            return
+
+        @llama.llama_log_callback  # type: ignore[untyped-decorator]
+        def forward(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+            cls._on_text(level, text.decode(errors="replace"))
+
+        cls._callback = forward  # kept alive: llama.cpp holds a raw pointer to it
+        llama.llama_log_set(forward, ctypes.c_void_p(0))
+
+    @classmethod
+    def _on_text(cls, level: int, text: str) -> None:
+        cls._partial += text
+        if not cls._partial.endswith("\n"):
+            return
+        for line in cls._partial.splitlines():
+            if cls._lines is not None:
+                cls._lines.append(line)
+            if level == 3:  # GGML_LOG_LEVEL_ERROR
+                log.warning("%s", line)
+            else:
+                log.debug("%s", line)
+        cls._partial = ""
+
+    @classmethod
+    @contextmanager
+    def capture(cls) -> Iterator[list[str]]:
+        """The lines llama.cpp logs inside the block (not thread-safe: one load at a time)."""
+        cls.install()
+        lines: list[str] = []
+        cls._lines = lines
+        try:
+            yield lines
+        finally:
+            cls._lines = None
+
+
+_OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
+_FLASH = re.compile(r"Flash Attention (enabled|not supported)")
+
+
+def offloaded_layers(lines: list[str]) -> tuple[int, int] | None:
+    """``(offloaded, total)`` from llama.cpp's model-load log, if it said."""
+    for line in lines:
+        if m := _OFFLOADED.search(line):
+            return int(m.group(1)), int(m.group(2))
+    return None
+
+
+def flash_attention_resolved(lines: list[str]) -> bool | None:
+    """What ``flash_attn auto`` became at context creation, if llama.cpp said."""
+    for line in lines:
+        if m := _FLASH.search(line):
+            return m.group(1) == "enabled"
+    return None

@@ -1,0 +1,104 @@
+"""How many layers go to the GPU: ``--gpu-layers auto|all|N``, decided without llama_cpp.
+
+Pure: the caller hands in what llama.cpp and the devices report (:class:`DeviceMemory`,
+the model's layer count and byte sizes), so the ``auto`` decision is tested with made-up
+devices.  llama.cpp keeps a layer's KV cells on the device that holds the layer, so a
+layer costs its share of the weights plus its share of the KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+GpuLayersMode = Literal["auto", "all"]
+
+# Room left on the device for llama.cpp's compute buffers, the CUDA context and other apps:
+# a share of the free memory, and at least this many bytes.
+RESERVE_SHARE = 0.05
+RESERVE_MIN_BYTES = 512 * 1024 * 1024
+
+
+def parse_gpu_layers(value: str) -> GpuLayersMode | int:
+    """``auto``, ``all`` or a layer count (0 or more); anything else is a ValueError that
+    names the flag."""
+    text = value.strip().lower()
+    if text in ("auto", "all"):
+        return "auto" if text == "auto" else "all"
+    if text.isdigit():
+        return int(text)
+    raise ValueError(f"--gpu-layers must be auto, all or a number of layers (0 or more), not {value!r}")
+
+
+def parse_tensor_split(value: str) -> tuple[float, ...]:
+    """``3,1`` (or ``3/1``): the share of the model each GPU holds, in device order."""
+    parts = [p for p in value.replace("/", ",").split(",") if p.strip()]
+    try:
+        shares = tuple(float(p) for p in parts)
+    except ValueError:
+        shares = ()
+    if not shares or any(not s >= 0.0 for s in shares) or sum(shares) <= 0.0:
+        raise ValueError(f"--tensor-split must be non-negative shares such as 3,1, not {value!r}")
+    return shares
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """One accelerator llama.cpp can offload to."""
+
+    name: str  # llama.cpp's device name (CUDA0, Metal, Vulkan0, ...)
+    description: str  # e.g. "NVIDIA H100 80GB HBM3"
+    free_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadPlan:
+    """What llama.cpp is asked for, and why (the start-up log says it)."""
+
+    n_gpu_layers: int  # passed to llama_model_params.n_gpu_layers
+    offloaded: int  # layers (plus the output layer) that land on a GPU
+    total: int  # n_layer + 1: the repeating layers and the output layer
+    reason: str
+
+
+def plan_offload(
+    requested: GpuLayersMode | int,
+    *,
+    supports_offload: bool,
+    devices: tuple[DeviceMemory, ...],
+    n_layer: int,
+    weight_bytes: int,
+    kv_bytes: int,
+) -> OffloadPlan:
+    """Layers to offload for ``requested``; ``kv_bytes`` is the whole KV cache the daemon
+    will allocate (``n_ctx × max_sessions`` cells)."""
+    total = n_layer + 1
+    if not supports_offload or not devices:
+        why = "this llama.cpp build has no GPU backend" if not supports_offload else "no GPU device found"
+        if requested == 0:
+            why = "--gpu-layers 0"
+        return OffloadPlan(0, 0, total, f"CPU only: {why}")
+    if requested == "all":
+        return OffloadPlan(total, total, total, "--gpu-layers all")
+    if isinstance(requested, int):
+        n = min(requested, total)
+        return OffloadPlan(n, n, total, f"--gpu-layers {requested}")
+    free = sum(d.free_bytes for d in devices)
+    usable = free - max(int(free * RESERVE_SHARE), RESERVE_MIN_BYTES)
+    needed = weight_bytes + kv_bytes
+    gib = 1024**3
+    if needed <= usable:
+        return OffloadPlan(
+            total, total, total,
+            f"auto: weights {weight_bytes / gib:.2f} GiB + KV {kv_bytes / gib:.2f} GiB fit in "
+            f"{free / gib:.2f} GiB free on {', '.join(d.name for d in devices)}",
+        )  # fmt: skip
+    per_layer = needed / total
+    n = max(0, min(total, int(usable // per_layer))) if usable > 0 else 0
+    return OffloadPlan(
+        n, n, total,
+        f"auto: weights {weight_bytes / gib:.2f} GiB + KV {kv_bytes / gib:.2f} GiB exceed the "
+        f"{max(usable, 0) / gib:.2f} GiB usable of {free / gib:.2f} GiB free; offloading the "
+        f"{n} of {total} layers that fit (lower --n-ctx or --max-sessions to fit more)",
+    )  # fmt: skip

@@ -1,0 +1,42 @@
+"""``uma-trio info``: the engine summary the daemon would start with, without starting it.
+
+The model's metadata is read (a vocab-only load, no weights), the devices are asked for
+their free memory, and ``--gpu-layers`` is decided exactly as ``serve`` decides it
+(:func:`uma_trio.daemon.offload_plan`).  Flash attention ``auto`` is resolved by llama.cpp
+only when a context is created, so the plan says ``auto``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..config import ServerConfig
+from .devices import devices, system_info
+from .llama import KV_TYPES, read_shape
+from .summary import engine_summary
+
+
+def planned_summary(model_path: Path, config: ServerConfig) -> dict[str, Any]:
+    from ..daemon import offload_plan
+
+    shape = read_shape(model_path)
+    plan = offload_plan(model_path, config)
+    cells = config.n_ctx * config.max_sessions
+    flash = config.engine_flash_attn
+    return engine_summary(
+        system_info=system_info(), devices=devices(), plan=plan, offloaded=plan.offloaded,
+        kv_type=config.engine_kv_type,
+        kv_bytes=cells * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1]), kv_cells=cells,
+        flash_attn="auto (resolved when the context is created)" if flash == "auto" else flash,
+        settings={
+            "n_ctx_seq": config.n_ctx, "n_seq_max": config.max_sessions, "n_batch": config.n_batch,
+            "n_ubatch": config.engine_n_ubatch, "threads": config.threads or os.cpu_count() or 1,
+            "kv_unified": config.kv_unified, "deterministic": config.deterministic,
+            "main_gpu": config.main_gpu, "split_mode": config.split_mode,
+            "tensor_split": list(config.tensor_split) if config.tensor_split else None,
+        },
+        model={"file": model_path.name, "description": "", "weight_bytes": shape.file_bytes,
+               "n_layer": shape.n_layer},
+    )  # fmt: skip

@@ -1,0 +1,83 @@
+"""What the engine runs on and with which settings, as plain JSON-ready data.
+
+One shape for every place that shows it: the start-up log line, ``uma-trio info`` (before
+any daemon runs: the plan), ``/health``, the socket ``metrics`` event and Prometheus
+(``uma_engine_info``).  docs/METRICS.md lists the fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .devices import Device
+from .offload import OffloadPlan
+
+MIB = 1024 * 1024
+
+
+def kv_location(offloaded: int, total: int, gpus: Sequence[Device]) -> str:
+    """Where llama.cpp keeps the KV cells: with each layer, on the layer's device."""
+    names = ", ".join(d.name for d in gpus) or "GPU"
+    if offloaded <= 0 or not gpus:
+        return "CPU"
+    if offloaded >= total - 1:  # every repeating layer (the output layer holds no KV)
+        return names
+    return f"{names} ({offloaded - 1 if offloaded == total else offloaded} layers) + CPU"
+
+
+def engine_summary(
+    *,
+    system_info: str,
+    devices: Sequence[Device],
+    plan: OffloadPlan,
+    offloaded: int,
+    kv_type: str,
+    kv_bytes: int,
+    kv_cells: int,
+    flash_attn: str,
+    settings: dict[str, Any],
+    model: dict[str, Any],
+    step_overhead: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    gpus = [d for d in devices if d.offloads]
+    return {
+        "backends": sorted({d.backend for d in devices}),
+        "devices": [
+            {
+                "name": d.name,
+                "description": d.description,
+                "kind": d.kind,
+                "backend": d.backend,
+                "free_mib": d.free_bytes // MIB,
+                "total_mib": d.total_bytes // MIB,
+            }
+            for d in devices
+        ],
+        "gpu_layers": {"offloaded": offloaded, "total": plan.total, "reason": plan.reason},
+        "kv": {
+            "location": kv_location(offloaded, plan.total, gpus),
+            "type": kv_type,
+            "bytes": kv_bytes,
+            "cells": kv_cells,
+        },
+        "flash_attn": flash_attn,
+        "settings": settings,
+        "model": model,
+        "system_info": system_info,
+        "step_overhead": step_overhead,  # engine/step_gaps.py; None before the engine runs
+    }
+
+
+def one_line(summary: dict[str, Any]) -> str:
+    """The start-up log line."""
+    layers, kv, s = summary["gpu_layers"], summary["kv"], summary["settings"]
+    gpus = [d for d in summary["devices"] if d["kind"] in ("GPU", "IGPU")]
+    where = ", ".join(f"{d['name']} ({d['description']})" for d in gpus) or "CPU"
+    return (
+        f"engine: {'/'.join(summary['backends'])} on {where}; layers on GPU {layers['offloaded']}/"
+        f"{layers['total']} ({layers['reason']}); KV {kv['type']} {kv['bytes'] / MIB:.0f} MiB on "
+        f"{kv['location']}; flash attention {summary['flash_attn']}; n_ubatch {s['n_ubatch']}, n_batch "
+        f"{s['n_batch']}, {s['n_seq_max']} sessions x {s['n_ctx_seq']} cells, "
+        f"{'deterministic' if s['deterministic'] else 'fast'} mode; {summary['system_info']}"
+    )
