@@ -61,7 +61,12 @@ async def test_models_health_and_metrics(http_server: Server) -> None:
     assert [m.id for m in models.data] == [MODEL]
     async with httpx.AsyncClient(base_url=http_server.http_url or "") as http:
         health = await http.get("/health")  # open without the key
-        assert health.status_code == 200 and health.json() == {"status": "ok", "model": MODEL}
+        body = health.json()
+        assert health.status_code == 200 and (body["status"], body["model"]) == ("ok", MODEL)
+        engine = body["engine"]  # what it runs on (engine/summary.py)
+        assert engine["backends"] == ["CPU"] and engine["gpu_layers"]["offloaded"] == 0
+        assert engine["kv"]["type"] == "f16" and engine["settings"]["n_ubatch"] == 512
+        assert engine["flash_attn"] in ("on", "off") and engine["kv"]["bytes"] > 0
         metrics = await http.get("/metrics", headers={"authorization": f"Bearer {KEY}"})
         assert metrics.status_code == 200 and "uma_requests_total" in metrics.text
         http_server.loop.stop_accepting()  # what a shutdown does first

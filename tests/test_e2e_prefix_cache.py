@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -14,6 +15,14 @@ from uma_trio.protocol.messages import EosEvent, TokenEvent
 from uma_trio.runtime.server import Server
 
 from .conftest import running_server
+
+
+@pytest.fixture
+def server_config(server_config: ServerConfig) -> ServerConfig:
+    """--deterministic: a cache hit must give exactly the cold run's greedy tokens, which only
+    that mode promises (docs/CONFIG.md "Two modes")."""
+    return replace(server_config, deterministic=True)
+
 
 pytestmark = pytest.mark.model
 

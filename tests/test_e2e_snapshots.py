@@ -95,7 +95,10 @@ async def test_snapshot_errors_are_clear(
                 failures[(op, name)] = failed.value.event.code
             assert (await client.snapshot("list")).snapshots == []  # the broken file is left out
             await client.snapshot("save", "f16", prompt=SYSTEM)
-    for name, overrides in [("cache off", {"kv_type": "f16", "prefix_cache_cells": 0}), ("q8_0", {})]:
+    for name, overrides in [
+        ("cache off", {"kv_type": "f16", "prefix_cache_cells": 0}),
+        ("q8_0", {"kv_type": "q8_0"}),
+    ]:
         async with running_server(llama_model, server_config, snapshot_dir=tmp_path, **overrides) as srv:
             async with UmaClient.connect(srv.config.socket_path) as client:
                 with pytest.raises(RequestFailed) as failed:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from uma_trio.engine.base import BatchEntry
-from uma_trio.engine.llama import ContextConfig, LlamaEngine, LlamaModel
+from uma_trio.engine.llama import DETERMINISTIC, ContextConfig, LlamaEngine, LlamaModel
 from uma_trio.engine.sampling import Sampler, SamplingParams
 
 pytestmark = pytest.mark.model
@@ -23,7 +23,8 @@ PROMPTS = [
 
 @pytest.fixture
 def engine(llama_model: LlamaModel) -> Iterator[LlamaEngine]:
-    eng = LlamaEngine(llama_model, ContextConfig(n_ctx_seq=1024, n_seq_max=4))
+    # The --deterministic settings: these tests are about its exactness guarantee.
+    eng = LlamaEngine(llama_model, ContextConfig(n_ctx_seq=1024, n_seq_max=4, **DETERMINISTIC))
     yield eng
     eng.close()
 

@@ -62,10 +62,6 @@ class _FailingSampler(Sampler):
     def __init__(self, inner: Sampler) -> None:
         super().__init__(inner.params)
 
-    @property
-    def is_argmax(self) -> bool:
-        return False
-
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         raise InjectedFault("injected sampling fault")
 

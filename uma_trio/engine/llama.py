@@ -141,7 +141,7 @@ def read_shape(path: Path) -> ModelShape:
     params.n_gpu_layers = 0
     handle = llama.llama_model_load_from_file(str(path).encode(), params)
     if not handle:
-        raise ModelLoadError(f"llama.cpp could not read {path} (corrupt or unsupported GGUF)")
+        raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF)")
     try:
         return shape_of(handle, path)
     finally:

@@ -37,8 +37,8 @@ class Sampler:
     @property
     def is_argmax(self) -> bool:
         """Whether :meth:`sample` is a plain argmax, which the engine may run for many
-        rows in one call instead."""
-        return self.params.greedy
+        rows in one call instead (not when a subclass does more in :meth:`sample`)."""
+        return self.params.greedy and type(self).sample is Sampler.sample
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         p = self.params
