@@ -65,6 +65,9 @@ for v in "plain" "OPENBLAS_NUM_THREADS=1" "OMP_NUM_THREADS=1"; do
   else env "$v" timeout 120 $PY -c "$probe" "$MODEL" > "$L/probe_${v%%=*}.log" 2>&1; rc=$?; fi
   log "numpy first, $v: rc=$rc $(tail -1 "$L/probe_${v%%=*}.log" 2>/dev/null | cut -c1-120)"
 done
+# A native backtrace of the crash (cuda-gdb debugs host code too; the image has no gdb).
+timeout 300 cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary" --args $PY -c "$probe" "$MODEL" > "$L/probe_bt.log" 2>&1
+log "backtrace: $(grep -m8 -E '^#[0-9]' "$L/probe_bt.log" | cut -c1-160 | tr '\n' '|')"
 timeout 120 $PY -X importtime -c "import uma_trio.daemon" 2> "$L/importtime.log"; log "daemon imports numpy before llama_cpp: $(grep -n -m1 -E '\| (numpy|llama_cpp)$' "$L/importtime.log" | cut -c1-80)"
 
 stage info
