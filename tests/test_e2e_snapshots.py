@@ -25,7 +25,10 @@ async def test_snapshot_restored_after_a_restart_gives_the_same_greedy_output(
 ) -> None:
     question = chat(("user", "Where are the maps?"))
     with trio.fail_after(180):
-        async with running_server(llama_model, server_config, snapshot_dir=tmp_path) as first:
+        # --deterministic: a restored prefix gives exactly the cold greedy tokens only there.
+        async with running_server(
+            llama_model, server_config, snapshot_dir=tmp_path, deterministic=True
+        ) as first:
             async with UmaClient.connect(first.config.socket_path) as client:
                 saved = await client.snapshot(
                     "save", "library", messages=[{"role": "system", "content": SYSTEM}]
@@ -35,7 +38,9 @@ async def test_snapshot_restored_after_a_restart_gives_the_same_greedy_output(
         assert (tmp_path / f"library{SUFFIX}").is_file()
         assert before_eos.usage.cached_tokens > 300  # the save left the prefix cached too
 
-        async with running_server(llama_model, server_config, snapshot_dir=tmp_path) as second:
+        async with running_server(
+            llama_model, server_config, snapshot_dir=tmp_path, deterministic=True
+        ) as second:
             async with UmaClient.connect(second.config.socket_path) as client:
                 listed = await client.snapshot("list")
                 restored = await client.snapshot("restore", "library")
