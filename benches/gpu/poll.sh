@@ -14,4 +14,5 @@ echo "--- stage=$(cat "$W/STAGE" 2>/dev/null) done=$(cat "$W/DONE" 2>/dev/null) 
 [ -f "$W/logs/build.log" ] && echo "build: $(tail -1 "$W/logs/build.log" | cut -c1-150)"
 tar czf "$OUT/results.tar.gz" -C "$W" logs results 2>/dev/null
 cp "$W/results/gpu.md" "$W/results/gpu.csv" "$W/results/gpu.png" "$OUT/" 2>/dev/null
-ls "$OUT"
+[ -f "$W/bin.tar.xz" ] && [ -n "${FETCH_BUILD:-}" ] && split -b 15M -d "$W/bin.tar.xz" "$OUT/bin.tar.xz.part"
+ls -la "$OUT"

@@ -26,6 +26,14 @@ export PYTHONPATH=/tmp/site:$REPO:$W/lcp
 SRC=$W/lcp/vendor/llama.cpp
 B=$W/build
 MODEL=$W/model-q4km.gguf
+if [ -n "${BUILD_TAR:-}" ] && [ ! -f "$W/build.ok" ]; then  # a build packed by DIAG_ONLY on an earlier machine
+  stage unpack-build
+  mkdir -p "$B/bin" && cat $BUILD_TAR | xz -d | tar xf - -C "$B/bin" && touch "$W/build.ok"
+  CUBLAS=$(find /usr /opt -name 'libcublas.so*' 2>/dev/null | grep -v stubs | head -1)
+  echo "export LD_LIBRARY_PATH=$B/bin:$(dirname "$CUBLAS"):\${LD_LIBRARY_PATH:-}" > "$W/env.sh"
+  ( PYTHONPATH=$SRC/gguf-py $PY benches/gpu/gen_model.py --vocab "$SRC/models/ggml-vocab-llama-bpe.gguf" \
+      --out "$W/model-f16.gguf" --ctx 32768 > "$L/gen.log" 2>&1 && touch "$W/gen.ok" ) || { log "GEN FAILED"; echo FAIL > "$W/DONE"; exit 1; }
+fi
 if [ ! -f "$W/build.ok" ]; then
   stage build
   CUBLAS=$(find /usr /opt -name 'libcublas.so*' 2>/dev/null | grep -v stubs | head -1)
@@ -49,6 +57,15 @@ if [ ! -f "$W/build.ok" ]; then
 fi
 . "$W/env.sh"
 export LLAMA_CPP_LIB_PATH=$B/bin
+if [ -n "${DIAG_ONLY:-}" ]; then
+  stage diagnose
+  bash benches/gpu/diagnose_load.sh 2>&1 | tee -a "$L/driver.log"
+  # The build, stripped and packed, so a later machine can skip it (BUILD_TAR).
+  ( cd "$B/bin" && strip --strip-unneeded *.so* llama-server llama-batched-bench llama-quantize 2>/dev/null;
+    tar cf - *.so* llama-server llama-batched-bench llama-quantize | xz -T16 -6 > "$W/bin.tar.xz" )
+  log "bin.tar.xz $(du -h "$W/bin.tar.xz" | cut -f1)"
+  stage done; echo OK > "$W/DONE"; exit 0
+fi
 if [ ! -f "$MODEL" ]; then
   stage quantize
   "$B/bin/llama-quantize" "$W/model-f16.gguf" "$MODEL" Q4_K_M "$(nproc)" > "$L/quantize.log" 2>&1 || { log "QUANTIZE FAILED"; echo FAIL > "$W/DONE"; exit 1; }
