@@ -24,6 +24,8 @@ v ctypes_first "import ctypes"
 v numpy_preload_stdcxx "import numpy" LD_PRELOAD="$STDCXX"
 v numpy_lc_all_c "import numpy" LC_ALL=C
 v uma_daemon "import uma_trio.daemon"
+v numpy_then_uma_libllama "import numpy; import uma_trio.engine.libllama"
+v numpy_then_uma_llama_engine "import numpy; import uma_trio.engine.llama"
 v numpy_global "import ctypes; ctypes.CDLL('$STDCXX', ctypes.RTLD_GLOBAL); import numpy"
 echo "python: $($PY -c 'import sys; print(sys.executable, sys.prefix, sys.version)')"
 echo "sitecustomize: $($PY -c 'import sitecustomize; print(sitecustomize.__file__)' 2>&1)"

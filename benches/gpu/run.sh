@@ -74,6 +74,8 @@ fi
 log "model $(ls -la "$MODEL")"
 if [ -n "${PREP_ONLY:-}" ]; then stage prepared; echo OK > "$W/DONE"; exit 0; fi
 
+stage diagnose
+bash benches/gpu/diagnose_load.sh 2>&1 | grep -E "^diag|^#[0-4] " | tee -a "$L/driver.log"
 stage import-order
 # Does importing numpy before llama_cpp still break the CUDA libllama?  Each variant loads the model.
 probe='import sys, numpy, llama_cpp as l; l.llama_backend_init(); p=l.llama_model_default_params(); p.n_gpu_layers=999; m=l.llama_model_load_from_file(sys.argv[1].encode(), p); print("loaded", bool(m))'

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import llama_cpp as llama
-
+from .libllama import llama
 from .offload import DeviceMemory
 
 log = logging.getLogger("uma_trio.llama_cpp")

@@ -39,13 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import llama_cpp as llama
 import numpy as np
 
 from ..model_files import sha256_of
 from .base import BatchEntry, EngineError, Sampled, SampleFailure, StepResult, TokenArray
 from .compute_thread import ComputeThread
 from .devices import LlamaLog, devices, flash_attention_resolved, init_backend, offloaded_layers, system_info
+from .libllama import llama
 from .offload import OffloadPlan
 from .step_gaps import StepGaps
 from .summary import engine_summary
