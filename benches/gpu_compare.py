@@ -222,7 +222,7 @@ def uma_cmd(args: argparse.Namespace, slots: int, ctx_seq: int, port: int, sock:
     return [
         sys.executable, "-m", "uma_trio", "serve", "--model", str(args.model), "--socket", str(sock),
         "--http", f"127.0.0.1:{port}", "--max-sessions", str(slots), "--n-ctx", str(ctx_seq),
-        "--max-prompt-tokens", str(ctx_seq), "--max-tokens", str(ctx_seq), "--gpu-layers", "all",
+        "--max-prompt-tokens", str(ctx_seq), "--max-tokens", str(ctx_seq),
         "--log-level", "info", *args.uma_arg,
     ]  # fmt: skip
 
@@ -279,6 +279,7 @@ async def streams_part(url: str, system: str, args: argparse.Namespace, log: lis
         await complete(client, url, prompt(rng, 20), 16)  # warm-up, not reported
         for n in args.streams:
             for rep in range(args.reps):
+                before = await step_overhead(client, url, system)
                 t0 = time.perf_counter()
                 done = await asyncio.gather(
                     *(complete(client, url, prompt(rng, 127), args.max_tokens) for _ in range(n))
@@ -294,10 +295,34 @@ async def streams_part(url: str, system: str, args: argparse.Namespace, log: lis
                     "ttft_ms_p50": ms(pct(ttfts, 0.5)), "gap_ms_p50": ms(pct(gaps, 0.5)),
                     "gap_ms_p95": ms(pct(gaps, 0.95)), "gap_ms_max": ms(max(gaps, default=0.0)),
                 }  # fmt: skip
+                row.update(overhead_delta(before, await step_overhead(client, url, system)))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 log.append(row)
     return rows
+
+
+async def step_overhead(client: httpx.AsyncClient, url: str, system: str) -> dict[str, Any]:
+    """uma-trio's engine-side step counters (METRICS.md "engine" step_overhead)."""
+    if system != "uma-trio":
+        return {}
+    return (await client.get(url + "/health")).json()["engine"]["step_overhead"] or {}
+
+
+def overhead_delta(before: dict[str, Any], after: dict[str, Any]) -> Row:
+    """Steps, mean step and mean gap (results ready -> next llama_decode) over one run."""
+    if not after:
+        return {}
+    steps = after["steps"] - before.get("steps", 0)
+    gaps = after["gaps"] - before.get("gaps", 0)
+    step_s = after["step_s_total"] - before.get("step_s_total", 0.0)
+    gap_s = after["gap_s_total"] - before.get("gap_s_total", 0.0)
+    return {
+        "engine_steps": steps,
+        "step_ms_mean": ms(step_s / steps) if steps else None,
+        "step_gap_ms_mean": ms(gap_s / gaps) if gaps else None,
+        "step_gap_share": round(gap_s / gaps / (step_s / steps), 4) if gaps and steps and step_s else None,
+    }
 
 
 async def chat(client: httpx.AsyncClient, url: str, seed: int, start: float) -> list[Row]:
@@ -401,7 +426,14 @@ def report(rows: list[Row], out: Path) -> str:
               and all(r.get(k) == v for k, v in match.items())]  # fmt: skip
         return statistics.median(xs) if xs else None
 
+    overhead = []
     for n in sorted({r["streams"] for r in rows if r["part"] == "streams"}):
+        share = med("uma-trio", "streams", "step_gap_share", streams=n)
+        overhead.append(
+            f"{n} streams: uma-trio steps {med('uma-trio', 'streams', 'engine_steps', streams=n)}, step "
+            f"{med('uma-trio', 'streams', 'step_ms_mean', streams=n)} ms, gap "
+            f"{med('uma-trio', 'streams', 'step_gap_ms_mean', streams=n)} ms ({share})"
+        )
         ceil = med("llama-batched-bench", "ceiling", "agg_tok_s", streams=n)
         ls, us = (
             med("llama-server", "streams", "agg_tok_s", streams=n),
@@ -414,6 +446,9 @@ def report(rows: list[Row], out: Path) -> str:
         lines.append(
             f"| {n} | {ceil} | {ls} ({lt}) | {us} ({ut}) | {ratio(us, ls)} | {ratio(us, ceil)} | {ratio(ut, lt)} |"
         )
+    lines.append(
+        "\nper-step overhead (results ready -> next llama_decode, share of a step):\n" + "\n".join(overhead)
+    )
     for r in rows:
         if r["part"] == "mixed":
             lines.append(

@@ -53,6 +53,9 @@ class StepGaps:
         mean_gap = self.gap_s / self.gaps if self.gaps else 0.0
         return {
             "steps": self.steps,
+            "gaps": self.gaps,
+            "step_s_total": round(self.step_s, 6),
+            "gap_s_total": round(self.gap_s, 6),
             "step_ms_mean": round(mean_step * 1000.0, 4),
             "gap_ms_mean": round(mean_gap * 1000.0, 4),
             "gap_ms_last": round(self.last_gap_s * 1000.0, 4),
