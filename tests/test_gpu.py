@@ -1,26 +1,50 @@
-"""On a GPU (skipped without one): layers are offloaded, and greedy output matches the CPU's.
+"""On a GPU (skipped without one): every layer is offloaded, and the GPU computes what the CPU
+computes.
 
 benches/gpu/run.sh runs these on the lent GPU machine with a random-weight Llama-3-8B-shaped
-model (``UMA_GPU_TEST_MODEL``); elsewhere they use the default model.
+model (``UMA_GPU_TEST_MODEL``); elsewhere they use the default model.  Greedy *text* is not
+compared token for token across devices: the two backends round differently, and a random
+model's top two logits can be nearly tied, so one flip would make every later token differ.
+Instead both devices are fed the same tokens (the CPU's greedy path) and compared step by
+step: the logits agree to within float rounding of a 4-bit model, and wherever the CPU's
+choice is clear (its margin well above the difference between devices) the GPU makes it too.
+On the first run (H100) the --deterministic settings were not batch-invariant on CUDA, so
+that guarantee is the CPU's (docs/CONFIG.md); here batched and alone agree within tolerance.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from uma_trio.engine.base import BatchEntry
 from uma_trio.engine.devices import devices, supports_gpu_offload
-from uma_trio.engine.llama import DETERMINISTIC, ContextConfig, LlamaEngine, LlamaModel, Placement
+from uma_trio.engine.llama import ContextConfig, LlamaEngine, LlamaModel, Placement
 from uma_trio.engine.sampling import Sampler, SamplingParams
 
 HAS_GPU = supports_gpu_offload() and any(d.offloads for d in devices())
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no GPU backend or device")]
 PROMPT = "The capital of France is"
 STEPS = 8
+Rows = list[npt.NDArray[np.float32]]
+
+
+class Recorder(Sampler):
+    """Greedy, keeping a copy of every logits row it sees."""
+
+    def __init__(self) -> None:
+        super().__init__(SamplingParams(temperature=0.0))
+        self.rows: Rows = []
+
+    def sample(self, logits: npt.NDArray[np.float32]) -> int:
+        self.rows.append(np.array(logits, dtype=np.float32, copy=True))
+        return int(np.argmax(logits))
 
 
 @pytest.fixture(scope="module")
@@ -33,70 +57,57 @@ def model_path() -> Path:
     return ensure_default_model()
 
 
-def greedy(engine: LlamaEngine, prompt: str, seq_id: int = 0, steps: int = STEPS) -> list[int]:
-    tokens = engine.tokenize(prompt)
-    sampler = Sampler(SamplingParams(temperature=0.0))
-    out = engine.step_sync([BatchEntry(seq_id, tokens, 0, sampler)]).sampled[0].token_id
-    produced, pos = [out], len(tokens)
-    for _ in range(steps - 1):
-        out = (
-            engine.step_sync([BatchEntry(seq_id, np.array([out], np.int32), pos, sampler)])
-            .sampled[0]
-            .token_id
-        )
-        produced.append(out)
-        pos += 1
-    engine.free_seq(seq_id)
-    return produced
-
-
-def run(path: Path, layers: int, **context: object) -> list[int]:
+@contextmanager
+def engine_on(path: Path, layers: int) -> Iterator[LlamaEngine]:
     model = LlamaModel(path, Placement(n_gpu_layers=layers))
+    engine = LlamaEngine(model, ContextConfig(n_ctx_seq=256, n_seq_max=4))
     try:
-        engine = LlamaEngine(model, ContextConfig(n_ctx_seq=256, n_seq_max=4, **context))  # type: ignore[arg-type]
-        try:
-            if layers:
-                assert model.layers_offloaded == model.layers_total, "every layer should be on the GPU"
-            return greedy(engine, PROMPT)
-        finally:
-            engine.close()
+        yield engine
     finally:
+        engine.close()
         model.close()
 
 
-def test_every_layer_is_offloaded_and_greedy_text_matches_the_cpu(model_path: Path) -> None:
-    # Deterministic settings on both: the same kernels' arithmetic cannot be promised across
-    # devices, but greedy choices with clear margins must agree.
-    assert run(model_path, 999, **DETERMINISTIC) == run(model_path, 0, **DETERMINISTIC)
+def forced(engine: LlamaEngine, prompt: list[int], path: list[int], seq_id: int = 0) -> Rows:
+    """Logits after the prompt and after each token of ``path``, fed one at a time."""
+    rec = Recorder()
+    engine.step_sync([BatchEntry(seq_id, np.array(prompt, np.int32), 0, rec)])
+    for k, token in enumerate(path[:-1]):
+        engine.step_sync([BatchEntry(seq_id, np.array([token], np.int32), len(prompt) + k, rec)])
+    engine.free_seq(seq_id)
+    return rec.rows
 
 
-def test_deterministic_mode_is_batch_invariant_on_the_gpu(model_path: Path) -> None:
-    model = LlamaModel(model_path, Placement(n_gpu_layers=999))
-    try:
-        engine = LlamaEngine(model, ContextConfig(n_ctx_seq=256, n_seq_max=4, **DETERMINISTIC))  # type: ignore[arg-type]
-        try:
-            alone = greedy(engine, PROMPT)
-            tokens = engine.tokenize(PROMPT)
-            sampler = Sampler(SamplingParams(temperature=0.0))
-            others = [engine.tokenize(f"Story number {i}: once upon a time") for i in (1, 2, 3)]
-            entries = [BatchEntry(0, tokens, 0, sampler)] + [
-                BatchEntry(i + 1, t, 0, sampler) for i, t in enumerate(others)
-            ]
-            result = engine.step_sync(entries)
-            first = {s.seq_id: s.token_id for s in result.sampled}
-            batched, pos = [first[0]], len(tokens)
-            positions = {i + 1: len(t) for i, t in enumerate(others)}
-            last = dict(first)
-            for _ in range(STEPS - 1):
-                step = [BatchEntry(0, np.array([last[0]], np.int32), pos, sampler)] + [
-                    BatchEntry(s, np.array([last[s]], np.int32), positions[s], sampler) for s in positions
-                ]
-                last = {x.seq_id: x.token_id for x in engine.step_sync(step).sampled}
-                batched.append(last[0])
-                pos += 1
-                positions = {s: p + 1 for s, p in positions.items()}
-            assert batched == alone
-        finally:
-            engine.close()
-    finally:
-        model.close()
+def test_every_layer_is_offloaded_and_the_gpu_computes_the_cpus_logits(model_path: Path) -> None:
+    with engine_on(model_path, 0) as cpu:
+        prompt = cpu.tokenize(PROMPT).tolist()
+        rec = Recorder()
+        cpu.step_sync([BatchEntry(0, np.array(prompt, np.int32), 0, rec)])
+        path = [int(np.argmax(rec.rows[-1]))]
+        for k in range(STEPS - 1):
+            step = BatchEntry(0, np.array([path[-1]], np.int32), len(prompt) + k, rec)
+            path.append(cpu.step_sync([step]).sampled[0].token_id)
+        cpu_rows = rec.rows
+    with engine_on(model_path, 999) as gpu:
+        assert gpu.model.layers_offloaded == gpu.model.layers_total, "every layer should be on the GPU"
+        gpu_rows = forced(gpu, prompt, path)
+
+    clear = 0
+    for step, (c, g) in enumerate(zip(cpu_rows, gpu_rows, strict=True)):
+        assert np.linalg.norm(g - c) / np.linalg.norm(c) < 0.05, f"logits differ at step {step}"
+        top2 = np.sort(c)[-2:]
+        if top2[1] - top2[0] > 4 * float(np.max(np.abs(g - c))):  # the CPU's choice is clear
+            clear += 1
+            assert int(np.argmax(g)) == int(np.argmax(c)), f"greedy choice differs at step {step}"
+    print(f"{clear} of {len(cpu_rows)} steps had a clear greedy choice")
+
+
+def test_batched_and_alone_agree_on_the_gpu(model_path: Path) -> None:
+    with engine_on(model_path, 999) as engine:
+        prompt = engine.tokenize(PROMPT).tolist()
+        alone = forced(engine, prompt, [0])[0]
+        rec, others = Recorder(), [engine.tokenize(f"Story number {i}: once upon a time") for i in (1, 2, 3)]
+        entries = [BatchEntry(0, np.array(prompt, np.int32), 0, rec)]
+        entries += [BatchEntry(i + 1, t, 0, Recorder()) for i, t in enumerate(others)]
+        engine.step_sync(entries)
+    assert np.linalg.norm(rec.rows[0] - alone) / np.linalg.norm(alone) < 0.05

@@ -120,8 +120,9 @@ def test_parked_sessions_sit_out() -> None:
 def test_hysteresis_hold_keeps_background_prefill_off() -> None:
     held = plan(interactive(2), background(1, prompt=300), controls=Controls(hold_left=3))
     assert held.prefill == () and dict(held.skipped) == {1: "hold"}
-    ramping = plan(background(1, prompt=300), controls=Controls(ramp=0.5))
-    full = plan(background(1, prompt=300))
+    # Beside a decoding stream (with none decoding, prompts take the whole batch).
+    ramping = plan(background(1, prompt=300), background(2), controls=Controls(ramp=0.5))
+    full = plan(background(1, prompt=300), background(2))
     assert 0 < dict(ramping.prefill)[1] < dict(full.prefill)[1]
 
 
@@ -229,3 +230,12 @@ def test_hill_climber_finds_the_best_batch_and_stays() -> None:
         tuner.observe(int(rate(k) * 10), 10.0, candidates=8)
     assert max(set(visits), key=visits.count) == 5
     assert visits.count(5) > 70  # probes away from the optimum are rare
+
+
+def test_with_nobody_decoding_prompts_take_the_whole_batch() -> None:
+    """Work-conserving: no stream's gap to protect, so a burst of prompts starts together."""
+    burst = plan(*(interactive(k, prompt=128) for k in range(16)), background(16, prompt=300))
+    assert sum(n for _, n in burst.prefill) == 512  # the state's max_batch
+    assert burst.budget_s >= burst.predicted_s  # not an overrun to hold prefill back for
+    beside = plan(interactive(0), *(interactive(k, prompt=128) for k in range(1, 16)))
+    assert sum(n for _, n in beside.prefill) < 512  # a decoding stream keeps its pause limit

@@ -63,7 +63,7 @@ class ServerConfig:
     # reuse; None: any cells no request needs; 0: off.
     prefix_cache_cells: int | None = None
     snapshot_dir: Path | None = None  # KV snapshots; None: the per-user state directory
-    n_batch: int = 512  # hard cap on tokens per tick
+    n_batch: int = 2048  # most tokens per tick (llama-server's default: a burst of prompts fits)
     n_ubatch: int | None = None  # llama.cpp micro-batch; None: 512, or 32 with --deterministic
     threads: int | None = None  # llama.cpp threads; default all cores
     # Scheduling (docs/SCHEDULER.md)

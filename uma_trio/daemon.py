@@ -113,7 +113,11 @@ def cost_prior(engine: LlamaEngine, config: ServerConfig) -> CostCoefficients:
     if engine.model.layers_offloaded == 0:
         return CostCoefficients()
     log.info("calibrating the tick-cost model on the GPU (no cost model for %s)", key)
-    result = calibrate_engine(engine)
+    try:
+        result = calibrate_engine(engine)
+    except ValueError as exc:  # a context too small for any grid (one session, say)
+        log.warning("no start-up calibration (%s): built-in costs, corrected online", exc)
+        return CostCoefficients()
     c = result.coefficients
     log.info(
         "cost model: fixed %.2f ms, %.3f ms/decode token, %.3f ms/prompt token past %d tokens, "

@@ -83,7 +83,6 @@ class DecodeLoop:
         # Background sessions never hold the last seq ids: interactive work always finds one.
         self._background_seq_cap = max(1, engine.n_seq_max - config.interactive_reserve)
         self._state = SchedulerState(())
-        self.kv_cells_used = 0
         self._last_step_end: float | None = None  # None after the loop slept: no overhead to count
 
     # -- called from connection tasks (synchronous: they only record and wake) --
@@ -215,10 +214,8 @@ class DecodeLoop:
             self._apply_aborts()
             await self._run_jobs()
             self._admit()
-            self.kv_cells_used = sum(self.engine.seq_cells(s) for s in self._active)
             plan = self._plan()
             if not plan:
-                self.kv_cells_used = sum(self.engine.seq_cells(s) for s in self._active)
                 self._update_idle()
                 self._last_step_end = None
                 await self._wakeup.wait()
@@ -514,6 +511,12 @@ class DecodeLoop:
             self._idle.set()
 
     # -- observability -----------------------------------------------------------
+
+    @property
+    def kv_cells_used(self) -> int:
+        """KV cells the running requests hold: each holds exactly its ``n_past`` cells (read
+        from the loop's own bookkeeping, not llama.cpp, which a step may be writing)."""
+        return sum(s.n_past for s in self._active.values())
 
     def gauges(self) -> dict[str, Any]:
         sessions = list(self._active.values())

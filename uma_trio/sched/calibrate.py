@@ -431,7 +431,13 @@ def fit_grid(grid: Grid, engine: LlamaEngine) -> Grid:
     starts = tuple(st for st in grid.prefill_starts if st + max(chunks, default=0) < cells)
     mixed = tuple(d for d in grid.mixed_batches if d + 2 <= seqs and d + max(chunks, default=0) <= batch)
     return Grid(
-        decode_batches=tuple(d for d in grid.decode_batches if d + 1 <= seqs and d <= batch),
+        # up to every session but the source: a GPU step is not linear, so the fit must see
+        # the widest batch the daemon will run rather than extrapolate to it
+        decode_batches=tuple(
+            sorted({d for d in grid.decode_batches if d + 1 <= seqs and d <= batch} | {seqs - 1})
+        )
+        if seqs > 1
+        else (),
         decode_contexts=tuple(c for c in grid.decode_contexts if c + 1 < cells) or (min(64, cells // 2),),
         mixed_batches=mixed or (0,),
         mixed_context=min(grid.mixed_context, cells // 2),

@@ -113,7 +113,9 @@ class _Batch:
         """Prompt tokens that still fit under ``limit_s`` (priced at the deepest context).
         The cost only grows with tokens, so binary-search the largest count: under a knee
         (:class:`CostCoefficients` ``flat_tokens``) tokens are free, past it linear."""
-        deepest = max((s.n_past for s in candidates), default=0)
+        if not candidates:
+            return 0
+        deepest = max(s.n_past for s in candidates)
         decode = len(self.decode)
         prefill = sum(n for _, n in self.prefill)
         cells = kv_cells_read([s.n_past for s in self.decode], [(s.n_past, n) for s, n in self.prefill])
@@ -188,7 +190,11 @@ def plan_tick(
     # New interactive work may stretch the tick up to the pause limit: a prompt token can
     # cost more than the whole headroom, and a new request must still join on the next tick.
     interactive_prompts = [s for s in runnable if s.interactive and not s.decoding]
-    pause_limit = max(budget, config.max_pause * baseline)
+    # With no stream decoding there is no gap to protect: prompts take the whole batch
+    # (work-conserving; llama-server does the same), and the budget covers what is planned.
+    nobody_decodes = not any(s.decoding for s in runnable)
+    unbounded = float("inf")
+    pause_limit = unbounded if nobody_decodes else max(budget, config.max_pause * baseline)
     room = max(batch.prefill_room(pause_limit, interactive_prompts), min(1, len(interactive_prompts)))
     batch.prefill.extend(water_fill(interactive_prompts, room))
 
@@ -197,7 +203,11 @@ def plan_tick(
     skipped.update((s.key, "budget") for s in left)
 
     background_prompts = [s for s in runnable if not s.interactive and not s.decoding]
-    if controls.hold_left > 0:
+    if nobody_decodes:
+        batch.prefill.extend(
+            water_fill(background_prompts, batch.prefill_room(unbounded, background_prompts))
+        )
+    elif controls.hold_left > 0:
         skipped.update((s.key, "hold") for s in background_prompts)
     else:
         room = int(batch.prefill_room(budget, background_prompts) * controls.ramp)
@@ -222,6 +232,8 @@ def plan_tick(
             skipped.setdefault(s.key, "budget")
         else:
             skipped.pop(s.key, None)
+    if nobody_decodes:
+        budget = max(budget, batch.predicted())
     return Plan(
         decode=tuple(s.key for s in batch.decode),
         prefill=tuple((s.key, n) for s, n in batch.prefill if n > 0),
