@@ -10,6 +10,8 @@ thread keeps exactly one team, and closing the thread frees it.
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
@@ -18,27 +20,41 @@ import outcome
 import trio
 
 T = TypeVar("T")
+_STARTED_WAIT_S = 0.05  # a bound, not a wait: a queued call (a snapshot job first) just proceeds
+# The longest a thread holding the GIL keeps a waiting one out (Python's default is 5 ms): the
+# compute thread needs the GIL again the moment llama_decode returns, to sample and hand the
+# results back, while the event loop may be busy writing tokens to clients.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class ComputeThread:
     """Runs blocking calls, one at a time and in order, on a single thread."""
 
     def __init__(self, name: str) -> None:
+        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     def call(self, fn: Callable[..., T], *args: object) -> T:
         """Run ``fn(*args)`` on the compute thread and block until it returns."""
         return self._executor.submit(fn, *args).result()
 
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
+    async def run(self, fn: Callable[..., T], *args: object, started: threading.Event | None = None) -> T:
         """Run ``fn(*args)`` on the compute thread without blocking trio.
 
         Not cancellable once submitted: the call always runs to its end and its
         result is returned; a cancellation waits for the caller's next checkpoint
         (like ``to_thread.run_sync`` without ``abandon_on_cancel``).  So sampled
         tokens are never lost and the caller never races its own next call.
+
+        With ``started``, trio's thread blocks (briefly: the thread's wake-up and the Python
+        before the blocking call) until ``fn`` sets it.  Otherwise the event loop would go on
+        running other tasks' Python while the compute thread waits for the GIL to reach
+        ``llama_decode``, and the device would sit idle meanwhile.
         """
         future = self._executor.submit(fn, *args)
+        if started is not None:
+            started.wait(_STARTED_WAIT_S)
         token = trio.lowlevel.current_trio_token()
         task = trio.lowlevel.current_task()
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -405,11 +406,12 @@ class LlamaEngine:
 
     async def step(self, entries: Sequence[BatchEntry]) -> StepResult:
         # Not abandoned on cancel: the context must never be touched by two threads.
-        return await self._compute.run(self._step, entries)
+        started = threading.Event()
+        return await self._compute.run(self._step, entries, started, started=started)
 
     def step_sync(self, entries: Sequence[BatchEntry]) -> StepResult:
         """:meth:`step` for callers outside trio (tests, benchmarks); blocks."""
-        return self._compute.call(self._step, entries)
+        return self._compute.call(self._step, entries, None)
 
     async def rebuild(self) -> None:
         await self._compute.run(self._rebuild)
@@ -473,8 +475,9 @@ class LlamaEngine:
 
     # -- the blocking part -----------------------------------------------------
 
-    def _step(self, entries: Sequence[BatchEntry]) -> StepResult:
-        """Fill the batch, run ``llama_decode``, sample.  Runs on the compute thread."""
+    def _step(self, entries: Sequence[BatchEntry], decode_started: threading.Event | None) -> StepResult:
+        """Fill the batch, run ``llama_decode``, sample.  Runs on the compute thread; sets
+        ``decode_started`` just before the decode (see :meth:`ComputeThread.run`)."""
         began = time.perf_counter()
         buf = self._buffers
         n = 0
@@ -499,6 +502,8 @@ class LlamaEngine:
         buf.batch.n_tokens = n
         started = time.perf_counter()
         self.step_gaps.on_start(began, started)
+        if decode_started is not None:
+            decode_started.set()
         status = llama.llama_decode(self._ctx, buf.batch)
         if status != 0:
             self.step_gaps.on_end(None)
