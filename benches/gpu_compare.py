@@ -32,12 +32,12 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+from compare import running  # benches/compare.py: start a server, wait for /v1/models, stop it
 
 WORDS = [
     "the",
@@ -180,35 +180,6 @@ def ms(x: float | None) -> float | None:
 
 
 # -- servers --------------------------------------------------------------------------------
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 600) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{what} did not come up in {timeout:g} s")
-
-
-@contextmanager
-def server(cmd: list[str], url: str, what: str, log: Path, env: dict[str, str]) -> Iterator[None]:
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
-        try:
-            wait_healthy(url, proc, what)
-            yield
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def llama_server_cmd(args: argparse.Namespace, slots: int, ctx_seq: int, port: int) -> list[str]:
@@ -515,7 +486,7 @@ def main() -> int:
     ap.add_argument("--uma-arg", action="append", default=[], help="extra `uma-trio serve` argument")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(args.bin)}
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(args.bin)  # uma-trio's llama_cpp loads the peers' libllama
     parts, systems = args.parts.split(","), args.systems.split(",")
     log: list[Row] = []
     sock = Path(f"/tmp/uma-gpu-{os.getpid()}") / "uma.sock"
@@ -528,7 +499,7 @@ def main() -> int:
             if system == "llama-server"
             else uma_cmd(args, slots, ctx, port, sock)
         )
-        return server(cmd, f"http://127.0.0.1:{port}", system, args.out / f"{system}-{tag}.log", env), port
+        return running(cmd, f"http://127.0.0.1:{port}", system, args.out / f"{system}-{tag}.log"), port
 
     if "ceiling" in parts:
         ceiling_part(args, log)

@@ -74,6 +74,7 @@ fi
 log "model $(ls -la "$MODEL")"
 if [ -n "${PREP_ONLY:-}" ]; then stage prepared; echo OK > "$W/DONE"; exit 0; fi
 
+if [ -z "${SKIP_DIAG:-}" ]; then
 stage diagnose
 bash benches/gpu/diagnose_load.sh 2>&1 | grep -E "^diag|^#[0-4] " | tee -a "$L/driver.log"
 stage import-order
@@ -88,12 +89,13 @@ done
 timeout 300 cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary" --args $PY -c "$probe" "$MODEL" > "$L/probe_bt.log" 2>&1
 log "backtrace: $(grep -m8 -E '^#[0-9]' "$L/probe_bt.log" | cut -c1-160 | tr '\n' '|')"
 timeout 120 $PY -X importtime -c "import uma_trio.daemon" 2> "$L/importtime.log"; log "daemon imports numpy before llama_cpp: $(grep -n -m1 -E '\| (numpy|llama_cpp)$' "$L/importtime.log" | cut -c1-80)"
+fi
 
 stage info
 timeout 120 $PY -m uma_trio info --model "$MODEL" --max-sessions 16 --n-ctx 512 2>&1 | tee -a "$L/driver.log"
 
 stage gpu-tests
-UMA_GPU_TEST_MODEL=$MODEL timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15 | tee -a "$L/driver.log"
+UMA_GPU_TEST_MODEL=$MODEL timeout 300 $PY -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_libllama.py 2>&1 | tail -15 | tee -a "$L/driver.log"
 
 stage compare
 timeout 1500 $PY benches/gpu_compare.py --bin "$B/bin" --model "$MODEL" --out "$W/results" --parts "$PARTS" ${COMPARE_ARGS:-} 2>&1 | tee -a "$L/driver.log" | tail -5
