@@ -360,6 +360,15 @@ async def long_part(url: str, system: str, depths: Sequence[int], log: list[Row]
     return rows
 
 
+async def run_part(part: str, url: str, system: str, args: argparse.Namespace, log: list[Row]) -> None:
+    if part == "streams":
+        await streams_part(url, system, args, log)
+    elif part == "mixed":
+        await mixed_part(url, system, log)
+    else:
+        await long_part(url, system, args.depths, log)
+
+
 def ceiling_part(args: argparse.Namespace, log: list[Row]) -> list[Row]:
     cmd = [
         str(args.bin / "llama-batched-bench"), "-m", str(args.model), "-ngl", "999", "-c", "8192",
@@ -370,15 +379,21 @@ def ceiling_part(args: argparse.Namespace, log: list[Row]) -> list[Row]:
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 10 and cells[0].isdigit():
-            _pp, _tg, b, _kv, t_pp, _spp, _ttg, s_tg, _t, s_all = cells
-            row = {
-                "system": "llama-batched-bench", "part": "ceiling", "streams": int(b), "agg_tok_s": float(s_all),
-                "decode_tok_s": float(s_tg), "ttft_ms_p50": round(1000.0 * float(t_pp), 2),
-            }  # fmt: skip
-            rows.append(row)
-            log.append(row)
+            rows.append(ceiling_row(cells))
+            log.append(rows[-1])
     print(text[-2000:], flush=True)
     return rows
+
+
+def ceiling_row(cells: list[str]) -> Row:
+    """One llama-batched-bench line as the servers are measured: generated tokens over the
+    whole time (its S t/s counts the prompt tokens too), TTFT = the batch's prompt time."""
+    _pp, tg, b, _kv, t_pp, _spp, _ttg, s_tg, t_all, _s_all = cells
+    return {
+        "system": "llama-batched-bench", "part": "ceiling", "streams": int(b),
+        "agg_tok_s": round(int(b) * int(tg) / float(t_all), 2), "decode_tok_s": float(s_tg),
+        "ttft_ms_p50": round(1000.0 * float(t_pp), 2),
+    }  # fmt: skip
 
 
 # -- report ---------------------------------------------------------------------------------
@@ -451,11 +466,8 @@ def plot(rows: list[Row], out: Path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    for system, part in (
-        ("llama-batched-bench", "ceiling"),
-        ("llama-server", "streams"),
-        ("uma-trio", "streams"),
-    ):
+    curves = dict.fromkeys((r["system"], r["part"]) for r in rows if r["part"] in ("ceiling", "streams"))
+    for system, part in curves:
         pts: dict[int, list[float]] = {}
         for r in rows:
             if r["system"] == system and r["part"] == part:
@@ -504,18 +516,20 @@ def main() -> int:
     if "ceiling" in parts:
         ceiling_part(args, log)
     for system in systems:
-        if "streams" in parts:
-            ctx_manager, port = up(system, max(args.streams), args.ctx, "streams")
-            with ctx_manager:
-                asyncio.run(streams_part(f"http://127.0.0.1:{port}", system, args, log))
-        if "mixed" in parts:
-            ctx_manager, port = up(system, 5, 8448, "mixed")
-            with ctx_manager:
-                asyncio.run(mixed_part(f"http://127.0.0.1:{port}", system, log))
-        if "long" in parts:
-            ctx_manager, port = up(system, 1, max(args.depths) + 256, "long")
-            with ctx_manager:
-                asyncio.run(long_part(f"http://127.0.0.1:{port}", system, args.depths, log))
+        for part, slots, ctx in (
+            ("streams", max(args.streams), args.ctx),
+            ("mixed", 5, 8448),
+            ("long", 1, max(args.depths) + 256),
+        ):
+            if part not in parts:
+                continue
+            ctx_manager, port = up(system, slots, ctx, part)
+            url = f"http://127.0.0.1:{port}"
+            try:
+                with ctx_manager:
+                    asyncio.run(run_part(part, url, system, args, log))
+            except SystemExit as exc:  # one server that failed to start ends only its part
+                print(f"{system} {part}: {exc}", flush=True)
     with (args.out / "runs.jsonl").open("a") as f:
         for row in log:
             f.write(json.dumps(row) + "\n")
