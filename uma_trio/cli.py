@@ -665,10 +665,11 @@ def calibrate(
         print(line, file=sys.stderr, flush=True)
 
     from .daemon import context_config, offload_plan, placement_for
+    from .engine.llama import read_shape
 
     try:
         config = ServerConfig(gpu_layers=gpu_layers, deterministic=deterministic, threads=threads)
-        plan = offload_plan(model_path, config)
+        plan = offload_plan(read_shape(model_path), config)
         engine = context_config(config)
         context = {"n_ubatch": engine.n_ubatch, "kv_type": engine.kv_type, "flash_attn": engine.flash_attn}
         result = run_calibration(

@@ -19,6 +19,7 @@ from .engine.llama import (
     LlamaEngine,
     LlamaModel,
     ModelLoadError,
+    ModelShape,
     Placement,
     read_shape,
 )
@@ -59,9 +60,9 @@ def engine_for(model: LlamaModel, config: ServerConfig) -> LlamaEngine:
     return LlamaEngine(model, context_config(config))
 
 
-def offload_plan(model_path: Path, config: ServerConfig) -> OffloadPlan:
-    """``--gpu-layers`` against this machine's devices and the model's size (no weights read)."""
-    shape = read_shape(model_path)
+def offload_plan(shape: ModelShape, config: ServerConfig) -> OffloadPlan:
+    """``--gpu-layers`` against this machine's devices and the model's size
+    (:func:`~uma_trio.engine.llama.read_shape`: no weights read)."""
     kv_cells = config.n_ctx * config.max_sessions
     return plan_offload(
         parse_gpu_layers(config.gpu_layers),
@@ -81,8 +82,8 @@ def placement_for(plan: OffloadPlan, config: ServerConfig) -> Placement:
 
 
 def load_model(model_path: Path, config: ServerConfig) -> LlamaModel:
-    plan = offload_plan(model_path, config)
-    log.info("GPU layers: %d of %d (%s)", plan.offloaded, plan.total, plan.reason)
+    plan = offload_plan(read_shape(model_path), config)
+    log.info("GPU layers: %d of %d (%s)", plan.n_gpu_layers, plan.total, plan.reason)
     return LlamaModel(model_path, placement_for(plan, config))
 
 
@@ -103,14 +104,16 @@ def cost_prior(engine: LlamaEngine, config: ServerConfig) -> CostCoefficients:
     from .sched.calibrate import calibrate_engine, engine_device_key
 
     key = engine_device_key(engine)
+    on_gpu = engine.model.layers_offloaded > 0
     if config.cost_model is not None:
         loaded = CostCoefficients.load(config.cost_model)
-        if loaded.device in ("", key) and (loaded.device or engine.model.layers_offloaded == 0):
+        # A file with no device predates device keys: it was measured on a CPU.
+        if loaded.device == key or (not loaded.device and not on_gpu):
             return loaded
         log.warning(
             "cost model %s was measured on %r, not %r: not used", config.cost_model, loaded.device, key
         )
-    if engine.model.layers_offloaded == 0:
+    if not on_gpu:
         return CostCoefficients()
     log.info("calibrating the tick-cost model on the GPU (no cost model for %s)", key)
     try:
@@ -142,6 +145,13 @@ def policy_for(engine: LlamaEngine, config: ServerConfig) -> Policy:
     kv_bytes = KV_TYPES[engine.config.kv_type][1]
     guard = BmtGuard(memory_profile(engine.model, config.engine_n_ubatch, kv_type_bytes=kv_bytes), gbps)
     return default_policy(config, guard, prior=cost_prior(engine, config))
+
+
+def server_for(engine: LlamaEngine, config: ServerConfig, policy: Policy) -> Server:
+    """The server over ``engine``, which describes its devices and settings to the metrics."""
+    return Server(
+        engine, config, policy, describe=partial(engine.describe, deterministic=config.deterministic)
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -195,12 +205,7 @@ async def serving(model: LlamaModel, config: ServerConfig) -> AsyncIterator[Serv
     engine = engine_for(model, config)
     try:
         async with http_gateway(config, model.path.name) as gateway, trio.open_nursery() as nursery:
-            server = Server(
-                engine,
-                config,
-                policy_for(engine, config),
-                describe=partial(engine.describe, deterministic=config.deterministic),
-            )
+            server = server_for(engine, config, policy_for(engine, config))
             await nursery.start(partial(_serve, server, gateway, handle_signals=False))
             yield server
             server.request_shutdown(force=True)
@@ -217,13 +222,7 @@ async def run_daemon(model_path: Path, config: ServerConfig) -> None:
                 log.info("loading %s", model_path)
                 engine = await trio.to_thread.run_sync(load_engine, model_path, config)
                 policy = await trio.to_thread.run_sync(policy_for, engine, config)
-                server = Server(
-                    engine,
-                    config,
-                    policy,
-                    describe=partial(engine.describe, deterministic=config.deterministic),
-                )
-                await _serve(server, gateway, handle_signals=True)
+                await _serve(server_for(engine, config, policy), gateway, handle_signals=True)
         finally:
             # Only once the gateway has stopped: its handlers may still be tokenizing in
             # worker threads, which leaving its nursery waits for.

@@ -38,23 +38,21 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from ..config import DETERMINISTIC_KV_TYPE, DETERMINISTIC_N_UBATCH, FlashAttn, SplitMode
 from ..model_files import sha256_of
 from .base import BatchEntry, EngineError, Sampled, SampleFailure, StepResult, TokenArray
 from .compute_thread import ComputeThread
 from .devices import LlamaLog, devices, flash_attention_resolved, init_backend, offloaded_layers, system_info
 from .libllama import llama
-from .offload import OffloadPlan
 from .step_gaps import StepGaps
 from .summary import engine_summary
 
 log = logging.getLogger(__name__)
 
-FlashAttn = Literal["auto", "on", "off"]
-SplitMode = Literal["none", "layer", "row"]
 _FLASH_ATTN = {
     "auto": llama.LLAMA_FLASH_ATTN_TYPE_AUTO,
     "on": llama.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -276,7 +274,10 @@ class ContextConfig:
 
 # The settings --deterministic fixes (module doc); with f16 KV or 64+ token micro-batches
 # greedy output depends on the batch.
-DETERMINISTIC: dict[str, Any] = {"n_ubatch": 32, "kv_type": "q8_0", "kv_unified": False, "flash_attn": "on"}
+DETERMINISTIC: dict[str, Any] = {
+    "n_ubatch": DETERMINISTIC_N_UBATCH, "kv_type": DETERMINISTIC_KV_TYPE,
+    "kv_unified": False, "flash_attn": "on",
+}  # fmt: skip
 
 
 # llama.cpp's ggml types for the KV cache, and the bytes one element takes (a q8_0 block
@@ -537,9 +538,9 @@ class LlamaEngine:
     def describe(self, *, deterministic: bool = False) -> dict[str, Any]:
         """:func:`.summary.engine_summary` of this engine, device memory read now."""
         m, c = self.model, self.config
-        plan = OffloadPlan(m.placement.n_gpu_layers, m.layers_offloaded, m.layers_total, m.placement.reason)
         return engine_summary(
-            system_info=system_info(), devices=devices(), plan=plan, offloaded=m.layers_offloaded,
+            system_info=system_info(), devices=devices(),
+            layers=(m.layers_offloaded, m.layers_total), reason=m.placement.reason,
             kv_type=c.kv_type, kv_bytes=self.kv_bytes, kv_cells=self._n_ctx,
             flash_attn="on" if self.flash_attn else "off",
             settings={

@@ -56,8 +56,7 @@ class DeviceMemory:
 class OffloadPlan:
     """What llama.cpp is asked for, and why (the start-up log says it)."""
 
-    n_gpu_layers: int  # passed to llama_model_params.n_gpu_layers
-    offloaded: int  # layers (plus the output layer) that land on a GPU
+    n_gpu_layers: int  # passed to llama_model_params.n_gpu_layers: the layers that land on a GPU
     total: int  # n_layer + 1: the repeating layers and the output layer
     reason: str
 
@@ -78,26 +77,26 @@ def plan_offload(
         why = "this llama.cpp build has no GPU backend" if not supports_offload else "no GPU device found"
         if requested == 0:
             why = "--gpu-layers 0"
-        return OffloadPlan(0, 0, total, f"CPU only: {why}")
+        return OffloadPlan(0, total, f"CPU only: {why}")
     if requested == "all":
-        return OffloadPlan(total, total, total, "--gpu-layers all")
+        return OffloadPlan(total, total, "--gpu-layers all")
     if isinstance(requested, int):
         n = min(requested, total)
-        return OffloadPlan(n, n, total, f"--gpu-layers {requested}")
+        return OffloadPlan(n, total, f"--gpu-layers {requested}")
     free = sum(d.free_bytes for d in devices)
     usable = free - max(int(free * RESERVE_SHARE), RESERVE_MIN_BYTES)
     needed = weight_bytes + kv_bytes
     gib = 1024**3
     if needed <= usable:
         return OffloadPlan(
-            total, total, total,
+            total, total,
             f"auto: weights {weight_bytes / gib:.2f} GiB + KV {kv_bytes / gib:.2f} GiB fit in "
             f"{free / gib:.2f} GiB free on {', '.join(d.name for d in devices)}",
         )  # fmt: skip
     per_layer = needed / total
     n = max(0, min(total, int(usable // per_layer))) if usable > 0 else 0
     return OffloadPlan(
-        n, n, total,
+        n, total,
         f"auto: weights {weight_bytes / gib:.2f} GiB + KV {kv_bytes / gib:.2f} GiB exceed the "
         f"{max(usable, 0) / gib:.2f} GiB usable of {free / gib:.2f} GiB free; offloading the "
         f"{n} of {total} layers that fit (lower --n-ctx or --max-sessions to fit more)",

@@ -22,11 +22,12 @@ def planned_summary(model_path: Path, config: ServerConfig) -> dict[str, Any]:
     from ..daemon import offload_plan
 
     shape = read_shape(model_path)
-    plan = offload_plan(model_path, config)
+    plan = offload_plan(shape, config)
     cells = config.n_ctx * config.max_sessions
     flash = config.engine_flash_attn
     return engine_summary(
-        system_info=system_info(), devices=devices(), plan=plan, offloaded=plan.offloaded,
+        system_info=system_info(), devices=devices(),
+        layers=(plan.n_gpu_layers, plan.total), reason=plan.reason,
         kv_type=config.engine_kv_type,
         kv_bytes=cells * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1]), kv_cells=cells,
         flash_attn="auto (resolved when the context is created)" if flash == "auto" else flash,

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from .devices import Device
-from .offload import OffloadPlan
 
 MIB = 1024 * 1024
 
@@ -30,8 +29,8 @@ def engine_summary(
     *,
     system_info: str,
     devices: Sequence[Device],
-    plan: OffloadPlan,
-    offloaded: int,
+    layers: tuple[int, int],
+    reason: str,
     kv_type: str,
     kv_bytes: int,
     kv_cells: int,
@@ -41,6 +40,7 @@ def engine_summary(
     step_overhead: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     gpus = [d for d in devices if d.offloads]
+    offloaded, total = layers
     return {
         "backends": sorted({d.backend for d in devices}),
         "devices": [
@@ -54,9 +54,9 @@ def engine_summary(
             }
             for d in devices
         ],
-        "gpu_layers": {"offloaded": offloaded, "total": plan.total, "reason": plan.reason},
+        "gpu_layers": {"offloaded": offloaded, "total": total, "reason": reason},
         "kv": {
-            "location": kv_location(offloaded, plan.total, gpus),
+            "location": kv_location(offloaded, total, gpus),
             "type": kv_type,
             "bytes": kv_bytes,
             "cells": kv_cells,

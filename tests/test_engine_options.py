@@ -1,0 +1,119 @@
+"""GPU and engine options without a GPU: parsing, the --gpu-layers auto decision on made-up
+devices, the two modes' settings, and what `uma-trio info` prints (issue 16)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from uma_trio.config import ServerConfig
+from uma_trio.engine.offload import DeviceMemory, parse_gpu_layers, parse_tensor_split, plan_offload
+
+GIB = 1024**3
+H100 = DeviceMemory("CUDA0", "NVIDIA H100 80GB HBM3", free_bytes=78 * GIB, total_bytes=80 * GIB)
+
+
+def plan(
+    requested: str, *, free_gib: float = 78, gpu: bool = True, weights_gib: float = 4.6, kv_gib: float = 1.0
+):  # type: ignore[no-untyped-def]
+    device = DeviceMemory("CUDA0", "test GPU", int(free_gib * GIB), 80 * GIB)
+    return plan_offload(
+        parse_gpu_layers(requested), supports_offload=gpu, devices=(device,) if gpu else (),
+        n_layer=32, weight_bytes=int(weights_gib * GIB), kv_bytes=int(kv_gib * GIB),
+    )  # fmt: skip
+
+
+def test_gpu_layers_values_parse_and_bad_ones_name_the_flag() -> None:
+    assert parse_gpu_layers("auto") == "auto" and parse_gpu_layers(" ALL ") == "all"
+    assert parse_gpu_layers("0") == 0 and parse_gpu_layers("20") == 20
+    for bad in ("-1", "many", "1.5", ""):
+        with pytest.raises(ValueError, match="--gpu-layers"):
+            parse_gpu_layers(bad)
+    assert parse_tensor_split("3,1") == (3.0, 1.0) and parse_tensor_split("1/1/2") == (1.0, 1.0, 2.0)
+    for bad in ("", "a,b", "-1,2", "0,0"):
+        with pytest.raises(ValueError, match="--tensor-split"):
+            parse_tensor_split(bad)
+
+
+def test_auto_offloads_everything_that_fits_and_the_rest_by_layer() -> None:
+    full = plan("auto")
+    assert (full.n_gpu_layers, full.total) == (33, 33) and "fit in" in full.reason
+    # 4.6 + 1.0 GiB over 33 layers is ~0.17 GiB a layer; 3 GiB free less the 512 MiB reserve.
+    partial = plan("auto", free_gib=3.0)
+    assert 0 < partial.n_gpu_layers < 33 and "offloading the" in partial.reason
+    assert partial.n_gpu_layers == int((3.0 - 0.5) * GIB // ((4.6 + 1.0) * GIB / 33))
+    assert plan("auto", free_gib=0.4).n_gpu_layers == 0  # not even the reserve
+    # The KV cache counts: the same weights with a 40 GiB cache no longer fit whole.
+    assert plan("auto", kv_gib=40.0, free_gib=30).n_gpu_layers < 33
+
+
+def test_without_a_gpu_backend_or_device_everything_stays_on_the_cpu() -> None:
+    assert plan("auto", gpu=False).n_gpu_layers == 0
+    assert "no GPU backend" in plan("all", gpu=False).reason
+    no_device = plan_offload(
+        "auto", supports_offload=True, devices=(), n_layer=32, weight_bytes=1, kv_bytes=1
+    )
+    assert no_device.n_gpu_layers == 0 and "no GPU device" in no_device.reason
+
+
+def test_all_and_counts_are_taken_as_asked() -> None:
+    assert plan("all", free_gib=0.1).n_gpu_layers == 33  # the user's word, even when it will not fit
+    assert plan("12").n_gpu_layers == 12 and plan("999").n_gpu_layers == 33
+    assert plan("0").n_gpu_layers == 0
+
+
+def test_fast_and_deterministic_modes_and_contradictions() -> None:
+    fast = ServerConfig()
+    assert (fast.engine_n_ubatch, fast.engine_kv_type, fast.engine_flash_attn) == (512, "f16", "auto")
+    exact = ServerConfig(deterministic=True)
+    assert (exact.engine_n_ubatch, exact.engine_kv_type, exact.engine_flash_attn) == (32, "q8_0", "on")
+    assert ServerConfig(deterministic=True, kv_type="q4_0", n_ubatch=16).engine_n_ubatch == 16
+    for bad, flag in [
+        ({"kv_type": "f16"}, "quantized KV"), ({"n_ubatch": 64}, "--n-ubatch"),
+        ({"kv_unified": True}, "--kv-unified"), ({"flash_attn": "off"}, "flash"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=flag):
+            ServerConfig(deterministic=True, **bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--flash-attn off needs --kv-type f16"):
+        ServerConfig(flash_attn="off", kv_type="q8_0")
+    for bad in ({"gpu_layers": "x"}, {"main_gpu": -1}, {"split_mode": "diag"}, {"flash_attn": "maybe"}):
+        with pytest.raises(ValueError):
+            ServerConfig(**bad)  # type: ignore[arg-type]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "uma_trio", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.model
+def test_info_prints_what_serve_would_run_on_without_a_daemon() -> None:
+    done = run_cli("info", "--json", "--max-sessions", "4", "--n-ctx", "1024")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["backends"] == ["CPU"] and info["devices"][0]["kind"] == "CPU"
+    assert info["gpu_layers"] == {
+        "offloaded": 0,
+        "total": 31,
+        "reason": "CPU only: this llama.cpp build has no GPU backend",
+    }
+    # SmolLM2-135M: 30 layers x 3 KV heads x (64 + 64) x 2 bytes (f16) = 23,040 bytes a cell.
+    assert info["kv"] == {"location": "CPU", "type": "f16", "bytes": 4096 * 23040, "cells": 4096}
+    assert info["settings"]["n_ubatch"] == 512 and info["settings"]["deterministic"] is False
+    text = run_cli("info", "--deterministic").stdout
+    assert "GPU layers    0 of 31" in text and "q8_0" in text and "deterministic" in text
+
+
+@pytest.mark.model
+def test_serve_refuses_bad_engine_options_naming_the_flag() -> None:
+    for args, words in [
+        (["--gpu-layers", "lots"], "--gpu-layers"),
+        (["--deterministic", "--kv-type", "f16"], "--deterministic"),
+        (["--tensor-split", "a,b"], "--tensor-split"),
+    ]:  # fmt: skip
+        done = run_cli("serve", *args, "--socket", "/tmp/uma-never/x.sock")
+        assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr
