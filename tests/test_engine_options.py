@@ -10,15 +10,20 @@ import sys
 import pytest
 
 from uma_trio.config import ServerConfig
-from uma_trio.engine.offload import DeviceMemory, parse_gpu_layers, parse_tensor_split, plan_offload
+from uma_trio.engine.offload import (
+    DeviceMemory,
+    OffloadPlan,
+    parse_gpu_layers,
+    parse_tensor_split,
+    plan_offload,
+)
 
 GIB = 1024**3
-H100 = DeviceMemory("CUDA0", "NVIDIA H100 80GB HBM3", free_bytes=78 * GIB, total_bytes=80 * GIB)
 
 
 def plan(
     requested: str, *, free_gib: float = 78, gpu: bool = True, weights_gib: float = 4.6, kv_gib: float = 1.0
-):  # type: ignore[no-untyped-def]
+) -> OffloadPlan:
     device = DeviceMemory("CUDA0", "test GPU", int(free_gib * GIB), 80 * GIB)
     return plan_offload(
         parse_gpu_layers(requested), supports_offload=gpu, devices=(device,) if gpu else (),

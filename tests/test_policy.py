@@ -234,8 +234,11 @@ def test_hill_climber_finds_the_best_batch_and_stays() -> None:
 
 def test_with_nobody_decoding_prompts_take_the_whole_batch() -> None:
     """Work-conserving: no stream's gap to protect, so a burst of prompts starts together."""
-    burst = plan(*(interactive(k, prompt=128) for k in range(16)), background(16, prompt=300))
+    burst = plan(*(interactive(k, prompt=128) for k in range(16)))
     assert sum(n for _, n in burst.prefill) == 512  # the state's max_batch
+    # A background prompt keeps the throughput tick: an interactive request could arrive.
+    lone = plan(background(16, prompt=3000))
+    assert lone.predicted_s <= CONFIG.tick_background_s
     assert burst.budget_s >= burst.predicted_s  # not an overrun to hold prefill back for
     beside = plan(interactive(0), *(interactive(k, prompt=128) for k in range(1, 16)))
     assert sum(n for _, n in beside.prefill) < 512  # a decoding stream keeps its pause limit

@@ -190,8 +190,8 @@ def plan_tick(
     # New interactive work may stretch the tick up to the pause limit: a prompt token can
     # cost more than the whole headroom, and a new request must still join on the next tick.
     interactive_prompts = [s for s in runnable if s.interactive and not s.decoding]
-    # With no stream decoding there is no gap to protect: prompts take the whole batch
-    # (work-conserving; llama-server does the same), and the budget covers what is planned.
+    # With no stream decoding there is no gap to protect: interactive prompts take the whole
+    # batch (work-conserving; llama-server does the same), and the budget covers the plan.
     nobody_decodes = not any(s.decoding for s in runnable)
     unbounded = float("inf")
     pause_limit = unbounded if nobody_decodes else max(budget, config.max_pause * baseline)
@@ -203,11 +203,9 @@ def plan_tick(
     skipped.update((s.key, "budget") for s in left)
 
     background_prompts = [s for s in runnable if not s.interactive and not s.decoding]
-    if nobody_decodes:
-        batch.prefill.extend(
-            water_fill(background_prompts, batch.prefill_room(unbounded, background_prompts))
-        )
-    elif controls.hold_left > 0:
+    # Background prompts keep the throughput tick even with nobody decoding: a tick cannot be
+    # interrupted, and an interactive request arriving meanwhile would wait all of it.
+    if controls.hold_left > 0:
         skipped.update((s.key, "hold") for s in background_prompts)
     else:
         room = int(batch.prefill_room(budget, background_prompts) * controls.ramp)
