@@ -157,6 +157,10 @@ class FaultyEngine:
         return self.inner.tokenizer_blocks
 
     @property
+    def step_frees_host(self) -> bool:
+        return self.inner.step_frees_host
+
+    @property
     def kv_type(self) -> str:
         return self.inner.kv_type
 

@@ -393,6 +393,10 @@ class LlamaEngine:
         return True
 
     @property
+    def step_frees_host(self) -> bool:
+        return 0 < self.model.layers_offloaded == self.model.layers_total
+
+    @property
     def kv_type(self) -> str:
         return self.config.kv_type
 

@@ -72,6 +72,10 @@ class SimEngine:
     def tokenizer_blocks(self) -> bool:
         return False
 
+    @property
+    def step_frees_host(self) -> bool:
+        return False
+
     def tokenize(self, text: str) -> TokenArray:
         words = text.split()
         return np.array([100 + zlib.crc32(w.encode()) % 30000 for w in words], dtype=np.int32)

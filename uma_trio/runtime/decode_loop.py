@@ -223,9 +223,12 @@ class DecodeLoop:
                 continue
             await self._run_plan(plan)
             self._tick += 1
-            # No checkpoint here: the tokens just sent wake the connections' pumps, and they
-            # run while the next step computes (engine.step yields), not before it starts, so
-            # delivery stays off the critical path between two decodes.
+            if not self.engine.step_frees_host:
+                # The tokens just sent wake the connections' pumps; on a CPU they run now,
+                # before the next step takes every core (run beside it, they would slow its
+                # threads: 16 HTTP streams on 2 cores stretched gaps to 0.5 s).  On a GPU they
+                # run while the next step computes, off the critical path between two decodes.
+                await trio.lowlevel.checkpoint()
 
     async def _run_plan(self, plan: Plan) -> None:
         entries = self._entries(plan)

@@ -193,8 +193,7 @@ def plan_tick(
     # With no stream decoding there is no gap to protect: interactive prompts take the whole
     # batch (work-conserving; llama-server does the same), and the budget covers the plan.
     nobody_decodes = not any(s.decoding for s in runnable)
-    unbounded = float("inf")
-    pause_limit = unbounded if nobody_decodes else max(budget, config.max_pause * baseline)
+    pause_limit = float("inf") if nobody_decodes else max(budget, config.max_pause * baseline)
     room = max(batch.prefill_room(pause_limit, interactive_prompts), min(1, len(interactive_prompts)))
     batch.prefill.extend(water_fill(interactive_prompts, room))
 
