@@ -70,6 +70,7 @@ SETUPS = {
     "agents": Setup(slots=6, n_ctx=1024),
     "scaling": Setup(slots=16, n_ctx=1024),
     "ipc": Setup(slots=4, n_ctx=1024),
+    "ttft_long": Setup(slots=4, n_ctx=2048),
 }
 
 
