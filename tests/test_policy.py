@@ -232,10 +232,14 @@ def test_hill_climber_finds_the_best_batch_and_stays() -> None:
     assert visits.count(5) > 70  # probes away from the optimum are rare
 
 
-def test_with_nobody_decoding_prompts_take_the_whole_batch() -> None:
-    """Work-conserving: no stream's gap to protect, so a burst of prompts starts together."""
-    burst = plan(*(interactive(k, prompt=128) for k in range(16)))
-    assert sum(n for _, n in burst.prefill) == 512  # the state's max_batch
+def test_with_nobody_decoding_prompts_take_a_whole_micro_batch() -> None:
+    """Work-conserving: no stream's gap to protect, so prompts take the engine's efficient
+    unit; not more, so a request arriving meanwhile waits one micro-batch at most."""
+    state = SchedulerState(
+        tuple(interactive(k, prompt=128) for k in range(16)), max_batch=2048, micro_batch=512
+    )
+    burst = plan_tick(state, CONFIG, COST)
+    assert sum(n for _, n in burst.prefill) == 512
     # A background prompt keeps the throughput tick: an interactive request could arrive.
     lone = plan(background(16, prompt=3000))
     assert lone.predicted_s <= CONFIG.tick_background_s

@@ -377,7 +377,9 @@ class DecodeLoop:
                     parked=session.parked,
                 )
             )
-        self._state = SchedulerState(tuple(views), tick=self._tick, max_batch=self.max_batch)
+        self._state = SchedulerState(
+            tuple(views), tick=self._tick, max_batch=self.max_batch, micro_batch=self.config.engine_n_ubatch
+        )
         return self.policy.plan(self._state)
 
     def _channel_full(self, session: Session) -> bool:

@@ -190,11 +190,16 @@ def plan_tick(
     # New interactive work may stretch the tick up to the pause limit: a prompt token can
     # cost more than the whole headroom, and a new request must still join on the next tick.
     interactive_prompts = [s for s in runnable if s.interactive and not s.decoding]
-    # With no stream decoding there is no gap to protect: interactive prompts take the whole
-    # batch (work-conserving; llama-server does the same), and the budget covers the plan.
+    pause_limit = max(budget, config.max_pause * baseline)
+    room = batch.prefill_room(pause_limit, interactive_prompts)
+    # With no stream decoding there is no gap to protect: prompts take a whole micro-batch
+    # (work-conserving: the engine's efficient unit, as llama-server prefills) but no more, so
+    # a request arriving meanwhile waits one micro-batch at most, then joins.  The budget
+    # covers what is planned.
     nobody_decodes = not any(s.decoding for s in runnable)
-    pause_limit = float("inf") if nobody_decodes else max(budget, config.max_pause * baseline)
-    room = max(batch.prefill_room(pause_limit, interactive_prompts), min(1, len(interactive_prompts)))
+    if nobody_decodes and interactive_prompts:
+        room = max(room, min(state.micro_batch, state.max_batch - batch.n_tokens))
+    room = max(room, min(1, len(interactive_prompts)))
     batch.prefill.extend(water_fill(interactive_prompts, room))
 
     background_decoders = [s for s in runnable if not s.interactive and s.decoding]

@@ -40,6 +40,7 @@ class SchedulerState:
     sessions: tuple[SessionState, ...]
     tick: int = 0
     max_batch: int = 512  # hard cap on tokens in one batch
+    micro_batch: int = 512  # llama.cpp's n_ubatch: the prompt tokens one tick takes when nobody decodes
 
 
 @dataclass(frozen=True, slots=True)
