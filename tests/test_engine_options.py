@@ -73,6 +73,10 @@ def test_all_and_counts_are_taken_as_asked() -> None:
 def test_fast_and_deterministic_modes_and_contradictions() -> None:
     fast = ServerConfig()
     assert (fast.engine_n_ubatch, fast.engine_kv_type, fast.engine_flash_attn) == (512, "f16", "auto")
+    # One KV stream for all sessions by default only with every layer on a GPU (fast mode).
+    assert fast.engine_kv_unified(True) and not fast.engine_kv_unified(False)
+    assert not ServerConfig(kv_unified=False).engine_kv_unified(True)
+    assert not ServerConfig(deterministic=True).engine_kv_unified(True)
     exact = ServerConfig(deterministic=True)
     assert (exact.engine_n_ubatch, exact.engine_kv_type, exact.engine_flash_attn) == (32, "q8_0", "on")
     assert ServerConfig(deterministic=True, kv_type="q4_0", n_ubatch=16).engine_n_ubatch == 16

@@ -71,7 +71,7 @@ def serve(
     model: Path | None = None,
     socket: SocketPath = DEFAULT_SOCKET,
     n_ctx: int = _DEFAULTS.n_ctx,
-    kv_unified: bool = _DEFAULTS.kv_unified,
+    kv_unified: bool | None = None,
     kv_type: KvType | None = None,
     deterministic: bool = False,
     gpu_layers: str = _DEFAULTS.gpu_layers,
@@ -128,7 +128,9 @@ def serve(
     kv_unified
         One KV stream shared by all sessions instead of one per session. Same memory;
         greedy output then depends on what else ran (freed cells get reused out of order),
-        but one request may use any free cell (up to the model's trained context).
+        but one request may use any free cell (up to the model's trained context). Default:
+        on when every layer is on a GPU (fast mode), where it keeps decode tokens and prompt
+        chunks in one micro-batch; off otherwise.
     kv_type
         KV cache element type for K and V: f16 (the default: llama.cpp's, fastest), q8_0
         (half f16's memory; the --deterministic default) or q4_0 (a quarter of f16's memory).
@@ -273,7 +275,7 @@ def info(
     n_ctx: int = _DEFAULTS.n_ctx,
     max_sessions: int = _DEFAULTS.max_sessions,
     kv_type: KvType | None = None,
-    kv_unified: bool = _DEFAULTS.kv_unified,
+    kv_unified: bool | None = None,
     deterministic: bool = False,
     gpu_layers: str = _DEFAULTS.gpu_layers,
     flash_attn: FlashAttn = _DEFAULTS.flash_attn,
@@ -670,8 +672,11 @@ def calibrate(
     try:
         config = ServerConfig(gpu_layers=gpu_layers, deterministic=deterministic, threads=threads)
         plan = offload_plan(read_shape(model_path), config)
-        engine = context_config(config)
-        context = {"n_ubatch": engine.n_ubatch, "kv_type": engine.kv_type, "flash_attn": engine.flash_attn}
+        engine = context_config(config, 0 < plan.n_gpu_layers == plan.total)
+        context = {
+            "n_ubatch": engine.n_ubatch, "kv_type": engine.kv_type, "flash_attn": engine.flash_attn,
+            "kv_unified": engine.kv_unified,
+        }  # fmt: skip
         result = run_calibration(
             model_path, repeats=repeats, threads=threads, progress=progress, context=context,
             placement=placement_for(plan, config),

@@ -46,7 +46,10 @@ class ServerConfig:
     socket_path: Path = DEFAULT_SOCKET
     # Engine
     n_ctx: int = 4096  # KV cells per request (prompt + max_tokens); KV holds n_ctx * max_sessions
-    kv_unified: bool = False  # one KV stream for all sessions; not batch-invariant
+    # One KV stream for all sessions (not batch-invariant); None: on when every layer is on a
+    # GPU in the fast mode, where llama.cpp would otherwise run a tick that mixes decode tokens
+    # and a prompt chunk as two micro-batches (docs/BENCHMARKS.md "GPU"), else off.
+    kv_unified: bool | None = None
     # K and V cache element type; None: f16 (fast), or q8_0 with --deterministic, which keeps
     # greedy output exact across batching, chunking and cache hits (docs/CONFIG.md).
     kv_type: KvType | None = None
@@ -175,6 +178,12 @@ class ServerConfig:
             raise ValueError(
                 "--deterministic needs flash attention (a quantized V cache): drop --flash-attn off"
             )
+
+    def engine_kv_unified(self, all_layers_on_gpu: bool) -> bool:
+        """The KV layout in force: the one asked for, else the mode's for this placement."""
+        if self.kv_unified is not None:
+            return self.kv_unified
+        return all_layers_on_gpu and not self.deterministic
 
     @property
     def engine_kv_type(self) -> KvType:

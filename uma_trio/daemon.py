@@ -41,7 +41,7 @@ class DaemonStartError(Exception):
     """The daemon could not start: bad model, socket taken, ..."""
 
 
-def context_config(config: ServerConfig) -> ContextConfig:
+def context_config(config: ServerConfig, all_layers_on_gpu: bool = False) -> ContextConfig:
     """The llama.cpp context the daemon's settings describe (fast or deterministic mode)."""
     return ContextConfig(
         n_ctx_seq=config.n_ctx,
@@ -49,7 +49,7 @@ def context_config(config: ServerConfig) -> ContextConfig:
         n_ubatch=config.engine_n_ubatch,
         n_seq_max=config.max_sessions,
         n_threads=config.threads,
-        kv_unified=config.kv_unified,
+        kv_unified=config.engine_kv_unified(all_layers_on_gpu),
         kv_type=config.engine_kv_type,
         flash_attn=config.engine_flash_attn,
     )
@@ -57,7 +57,8 @@ def context_config(config: ServerConfig) -> ContextConfig:
 
 def engine_for(model: LlamaModel, config: ServerConfig) -> LlamaEngine:
     """A context over ``model`` sized by the daemon's settings."""
-    return LlamaEngine(model, context_config(config))
+    all_on_gpu = 0 < model.layers_offloaded == model.layers_total
+    return LlamaEngine(model, context_config(config, all_on_gpu))
 
 
 def offload_plan(shape: ModelShape, config: ServerConfig) -> OffloadPlan:
