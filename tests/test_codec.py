@@ -81,3 +81,21 @@ def test_events_round_trip() -> None:
         assert decode_server_event(framed[4:]) == event
     wire = json.loads(encode_event(eos)[4:])
     assert wire["event"] == "eos" and "text" not in wire and "cancel_reason" not in wire
+
+
+@pytest.mark.parametrize("bad_id", ["日本-1", "a b", "line\r\nX-Injected: 1", "tab\t", "", "x" * 129])
+def test_request_ids_outside_printable_ascii_are_refused(bad_id: str) -> None:
+    """Issue 17: an id reaches HTTP headers (latin-1) and log lines; refused at decoding, and
+    not echoed on the error event either."""
+    with pytest.raises(UmaError) as info:
+        decode({"id": bad_id, "prompt": "hi"})
+    assert info.value.code is ErrorCode.SCHEMA and info.value.request_id is None
+    good = decode({"id": "chatcmpl-9f8e:x/1", "prompt": "hi"})
+    assert isinstance(good, GenerateRequest) and good.id == "chatcmpl-9f8e:x/1"
+
+
+def test_snapshot_names_refuse_a_trailing_newline() -> None:
+    """Issue 17: ``$`` matched before a final newline, and a file ``trail\\n.umakv`` was made."""
+    for bad in ("trail\n", "../x", ".hidden", "a/b"):
+        with pytest.raises(UmaError):
+            decode({"type": "snapshot", "op": "restore", "name": bad})

@@ -31,3 +31,10 @@ def test_min_p_removes_unlikely_tokens() -> None:
     row[[3, 7]] = [5.0, 4.9]
     sampler = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.5, seed=3))
     assert {sampler.sample(row) for _ in range(50)} == {3, 7}
+
+
+def test_a_tiny_temperature_samples_greedily() -> None:
+    """Issue 17: 1e-310 overflowed logits / temperature to inf and failed the request (NaN)."""
+    logits = np.array([0.5, 2.0, 1.0, -3.0], dtype=np.float32)
+    for temperature in (1e-310, 1e-9, 5e-5):
+        assert Sampler(SamplingParams(temperature=temperature, seed=1)).sample(logits) == 1

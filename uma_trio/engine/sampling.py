@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+GREEDY_BELOW = 1e-4  # temperatures under this sample greedily (docs/PROTOCOL.md)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,7 +26,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        # Below this a draw is argmax anyway, and logits / temperature would overflow to inf
+        # (1e-310 gave NaN probabilities and failed the request mid-stream).
+        return self.temperature < GREEDY_BELOW
 
 
 class Sampler:

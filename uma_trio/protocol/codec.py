@@ -6,13 +6,14 @@ for schema problems, msgspec's own message with its ``$.path``.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
 
 from .errors import ErrorCode, UmaError
 from .framing import encode_frame
-from .messages import MESSAGE_TYPES, ClientMessage, ServerEvent
+from .messages import MESSAGE_TYPES, REQUEST_ID_PATTERN, ClientMessage, ServerEvent
 
 _json_decoder = msgspec.json.Decoder()
 _event_encoder = msgspec.json.Encoder()
@@ -49,10 +50,14 @@ def decode_client_message(payload: bytes) -> ClientMessage:
         raise UmaError(ErrorCode.SCHEMA, str(exc), request_id=request_id) from None
 
 
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+
+
 def _request_id_of(obj: dict[str, Any]) -> str | None:
-    """The id to put on an error event, when the message carried a usable one."""
+    """The id to put on an error event, when the message carried a usable one (a valid id:
+    anything else may be what broke the message)."""
     value = obj.get("id")
-    return value if isinstance(value, str) and 0 < len(value) <= 128 else None
+    return value if isinstance(value, str) and _REQUEST_ID.match(value) else None
 
 
 def encode_event(event: ServerEvent) -> bytes:

@@ -18,9 +18,13 @@ Lane = Literal["interactive", "background"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 CancelReason = Literal["client", "disconnect", "shutdown", "stalled"]
 
-RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
+# Printable ASCII without spaces: an id travels into HTTP headers (latin-1 only), log lines
+# and error messages, where a CR/LF or a non-latin-1 character broke a response after the
+# request was registered.  (``\Z``, not ``$``: ``$`` also matches before a final newline.)
+REQUEST_ID_PATTERN = r"^[!-~]{1,128}\Z"
+RequestId = Annotated[str, Meta(pattern=REQUEST_ID_PATTERN)]
 # A file name in the snapshot directory: no path separators, no leading dot.
-SnapshotName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+SnapshotName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")]
 StopString = Annotated[str, Meta(min_length=1, max_length=256)]
 
 
