@@ -377,3 +377,19 @@ async def test_http_requests_in_flight_are_limited(
         await wait_until_idle(server)
         reply = await client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=2)
         assert reply.usage is not None and reply.usage.completion_tokens == 2
+
+
+async def test_a_non_latin1_or_crlf_id_is_refused_and_leaks_nothing(http_server: Server) -> None:
+    """Issue 17: a `/generate` id that is not latin-1 got a 500 after the request was
+    registered; it was never released (its id then answered 409, four of them made every
+    request 429).  Now the id is refused while decoding, before anything is registered."""
+    auth = {"authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=http_server.http_url or "", headers=auth) as http:
+        for bad in ["日本-1", "a\r\nX-Injected: 1"] * 3:
+            refused = await http.post("/generate", json={"id": bad, "prompt": "Hello", "max_tokens": 2})
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == "E_PROTO_002"
+        assert http_server.metrics_snapshot()["in_flight"] == []
+        fine = await http.post(
+            "/generate", json={"id": "ok-1", "prompt": "Hello", "max_tokens": 2, "stream": False}
+        )
+        assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 2
