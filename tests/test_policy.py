@@ -95,9 +95,29 @@ def test_new_interactive_prompt_joins_beside_a_decoding_stream() -> None:
     # One decoder: the headroom under the cap is smaller than one prompt token...
     result = plan(interactive(1), interactive(2, prompt=20))
     assert result.decode == (1,) and dict(result.prefill)[2] >= 1
-    # ...so the prompt may stretch the tick, but only up to the pause limit.
-    _, baseline = tick_budget([interactive(1)], CONFIG, COST)
-    assert result.predicted_s <= CONFIG.max_pause * baseline
+    # ...so the prompt may stretch the tick, but only up to the pause limit, taken against the
+    # tick both streams will run at once the prompt decodes too.
+    _, joined = tick_budget([interactive(1), interactive(2)], CONFIG, COST)
+    assert result.predicted_s <= CONFIG.max_pause * joined
+    _, alone = tick_budget([interactive(1)], CONFIG, COST)
+    assert result.predicted_s > CONFIG.max_pause * alone  # more than the one stream's own tick
+
+
+def test_a_burst_of_interactive_prompts_is_let_in_at_its_own_pace() -> None:
+    """One stream decodes and fifteen requests arrive at once (on the H100 this came in
+    waves over seconds): the pause limit is the sixteen streams' own tick."""
+    # What the start-up calibration measured on the H100 (docs/BENCHMARKS.md, GPU).
+    h100 = CostCoefficients(
+        fixed_s=0.00462, decode_s=0.000515, prefill_s=0.000153, flat_tokens=1, ctx_s_per_kcell=0.0
+    )
+    burst = [interactive(k, prompt=128) for k in range(1, 16)]
+    result = plan_tick(SchedulerState((interactive(0), *burst), max_batch=2048), CONFIG, h100)
+    _, joined = tick_budget([interactive(k) for k in range(16)], CONFIG, h100)
+    assert result.predicted_s <= CONFIG.max_pause * joined
+    assert {k for k, _ in result.prefill} == set(range(1, 16))  # water-filled over the burst
+    # Against the one stream's own tick, the burst would get under a quarter of that room.
+    _, alone = tick_budget([interactive(0)], CONFIG, h100)
+    assert result.prefill_tokens > 4 * (CONFIG.max_pause - 1) * alone / h100.prefill_s
 
 
 def test_water_fill_is_max_min_fair_shortest_first() -> None:

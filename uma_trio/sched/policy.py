@@ -15,10 +15,12 @@ The stages, in order (each a function below):
    is ``latency_cap × baseline`` (at least ``tick_min_s``).  With no
    interactive decoder the budget is the throughput tick ``tick_background_s``.
 2. **Decode first.**  Every interactive decoder gets its token every tick.
-3. **Interactive prefill** water-fills up to ``max_pause × baseline``,
-   shortest prompt first, so a new interactive request joins on the very next
+3. **Interactive prefill** fills up to ``max_pause ×`` the decode tick the
+   interactive clients will see once the waiting prompts decode too (water-filled,
+   shortest prompt first), so a new interactive request joins on the very next
    tick (token-boundary preemption: it never waits behind a background chunk,
-   which only ever gets headroom).
+   which only ever gets headroom) and a burst of requests is let in at the pace
+   the burst will decode at, not a few tokens a tick.
 4. **Background decoders** fill the headroom, longest-waiting first, at most
    ``background_limit`` of them (the sweet-spot auto-tuner's setting).
 5. **Background prefill** fills what is still left, scaled by the hysteresis
@@ -89,6 +91,16 @@ def tick_budget(
     return max(config.latency_cap * config.cap_margin * baseline, config.tick_min_s), baseline
 
 
+def joined_baseline(
+    decoders: Sequence[SessionState], prompts: Sequence[SessionState], cost: CostCoefficients
+) -> float:
+    """The predicted decode-only tick once ``prompts`` decode beside ``decoders``."""
+    if not decoders and not prompts:
+        return 0.0
+    cells = sum(s.n_past for s in decoders) + sum(s.n_past + s.prompt_remaining for s in prompts)
+    return cost.predict(len(decoders) + len(prompts), 0, cells)
+
+
 # -- the batch being built --------------------------------------------------------
 
 
@@ -110,9 +122,10 @@ class _Batch:
         return self.cost.predict(len(decode), prefill_tokens, cells)
 
     def prefill_room(self, limit_s: float, candidates: Sequence[SessionState]) -> int:
-        """Prompt tokens that still fit under ``limit_s`` (priced at the deepest context).
-        The cost only grows with tokens, so binary-search the largest count: under a knee
-        (:class:`CostCoefficients` ``flat_tokens``) tokens are free, past it linear."""
+        """Prompt tokens that still fit under ``limit_s`` (priced at the deepest context,
+        as one chunk: its tokens also attend to each other, which several shorter chunks do
+        less).  The cost only grows with tokens, so binary-search the largest count: under a
+        knee (:class:`CostCoefficients` ``flat_tokens``) tokens are free, past it linear."""
         if not candidates:
             return 0
         deepest = max(s.n_past for s in candidates)
@@ -122,7 +135,7 @@ class _Batch:
         lo, hi = 0, max(0, self.max_batch - self.n_tokens)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.cost.predict(decode, prefill + mid, cells + mid * deepest) <= limit_s:
+            if self.cost.predict(decode, prefill + mid, cells + mid * (deepest + mid // 2)) <= limit_s:
                 lo = mid
             else:
                 hi = mid - 1
@@ -189,8 +202,14 @@ def plan_tick(
 
     # New interactive work may stretch the tick up to the pause limit: a prompt token can
     # cost more than the whole headroom, and a new request must still join on the next tick.
+    # The limit is taken against the tick the interactive clients will run at once the
+    # waiting prompts decode too: that is their own pace (the "alone" the guard compares
+    # with), which admitting them sets anyway.  Against today's smaller tick a burst of
+    # requests would trickle in a few tokens a tick (on a GPU, in waves over seconds).
     interactive_prompts = [s for s in runnable if s.interactive and not s.decoding]
-    pause_limit = max(budget, config.max_pause * baseline)
+    pause_limit = max(
+        budget, config.max_pause * joined_baseline(interactive_decoders, interactive_prompts, cost)
+    )
     room = batch.prefill_room(pause_limit, interactive_prompts)
     # With no stream decoding there is no gap to protect: prompts take a whole micro-batch
     # (work-conserving: the engine's efficient unit, as llama-server prefills) but no more, so
