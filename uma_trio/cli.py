@@ -74,6 +74,7 @@ def serve(
     kv_unified: bool | None = None,
     kv_type: KvType | None = None,
     deterministic: bool = False,
+    run_ahead: bool | None = None,
     gpu_layers: str = _DEFAULTS.gpu_layers,
     flash_attn: FlashAttn = _DEFAULTS.flash_attn,
     main_gpu: int = _DEFAULTS.main_gpu,
@@ -139,6 +140,11 @@ def serve(
         runs, how its prompt was chunked or whether its prefix came from the cache. Uses a
         q8_0 KV cache, micro-batches of 32 and one KV stream per session (slower prefill).
         Guaranteed on the CPU backend (docs/CONFIG.md).
+    run_ahead
+        While the same sessions decode step after step, the compute thread starts the next
+        decode itself, before the event loop has seen the last one, so the device never
+        waits on Python. Same tokens either way. Default: on when every layer is on a GPU;
+        off on a CPU, where the event loop's work would compete with the decode's threads.
     gpu_layers
         Model layers on the GPU: auto (all when llama.cpp has a GPU backend and the
         weights plus the KV cache fit the devices' free memory, else as many as fit, logged),
@@ -232,8 +238,9 @@ def serve(
     try:
         config = ServerConfig(
             socket_path=socket, n_ctx=n_ctx, kv_unified=kv_unified, kv_type=kv_type,
-            deterministic=deterministic, gpu_layers=gpu_layers, flash_attn=flash_attn, main_gpu=main_gpu,
-            split_mode=split_mode, tensor_split=parse_tensor_split(tensor_split) if tensor_split else None,
+            deterministic=deterministic, run_ahead=run_ahead, gpu_layers=gpu_layers,
+            flash_attn=flash_attn, main_gpu=main_gpu, split_mode=split_mode,
+            tensor_split=parse_tensor_split(tensor_split) if tensor_split else None,
             prefix_cache_cells=prefix_cache_cells, snapshot_dir=snapshot_dir, n_batch=n_batch,
             n_ubatch=n_ubatch, threads=threads,
             max_sessions=max_sessions, max_queue=max_queue, max_connections=max_connections,

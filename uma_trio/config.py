@@ -56,6 +56,9 @@ class ServerConfig:
     # Exact, batch-invariant greedy output (q8_0 KV, micro-batches under 64, one KV stream per
     # session) instead of llama-server's fast settings.
     deterministic: bool = False
+    # Let the compute thread start the next decode of a steady batch before the event loop
+    # has seen the last one (runtime/run_ahead.py); None: on when every layer is on a GPU.
+    run_ahead: bool | None = None
     # Placement (docs/CONFIG.md "GPU"): "auto" | "all" | a layer count
     gpu_layers: str = "auto"
     flash_attn: FlashAttn = "auto"

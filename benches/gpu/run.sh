@@ -99,10 +99,10 @@ UMA_GPU_TEST_MODEL=$MODEL timeout 300 $PY -m pytest -q -s -m gpu -p no:cacheprov
 
 stage compare
 timeout 1500 $PY benches/gpu_compare.py --bin "$B/bin" --model "$MODEL" --out "$W/results" --parts "$PARTS" ${COMPARE_ARGS:-} 2>&1 | tee -a "$L/driver.log" | tail -5
-if [ -n "${UNIFIED:-}" ]; then  # the same parts with one KV stream for all sessions
-  stage compare-unified
-  timeout 600 $PY benches/gpu_compare.py --bin "$B/bin" --model "$MODEL" --out "$W/results/unified" --systems uma-trio \
-      --parts streams,mixed --streams 16 --reps 1 --uma-arg=--kv-unified 2>&1 | tee -a "$L/driver.log" | tail -3
+if [ -n "${VARIANT:-}" ]; then  # uma-trio again with other flags, e.g. VARIANT=--no-run-ahead (A/B)
+  stage compare-variant
+  timeout 600 $PY benches/gpu_compare.py --bin "$B/bin" --model "$MODEL" --out "$W/results/variant" --systems uma-trio \
+      --parts "${VARIANT_PARTS:-streams}" --reps 1 --uma-arg="$VARIANT" 2>&1 | tee -a "$L/driver.log" | tail -8
 fi
 stage done
 echo OK > "$W/DONE"

@@ -7,7 +7,7 @@ read only the immutable vocabulary and may run in any thread.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -63,6 +63,12 @@ class StepResult:
             self.sampled + other.sampled, self.n_tokens + other.n_tokens,
             self.decode_s + other.decode_s, self.failed + other.failed,
         )  # fmt: skip
+
+
+# Run-ahead: given the batch a step just ran and its result, the next batch to decode at once
+# (on the engine's own thread, before the event loop has seen the result), or None to stop.
+# Called on the compute thread: it may read only what its maker prepared for it.
+Follow = Callable[[Sequence[BatchEntry], StepResult], Sequence[BatchEntry] | None]
 
 
 class EngineError(Exception):
@@ -122,11 +128,26 @@ class Engine(Protocol):
 
     def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str: ...
 
-    async def step(self, entries: Sequence[BatchEntry]) -> StepResult:
+    async def step(self, entries: Sequence[BatchEntry], follow: Follow | None = None) -> StepResult:
         """Decode one batch and sample where asked.  Cancellation waits for the step.
 
         Raises :class:`EngineError` when the decode fails.  A sampler that raises fails
-        only its own entry: it is listed in ``StepResult.failed``."""
+        only its own entry: it is listed in ``StepResult.failed``.
+
+        With ``follow``, an engine may run ahead: right after sampling it asks ``follow``
+        for the next batch and starts it without waiting for its caller; the caller then
+        collects those steps with :meth:`next_ahead` while :attr:`running_ahead` holds.  An
+        engine that does not run ahead ignores ``follow``."""
+        ...
+
+    @property
+    def running_ahead(self) -> bool:
+        """A step started by ``follow`` has not been collected yet."""
+        ...
+
+    async def next_ahead(self) -> tuple[Sequence[BatchEntry], StepResult]:
+        """The oldest step started by ``follow``: its batch and its result (or its
+        :class:`EngineError`).  Only while :attr:`running_ahead`."""
         ...
 
     async def rebuild(self) -> None:

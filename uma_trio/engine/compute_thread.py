@@ -55,6 +55,17 @@ class ComputeThread:
         future = self._executor.submit(fn, *args)
         if started is not None:
             started.wait(_STARTED_WAIT_S)
+        return await self.wait(future)
+
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        """Queue ``fn(*args)`` behind whatever the thread has queued; may be called from the
+        compute thread itself (a step queueing the next one: it starts the moment the current
+        call returns, with no round trip through the event loop)."""
+        return self._executor.submit(fn, *args)
+
+    @staticmethod
+    async def wait(future: Future[T]) -> T:
+        """Wait for a submitted call without blocking trio; not cancellable (see :meth:`run`)."""
         token = trio.lowlevel.current_trio_token()
         task = trio.lowlevel.current_task()
 

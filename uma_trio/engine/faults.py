@@ -29,7 +29,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from .base import BatchEntry, Engine, EngineError, StepResult, TokenArray
+from .base import BatchEntry, Engine, EngineError, Follow, StepResult, TokenArray
 from .sampling import Sampler
 
 FaultKind = Literal["bad_token", "sampling", "poison", "crash"]
@@ -86,7 +86,14 @@ class FaultyEngine:
 
     # -- the step, with faults ------------------------------------------------------
 
-    async def step(self, entries: Sequence[BatchEntry]) -> StepResult:
+    @property
+    def running_ahead(self) -> bool:
+        return False  # faults are injected step by step: this engine never runs ahead
+
+    async def next_ahead(self) -> tuple[Sequence[BatchEntry], StepResult]:
+        raise RuntimeError("FaultyEngine does not run ahead")
+
+    async def step(self, entries: Sequence[BatchEntry], follow: Follow | None = None) -> StepResult:
         entries = list(entries)
         poison: Fault | None = None
         for fault in list(self.armed):

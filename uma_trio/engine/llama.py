@@ -35,7 +35,9 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +46,7 @@ import numpy as np
 
 from ..config import DETERMINISTIC_KV_TYPE, DETERMINISTIC_N_UBATCH, FlashAttn, SplitMode
 from ..model_files import sha256_of
-from .base import BatchEntry, EngineError, Sampled, SampleFailure, StepResult, TokenArray
+from .base import BatchEntry, EngineError, Follow, Sampled, SampleFailure, StepResult, TokenArray
 from .compute_thread import ComputeThread
 from .devices import LlamaLog, devices, flash_attention_resolved, init_backend, offloaded_layers, system_info
 from .libllama import llama
@@ -362,6 +364,9 @@ class LlamaEngine:
             self._n_ctx_seq = min(config.n_ctx_seq, int(llama.llama_n_ctx_seq(self._ctx)))
         self._n_seq_max = int(llama.llama_n_seq_max(self._ctx))
         self._buffers = _BatchBuffers(config.n_batch)
+        # Steps queued by run-ahead (`step`'s follow), oldest first: appended on the compute
+        # thread, taken by the decode task (a deque's ends are thread-safe).
+        self._ahead: deque[tuple[Sequence[BatchEntry], Future[StepResult]]] = deque()
         self._n_vocab = model.n_vocab
         self.kv_bytes = self._n_ctx * model.shape.kv_bytes_per_cell(KV_TYPES[config.kv_type][1])
         self.step_gaps = StepGaps()
@@ -409,14 +414,22 @@ class LlamaEngine:
     def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
         return self.model.apply_chat_template(messages)
 
-    async def step(self, entries: Sequence[BatchEntry]) -> StepResult:
+    async def step(self, entries: Sequence[BatchEntry], follow: Follow | None = None) -> StepResult:
         # Not abandoned on cancel: the context must never be touched by two threads.
         started = threading.Event()
-        return await self._compute.run(self._step, entries, started, started=started)
+        return await self._compute.run(self._step, entries, started, follow, started=started)
+
+    @property
+    def running_ahead(self) -> bool:
+        return bool(self._ahead)
+
+    async def next_ahead(self) -> tuple[Sequence[BatchEntry], StepResult]:
+        entries, future = self._ahead.popleft()
+        return entries, await self._compute.wait(future)
 
     def step_sync(self, entries: Sequence[BatchEntry]) -> StepResult:
         """:meth:`step` for callers outside trio (tests, benchmarks); blocks."""
-        return self._compute.call(self._step, entries, None)
+        return self._compute.call(self._step, entries, None, None)
 
     async def rebuild(self) -> None:
         await self._compute.run(self._rebuild)
@@ -480,9 +493,21 @@ class LlamaEngine:
 
     # -- the blocking part -----------------------------------------------------
 
-    def _step(self, entries: Sequence[BatchEntry], decode_started: threading.Event | None) -> StepResult:
-        """Fill the batch, run ``llama_decode``, sample.  Runs on the compute thread; sets
-        ``decode_started`` just before the decode (see :meth:`ComputeThread.run`)."""
+    def _step(
+        self, entries: Sequence[BatchEntry], decode_started: threading.Event | None, follow: Follow | None
+    ) -> StepResult:
+        """Fill the batch, run ``llama_decode``, sample, and queue ``follow``'s next batch (it
+        starts as this call returns).  Runs on the compute thread; sets ``decode_started``
+        just before the decode (see :meth:`ComputeThread.run`)."""
+        result = self._decode_and_sample(entries, decode_started)
+        if follow is not None and (after := follow(entries, result)):
+            # Queued before this result is handed back, so the caller sees running_ahead.
+            self._ahead.append((after, self._compute.submit(self._step, after, None, follow)))
+        return result
+
+    def _decode_and_sample(
+        self, entries: Sequence[BatchEntry], decode_started: threading.Event | None
+    ) -> StepResult:
         began = time.perf_counter()
         buf = self._buffers
         n = 0

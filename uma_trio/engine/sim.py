@@ -16,13 +16,14 @@ on the real model; this engine only answers "when", never "what".
 from __future__ import annotations
 
 import zlib
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 import trio
 
 from ..sched.cost import CostCoefficients, kv_cells_read
-from .base import BatchEntry, EngineError, Sampled, SampleFailure, StepResult, TokenArray
+from .base import BatchEntry, EngineError, Follow, Sampled, SampleFailure, StepResult, TokenArray
 
 GENERATED_TOKEN = 7
 GENERATED_PIECE = b" tok"
@@ -47,6 +48,7 @@ class SimEngine:
         self._sampled_once: set[int] = set()  # sequences past their prompt
         self.steps: list[tuple[int, int, float]] = []  # (decode tokens, prefill tokens, seconds)
         self.rebuilds = 0
+        self._ahead: deque[tuple[Sequence[BatchEntry], Follow]] = deque()  # run-ahead steps to run
 
     @property
     def n_ctx(self) -> int:
@@ -83,7 +85,23 @@ class SimEngine:
     def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
         return " ".join(f"{role}: {content}" for role, content in messages) + " assistant:"
 
-    async def step(self, entries: Sequence[BatchEntry]) -> StepResult:
+    async def step(self, entries: Sequence[BatchEntry], follow: Follow | None = None) -> StepResult:
+        result = await self._step(entries)
+        if follow is not None and (after := follow(entries, result)):
+            self._ahead.append((after, follow))
+        return result
+
+    @property
+    def running_ahead(self) -> bool:
+        return bool(self._ahead)
+
+    async def next_ahead(self) -> tuple[Sequence[BatchEntry], StepResult]:
+        # Run when collected: in virtual time the event loop's own work takes none, so the
+        # overlap a real engine gains is not modelled, only the order of events.
+        entries, follow = self._ahead.popleft()
+        return entries, await self.step(entries, follow)
+
+    async def _step(self, entries: Sequence[BatchEntry]) -> StepResult:
         decode_ctx: list[int] = []
         prefill: list[tuple[int, int]] = []
         n_tokens = 0

@@ -29,9 +29,11 @@ It never awaits a client.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -39,13 +41,14 @@ import outcome
 import trio
 
 from ..config import ServerConfig
-from ..engine.base import BatchEntry, Engine, EngineError, Sampled, StepResult, TokenArray
+from ..engine.base import BatchEntry, Engine, EngineError, Follow, Sampled, StepResult, TokenArray
 from ..observability.metrics import Metrics
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEvent
 from ..sched.kv_manager import Claim, KvManager
 from ..sched.policy import Policy, default_policy
 from ..sched.state import Lane, Plan, SchedulerState, SessionState
+from .run_ahead import RunAhead, ahead_budget
 from .session import Phase, Session
 
 log = logging.getLogger(__name__)
@@ -84,6 +87,16 @@ class DecodeLoop:
         self._background_seq_cap = max(1, engine.n_seq_max - config.interactive_reserve)
         self._state = SchedulerState(())
         self._last_step_end: float | None = None  # None after the loop slept: no overhead to count
+        # Run-ahead (run_ahead.py): by default where a step leaves the host idle (all on a GPU).
+        self._may_run_ahead = engine.step_frees_host if config.run_ahead is None else config.run_ahead
+        self._run_ahead = RunAhead()
+        # While steps run ahead, KV cells are freed only once the compute thread is idle again.
+        self._chain_live = False
+        self._deferred_free: list[int] = []
+        self._overrun: dict[int, int | None] = {}  # seq id -> its cells: tokens run past its end
+        self._ended_at: dict[int, int] = {}  # seq id -> n_past of a session that ended in a chain
+        self.ahead_steps = 0  # steps the compute thread ran ahead (collected)
+        self.ahead_dropped = 0  # tokens they decoded for sessions that had ended meanwhile
 
     # -- called from connection tasks (synchronous: they only record and wake) --
 
@@ -106,6 +119,7 @@ class DecodeLoop:
                 request_id=session.id,
             )
         self._waiting.append(session)
+        self._run_ahead.stop()  # it joins at the next plan, not after the steps run ahead
         self.metrics.on_submitted(session.lane, len(session.prompt))
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self.wake()
@@ -136,6 +150,7 @@ class DecodeLoop:
             self.wake()
 
     def wake(self) -> None:
+        self._run_ahead.stop()  # whatever woke the loop may change the next plan
         self._wakeup.set()
 
     @property
@@ -235,16 +250,31 @@ class DecodeLoop:
         whole = True
         try:
             try:
-                result = await self.engine.step(entries)
+                result = await self.engine.step(entries, self._arm_run_ahead(plan))
             except EngineError as exc:
                 if not exc.rejected:
                     raise
                 whole = False
                 result = await self._step_apart(entries, exc)
         except Exception as exc:  # the context is in doubt: only a fresh one can be trusted
-            self._last_step_end = None
-            await self._rebuild_context(exc)
+            await self._lose_context(exc)
             return
+        self._chain_live = self.engine.running_ahead
+        self._absorb(plan, result, whole)
+        # Steps the compute thread ran ahead (run_ahead.py), collected one behind it.
+        while self.engine.running_ahead:
+            try:
+                ahead, result = await self.engine.next_ahead()
+            except Exception as exc:
+                await self._lose_context(exc)
+                return
+            self._tick += 1
+            self.ahead_steps += 1
+            self._absorb(replace(plan, decode=tuple(e.seq_id for e in ahead)), result, whole=True)
+        self._end_run_ahead()
+
+    def _absorb(self, plan: Plan, result: StepResult, whole: bool) -> None:
+        """Book one step's work and deliver its tokens."""
         if whole:  # a batch run in parts says nothing about the cost of the plan
             self.policy.observe(plan, self._state, result.decode_s)
         # Sessions failed above are gone from _active; the rest ran.
@@ -262,11 +292,16 @@ class DecodeLoop:
                 session.computed_tokens += 1
                 session.pending_token = None
         for failure in result.failed:
-            self._fail(self._active[failure.seq_id], ErrorCode.SAMPLING_FAILED, failure.message)
+            if (session := self._active.get(failure.seq_id)) is not None:
+                self._fail(session, ErrorCode.SAMPLING_FAILED, failure.message)
         now = self._clock()
         generated = 0
         for sampled in result.sampled:
-            session = self._active[sampled.seq_id]
+            session = self._active.get(sampled.seq_id)
+            if session is None:  # ended while the step ran ahead: drop the token, trim its cell
+                self.ahead_dropped += 1
+                self._overrun.setdefault(sampled.seq_id, self._ended_at.get(sampled.seq_id))
+                continue
             if session.abort is None:
                 generated += self._on_token(session, sampled, now)
         # Overhead: wall time since the previous step ended, less this step's own time.
@@ -277,6 +312,54 @@ class DecodeLoop:
             bmt_bytes=plan.bmt_bytes, cap_s=plan.cap_s,
         )  # fmt: skip
         self._last_step_end = now
+
+    def _arm_run_ahead(self, plan: Plan) -> Follow | None:
+        """Let the compute thread run on after this step when the next plan is sure to be the
+        same decoders again: nothing waits, nothing is left out, nothing else is pending."""
+        steady = (
+            self._may_run_ahead and plan.decode and not plan.prefill and not plan.rescue
+            and len(plan.decode) == len(self._active) and not self._waiting
+            and not self._aborted and not self._jobs and not self._unpin
+        )  # fmt: skip
+        if not steady:
+            return None
+        budgets = {}
+        for seq_id in plan.decode:
+            session = self._active[seq_id]
+            room = None
+            if session.request.stream:
+                stats = session.events.statistics()
+                room = int(stats.max_buffer_size - stats.current_buffer_used)
+            budgets[seq_id] = ahead_budget(session.request.max_tokens, session.generated, room)
+        self._run_ahead.arm(budgets)
+        return self._run_ahead.follow if self._run_ahead.steady else None
+
+    def _end_run_ahead(self) -> None:
+        """The compute thread is idle again: trim what ran past a session's end, free what
+        finished meanwhile."""
+        self._chain_live = False
+        self._run_ahead.stop()
+        overrun, self._overrun = self._overrun, {}
+        self._ended_at.clear()
+        for seq_id, keep in overrun.items():
+            try:
+                if keep is None:
+                    raise EngineError(-1, f"seq {seq_id} ran ahead with no known end")
+                self.engine.trim_seq(seq_id, keep)
+            except EngineError as exc:  # cannot trim (a recurrent model): its cached prefix is in doubt
+                log.warning("dropping the cached prefix of seq %d: %s", seq_id, exc)
+                self._deferred_free.extend(self.kv.drop(seq_id))
+        deferred, self._deferred_free = self._deferred_free, []
+        self._free_cells(deferred)
+
+    async def _lose_context(self, exc: Exception) -> None:
+        self._run_ahead.stop()
+        while self.engine.running_ahead:  # let queued steps finish before the rebuild
+            with contextlib.suppress(Exception):  # the context is being replaced anyway
+                await self.engine.next_ahead()
+        self._end_run_ahead()
+        self._last_step_end = None
+        await self._rebuild_context(exc)
 
     # -- steps of the loop ---------------------------------------------------------
 
@@ -298,6 +381,9 @@ class DecodeLoop:
             await job()
 
     def _free_cells(self, seq_ids: list[int] | tuple[int, ...]) -> None:
+        if self._chain_live:  # the compute thread may be decoding: the context is its alone
+            self._deferred_free.extend(seq_ids)
+            return
         for seq_id in seq_ids:
             self.engine.free_seq(seq_id)
 
@@ -495,7 +581,9 @@ class DecodeLoop:
     ) -> None:
         if reason in ("stop", "length"):
             self._emit(session, session.text.flush(), session.last_token_id)
+        self._run_ahead.stop()  # the next plan differs
         if session.seq_id is not None:
+            self._ended_at[session.seq_id] = session.n_past  # cells that are its own, if it ran ahead
             # Its KV stays cached for later requests sharing the prefix, unless a failure
             # left it in doubt.
             held = session.kv_tokens() if keep_kv and reason != "error" else session.prompt[:0]
@@ -536,6 +624,11 @@ class DecodeLoop:
                 "parked": sum(s.parked for s in sessions),
             },
             "scheduler": self.policy.snapshot(),
+            "run_ahead": {
+                "enabled": self._may_run_ahead,
+                "steps": self.ahead_steps,
+                "dropped_tokens": self.ahead_dropped,
+            },
             "kv": {
                 "cells_total": self.engine.n_ctx,
                 "cells_per_seq": self.engine.n_ctx_seq,

@@ -234,6 +234,13 @@ class KvManager:
             return [seq_id]
         return self._enforce_budget()
 
+    def drop(self, seq_id: int) -> list[int]:
+        """Forget ``seq_id``'s cached prefix (its cells are in doubt); the ids to free."""
+        if self._cached.pop(seq_id, None) is None:
+            return []
+        self._free.append(seq_id)
+        return [seq_id]
+
     def forget_cached(self) -> None:
         """The context was replaced and holds nothing: cached sequences are free again (no
         cells to free).  A pinned one keeps its id, empty, until its pin is released: its

@@ -1,0 +1,167 @@
+"""Run-ahead: the compute thread decodes the next step of a steady batch by itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+from uma_trio.client import UmaClient
+from uma_trio.engine.base import BatchEntry, Sampled, StepResult
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.engine.sampling import Sampler, SamplingParams
+from uma_trio.runtime.run_ahead import MAX_AHEAD, RunAhead, ahead_budget
+from uma_trio.runtime.server import Server
+
+from .conftest import running_server
+from .helpers import RawClient, assert_nothing_held, frame, sim_daemon
+
+GREEDY = Sampler(SamplingParams(temperature=0.0))
+
+
+def decode(seq: int, pos: int) -> BatchEntry:
+    return BatchEntry(seq, np.array([5], dtype=np.int32), pos, GREEDY)
+
+
+def result(*tokens: tuple[int, int, bool]) -> StepResult:
+    return StepResult([Sampled(seq, tok, b"x", eog) for seq, tok, eog in tokens], len(tokens), 0.01)
+
+
+def test_budget_stops_at_max_tokens_and_at_the_stream_buffer() -> None:
+    assert ahead_budget(max_tokens=100, generated=10, buffer_room=None) == MAX_AHEAD
+    assert ahead_budget(max_tokens=12, generated=10, buffer_room=None) == 1  # this step brings 11
+    assert ahead_budget(max_tokens=11, generated=10, buffer_room=None) == 0
+    assert ahead_budget(max_tokens=100, generated=10, buffer_room=5) == 3  # + this token + the tail
+    assert ahead_budget(max_tokens=100, generated=10, buffer_room=2) == 0
+
+
+def test_follow_continues_each_session_one_position_on_within_its_budget() -> None:
+    ahead = RunAhead()
+    ahead.arm({1: 2, 2: 1, 3: 0})
+    entries = [decode(1, 10), decode(2, 20), decode(3, 30)]
+    after = ahead.follow(entries, result((1, 41, False), (2, 42, False), (3, 43, False)))
+    assert after is not None
+    assert [(e.seq_id, int(e.tokens[0]), e.pos0) for e in after] == [(1, 41, 11), (2, 42, 21)]
+    after = ahead.follow(after, result((1, 51, False), (2, 52, False)))
+    assert after is not None and [e.seq_id for e in after] == [1]  # seq 2's budget is spent
+    assert ahead.follow(after, result((1, 61, False))) is None  # and now seq 1's
+
+
+def test_follow_drops_end_of_generation_and_stops_when_told() -> None:
+    ahead = RunAhead()
+    ahead.arm({1: 5, 2: 5})
+    entries = [decode(1, 10), decode(2, 20)]
+    after = ahead.follow(entries, result((1, 2, True), (2, 42, False)))
+    assert after is not None and [e.seq_id for e in after] == [2]
+    ahead.stop()
+    assert ahead.follow(after, result((2, 43, False))) is None
+    ahead.arm({1: 0})
+    assert not ahead.steady  # nothing may run ahead: not armed at all
+
+
+# -- the whole daemon on the simulated engine (run-ahead forced on) ------------------
+
+
+async def stream_all(server: Server, requests: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    client = await RawClient.connect(server.config.socket_path)
+    await client.send_bytes(b"".join(frame(r) for r in requests))
+    events: dict[str, list[dict[str, Any]]] = {r["id"]: [] for r in requests}
+    ended = 0
+    while ended < len(requests):
+        event = await client.next_event()
+        assert event is not None
+        events[event["id"]].append(event)
+        ended += event["event"] in ("eos", "error")
+    return events
+
+
+def req(rid: str, max_tokens: int, **kw: Any) -> dict[str, Any]:
+    return {"id": rid, "prompt": "a b c d", "max_tokens": max_tokens, "temperature": 0.0, **kw}
+
+
+async def test_steady_streams_run_ahead_and_every_token_arrives(autojump_clock: trio.abc.Clock) -> None:
+    async with sim_daemon(run_ahead=True, prefix_cache_cells=None, stream_buffer=64) as server:
+        events = await stream_all(server, [req(f"r{i}", 40 + i) for i in range(6)])
+        for i in range(6):
+            tokens = [e for e in events[f"r{i}"] if e["event"] == "token"]
+            assert len(tokens) == 40 + i and events[f"r{i}"][-1]["reason"] == "length"
+        gauges = server.loop.gauges()
+        assert gauges["run_ahead"]["steps"] > 0.7 * server.loop._tick  # most steps ran ahead
+        await server.loop.wait_idle()
+        assert_nothing_held(server)
+
+
+async def test_a_stop_string_mid_run_ahead_trims_the_extra_cells(autojump_clock: trio.abc.Clock) -> None:
+    """The simulated engine's every token reads " tok": the stop string ends r0 on its third
+    token while the compute thread has already decoded further; that token is dropped and
+    its cell trimmed, so the cached prefix holds exactly the request's tokens."""
+    async with sim_daemon(run_ahead=True, prefix_cache_cells=None, stream_buffer=64) as server:
+        events = await stream_all(server, [req("r0", 50, stop=["tok tok tok"]), req("r1", 50)])
+        assert events["r0"][-1]["reason"] == "stop"
+        assert events["r1"][-1]["reason"] == "length"
+        assert server.loop.ahead_dropped >= 1
+        await server.loop.wait_idle()
+        assert_nothing_held(server)  # engine cells == cached prefixes' cells
+
+
+async def test_a_cancel_during_run_ahead_leaves_nothing_behind(autojump_clock: trio.abc.Clock) -> None:
+    async with sim_daemon(run_ahead=True, prefix_cache_cells=None, stream_buffer=64) as server:
+        client = await RawClient.connect(server.config.socket_path)
+        await client.send_bytes(frame(req("long", 2000)) + frame(req("short", 30)))
+        reasons: dict[str, str] = {}
+        seen = 0
+        while len(reasons) < 2:
+            event = await client.next_event()
+            assert event is not None
+            if event["event"] == "eos":
+                reasons[event["id"]] = event["reason"]
+            elif event["id"] == "long" and (seen := seen + 1) == 40:
+                await client.send({"type": "cancel", "id": "long"})
+        assert reasons == {"long": "cancelled", "short": "length"}
+        assert server.loop.ahead_steps > 0
+        await server.loop.wait_idle()
+        assert_nothing_held(server)
+
+
+# -- the real model: the compute thread's own queue ----------------------------------------
+
+
+@pytest.mark.model
+async def test_real_model_greedy_output_is_the_same_with_and_without_run_ahead(
+    llama_model: LlamaModel, server_config: Any
+) -> None:
+    prompts = ["Explain what a CPU does.", "Write a poem about the sea.", "List three fruits."]
+    texts: dict[bool, list[str]] = {}
+    for on in (False, True):
+        async with running_server(llama_model, server_config, run_ahead=on) as server:
+            async with UmaClient.connect(server.config.socket_path) as client:
+                with trio.fail_after(120):
+                    results: list[str] = [""] * len(prompts)
+
+                    async def one(i: int, client: UmaClient = client, results: list[str] = results) -> None:
+                        done = await client.complete(
+                            messages=[{"role": "user", "content": prompts[i]}], max_tokens=32, temperature=0.0
+                        )
+                        results[i] = done.text
+
+                    async with trio.open_nursery() as nursery:
+                        for i in range(len(prompts)):
+                            nursery.start_soon(one, i)
+                    # A stop string mid-answer, then the same prompt again: it reuses the
+                    # cached prefix the stop left, which must hold exactly its tokens.
+                    stopped = await client.complete(
+                        messages=[{"role": "user", "content": prompts[0]}],
+                        max_tokens=32,
+                        temperature=0.0,
+                        stop=[results[0].split()[3]],
+                    )
+                    again = await client.complete(
+                        messages=[{"role": "user", "content": prompts[0]}], max_tokens=32, temperature=0.0
+                    )
+            assert stopped.eos.reason == "stop" and again.text == results[0]
+            assert (server.loop.ahead_steps > 0) == on
+            texts[on] = results
+    assert texts[True] == texts[False]
+    assert all(len(t) > 20 for t in texts[True])
