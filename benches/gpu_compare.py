@@ -506,11 +506,14 @@ def main() -> int:
 
     def up(system: str, slots: int, ctx: int, tag: str) -> Any:
         port = 8090 if system == "llama-server" else 8091
-        cmd = (
-            llama_server_cmd(args, slots, ctx, port)
-            if system == "llama-server"
-            else uma_cmd(args, slots, ctx, port, sock)
-        )
+        if system == "llama-server":
+            cmd = llama_server_cmd(args, slots, ctx, port)
+        else:  # with its per-step trace (uma-trio serve --tick-trace) for each part
+            cmd = [
+                *uma_cmd(args, slots, ctx, port, sock),
+                "--tick-trace",
+                str(args.out / f"ticks-{tag}.jsonl"),
+            ]
         return running(cmd, f"http://127.0.0.1:{port}", system, args.out / f"{system}-{tag}.log"), port
 
     if "ceiling" in parts:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -165,3 +167,21 @@ async def test_real_model_greedy_output_is_the_same_with_and_without_run_ahead(
             texts[on] = results
     assert texts[True] == texts[False]
     assert all(len(t) > 20 for t in texts[True])
+
+
+async def test_tick_trace_has_one_line_per_step_run_ahead_or_planned(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    trace = tmp_path / "ticks.jsonl"
+    async with sim_daemon(run_ahead=True, tick_trace=trace, stream_buffer=64) as server:
+        await stream_all(server, [req(f"r{i}", 30) for i in range(3)])
+        await server.loop.wait_idle()
+        ticks = server.loop._tick
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(rows) == ticks
+    assert [r["tick"] for r in rows] == list(range(ticks))
+    # Each request prefills its 4 prompt tokens; the step that ends its prompt samples token 1.
+    assert sum(r["prefill"] for r in rows) == 3 * 4
+    assert sum(r["decode"] for r in rows) == 3 * 29
+    assert any(r["ahead"] for r in rows) and not rows[0]["ahead"]
+    assert all(r["step_ms"] > 0 for r in rows)

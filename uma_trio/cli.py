@@ -110,6 +110,7 @@ def serve(
     api_key: str | None = None,
     allow_uid: Annotated[list[int] | None, Parameter(negative_iterable=())] = None,
     log_level: LogLevel = "info",
+    tick_trace: Path | None = None,
 ) -> int:
     """Run the daemon in the foreground until SIGINT/SIGTERM.
 
@@ -232,6 +233,10 @@ def serve(
         E_AUTH_001 and are disconnected. Default: anyone who can open the socket (you and root).
     log_level
         Logging verbosity.
+    tick_trace
+        Append one JSON line per engine step to this file: tokens planned, predicted and
+        measured step time, budget, whether the step ran ahead (docs/METRICS.md). A
+        diagnostic for the scheduler; off by default.
     """
     _setup_logging(log_level)
     log = logging.getLogger("uma_trio")
@@ -250,7 +255,7 @@ def serve(
             shutdown_grace_s=shutdown_grace, tick_ms=tick_ms,
             latency_cap=latency_cap, tick_ms_min=tick_ms_min, interactive_reserve=interactive_reserve,
             bmt_budget_gbps=bmt_budget_gbps, cost_model=cost_model or _calibrated_cost_model(),
-            metrics_interval_s=metrics_interval, metrics_window_s=metrics_window,
+            metrics_interval_s=metrics_interval, metrics_window_s=metrics_window, tick_trace=tick_trace,
             metrics_port=metrics_port, scorecard_csv=scorecard_csv, http=http, api_key=api_key,
             allowed_uids=tuple(allow_uid) if allow_uid is not None else None,
         )  # fmt: skip

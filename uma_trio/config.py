@@ -59,6 +59,7 @@ class ServerConfig:
     # Let the compute thread start the next decode of a steady batch before the event loop
     # has seen the last one (runtime/run_ahead.py); None: on when every layer is on a GPU.
     run_ahead: bool | None = None
+    tick_trace: Path | None = None  # one JSON line per engine step (runtime/tick_trace.py)
     # Placement (docs/CONFIG.md "GPU"): "auto" | "all" | a layer count
     gpu_layers: str = "auto"
     flash_attn: FlashAttn = "auto"

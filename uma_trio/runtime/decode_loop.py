@@ -50,6 +50,7 @@ from ..sched.policy import Policy, default_policy
 from ..sched.state import Lane, Plan, SchedulerState, SessionState
 from .run_ahead import RunAhead, ahead_budget
 from .session import Phase, Session
+from .tick_trace import TickTrace
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class DecodeLoop:
         self._deferred_free: list[int] = []
         self._overrun: dict[int, int | None] = {}  # seq id -> its cells: tokens run past its end
         self._ended_at: dict[int, int] = {}  # seq id -> n_past of a session that ended in a chain
+        self._trace = TickTrace(config.tick_trace) if config.tick_trace is not None else None
         self.ahead_steps = 0  # steps the compute thread ran ahead (collected)
         self.ahead_dropped = 0  # tokens they decoded for sessions that had ended meanwhile
 
@@ -225,6 +227,13 @@ class DecodeLoop:
     # -- the task ----------------------------------------------------------------
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            if self._trace is not None:
+                self._trace.close()
+
+    async def _run(self) -> None:
         while True:
             self._apply_aborts()
             await self._run_jobs()
@@ -261,6 +270,10 @@ class DecodeLoop:
             return
         self._chain_live = self.engine.running_ahead
         self._absorb(plan, result, whole)
+        if self._trace is not None:
+            self._trace.write(
+                t=self._clock(), tick=self._tick, plan=plan, step_s=result.decode_s, ahead=False
+            )
         # Steps the compute thread ran ahead (run_ahead.py), collected one behind it.
         while self.engine.running_ahead:
             try:
@@ -270,7 +283,12 @@ class DecodeLoop:
                 return
             self._tick += 1
             self.ahead_steps += 1
-            self._absorb(replace(plan, decode=tuple(e.seq_id for e in ahead)), result, whole=True)
+            ahead_plan = replace(plan, decode=tuple(e.seq_id for e in ahead))
+            self._absorb(ahead_plan, result, whole=True)
+            if self._trace is not None:
+                self._trace.write(
+                    t=self._clock(), tick=self._tick, plan=ahead_plan, step_s=result.decode_s, ahead=True
+                )
         self._end_run_ahead()
 
     def _absorb(self, plan: Plan, result: StepResult, whole: bool) -> None:
