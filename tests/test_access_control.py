@@ -26,7 +26,12 @@ from uma_trio.config import DEFAULT_SOCKET, ServerConfig, default_socket_path
 from uma_trio.daemon import http_gateway
 from uma_trio.loadgen.simulate import SIM_CONFIG
 from uma_trio.runtime.peer import peer_uid
-from uma_trio.runtime.unix_socket import SocketInUseError, UnsafeSocketDirError, ensure_private_dir
+from uma_trio.runtime.unix_socket import (
+    SocketInUseError,
+    UnsafeSocketDirError,
+    ensure_private_dir,
+    remove_stale_socket,
+)
 
 from .helpers import RawClient, serving_sim, sim_server
 
@@ -62,7 +67,7 @@ def test_missing_socket_directory_is_created_0700_whatever_the_umask(tmp: Path, 
     ensure_private_dir(tmp / "run")  # an existing private directory is fine
 
 
-@pytest.mark.parametrize("mode", [0o770, 0o720, 0o702, 0o777, 0o1777], ids=lambda m: f"{m:04o}")
+@pytest.mark.parametrize("mode", [0o770, 0o720, 0o702, 0o777], ids=lambda m: f"{m:04o}")
 def test_a_directory_others_can_write_is_refused(tmp: Path, mode: int) -> None:
     shared = tmp / "shared"
     shared.mkdir()
@@ -102,10 +107,45 @@ def test_a_directory_owned_by_someone_else_is_refused(tmp: Path) -> None:
         ensure_private_dir(theirs)
 
 
+def test_a_sticky_shared_directory_like_tmp_is_accepted(tmp: Path) -> None:
+    """Issue 17: the sticky bit keeps others from removing or renaming our socket, so a socket
+    directly in /tmp is safe; the check used to refuse it and advise `chmod go-w /tmp`."""
+    sticky = tmp / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    ensure_private_dir(sticky)
+    ensure_private_dir(Path("/tmp"))  # root's, sticky: what the advice would have broken
+
+
+@needs_root
+def test_a_name_another_user_took_first_in_a_sticky_directory_is_refused(tmp: Path) -> None:
+    sticky = tmp / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    theirs = sticky / "d.sock"
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    squatter.bind(str(theirs))
+    squatter.close()  # a stale socket, but not ours
+    os.chown(theirs, OTHER_UID, -1)
+    with pytest.raises(SocketInUseError, match=f"belongs to uid {OTHER_UID}"):
+        remove_stale_socket(theirs)
+    assert theirs.exists()
+
+
+async def test_the_daemon_serves_in_a_sticky_shared_directory(tmp: Path) -> None:
+    sticky = tmp / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    config = replace(SIM_CONFIG, socket_path=sticky / "d.sock")
+    async with serving_sim(sim_server(config)), UmaClient.connect(config.socket_path) as client:
+        assert (await client.metrics())["sessions"]["active"] == 0
+        assert stat.S_IMODE(config.socket_path.stat().st_mode) == 0o600
+
+
 async def test_the_daemon_refuses_to_serve_in_a_shared_directory(tmp: Path) -> None:
     shared = tmp / "shared"
     shared.mkdir()
-    shared.chmod(0o1777)  # like /tmp
+    shared.chmod(0o777)  # writable by all, not sticky: anyone could replace the socket
     server = sim_server(replace(SIM_CONFIG, socket_path=shared / "d.sock"))
     with pytest.raises(UnsafeSocketDirError, match="other users can write"):
         await server.serve()

@@ -18,8 +18,8 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -166,9 +166,19 @@ class Gateway:
             body, request_id=completion_id, lane_header=request.headers.get(openai.LANE_HEADER),
             max_tokens_limit=server.config.max_tokens,
         )  # fmt: skip
+        async with self._in_flight(translated.request, arrived, translated.auto_max_tokens) as flight:
+            return await self._openai_response(request, body, flight, completion_id, translated.include_usage)
+
+    async def _openai_response(
+        self,
+        request: Request,
+        body: openai.CompletionBody | openai.ChatBody,
+        flight: Flight,
+        completion_id: str,
+        include_usage: bool,
+    ) -> Response:
         created = int(time.time())
         is_chat = isinstance(body, openai.ChatBody)
-        flight = await self._begin(translated.request, arrived, auto_max_tokens=translated.auto_max_tokens)
         headers = {"x-request-id": completion_id}
         if not body.stream:
             eos = _completed(await self._collect(request, flight))
@@ -176,7 +186,7 @@ class Gateway:
             return _json_response(make(completion_id, created, self.model, eos), headers=headers)
 
         stream_kind = openai.ChatStream if is_chat else openai.CompletionStream
-        chunks = stream_kind(completion_id, created, self.model, translated.include_usage)
+        chunks = stream_kind(completion_id, created, self.model, include_usage)
 
         async def sse() -> AsyncGenerator[bytes, None]:
             async with aclosing(self._events(flight)) as events:
@@ -210,17 +220,17 @@ class Gateway:
         lane = openai.lane_from_header(request.headers.get(openai.LANE_HEADER))
         if lane is not None:
             generate_request = msgspec.structs.replace(generate_request, priority=lane)
-        flight = await self._begin(generate_request, arrived, auto_max_tokens=False)
-        if not generate_request.stream:
-            return _json_response(_last_word(await self._collect(request, flight)))
+        async with self._in_flight(generate_request, arrived, False) as flight:
+            if not generate_request.stream:
+                return _json_response(_last_word(await self._collect(request, flight)))
 
-        async def sse() -> AsyncGenerator[bytes, None]:
-            async with aclosing(self._events(flight)) as events:
-                async for event in events:
-                    yield openai.sse(_json.encode(event))
+            async def sse() -> AsyncGenerator[bytes, None]:
+                async with aclosing(self._events(flight)) as events:
+                    async for event in events:
+                        yield openai.sse(_json.encode(event))
 
-        headers = {"x-request-id": generate_request.id}
-        return self._event_stream(sse, flight, headers)
+            headers = {"x-request-id": generate_request.id}
+            return self._event_stream(sse, flight, headers)
 
     # -- plumbing ----------------------------------------------------------------
 
@@ -250,6 +260,21 @@ class Gateway:
     def _too_large(self) -> ApiError:
         limit = self.max_body_bytes
         return openai.api_error(ErrorCode.FRAME_TOO_LARGE, f"the body exceeds the limit of {limit} bytes")
+
+    @asynccontextmanager
+    async def _in_flight(
+        self, generate_request: GenerateRequest, arrived: float, auto_max_tokens: bool
+    ) -> AsyncIterator[Flight]:
+        """The request lifecycle guard: a registered request is released if anything raises
+        before its response owns it (:class:`EventStream` and :meth:`_collect` release it
+        however they end).  Without it, a failure in between (once, a header that would not
+        encode) left the id taken and the session parked for good."""
+        flight = await self._begin(generate_request, arrived, auto_max_tokens=auto_max_tokens)
+        try:
+            yield flight
+        except BaseException:
+            self._end(flight)
+            raise
 
     async def _begin(
         self, generate_request: GenerateRequest, arrived: float, *, auto_max_tokens: bool
@@ -423,16 +448,17 @@ class EventStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sending_since: float | None = None  # when the body write now blocked began
+        finished = False
 
         async def stream() -> None:
-            nonlocal sending_since
+            nonlocal sending_since, finished
             async with aclosing(self._chunks()) as chunks:
                 await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
                 async for chunk in chunks:
                     sending_since = trio.current_time()
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     sending_since = None
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finished = True
 
         async def watchdog() -> None:
             # Hypercorn shields its socket writes from cancellation, so a client that reads
@@ -455,6 +481,11 @@ class EventStream(Response):
                 nursery.cancel_scope.cancel()
         finally:
             self._on_close()
+        if finished:
+            # Outside the disconnect watcher: with `Connection: close` hypercorn reports the
+            # disconnect while it finishes this send, and cancelling the send then left the
+            # socket open after the body had ended.
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class BearerAuth:

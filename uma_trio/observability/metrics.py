@@ -107,6 +107,13 @@ class Metrics:
             registry=self.registry, buckets=GAP_BUCKETS,
         )  # fmt: skip
 
+    @property
+    def activity(self) -> tuple[int, int, int, int]:
+        """Changes whenever anything happened: a step, a request, a connection, an error."""
+        return (
+            self.ticks, sum(self.tokens_prompt.values()), self.connections_total, sum(self.errors.values())
+        )  # fmt: skip
+
     # -- events ------------------------------------------------------------------------
 
     def _latency(self, kind: str, lane: Lane, seconds: float, now: float) -> None:

@@ -399,14 +399,18 @@ class Server:
                 self.request_shutdown(force=not first)
 
     async def _metrics_task(self) -> None:
-        """Every ``metrics_interval_s``: a scorecard line in the log and, with
-        ``--scorecard-csv``, a CSV row."""
+        """Every ``metrics_interval_s``: a scorecard line in the log (only when something
+        happened since the last one: an idle daemon stays quiet) and, with
+        ``--scorecard-csv``, a CSV row (always: a regular time series)."""
         csv_path = self.config.scorecard_csv
+        last_activity = self.metrics.activity
         while True:
             await trio.sleep(self.config.metrics_interval_s)
             now = trio.current_time()
             card = self.scorecard(now)
-            log.info("%s", card.log_line())
+            if (activity := self.metrics.activity) != last_activity:
+                log.info("%s", card.log_line())
+                last_activity = activity
             if csv_path is not None:
                 row = {"unix_time": round(time.time(), 3), "uptime_s": round(now - self.metrics.started, 3)}
                 row.update(msgspec.to_builtins(card))

@@ -23,8 +23,9 @@ class UnsafeSocketDirError(SocketInUseError):
 def ensure_private_dir(directory: Path) -> None:
     """Make sure ``directory`` (the socket's parent) is ours alone, creating it 0700 if it
     is missing (its own parent must exist).  It must be a real directory, not a symbolic
-    link, owned by our effective uid and writable by nobody else; otherwise another local
-    user could remove our socket and put theirs in its place.  Raise
+    link, owned by our effective uid and writable by nobody else (or sticky and owned by root
+    or us, like /tmp, where others cannot remove or rename our socket); otherwise another
+    local user could remove our socket and put theirs in its place.  Raise
     :class:`UnsafeSocketDirError` naming what is wrong and what to do."""
     shown = os.path.abspath(directory)
     old_umask = os.umask(0o077)  # exactly 0700 whatever the umask, and no chmod to race with
@@ -50,6 +51,10 @@ def ensure_private_dir(directory: Path) -> None:
         problem = "it is a symbolic link, and the socket needs a real directory"
     elif not stat.S_ISDIR(info.st_mode):
         problem = "it is not a directory"
+    elif mode & stat.S_ISVTX and info.st_uid in (0, euid):
+        # Sticky and owned by root or us, like /tmp: others may create names here but not
+        # remove or rename ours, and a name they took first is refused (remove_stale_socket).
+        pass
     elif info.st_uid != euid:
         problem = f"it is owned by uid {info.st_uid} (mode {mode:04o}), not by this user (uid {euid})"
     elif mode & 0o022:
@@ -89,6 +94,9 @@ def remove_stale_socket(path: Path) -> None:
         return
     if not stat.S_ISSOCK(mode):
         raise SocketInUseError(f"{path} exists and is not a socket; refusing to replace it")
+    owner = path.lstat().st_uid
+    if owner != os.geteuid():
+        raise SocketInUseError(f"{path} belongs to uid {owner}, not to this user; refusing to replace it")
     if _probe_live(path):
         raise SocketInUseError(f"another daemon is already listening on {path}")
     path.unlink(missing_ok=True)

@@ -1,0 +1,106 @@
+"""Issue 17 on the HTTP edge, against a live gateway on the simulated engine (real time:
+hypercorn runs its own timers)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+import trio
+
+from uma_trio.daemon import http_gateway
+from uma_trio.http import gateway as gateway_module
+from uma_trio.http.gateway import Gateway
+from uma_trio.runtime.server import Server
+from uma_trio.sched.cost import CostCoefficients
+
+from .helpers import sim_daemon
+
+FAST = CostCoefficients(fixed_s=0.0001, decode_s=0.00001, prefill_s=0.00001, ctx_s_per_kcell=0.0)
+
+
+@asynccontextmanager
+async def gateway_on_sim(**overrides: object) -> AsyncIterator[tuple[Server, Gateway, str]]:
+    async with (
+        sim_daemon(cost=FAST, http="127.0.0.1:0", **overrides) as server,
+        http_gateway(server.config, "sim.gguf") as gateway,
+    ):
+        assert gateway is not None and gateway.url is not None
+        gateway.attach(server)
+        yield server, gateway, gateway.url
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+async def test_a_failure_after_registration_releases_the_request(
+    monkeypatch: pytest.MonkeyPatch, path: str, stream: bool
+) -> None:
+    """The lifecycle guard: whatever raises between registering a request and its response
+    owning it (here the response itself cannot be built), the id, the place among the HTTP
+    requests in flight and the session are released; the same id is accepted again."""
+    body = {"prompt": "a b c", "max_tokens": 3, "stream": stream}
+    body |= {"id": "r-1"} if path == "/generate" else {"model": "sim"}
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected: the response could not be built")
+
+    async with gateway_on_sim() as (server, gateway, url), httpx.AsyncClient(base_url=url) as http:
+        with monkeypatch.context() as patch:
+            patch.setattr(gateway_module.EventStream, "__init__", broken)
+            patch.setattr(gateway_module, "_json_response", broken)
+            for _ in range(gateway.max_requests + 2):  # more than the HTTP in-flight limit
+                failed = await http.post(path, json=body)
+                assert failed.status_code == 500
+        with trio.fail_after(5):
+            while server.loop.gauges()["sessions"]["active"] or gateway._flights:
+                await trio.sleep(0.01)
+        ok = await http.post(path, json=body)
+        assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("connection", ["close", "keep-alive"])
+async def test_a_finished_stream_ends_its_response(connection: str) -> None:
+    """After the last event the chunked body is terminated (and with `Connection: close` the
+    socket closed): the final empty chunk used to be cancelled by the disconnect watcher, and
+    connections stayed open after `[DONE]`."""
+    async with gateway_on_sim() as (_, _, url):
+        host, port = url.removeprefix("http://").split(":")
+        stream = await trio.open_tcp_stream(host, int(port))
+        body = b'{"model": "sim", "prompt": "a b c", "max_tokens": 5, "stream": true}'
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Connection: {connection}\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        await stream.send_all(head.encode() + body)
+        received = b""
+        with trio.fail_after(5):
+            while not received.endswith(b"0\r\n\r\n"):  # the chunked body's terminator
+                data = await stream.receive_some(65536)
+                assert data, f"connection closed before the body ended: {received[-200:]!r}"
+                received += data
+            assert b"data: [DONE]" in received
+            if connection == "close":
+                assert await stream.receive_some(65536) == b""  # and the server hangs up
+        await stream.aclose()
+
+
+async def test_an_idle_daemon_logs_no_scorecard_lines(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 17: an idle daemon logged a zero scorecard line every interval; now only an
+    interval in which something happened gets one."""
+    from uma_trio.client import UmaClient
+
+    caplog.set_level(logging.INFO, logger="uma_trio.runtime.server")
+    async with sim_daemon(metrics_interval_s=10.0) as server:
+        await trio.sleep(65)  # six intervals of nothing
+        idle = [r for r in caplog.records if "scorecard" in r.getMessage()]
+        async with UmaClient.connect(server.config.socket_path) as client:
+            await client.complete(prompt="a b", max_tokens=3)
+        await trio.sleep(25)
+        busy = [r for r in caplog.records if "scorecard" in r.getMessage()]
+    assert idle == []
+    assert len(busy) == 1  # the interval with the request, then quiet again
