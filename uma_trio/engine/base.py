@@ -128,6 +128,11 @@ class Engine(Protocol):
 
     def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str: ...
 
+    def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
+        """The chat as tokens, control tokens only where the template put them: a message's
+        content is plain text whatever it contains."""
+        ...
+
     async def step(self, entries: Sequence[BatchEntry], follow: Follow | None = None) -> StepResult:
         """Decode one batch and sample where asked.  Cancellation waits for the step.
 

@@ -177,6 +177,9 @@ class FaultyEngine:
     def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
         return self.inner.apply_chat_template(messages)
 
+    def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
+        return self.inner.tokenize_chat(messages)
+
     def seq_cells(self, seq_id: int) -> int:
         return self.inner.seq_cells(seq_id)
 

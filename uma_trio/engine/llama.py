@@ -194,15 +194,38 @@ class LlamaModel:
     def handle(self) -> Any:  # llama_model_p (an opaque ctypes pointer)
         return self._model
 
-    def tokenize(self, text: str) -> TokenArray:
+    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> TokenArray:
+        """``text`` as tokens; ``special`` parses control-token text (``<|im_end|>``) into
+        control tokens, which only text we wrote ourselves may do."""
         data = text.encode("utf-8")
+        bos = self._add_bos if add_bos is None else add_bos and self._add_bos
         capacity = len(data) + 2  # a BPE token covers at least one byte, plus BOS/EOS
         buf = (llama.llama_token * capacity)()
-        n = llama.llama_tokenize(self._vocab, data, len(data), buf, capacity, self._add_bos, True)
+        n = llama.llama_tokenize(self._vocab, data, len(data), buf, capacity, bos, special)
         if n < 0:  # cannot happen with this capacity, but llama.cpp says how much it needs
             buf = (llama.llama_token * -n)()
-            n = llama.llama_tokenize(self._vocab, data, len(data), buf, -n, self._add_bos, True)
+            n = llama.llama_tokenize(self._vocab, data, len(data), buf, -n, bos, special)
         return np.array(buf[:n], dtype=np.int32)
+
+    def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
+        """A chat as tokens: the template's own text with its control tokens, each message's
+        content as plain text, so a ``<|im_end|>`` typed into a message cannot close its turn
+        or open another (tokenizing the rendered chat whole would parse it).  The template is
+        rendered around a marker per content, and the pieces are tokenized apart."""
+        markers = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        text = self.apply_chat_template([(role, m) for (role, _), m in zip(messages, markers, strict=True)])
+        pieces, start = [], 0
+        for marker, (_, content) in zip(markers, messages, strict=True):
+            at = text.find(marker, start)
+            if at < 0 or text.count(marker) != 1:
+                raise ValueError(
+                    "the model's chat template does not keep message contents whole; send `prompt`"
+                )
+            pieces.append(self.tokenize(text[start:at], add_bos=start == 0))
+            pieces.append(self.tokenize(content, add_bos=False, special=False))
+            start = at + len(marker)
+        pieces.append(self.tokenize(text[start:], add_bos=not pieces))
+        return np.concatenate(pieces)
 
     def piece(self, token: int) -> bytes:
         """The bytes a token renders to (empty for control tokens); cached."""
@@ -413,6 +436,9 @@ class LlamaEngine:
 
     def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
         return self.model.apply_chat_template(messages)
+
+    def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
+        return self.model.tokenize_chat(messages)
 
     async def step(self, entries: Sequence[BatchEntry], follow: Follow | None = None) -> StepResult:
         # Not abandoned on cancel: the context must never be touched by two threads.

@@ -85,6 +85,9 @@ class SimEngine:
     def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
         return " ".join(f"{role}: {content}" for role, content in messages) + " assistant:"
 
+    def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
+        return self.tokenize(self.apply_chat_template(messages))  # the simulation has no control tokens
+
     async def step(self, entries: Sequence[BatchEntry], follow: Follow | None = None) -> StepResult:
         result = await self._step(entries)
         if follow is not None and (after := follow(entries, result)):

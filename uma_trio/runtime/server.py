@@ -303,11 +303,10 @@ class Server:
         try:
             if request.messages is not None:
                 turns = [(m.role, m.content) for m in request.messages]
-                text = await self._off_loop(self.engine.apply_chat_template, turns)
+                tokens = await self._off_loop(self.engine.tokenize_chat, turns)
             else:
                 assert request.prompt is not None
-                text = request.prompt
-            tokens = await self._off_loop(self.engine.tokenize, text)
+                tokens = await self._off_loop(self.engine.tokenize, request.prompt)
         except ValueError as exc:
             raise UmaError(ErrorCode.MODEL, str(exc), request_id=request.id) from None
         if len(tokens) == 0:
