@@ -125,3 +125,24 @@ async def test_cache_hit_is_scheduled_as_a_shorter_prefill(autojump_clock: trio.
     assert server.loop.kv.stats.hits == 1 and server.loop.kv.stats.reused_tokens == 1999
     assert ttft[1] < 0.05 * ttft[0]
     assert cold[1] > 0.8 * cold[0]  # without the cache the second request pays in full
+
+
+async def test_a_burst_arriving_at_an_idle_daemon_shares_its_first_tick(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Four requests 0.5 ms apart (as an HTTP client's concurrent requests land): the decode
+    task, woken by the first, waits for the rest, so they prefill together and their first
+    tokens come in the same tick; without the wait the first started alone and the others
+    joined at the pace its stream allowed (on the H100, over 200 ms)."""
+    burst = [ClientSpec(name="s", prompt_tokens=100, max_tokens=50, copies=4, stagger_s=0.0005)]
+    result, server = await simulate(Scenario(name="burst", clients=burst), COST)
+    firsts = [r.token_times[0] for r in result.records]
+    assert max(firsts) == min(firsts)
+    assert server.loop._tick == 50  # one prefill tick, then 49 decode ticks of all four
+    lone_spec = ClientSpec(name="s", prompt_tokens=100, max_tokens=50)
+    lone, _ = await simulate(Scenario(name="lone", clients=[lone_spec]), COST)
+    wait = server.config.burst_quiet_ms / 1000.0
+    alone_ttft = lone.records[0].token_times[0] - lone.records[0].sent
+    assert (
+        alone_ttft <= COST.predict(0, 100, 100 * 50) + wait + 1e-9
+    )  # a lone request pays only the quiet time

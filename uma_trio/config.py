@@ -77,6 +77,10 @@ class ServerConfig:
     tick_ms: float = 50.0  # tick budget when no interactive stream decodes (throughput mode)
     latency_cap: float = 1.2  # tick budget = latency_cap × predicted interactive decode tick
     tick_ms_min: float = 5.0  # floor of the tick budget
+    # Woken from idle, the decode task waits this long after each arrival (at most
+    # burst_max_ms) so a burst of requests shares its first tick (runtime/decode_loop.py).
+    burst_quiet_ms: float = 1.0
+    burst_max_ms: float = 5.0
     interactive_reserve: int = 1  # seq ids background requests never take (they keep at least one)
     bmt_budget_gbps: float | None = None  # ΣBMT guard bandwidth; None: probed at start-up; 0: off
     cost_model: Path | None = None  # `uma-trio calibrate` output; None: built-in coefficients
@@ -125,6 +129,8 @@ class ServerConfig:
             raise ValueError("max_queue and shutdown_grace_s must not be negative")
         if self.latency_cap < 1.0:
             raise ValueError("latency_cap must be at least 1.0")
+        if not 0 <= self.burst_quiet_ms <= self.burst_max_ms:
+            raise ValueError("burst_quiet_ms must be between 0 and burst_max_ms")
         if self.tick_ms_min <= 0 or self.tick_ms_min > self.tick_ms:
             raise ValueError("tick_ms_min must be positive and at most tick_ms")
         if self.bmt_budget_gbps is not None and self.bmt_budget_gbps < 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import logging
 from collections.abc import AsyncIterator
@@ -214,6 +215,15 @@ async def serving(model: LlamaModel, config: ServerConfig) -> AsyncIterator[Serv
         engine.close()
 
 
+def freeze_startup_heap() -> None:
+    """Move everything allocated so far (modules, the model's Python objects: ~60,000) out
+    of the cyclic garbage collector's reach.  A full collection scanned them all: 26-46 ms
+    with the GIL held on the 2-core dev machine, a stall of every stream and of the compute
+    thread's sampling in the middle of serving; afterwards it scans only what serving made."""
+    gc.collect()
+    gc.freeze()
+
+
 async def run_daemon(model_path: Path, config: ServerConfig) -> None:
     engine: LlamaEngine | None = None
     try:
@@ -223,6 +233,7 @@ async def run_daemon(model_path: Path, config: ServerConfig) -> None:
                 log.info("loading %s", model_path)
                 engine = await trio.to_thread.run_sync(load_engine, model_path, config)
                 policy = await trio.to_thread.run_sync(policy_for, engine, config)
+                freeze_startup_heap()
                 await _serve(server_for(engine, config, policy), gateway, handle_signals=True)
         finally:
             # Only once the gateway has stopped: its handlers may still be tokenizing in

@@ -244,6 +244,7 @@ class DecodeLoop:
                 self._last_step_end = None
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
+                await self._gather_burst()
                 continue
             await self._run_plan(plan)
             self._tick += 1
@@ -253,6 +254,23 @@ class DecodeLoop:
                 # threads: 16 HTTP streams on 2 cores stretched gaps to 0.5 s).  On a GPU they
                 # run while the next step computes, off the critical path between two decodes.
                 await trio.lowlevel.checkpoint()
+
+    async def _gather_burst(self) -> None:
+        """Woken from idle: give requests arriving together a moment to arrive, so they
+        share the first tick.  The first of a burst would otherwise start alone, and every
+        other one join only at the pace a decoding stream allows: on the H100 four streams
+        started over 200 ms.  Waits ``burst_quiet_ms`` after each new arrival, at most
+        ``burst_max_ms`` in all; a lone request pays ``burst_quiet_ms``."""
+        quiet, longest = self.config.burst_quiet_ms / 1000.0, self.config.burst_max_ms / 1000.0
+        if quiet <= 0 or not self._waiting:
+            return
+        deadline = self._clock() + longest
+        seen = len(self._waiting)
+        while (left := deadline - self._clock()) > 0:
+            await trio.sleep(min(quiet, left))
+            if len(self._waiting) == seen:
+                return
+            seen = len(self._waiting)
 
     async def _run_plan(self, plan: Plan) -> None:
         entries = self._entries(plan)
