@@ -370,27 +370,32 @@ async def run_part(part: str, url: str, system: str, args: argparse.Namespace, l
 
 
 def ceiling_part(args: argparse.Namespace, log: list[Row]) -> list[Row]:
-    cmd = [
-        str(args.bin / "llama-batched-bench"), "-m", str(args.model), "-ngl", "999", "-c", "8192",
-        "-npp", "128", "-ntg", str(args.max_tokens), "-npl", ",".join(map(str, args.streams)), "-fa", "on",
-    ]  # fmt: skip
-    text = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
+    """llama-batched-bench twice: one KV stream per sequence (its default, and llama-server's
+    with explicit slots: the ceiling the targets use) and one unified stream (`-kvu`,
+    uma-trio's layout on a full GPU), so the cost of the layout itself shows."""
     rows = []
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 10 and cells[0].isdigit():
-            rows.append(ceiling_row(cells))
-            log.append(rows[-1])
-    print(text[-2000:], flush=True)
+    for system, extra in (("llama-batched-bench", []), ("llama-batched-bench-kvu", ["-kvu"])):
+        cmd = [
+            str(args.bin / "llama-batched-bench"), "-m", str(args.model), "-ngl", "999", "-c", "8192",
+            "-npp", "128", "-ntg", str(args.max_tokens), "-npl", ",".join(map(str, args.streams)), "-fa", "on",
+            *extra,
+        ]  # fmt: skip
+        text = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
+        for line in text.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) == 10 and cells[0].isdigit():
+                rows.append(ceiling_row(cells, system))
+                log.append(rows[-1])
+        print(text[-2000:], flush=True)
     return rows
 
 
-def ceiling_row(cells: list[str]) -> Row:
+def ceiling_row(cells: list[str], system: str = "llama-batched-bench") -> Row:
     """One llama-batched-bench line as the servers are measured: generated tokens over the
     whole time (its S t/s counts the prompt tokens too), TTFT = the batch's prompt time."""
     _pp, tg, b, _kv, t_pp, _spp, _ttg, s_tg, t_all, _s_all = cells
     return {
-        "system": "llama-batched-bench", "part": "ceiling", "streams": int(b),
+        "system": system, "part": "ceiling", "streams": int(b),
         "agg_tok_s": round(int(b) * int(tg) / float(t_all), 2), "decode_tok_s": float(s_tg),
         "ttft_ms_p50": round(1000.0 * float(t_pp), 2),
     }  # fmt: skip
@@ -404,8 +409,9 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def report(rows: list[Row], out: Path) -> str:
-    lines = ["| streams | ceiling tok/s | llama-server tok/s (TTFT p50 ms) | uma-trio tok/s (TTFT p50 ms) |"
-             " uma / llama-server | uma / ceiling | TTFT ratio |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| streams | ceiling tok/s | unified-KV ceiling | llama-server tok/s (TTFT p50 ms) |"
+             " uma-trio tok/s (TTFT p50 ms) | uma / llama-server | uma / ceiling | uma / unified ceiling |"
+             " TTFT ratio |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
 
     def med(system: str, part: str, key: str, **match: Any) -> float | None:
         xs = [r[key] for r in rows if r["system"] == system and r["part"] == part and r.get(key) is not None
@@ -421,6 +427,7 @@ def report(rows: list[Row], out: Path) -> str:
             f"{med('uma-trio', 'streams', 'step_gap_ms_mean', streams=n)} ms ({share})"
         )
         ceil = med("llama-batched-bench", "ceiling", "agg_tok_s", streams=n)
+        kvu = med("llama-batched-bench-kvu", "ceiling", "agg_tok_s", streams=n)
         ls, us = (
             med("llama-server", "streams", "agg_tok_s", streams=n),
             med("uma-trio", "streams", "agg_tok_s", streams=n),
@@ -430,7 +437,8 @@ def report(rows: list[Row], out: Path) -> str:
             med("uma-trio", "streams", "ttft_ms_p50", streams=n),
         )
         lines.append(
-            f"| {n} | {ceil} | {ls} ({lt}) | {us} ({ut}) | {ratio(us, ls)} | {ratio(us, ceil)} | {ratio(ut, lt)} |"
+            f"| {n} | {ceil} | {kvu} | {ls} ({lt}) | {us} ({ut}) | {ratio(us, ls)} | {ratio(us, ceil)} | "
+            f"{ratio(us, kvu)} | {ratio(ut, lt)} |"
         )
     lines.append(
         "\nper-step overhead (results ready -> next llama_decode, share of a step):\n" + "\n".join(overhead)
