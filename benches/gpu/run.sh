@@ -99,9 +99,9 @@ UMA_GPU_TEST_MODEL=$MODEL timeout 300 $PY -m pytest -q -s -m gpu -p no:cacheprov
 
 stage compare
 timeout 1500 $PY benches/gpu_compare.py --bin "$B/bin" --model "$MODEL" --out "$W/results" --parts "$PARTS" ${COMPARE_ARGS:-} 2>&1 | tee -a "$L/driver.log" | tail -5
-if [ -n "${VARIANT:-}" ]; then  # uma-trio again with other flags, e.g. VARIANT=--no-run-ahead (A/B)
+if [ -n "${VARIANT:-}" ]; then  # uma-trio again with other flags (and VARIANT_ENV), e.g. VARIANT=--no-run-ahead (A/B)
   stage compare-variant
-  timeout 600 $PY benches/gpu_compare.py --bin "$B/bin" --model "$MODEL" --out "$W/results/variant" --systems uma-trio \
+  env ${VARIANT_ENV:-} timeout 600 $PY benches/gpu_compare.py --bin "$B/bin" --model "$MODEL" --out "$W/results/variant" --systems uma-trio \
       --parts "${VARIANT_PARTS:-streams}" --reps 1 --uma-arg="$VARIANT" 2>&1 | tee -a "$L/driver.log" | tail -8
 fi
 stage done

@@ -10,6 +10,7 @@ thread keeps exactly one team, and closing the thread frees it.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -24,7 +25,7 @@ _STARTED_WAIT_S = 0.05  # a bound, not a wait: a queued call (a snapshot job fir
 # The longest a thread holding the GIL keeps a waiting one out (Python's default is 5 ms): the
 # compute thread needs the GIL again the moment llama_decode returns, to sample and hand the
 # results back, while the event loop may be busy writing tokens to clients.
-GIL_SWITCH_INTERVAL_S = 0.0005
+GIL_SWITCH_INTERVAL_S = float(os.environ.get("UMA_GIL_SWITCH_INTERVAL_MS", "0.5")) / 1000.0
 
 
 class ComputeThread:
