@@ -393,3 +393,34 @@ async def test_a_non_latin1_or_crlf_id_is_refused_and_leaks_nothing(http_server:
             "/generate", json={"id": "ok-1", "prompt": "Hello", "max_tokens": 2, "stream": False}
         )
         assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 2
+
+
+async def test_an_overlong_prompt_is_refused_before_it_is_tokenized(http_server: Server) -> None:
+    """Issue 17: a prompt was tokenized whole before its length was checked.  No token is
+    longer than the vocabulary's longest, so past limit × that many bytes it is refused
+    unread, with the limit in the message."""
+    longest = http_server.engine.max_token_bytes
+    assert 8 <= longest <= 256
+    limit = http_server.config.max_prompt_tokens
+    calls = 0
+    real = http_server.engine.tokenize
+
+    def counting(text: str) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(text)
+
+    http_server.engine.tokenize = counting  # type: ignore[method-assign]
+    try:
+        auth = {"authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=http_server.http_url or "", headers=auth) as http:
+            huge = "a" * (limit * longest + 1)
+            refused = await http.post("/generate", json={"prompt": huge, "max_tokens": 2, "stream": False})
+            assert (
+                refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+            ), refused.text
+            assert calls == 0
+            fine = await http.post("/generate", json={"prompt": "Hello", "max_tokens": 2, "stream": False})
+            assert fine.status_code == 200 and calls == 1
+    finally:
+        del http_server.engine.tokenize

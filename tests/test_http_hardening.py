@@ -104,3 +104,27 @@ async def test_an_idle_daemon_logs_no_scorecard_lines(
         busy = [r for r in caplog.records if "scorecard" in r.getMessage()]
     assert idle == []
     assert len(busy) == 1  # the interval with the request, then quiet again
+
+
+async def test_client_text_in_errors_and_logs_is_escaped_and_bounded(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 17: a model name with a newline and 100 KB reached the error message and the
+    log raw, so it could forge a log line."""
+    caplog.set_level(logging.DEBUG, logger="uma_trio")
+    forged = "x\n2026-11-23 12:00:00 ERROR uma_trio: forged line " + "A" * 100_000
+    async with gateway_on_sim() as (_, _, url), httpx.AsyncClient(base_url=url) as http:
+        refused = await http.post("/v1/completions", json={"model": forged, "prompt": "hi"})
+    assert refused.status_code == 404
+    message = refused.json()["error"]["message"]
+    assert "\n" not in message and len(message) < 300 and "100050 characters" in message
+    lines = [r.getMessage() for r in caplog.records if "HTTP 404" in r.getMessage()]
+    assert lines and all("\n" not in line and len(line) < 500 for line in lines)
+
+
+def test_shown_escapes_and_cuts() -> None:
+    from uma_trio.protocol.errors import shown
+
+    assert shown("plain") == "plain"
+    assert shown("a\r\nb\x1b[31m") == "a\\r\\nb\\x1b[31m"
+    assert shown("é\u2028" * 50, limit=3) == "é\\u2028é... (100 characters)"  # letters stay, separators not

@@ -95,6 +95,7 @@ def load_engine(model_path: Path, config: ServerConfig) -> LlamaEngine:
     except ModelLoadError as exc:
         raise DaemonStartError(str(exc)) from None
     log.info("%s", one_line(engine.describe(deterministic=config.deterministic)))
+    _ = engine.max_token_bytes  # read the vocabulary now, not during the first request
     return engine
 
 

@@ -126,6 +126,12 @@ class Engine(Protocol):
 
     def tokenize(self, text: str) -> TokenArray: ...
 
+    @property
+    def max_token_bytes(self) -> int:
+        """The longest token's text in bytes: a text of N bytes has at least
+        N / max_token_bytes tokens (the server refuses an overlong prompt before tokenizing)."""
+        ...
+
     def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str: ...
 
     def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:

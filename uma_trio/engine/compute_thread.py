@@ -24,8 +24,10 @@ T = TypeVar("T")
 _STARTED_WAIT_S = 0.05  # a bound, not a wait: a queued call (a snapshot job first) just proceeds
 # The longest a thread holding the GIL keeps a waiting one out (Python's default is 5 ms): the
 # compute thread needs the GIL again the moment llama_decode returns, to sample and hand the
-# results back, while the event loop may be busy writing tokens to clients.
-GIL_SWITCH_INTERVAL_S = float(os.environ.get("UMA_GIL_SWITCH_INTERVAL_MS", "0.5")) / 1000.0
+# results back, while the event loop may be busy writing tokens to clients.  0.1 ms against
+# 0.5 ms on the H100 (one run, same machine): steps 2-7 % shorter at 4-16 streams, tok/s
+# +1 to +8 % (docs/BENCHMARKS.md "GPU").  UMA_GIL_SWITCH_INTERVAL_MS overrides it.
+GIL_SWITCH_INTERVAL_S = float(os.environ.get("UMA_GIL_SWITCH_INTERVAL_MS", "0.1")) / 1000.0
 
 
 class ComputeThread:

@@ -177,6 +177,10 @@ class FaultyEngine:
     def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
         return self.inner.apply_chat_template(messages)
 
+    @property
+    def max_token_bytes(self) -> int:
+        return self.inner.max_token_bytes
+
     def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
         return self.inner.tokenize_chat(messages)
 

@@ -189,6 +189,7 @@ class LlamaModel:
         template = llama.llama_model_chat_template(self._model, None)
         self.chat_template: bytes | None = template or None
         self._fingerprint: str | None = None
+        self._max_token_bytes: int | None = None
 
     @property
     def handle(self) -> Any:  # llama_model_p (an opaque ctypes pointer)
@@ -206,6 +207,14 @@ class LlamaModel:
             buf = (llama.llama_token * -n)()
             n = llama.llama_tokenize(self._vocab, data, len(data), buf, -n, bos, special)
         return np.array(buf[:n], dtype=np.int32)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The longest token's text in bytes (read from the vocabulary once, ~50 ms)."""
+        if self._max_token_bytes is None:
+            n_vocab = llama.llama_vocab_n_tokens(self._vocab)
+            self._max_token_bytes = max(1, max(len(self.piece(t)) for t in range(n_vocab)))
+        return self._max_token_bytes
 
     def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
         """A chat as tokens: the template's own text with its control tokens, each message's
@@ -439,6 +448,10 @@ class LlamaEngine:
 
     def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
         return self.model.tokenize_chat(messages)
+
+    @property
+    def max_token_bytes(self) -> int:
+        return self.model.max_token_bytes
 
     async def step(self, entries: Sequence[BatchEntry], follow: Follow | None = None) -> StepResult:
         # Not abandoned on cancel: the context must never be touched by two threads.

@@ -85,6 +85,10 @@ class SimEngine:
     def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
         return " ".join(f"{role}: {content}" for role, content in messages) + " assistant:"
 
+    @property
+    def max_token_bytes(self) -> int:
+        return 1 << 20  # a token per word, and a word may be long: no useful bound
+
     def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
         return self.tokenize(self.apply_chat_template(messages))  # the simulation has no control tokens
 

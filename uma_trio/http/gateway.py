@@ -36,7 +36,7 @@ from starlette.routing import Route
 from ..observability.prometheus import exposition
 from ..protocol import openai
 from ..protocol.codec import decode_client_message
-from ..protocol.errors import ErrorCode, UmaError
+from ..protocol.errors import ErrorCode, UmaError, shown
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, Lane, ServerEvent, TokenEvent
 from ..protocol.openai import ApiError
 from ..runtime.delivery import deliver
@@ -107,7 +107,7 @@ class Gateway:
 
     async def _api_error_response(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        log.debug("HTTP %d on %s: %s", exc.status, request.url.path, exc.message)
+        log.debug("HTTP %d on %s: %s", exc.status, shown(request.url.path), shown(exc.message, 300))
         self._count_error(exc)
         return _error_response(exc)
 
@@ -158,7 +158,7 @@ class Gateway:
         body = openai.decode_body(data, kind)
         if body.model not in self._model_names:
             raise ApiError(
-                404, f"The model `{body.model}` does not exist; this server has `{self.model}`",
+                404, f"The model `{shown(body.model)}` does not exist; this server has `{self.model}`",
                 param="model", code="model_not_found",
             )  # fmt: skip
         completion_id = f"{prefix}-{secrets.token_hex(12)}"

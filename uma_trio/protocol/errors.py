@@ -66,3 +66,14 @@ class UmaError(Exception):
         self.message = message
         self.request_id = request_id
         self.fatal = fatal
+
+
+def shown(value: str, limit: int = 64) -> str:
+    """Client-supplied text as it may appear in a message or a log line: control characters
+    escaped (a newline cannot forge a log line) and at most ``limit`` characters, marked
+    when cut."""
+    cut = len(value) > limit
+    text = "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value[:limit]
+    )
+    return f"{text}... ({len(value)} characters)" if cut else text

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..protocol.codec import decode_client_message, encode_event
-from ..protocol.errors import ErrorCode, UmaError
+from ..protocol.errors import ErrorCode, UmaError, shown
 from ..protocol.framing import FrameDecoder
 from ..protocol.messages import (
     CancelRequest,
@@ -215,7 +215,7 @@ class Connection:
 
     async def _send_error(self, error: UmaError) -> None:
         self.server.metrics.on_error(error.code)
-        log.debug("connection %d: %s", self.number, error)
+        log.debug("connection %d: %s", self.number, shown(str(error), 300))
         await self._send(ErrorEvent(id=error.request_id, code=error.code, message=error.message))
 
     def _set_idle_deadline(self) -> None:

@@ -175,6 +175,19 @@ class Server:
                 f"max_tokens {request.max_tokens} exceeds the limit of {self.config.max_tokens}",
                 request_id=rid,
             )
+        text_bytes = (
+            len(request.prompt.encode()) if request.prompt is not None
+            else sum(len(m.content.encode()) for m in request.messages or ())
+        )  # fmt: skip
+        if text_bytes > self.config.max_prompt_tokens * self.engine.max_token_bytes:
+            # Refused before tokenizing (a megabyte takes a worker thread a while): no token
+            # is longer than max_token_bytes, so this text has more tokens than the limit.
+            raise UmaError(
+                ErrorCode.PROMPT_TOO_LARGE,
+                f"prompt has {text_bytes} bytes, more than {self.config.max_prompt_tokens} tokens "
+                f"could hold (the limit; the longest token is {self.engine.max_token_bytes} bytes)",
+                request_id=rid,
+            )
         prompt = await self.tokenize_request(request)
         if len(prompt) > self.config.max_prompt_tokens:
             raise UmaError(
