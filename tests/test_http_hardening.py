@@ -128,3 +128,26 @@ def test_shown_escapes_and_cuts() -> None:
     assert shown("plain") == "plain"
     assert shown("a\r\nb\x1b[31m") == "a\\r\\nb\\x1b[31m"
     assert shown("é\u2028" * 50, limit=3) == "é\\u2028é... (100 characters)"  # letters stay, separators not
+
+
+async def test_a_body_that_stops_midway_gets_408_and_its_connection_closed() -> None:
+    """Issue 17: hypercorn has no deadline once the headers are in, so 20 connections that
+    stopped mid-body stayed open for good (descriptors a local user could exhaust)."""
+    async with gateway_on_sim(frame_timeout_s=0.5) as (server, _, url):
+        host, port = url.removeprefix("http://").split(":")
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n"
+        )
+        streams = [await trio.open_tcp_stream(host, int(port)) for _ in range(20)]
+        for stream in streams:
+            await stream.send_all(head + b'{"model": ')
+        with trio.fail_after(5):
+            for stream in streams:
+                received = b""
+                while data := await stream.receive_some(65536):
+                    received += data
+                assert received.startswith(b"HTTP/1.1 408"), received[:200]  # then EOF: closed
+                assert b"did not arrive within 0.5 s" in received
+                await stream.aclose()
+        assert server.metrics.errors["E_PROTO_008"] == 20

@@ -108,6 +108,8 @@ def serve(
     scorecard_csv: Path | None = None,
     http: str | None = None,
     api_key: str | None = None,
+    allowed_hosts: str | None = None,
+    cors_origins: str | None = None,
     allow_uid: Annotated[list[int] | None, Parameter(negative_iterable=())] = None,
     log_level: LogLevel = "info",
     tick_trace: Path | None = None,
@@ -227,6 +229,15 @@ def serve(
     api_key
         Require "Authorization: Bearer KEY" on every HTTP path but /health (read it from
         UMA_API_KEY rather than the command line, which other users can see).
+    allowed_hosts
+        Comma-separated host names the HTTP API answers to besides IP addresses, localhost
+        and the --http host; "*" for any. Other Host headers (a DNS-rebinding web page) get
+        403 (docs/SECURITY.md "Web pages").
+    cors_origins
+        Comma-separated browser origins allowed to call the HTTP API, "*" as a wildcard
+        inside one (http://localhost:*). Default: local pages and app/editor webviews
+        (http(s)://localhost:*, 127.0.0.1, [::1], app://*, tauri://*, vscode-webview://*).
+        Requests from other origins, and Origin: null, get 403.
     allow_uid
         Serve only socket clients running as this user id; repeat for more (UMA_ALLOW_UID:
         space-separated). The list is complete: your own uid is not added. Others get
@@ -257,6 +268,8 @@ def serve(
             bmt_budget_gbps=bmt_budget_gbps, cost_model=cost_model or _calibrated_cost_model(),
             metrics_interval_s=metrics_interval, metrics_window_s=metrics_window, tick_trace=tick_trace,
             metrics_port=metrics_port, scorecard_csv=scorecard_csv, http=http, api_key=api_key,
+            allowed_hosts=_comma_list(allowed_hosts) or (),
+            cors_origins=_comma_list(cors_origins),
             allowed_uids=tuple(allow_uid) if allow_uid is not None else None,
         )  # fmt: skip
         model_path = check_model_path(model) if model is not None else ensure_default_model()
@@ -724,3 +737,7 @@ def calibrate(
 def main() -> None:
     result = app()
     sys.exit(result if isinstance(result, int) else 0)
+
+
+def _comma_list(value: str | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(v.strip() for v in value.split(",") if v.strip())

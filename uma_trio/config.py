@@ -105,6 +105,10 @@ class ServerConfig:
     # HTTP gateway (docs/HTTP.md)
     http: str | None = None  # "HOST:PORT" (or "PORT", on 127.0.0.1) for the OpenAI-compatible API
     api_key: str | None = field(default=None, repr=False)  # HTTP requests need "Authorization: Bearer <key>"
+    # Web pages (http/origin.py): Host names besides IP addresses, localhost and the --http
+    # host ("*": any); browser origins allowed (None: local pages, app and editor webviews).
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] | None = None
     # Access control (docs/SECURITY.md): peer uids the socket serves; None: whoever can open
     # the 0600 socket (our uid and root).  Authoritative: our own uid is not added.
     allowed_uids: tuple[int, ...] | None = None

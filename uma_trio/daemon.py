@@ -29,6 +29,7 @@ from .engine.offload import OffloadPlan, parse_gpu_layers, plan_offload
 from .engine.summary import one_line
 from .exception_groups import first_leaf
 from .http.gateway import Gateway
+from .http.origin import DEFAULT_CORS_ORIGINS, allowed_hosts
 from .http.serve import BindError, bind_tcp, serve_asgi
 from .runtime.server import Server
 from .runtime.unix_socket import SocketInUseError
@@ -178,7 +179,9 @@ async def http_gateway(config: ServerConfig, model_file: str) -> AsyncIterator[G
         log.warning("the HTTP API on %s is reachable from other hosts and has no --api-key", host)
     gateway = Gateway(
         model_file, api_key=config.api_key, max_body_bytes=config.max_frame_bytes,
-        max_requests=config.max_connections,
+        max_requests=config.max_connections, hosts=allowed_hosts(host, config.allowed_hosts),
+        cors_origins=DEFAULT_CORS_ORIGINS if config.cors_origins is None else config.cors_origins,
+        body_timeout_s=config.frame_timeout_s,
     )  # fmt: skip
     async with trio.open_nursery() as nursery:
         gateway.url = await nursery.start(partial(serve_asgi, gateway.app, sock, name="http"))

@@ -18,7 +18,7 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -41,6 +42,7 @@ from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, Lane, Ser
 from ..protocol.openai import ApiError
 from ..runtime.delivery import deliver
 from ..runtime.session import Session
+from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pattern
 from .serve import Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -66,13 +68,22 @@ class Gateway:
     """The app's state: the server once the model is loaded, and its requests in flight."""
 
     def __init__(
-        self, model_file: str, *, api_key: str | None, max_body_bytes: int, max_requests: int
+        self,
+        model_file: str,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        max_requests: int,
+        hosts: frozenset[str] = frozenset(LOOPBACK_HOSTS),
+        cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS,
+        body_timeout_s: float = 10.0,
     ) -> None:
         self.model = model_id(model_file)
         self._model_names = {self.model, model_file}
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.max_requests = max_requests  # generation requests in flight, tokenizing included
+        self.body_timeout_s = body_timeout_s  # a body begun must arrive whole within this
         self.server: Server | None = None
         self.created = int(time.time())
         self._flights: dict[str, Flight] = {}  # by request id, for POST /priority and the limit
@@ -87,7 +98,22 @@ class Gateway:
                 Route("/generate", self.generate, methods=["POST"]),
                 Route("/priority", self.priority, methods=["POST"]),
             ],
-            middleware=[Middleware(BearerAuth, api_key=api_key, count=self._count_error)],
+            # Outermost first: web pages are turned away before anything else, allowed origins'
+            # preflights are answered before the key is asked for (browsers send none there).
+            middleware=[
+                Middleware(
+                    OriginGuard, hosts=hosts, origins=origin_pattern(cors_origins), refuse=self._refuse
+                ),
+                Middleware(
+                    CORSMiddleware,
+                    allow_origin_regex=origin_pattern(cors_origins).pattern,
+                    allow_methods=["GET", "POST"],
+                    allow_headers=["authorization", "content-type", openai.LANE_HEADER],
+                    expose_headers=["x-request-id", "retry-after"],
+                    max_age=600,
+                ),
+                Middleware(BearerAuth, api_key=api_key, count=self._count_error),
+            ],
             exception_handlers={
                 ApiError: self._api_error_response,
                 HTTPException: _http_error_response,
@@ -97,6 +123,11 @@ class Gateway:
 
     def attach(self, server: Server) -> None:
         self.server = server
+
+    def _refuse(self, error: ApiError) -> Response:
+        log.info("HTTP %d: %s", error.status, error.message)
+        self._count_error(error)
+        return _error_response(error)
 
     def _count_error(self, error: ApiError) -> None:
         """Refusals count in the daemon's errors as the socket's do: by the daemon's code, else
@@ -247,14 +278,24 @@ class Gateway:
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self._too_large()
         chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > self.max_body_bytes:
-                    raise self._too_large()
-                chunks.append(chunk)
-        except ClientDisconnect:
-            raise _client_gone() from None
+        # A deadline for the whole body (hypercorn has none once the headers are in): a client
+        # that stops mid-body would otherwise hold its connection, and a descriptor, for good.
+        with trio.move_on_after(self.body_timeout_s) as deadline:
+            try:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise self._too_large()
+                    chunks.append(chunk)
+            except ClientDisconnect:
+                raise _client_gone() from None
+        if deadline.cancelled_caught:
+            error = openai.api_error(
+                ErrorCode.FRAME_TIMEOUT,
+                f"the request body did not arrive within {self.body_timeout_s:g} s ({size} bytes came)",
+            )
+            error.close_connection = True
+            raise error
         return b"".join(chunks)
 
     def _too_large(self) -> ApiError:
@@ -525,6 +566,8 @@ def _json_response(value: Any, headers: Mapping[str, str] | None = None, status:
 def _error_response(error: ApiError, headers: Mapping[str, str] | None = None) -> Response:
     if error.status in (429, 503):  # busy or loading: worth a retry soon
         headers = {"retry-after": "1", **(headers or {})}
+    if error.close_connection:  # the rest of a request would follow: the connection cannot go on
+        headers = {"connection": "close", **(headers or {})}
     return _json_response(error.body(), headers=headers, status=error.status)
 
 

@@ -44,6 +44,7 @@ class ApiError(Exception):
         self.code = code
         self.uma_code = uma_code  # the daemon's E_ code, for its error counts (HTTP.md)
         self.counted = False  # already in the daemon's error counts (the decode loop's own errors)
+        self.close_connection = False  # answer with `Connection: close` (a body left unread)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -1,0 +1,138 @@
+"""Who may talk to the HTTP gateway from a browser: Host, Origin and Content-Type checks.
+
+A web page in the user's browser can send requests to ``127.0.0.1``: a cross-origin
+``text/plain`` or form POST needs no CORS preflight, and a DNS-rebinding page (a name that
+resolves to 127.0.0.1, ``Host: evil.example``) can even read the answers.  Three checks stop
+that, before authentication and routing (docs/SECURITY.md "Web pages"):
+
+* **Host** must name this server: an IP address, ``localhost``, the ``--http`` host, or one
+  of ``--allowed-hosts`` (``*`` allows any).  Rebinding pages send their own name.
+* **Origin**, when a browser sends one, must match ``--cors-origins`` (defaults: local pages,
+  desktop-app and editor webviews).  ``Origin: null`` (sandboxed frames, ``file:``) is refused
+  unless listed.  Tools that are not browsers send no Origin and are not affected.
+* **Content-Type** of a POST must be ``application/json``, which no page can send across
+  origins without a preflight that the origin check answers.
+
+Allowed origins get CORS headers (Starlette's ``CORSMiddleware``, which also answers their
+preflights).  The matching here is pure; :class:`OriginGuard` is the ASGI middleware.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from ..protocol.errors import shown
+from ..protocol.openai import ApiError
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+DEFAULT_CORS_ORIGINS = (
+    "http://localhost", "http://localhost:*", "https://localhost", "https://localhost:*",
+    "http://127.0.0.1", "http://127.0.0.1:*", "https://127.0.0.1", "https://127.0.0.1:*",
+    "http://[::1]", "http://[::1]:*", "https://[::1]", "https://[::1]:*",
+    "app://*", "tauri://*", "vscode-webview://*",
+)  # fmt: skip
+JSON_TYPE = "application/json"
+
+
+def host_name(header: str) -> str:
+    """The host of a ``Host`` header value, without its port or IPv6 brackets, lower case."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def allowed_hosts(bind_host: str | None, extra: Iterable[str]) -> frozenset[str]:
+    """Loopback names, the host the gateway is bound to (unless a wildcard) and ``extra``."""
+    hosts = {*LOOPBACK_HOSTS, *(host_name(h) for h in extra)}
+    if bind_host and bind_host not in ("0.0.0.0", "::", ""):
+        hosts.add(host_name(bind_host if ":" not in bind_host else f"[{bind_host}]"))
+    return frozenset(hosts)
+
+
+def host_allowed(name: str, hosts: frozenset[str]) -> bool:
+    """A listed name, or any IP address: a rebinding page reaches us under a *name* it
+    controls, while a page whose origin is our own address would be served by us."""
+    if name in hosts:
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def origin_pattern(patterns: Sequence[str]) -> re.Pattern[str]:
+    """One regular expression for ``patterns``: ``*`` stands for any run of characters other
+    than ``/`` (a port, a host), everything else is literal; matched whole."""
+    parts = [re.escape(p.strip().lower()).replace(r"\*", "[^/]*") for p in patterns if p.strip()]
+    return re.compile("|".join(f"(?:{p})" for p in parts) or "(?!)")
+
+
+def content_type_is_json(header: str | None) -> bool:
+    return header is not None and header.split(";", 1)[0].strip().lower() == JSON_TYPE
+
+
+def check(
+    *,
+    method: str,
+    host: str | None,
+    origin: str | None,
+    content_type: str | None,
+    hosts: frozenset[str],
+    origins: re.Pattern[str],
+) -> ApiError | None:
+    """The refusal for one request, or None.  Pure."""
+    if "*" not in hosts and (host is None or not host_allowed(host_name(host), hosts)):
+        return ApiError(
+            403, f"Host {shown(host or '')!r} is not this server's (add it with --allowed-hosts)",
+            type="permission_error", code="host_not_allowed",
+        )  # fmt: skip
+    if origin is not None and not origins.fullmatch(origin.strip().lower()):
+        return ApiError(
+            403, f"requests from the web origin {shown(origin)!r} are not allowed (--cors-origins)",
+            type="permission_error", code="origin_not_allowed",
+        )  # fmt: skip
+    if method == "POST" and not content_type_is_json(content_type):
+        got = shown(content_type or "none")
+        return ApiError(
+            415, f"send the body as JSON with `Content-Type: {JSON_TYPE}` (got {got!r})",
+            code="unsupported_media_type",
+        )  # fmt: skip
+    return None
+
+
+class OriginGuard:
+    """ASGI middleware applying :func:`check` to every HTTP request (the module docstring)."""
+
+    def __init__(
+        self,
+        app: Any,
+        *,
+        hosts: frozenset[str],
+        origins: re.Pattern[str],
+        refuse: Callable[[ApiError], Any],
+    ) -> None:
+        self.app = app
+        self.hosts = hosts
+        self.origins = origins
+        self.refuse = refuse  # the gateway's error response (and its error count)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            method = scope["method"]
+            if method == "OPTIONS" and "access-control-request-method" in headers:
+                method = "PREFLIGHT"  # answered by CORSMiddleware: only Host and Origin apply
+            error = check(
+                method=method, host=headers.get("host"), origin=headers.get("origin"),
+                content_type=headers.get("content-type"), hosts=self.hosts, origins=self.origins,
+            )  # fmt: skip
+            if error is not None:
+                response = self.refuse(error)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
