@@ -27,7 +27,8 @@ const body = JSON.stringify({model: "sim", prompt: "a b c", max_tokens: 3});
 async function attempt(name, init) {
   try {
     const answer = await fetch(api, {method: "POST", body, ...init});
-    return name + ":" + answer.type + ":" + answer.status + ":" + (answer.type === "opaque" ? "" : await answer.text());
+    const text = answer.type === "opaque" ? "" : await answer.text();
+    return name + ":" + answer.type + ":" + answer.status + ":" + text;
   } catch (error) {
     return name + ":blocked";
   }
@@ -49,7 +50,7 @@ def page_server(html: str) -> Iterator[int]:
     """Serve ``html`` at / on a free port, in a thread; yield the port."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        def do_GET(self) -> None:
             data = html.encode()
             self.send_response(200)
             self.send_header("content-type", "text/html")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ FAST = CostCoefficients(fixed_s=0.0001, decode_s=0.00001, prefill_s=0.00001, ctx
 
 
 @asynccontextmanager
-async def gateway_on_sim(**overrides: object) -> AsyncIterator[tuple[Server, Gateway, str]]:
+async def gateway_on_sim(**overrides: Any) -> AsyncIterator[tuple[Server, Gateway, str]]:
     async with (
         sim_daemon(cost=FAST, http="127.0.0.1:0", **overrides) as server,
         http_gateway(server.config, "sim.gguf") as gateway,
