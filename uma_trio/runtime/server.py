@@ -219,7 +219,7 @@ class Server:
         """Carry out a snapshot request (docs/PROTOCOL.md); :class:`UmaError` on failure."""
         try:
             if request.op == "list":
-                infos = await trio.to_thread.run_sync(self.snapshots.list)
+                infos = await trio.to_thread.run_sync(self.snapshots.list, abandon_on_cancel=True)
             elif request.op == "save":
                 infos = [await self._save_snapshot(request, connection)]
             else:
@@ -278,7 +278,9 @@ class Server:
         """Check the snapshot was made by this model file and cache layout, then load it
         into a free sequence of the prefix cache between two ticks."""
         assert request.name is not None
-        header, state = await trio.to_thread.run_sync(self.snapshots.read, request.name)
+        # Abandoned on cancel: a read stuck in the filesystem must not hold up a shutdown.
+        read = partial(self.snapshots.read, request.name)
+        header, state = await trio.to_thread.run_sync(read, abandon_on_cancel=True)
         fingerprint = await self._fingerprint()
         problem, engine = None, self.engine
         if header.model_sha256 != fingerprint:

@@ -11,6 +11,7 @@ another model with the same shape would load and silently answer nonsense.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import tempfile
 from pathlib import Path
@@ -21,6 +22,7 @@ import platformdirs
 
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import SnapshotInfo
+from .unix_socket import UnsafeSocketDirError, ensure_private_dir
 
 MAGIC = b"UMA-TRIO KV SNAPSHOT\n"
 SUFFIX = ".umakv"
@@ -84,18 +86,75 @@ def decode(blob: bytes, name: str) -> tuple[SnapshotHeader, bytes]:
     return header, state
 
 
-class SnapshotStore:
-    """Snapshot files in one directory (created private, 0700, on the first save)."""
+MAX_HEADER_BYTES = 16 << 20  # a header lists the prompt's tokens: 128 K of them is ~1.5 MB
+DEFAULT_MAX_BYTES = 8 << 30  # a 32 K-cell f16 KV of an 8B model is 4 GiB
 
-    def __init__(self, directory: Path) -> None:
+
+class SnapshotStore:
+    """Snapshot files in one directory, trusted only as far as it is checked.
+
+    The directory must be private like the socket's (created 0700 on the first save; a real
+    directory owned by us that nobody else can write to, not even sticky): a file planted
+    there would be restored as a cached prefix and answer other requests.  Files are opened
+    without following links and without blocking (a FIFO named ``*.umakv`` hung ``list`` and
+    ``restore`` for good), must be regular files, and are read only up to ``max_bytes``.
+    """
+
+    def __init__(self, directory: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.directory = directory
+        self.max_bytes = max_bytes
 
     def path(self, name: str) -> Path:
         return self.directory / f"{name}{SUFFIX}"
 
+    def _check_directory(self, *, create: bool) -> bool:
+        """True when the directory exists and is private; raise if it exists and is not."""
+        if create:
+            self.directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        elif not os.path.lexists(self.directory):
+            return False
+        try:
+            ensure_private_dir(self.directory, allow_sticky=False)
+        except UnsafeSocketDirError as exc:
+            message = str(exc).replace("the socket", "snapshots").replace("--socket", "--snapshot-dir")
+            raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot directory refused: {message}") from None
+        return True
+
+    def _open(self, path: Path, name: str) -> tuple[int, int]:
+        """A descriptor of the regular file at ``path`` (links not followed) and its size."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise UmaError(
+                ErrorCode.SNAPSHOT_NOT_FOUND, f"no snapshot named {name!r} in {self.directory}"
+            ) from None
+        except OSError as exc:  # ELOOP: a symbolic link
+            raise UmaError(
+                ErrorCode.SNAPSHOT_INVALID, f"cannot open snapshot {name!r}: {exc.strerror}"
+            ) from None
+        info = os.fstat(fd)
+        problem = None
+        if not stat.S_ISREG(info.st_mode):
+            problem = "is not a regular file"
+        elif info.st_uid != os.geteuid():
+            problem = f"belongs to uid {info.st_uid}"
+        elif info.st_size > self.max_bytes:
+            problem = f"has {info.st_size} bytes, more than the {self.max_bytes} a snapshot may have"
+        if problem is not None:
+            os.close(fd)
+            raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} {problem}")
+        return fd, info.st_size
+
     def write(self, header: SnapshotHeader, state: bytes) -> SnapshotInfo:
         """Write atomically: a reader sees the old file or the new one, never half of one."""
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not self._check_directory(create=False):
+            self.directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            old_umask = os.umask(0o077)
+            try:
+                self.directory.mkdir(mode=0o700, exist_ok=True)
+            finally:
+                os.umask(old_umask)
+            self._check_directory(create=False)
         blob = encode(header, state)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{header.name}.", suffix=".tmp")
         try:
@@ -108,25 +167,35 @@ class SnapshotStore:
         return header.info(len(blob))
 
     def read(self, name: str) -> tuple[SnapshotHeader, bytes]:
+        if not self._check_directory(create=False):
+            raise UmaError(ErrorCode.SNAPSHOT_NOT_FOUND, f"no snapshot named {name!r} in {self.directory}")
+        fd, size = self._open(self.path(name), name)
         try:
-            blob = self.path(name).read_bytes()
-        except FileNotFoundError:
-            raise UmaError(
-                ErrorCode.SNAPSHOT_NOT_FOUND, f"no snapshot named {name!r} in {self.directory}"
-            ) from None
+            with os.fdopen(fd, "rb") as file:
+                blob = file.read(size + 1)
         except OSError as exc:
             raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"cannot read snapshot {name!r}: {exc}") from None
+        if len(blob) != size:
+            raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} changed while it was read")
+        if _header_length(blob, name) > MAX_HEADER_BYTES:
+            raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} has an oversized header")
         return decode(blob, name)
 
     def list(self) -> list[SnapshotInfo]:
         """Every snapshot whose header reads, by name; other files are left out."""
+        if not self._check_directory(create=False):
+            return []
         infos = []
         for path in sorted(self.directory.glob(f"*{SUFFIX}")):
             name = path.name.removesuffix(SUFFIX)
             try:  # the header only: the KV bytes after it may be hundreds of MB
-                with path.open("rb") as file:
-                    header = _parse_header(file.read(_header_length(file.read(_PREFIX), name)), name)
-                infos.append(header.info(path.stat().st_size))
-            except (UmaError, OSError):  # unreadable, or removed meanwhile
+                fd, size = self._open(path, name)
+                with os.fdopen(fd, "rb") as file:
+                    length = _header_length(file.read(_PREFIX), name)
+                    if length > MAX_HEADER_BYTES:
+                        continue
+                    header = _parse_header(file.read(length), name)
+                infos.append(header.info(size))
+            except (UmaError, OSError):  # unreadable, not a regular file, or removed meanwhile
                 continue
         return infos

@@ -20,12 +20,14 @@ class UnsafeSocketDirError(SocketInUseError):
     """The socket's directory is not private to us: another user could replace the socket."""
 
 
-def ensure_private_dir(directory: Path) -> None:
+def ensure_private_dir(directory: Path, *, allow_sticky: bool = True) -> None:
     """Make sure ``directory`` (the socket's parent) is ours alone, creating it 0700 if it
     is missing (its own parent must exist).  It must be a real directory, not a symbolic
     link, owned by our effective uid and writable by nobody else (or sticky and owned by root
     or us, like /tmp, where others cannot remove or rename our socket); otherwise another
-    local user could remove our socket and put theirs in its place.  Raise
+    local user could remove our socket and put theirs in its place.  Without ``allow_sticky``
+    (a directory whose files we read, where others must not even create names) a sticky one
+    is refused too.  Raise
     :class:`UnsafeSocketDirError` naming what is wrong and what to do."""
     shown = os.path.abspath(directory)
     old_umask = os.umask(0o077)  # exactly 0700 whatever the umask, and no chmod to race with
@@ -51,7 +53,7 @@ def ensure_private_dir(directory: Path) -> None:
         problem = "it is a symbolic link, and the socket needs a real directory"
     elif not stat.S_ISDIR(info.st_mode):
         problem = "it is not a directory"
-    elif mode & stat.S_ISVTX and info.st_uid in (0, euid):
+    elif allow_sticky and mode & stat.S_ISVTX and info.st_uid in (0, euid):
         # Sticky and owned by root or us, like /tmp: others may create names here but not
         # remove or rename ours, and a name they took first is refused (remove_stale_socket).
         pass

@@ -1,0 +1,85 @@
+"""Issue 17: the snapshot directory is checked like the socket's and its files opened
+safely: a planted, linked, special or oversized file is never read."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from uma_trio.protocol.errors import ErrorCode, UmaError
+from uma_trio.runtime.snapshots import SUFFIX, SnapshotHeader, SnapshotStore, encode
+
+
+def header(name: str) -> SnapshotHeader:
+    return SnapshotHeader(name=name, model="m.gguf", model_sha256="0" * 64, kv_type="f16", tokens=[1, 2, 3],
+                          created_unix=time.time())  # fmt: skip
+
+
+def code_of(call: object) -> ErrorCode:
+    with pytest.raises(UmaError) as caught:
+        call()  # type: ignore[operator]
+    return caught.value.code
+
+
+def test_a_saved_snapshot_reads_back_and_lists(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "state" / "snapshots")
+    assert store.list() == []  # no directory yet: nothing, and nothing created
+    assert not (tmp_path / "state").exists()
+    store.write(header("a"), b"KV")
+    assert (store.directory.stat().st_mode & 0o777) == 0o700
+    assert store.read("a")[1] == b"KV"
+    assert [i.name for i in store.list()] == ["a"]
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770])
+def test_a_directory_others_can_write_is_refused_for_every_operation(tmp_path: Path, mode: int) -> None:
+    """A planted file would be restored as a cached prefix (the audit restored France's
+    prompt with Italy's KV); even a sticky shared directory lets others create names."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    SnapshotStore(shared).write(header("a"), b"KV")
+    shared.chmod(mode)
+    store = SnapshotStore(shared)
+    assert code_of(store.list) == ErrorCode.SNAPSHOT_INVALID
+    assert code_of(lambda: store.read("a")) == ErrorCode.SNAPSHOT_INVALID
+    assert code_of(lambda: store.write(header("b"), b"KV")) == ErrorCode.SNAPSHOT_INVALID
+    with pytest.raises(UmaError, match="other users can write"):
+        store.list()
+
+
+def test_a_linked_directory_or_file_is_not_followed(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    SnapshotStore(real).write(header("a"), b"KV")
+    (tmp_path / "link").symlink_to(real)
+    assert code_of(SnapshotStore(tmp_path / "link").list) == ErrorCode.SNAPSHOT_INVALID
+    store = SnapshotStore(real)
+    (real / f"b{SUFFIX}").symlink_to(real / f"a{SUFFIX}")
+    assert code_of(lambda: store.read("b")) == ErrorCode.SNAPSHOT_INVALID
+    assert [i.name for i in store.list()] == ["a"]
+
+
+async def test_a_fifo_neither_hangs_list_nor_restore(tmp_path: Path) -> None:
+    """A FIFO named `*.umakv` blocked `list` and `restore` for good (and with them SIGTERM)."""
+    store = SnapshotStore(tmp_path / "snaps")
+    store.write(header("a"), b"KV")
+    os.mkfifo(store.path("fifo"))
+    with trio.fail_after(2):
+        infos = await trio.to_thread.run_sync(store.list)
+        failed = await trio.to_thread.run_sync(lambda: code_of(lambda: store.read("fifo")))
+    assert [i.name for i in infos] == ["a"] and failed == ErrorCode.SNAPSHOT_INVALID
+
+
+def test_an_oversized_file_or_header_is_not_read(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "snaps", max_bytes=1 << 20)
+    store.write(header("a"), b"KV")
+    with store.path("big").open("wb") as file:  # sparse: no disk used
+        file.truncate(2 << 20)
+    assert code_of(lambda: store.read("big")) == ErrorCode.SNAPSHOT_INVALID
+    blob = encode(header("h"), b"KV")
+    store.path("h").write_bytes(blob[:21] + (1 << 30).to_bytes(4, "big") + blob[25:])  # claims a 1 GiB header
+    assert code_of(lambda: store.read("h")) == ErrorCode.SNAPSHOT_INVALID
+    assert [i.name for i in store.list()] == ["a"]
