@@ -83,3 +83,23 @@ def test_an_oversized_file_or_header_is_not_read(tmp_path: Path) -> None:
     store.path("h").write_bytes(blob[:21] + (1 << 30).to_bytes(4, "big") + blob[25:])  # claims a 1 GiB header
     assert code_of(lambda: store.read("h")) == ErrorCode.SNAPSHOT_INVALID
     assert [i.name for i in store.list()] == ["a"]
+
+
+async def test_a_connection_waiting_for_a_snapshot_is_not_idle_and_counts_in_flight(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """Issue 17: a connection waiting only for a snapshot answer was cut as idle
+    (E_LIMIT_007), and snapshot saves bypassed --max-in-flight."""
+    from .helpers import RawClient, sim_daemon
+
+    prompt = " ".join(["word"] * 2000)  # ~4.6 s of prefill on the simulated engine's costs
+    async with sim_daemon(snapshot_dir=tmp_path / "snaps", idle_timeout_s=2.0, max_in_flight=1) as server:
+        client = await RawClient.connect(server.config.socket_path)
+        await client.send({"type": "snapshot", "op": "save", "name": "long", "prompt": prompt, "id": "s1"})
+        await client.send({"prompt": "a b", "max_tokens": 2, "id": "g1"})
+        refused = await client.next_event()
+        assert refused is not None and refused["id"] == "g1" and refused["code"] == "E_LIMIT_005"
+        answer = await client.next_event()
+        assert answer is not None and answer["event"] == "snapshot", answer
+        assert answer["id"] == "s1" and answer["snapshots"][0]["tokens"] == 2000
+        assert trio.current_time() - server.metrics.started > 2.0  # it did outlast the idle timeout

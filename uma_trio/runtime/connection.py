@@ -60,6 +60,7 @@ class Connection:
         self._send_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._idle_deadline = trio.current_time() + self.config.idle_timeout_s
+        self._snapshots = 0  # snapshot requests answered in their own tasks, not yet answered
         self._frame_deadline = math.inf  # set while part of a frame is buffered
         self._read_scope: trio.CancelScope | None = None
 
@@ -123,6 +124,11 @@ class Connection:
                 await self._send(MetricsEvent(metrics=self.server.metrics_snapshot(), id=request_id))
             case SnapshotRequest():
                 # Saving prefills a whole prompt: answer in its own task, so the reader goes on.
+                # It counts as in flight: against --max-in-flight, and the connection is not
+                # idle while it waits for the answer.
+                self._check_room(message.id)
+                self._snapshots += 1
+                self._set_idle_deadline()
                 assert self._nursery is not None
                 self._nursery.start_soon(self._snapshot, message)
 
@@ -152,17 +158,20 @@ class Connection:
         rid = request.id
         if rid in self.requests:
             raise UmaError(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight", request_id=rid)
-        if len(self.requests) >= self.config.max_in_flight:
-            raise UmaError(
-                ErrorCode.TOO_MANY_IN_FLIGHT,
-                f"at most {self.config.max_in_flight} requests may be in flight per connection",
-                request_id=rid,
-            )
+        self._check_room(rid)
         session, receive = await self.server.open_request(request, arrived, connection=self.number)
         self.requests[rid] = session
         self._set_idle_deadline()
         assert self._nursery is not None
         self._nursery.start_soon(self._pump, session, receive)
+
+    def _check_room(self, request_id: str | None) -> None:
+        if len(self.requests) + self._snapshots >= self.config.max_in_flight:
+            raise UmaError(
+                ErrorCode.TOO_MANY_IN_FLIGHT,
+                f"at most {self.config.max_in_flight} requests may be in flight per connection",
+                request_id=request_id,
+            )
 
     async def _snapshot(self, request: SnapshotRequest) -> None:
         """One answer, whatever happens: the event, or an error with the request's id."""
@@ -174,6 +183,9 @@ class Connection:
             log.exception("snapshot %s failed", request.op)
             failed = f"snapshot {request.op} failed: {exc}"
             await self._send_error(UmaError(ErrorCode.SNAPSHOT_INVALID, failed, request_id=request.id))
+        finally:
+            self._snapshots -= 1
+            self._set_idle_deadline()
 
     # -- writing -----------------------------------------------------------------
 
@@ -220,6 +232,6 @@ class Connection:
 
     def _set_idle_deadline(self) -> None:
         idle = self.config.idle_timeout_s
-        self._idle_deadline = math.inf if self.requests else trio.current_time() + idle
+        self._idle_deadline = math.inf if self.requests or self._snapshots else trio.current_time() + idle
         if self._read_scope is not None:
             self._read_scope.deadline = self._read_deadline()
