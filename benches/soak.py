@@ -8,12 +8,16 @@ descriptors are its own), and these clients run against it at once:
 * **churn** (1): connects, starts a stream, hangs up at a random point;
 * **garbage** (1): a malformed frame every second or so (bad JSON, wrong types, unknown
   types, over-limit values), each of which must get its error event;
-* **slow reader** (1): streams, reading a few tokens then pausing.
+* **slow reader** (1): streams, reading a few tokens then pausing;
+* **snapshots** (1): every ~20 s saves a chat prefix under one of four names, lists the
+  snapshots and restores one (issue 17's soak: snapshot saves beside the rest).
 
-Every request is greedy, and the daemon's output does not depend on batching, chunking
-or the prefix cache (q8_0 KV), so **nothing lost** is checked exactly: each completed
-request's text must equal the first completion of the same prompt.  Every 10 s the
-daemon's RSS, open fds, sessions and KV cells are sampled.
+Every request is greedy and the daemon runs with ``--deterministic``, so its output does not
+depend on batching, chunking or the prefix cache, and **nothing lost** is checked exactly:
+each completed request's text must equal the first completion of the same prompt.  Every 10 s
+the daemon's RSS, open fds, sessions and KV cells are sampled; at the end (clients stopped)
+no session may remain and no KV cell be held by a request (**nothing leaked**), and RSS and
+fds are compared with their values after the warm-up (the first fifth of the run).
 
 Prints the summary (requests served by kind, errors by code — expected and not —,
 mismatches, RSS and fds at start, peak and end), writes ``benches/results/soak.csv``
@@ -171,6 +175,25 @@ async def slow_reader(sock: Path, tally: Tally, rng: random.Random, until: float
             tally.check("slow reader", question, "".join(parts))
 
 
+async def snapshot_client(sock: Path, tally: Tally, rng: random.Random, until: float) -> None:
+    async with UmaClient.connect(sock) as client:
+        while time.monotonic() < until:
+            name = f"soak-{rng.randrange(4)}"
+            prefix = f"You are assistant number {name[-1]}. " + " ".join(
+                rng.choice(QUESTIONS) for _ in range(4)
+            )
+            try:
+                await client.snapshot("save", name, prompt=prefix)
+                names = {info.name for info in (await client.snapshot("list")).snapshots}
+                if name not in names:
+                    tally.unexpected.append(f"snapshot {name} saved but not listed")
+                await client.snapshot("restore", rng.choice(sorted(names)))
+                tally.served["snapshot"] += 1
+            except RequestFailed as exc:
+                tally.unexpected.append(f"snapshot: {exc.event.code} {exc.event.message}")
+            await trio.sleep(min(15 + 10 * rng.random(), max(0.1, until - time.monotonic())))
+
+
 async def sampler(sock: Path, daemon: psutil.Process, started: float, until: float) -> list[dict[str, Any]]:
     rows = []
     async with UmaClient.connect(sock) as client:
@@ -212,6 +235,9 @@ async def soak(sock: Path, daemon: psutil.Process, minutes: float) -> tuple[Tall
         nursery.start_soon(churn_client, sock, tally, random.Random(11), until)
         nursery.start_soon(garbage_client, sock, tally, random.Random(12), until)
         nursery.start_soon(slow_reader, sock, tally, random.Random(13), until)
+        nursery.start_soon(snapshot_client, sock, tally, random.Random(14), until)
+    await trio.sleep(2)  # the daemon ends what the clients left (cancels land between ticks)
+    rows.extend(await sampler(sock, daemon, started, 0))
     return tally, rows
 
 
@@ -248,15 +274,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="uma-soak-") as tmp:
         sock = Path(tmp) / "uma.sock"
         command = [
-            "uma-trio",
-            "serve",
-            "--socket",
-            str(sock),
-            "--metrics-interval",
-            "60",
-            "--log-level",
-            "warning",
-        ]
+            "uma-trio", "serve", "--socket", str(sock), "--deterministic",
+            "--snapshot-dir", str(Path(tmp) / "snapshots"), "--metrics-interval", "60", "--log-level", "warning",
+        ]  # fmt: skip
         proc = subprocess.Popen(command, env={**os.environ, "UMA_BMT_BUDGET_GBPS": "20"})
         try:
             deadline = time.monotonic() + 120
@@ -285,8 +305,15 @@ def main() -> None:
     print(f"expected error events received: {dict(tally.errors)}")
     print(f"unexpected errors: {len(tally.unexpected)} {tally.unexpected[:5]}")
     print(f"nothing lost: {tally.mismatches} completed requests differed from their prompt's first answer")
-    print(f"RSS MB: start {first['rss_mb']}, peak {peak_rss}, end {last['rss_mb']}")
-    print(f"open fds: start {first['open_fds']}, peak {peak_fds}, end {last['open_fds']}")
+    warm = next(r for r in rows if r["elapsed_s"] >= rows[-1]["elapsed_s"] / 5)
+    print(
+        f"RSS MB: start {first['rss_mb']}, after warm-up {warm['rss_mb']}, peak {peak_rss}, end {last['rss_mb']}"
+    )
+    print(f"open fds: start {first['open_fds']}, after warm-up {warm['open_fds']}, peak {peak_fds}, "
+          f"end {last['open_fds']}")  # fmt: skip
+    print(
+        f"nothing leaked: at the end {last['sessions']} sessions, {last['kv_cells_used']} KV cells held by requests"
+    )
     print(f"exit code of the daemon after SIGINT: {proc.returncode}")
 
 
