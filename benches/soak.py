@@ -275,7 +275,8 @@ def main() -> None:
         sock = Path(tmp) / "uma.sock"
         command = [
             "uma-trio", "serve", "--socket", str(sock), "--deterministic",
-            "--snapshot-dir", str(Path(tmp) / "snapshots"), "--metrics-interval", "60", "--log-level", "warning",
+            "--snapshot-dir", str(Path(tmp) / "snapshots"),
+            "--metrics-interval", "60", "--log-level", "warning",
         ]  # fmt: skip
         proc = subprocess.Popen(command, env={**os.environ, "UMA_BMT_BUDGET_GBPS": "20"})
         try:
@@ -307,12 +308,14 @@ def main() -> None:
     print(f"nothing lost: {tally.mismatches} completed requests differed from their prompt's first answer")
     warm = next(r for r in rows if r["elapsed_s"] >= rows[-1]["elapsed_s"] / 5)
     print(
-        f"RSS MB: start {first['rss_mb']}, after warm-up {warm['rss_mb']}, peak {peak_rss}, end {last['rss_mb']}"
+        f"RSS MB: start {first['rss_mb']}, after warm-up {warm['rss_mb']}, peak {peak_rss}, "
+        f"end {last['rss_mb']}"
     )
     print(f"open fds: start {first['open_fds']}, after warm-up {warm['open_fds']}, peak {peak_fds}, "
           f"end {last['open_fds']}")  # fmt: skip
     print(
-        f"nothing leaked: at the end {last['sessions']} sessions, {last['kv_cells_used']} KV cells held by requests"
+        f"nothing leaked: at the end {last['sessions']} sessions, "
+        f"{last['kv_cells_used']} KV cells held by requests"
     )
     print(f"exit code of the daemon after SIGINT: {proc.returncode}")
 
