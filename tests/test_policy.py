@@ -266,3 +266,20 @@ def test_with_nobody_decoding_prompts_take_a_whole_micro_batch() -> None:
     assert burst.budget_s >= burst.predicted_s  # not an overrun to hold prefill back for
     beside = plan(interactive(0), *(interactive(k, prompt=128) for k in range(1, 16)))
     assert sum(n for _, n in beside.prefill) < 512  # a decoding stream keeps its pause limit
+
+
+def test_contention_cannot_inflate_the_learned_costs_without_bound() -> None:
+    """Issue 17: on a busy CPU every tick also waited for cores, the online model put all of
+    it on the prompt tokens (19-1,942 ms a token against a prior of 2.3), and a lone prompt
+    then moved one token a tick.  Learned costs stay within 4x of the prior either way."""
+    model = TickCostModel(COST, alpha=0.5)
+    for _ in range(50):
+        model.observe(1, 1, 0, 2.0)  # two tokens, two seconds: contention, not token cost
+    c = model.coefficients
+    assert c.prefill_s == pytest.approx(4 * COST.prefill_s)
+    for _ in range(50):
+        model.observe(8, 0, 0, 1e-6)  # impossibly fast ticks
+    assert model.coefficients.decode_s == pytest.approx(COST.decode_s / 4)
+    # And a lone prompt still takes a whole micro-batch a tick (nobody decodes).
+    state = SchedulerState((interactive(1, prompt=600),), max_batch=2048, micro_batch=512)
+    assert sum(n for _, n in plan_tick(state, CONFIG, model.coefficients).prefill) == 512

@@ -75,6 +75,9 @@ def kv_cells_read(decode_ctx: list[int], prefill: list[tuple[int, int]]) -> int:
     return sum(decode_ctx) + sum(n * (start + n // 2) for start, n in prefill)
 
 
+CLAMP = 4.0  # how far the online corrections may move a cost from the prior (either way)
+
+
 @dataclass
 class TickCostModel:
     """The coefficients plus online EWMA corrections of the per-token costs."""
@@ -116,6 +119,24 @@ class TickCostModel:
             per = (rest / beyond - c.decode_s * decode_tokens) / prefill_tokens
             sample = max(per, 0.1 * self.prior.prefill_s)
             self.current = replace(c, prefill_s=self._mix(c.prefill_s, sample))
+        self.current = self._clamped(self.current)
 
     def _mix(self, old: float, new: float) -> float:
         return (1.0 - self.alpha) * old + self.alpha * new
+
+    def _clamped(self, coefficients: CostCoefficients) -> CostCoefficients:
+        """Each learned cost within [1/CLAMP, CLAMP] × the prior's.  On a busy machine a tick
+        also holds time spent waiting for cores, which the per-token costs would otherwise
+        absorb without bound (seen: prefill at 19-1,942 ms a token against a prior of 2.3,
+        and a lone prompt moving one token a tick)."""
+        p = self.prior
+
+        def clamp(value: float, prior: float) -> float:
+            return min(max(value, prior / CLAMP), prior * CLAMP) if prior > 0 else value
+
+        return replace(
+            coefficients,
+            fixed_s=clamp(coefficients.fixed_s, p.fixed_s),
+            decode_s=clamp(coefficients.decode_s, p.decode_s),
+            prefill_s=clamp(coefficients.prefill_s, p.prefill_s),
+        )
