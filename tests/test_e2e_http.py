@@ -226,7 +226,11 @@ async def test_errors_have_the_right_status_and_error_object(http_server: Server
         no_key = await http.post("/v1/chat/completions", json=chat)
         assert no_key.status_code == 401 and no_key.headers["www-authenticate"] == "Bearer"
         assert no_key.json()["error"]["code"] == "invalid_api_key"
-        auth = {"authorization": f"Bearer {KEY}"}
+        auth = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+        form = await http.post(
+            "/v1/chat/completions", content=b'{"model": ', headers={**auth, "content-type": "text/plain"}
+        )
+        assert form.status_code == 415 and form.json()["error"]["code"] == "unsupported_media_type"
         bad_json = await http.post("/v1/chat/completions", content=b'{"model": ', headers=auth)
         assert bad_json.status_code == 400
         assert bad_json.json()["error"] == {
@@ -246,7 +250,7 @@ async def test_errors_have_the_right_status_and_error_object(http_server: Server
     assert snapshot["requests"] == {"interactive": {}, "background": {}}
     assert snapshot["errors"] == {
         "model_not_found": 1, "invalid_request_error": 2, "E_PROTO_002": 1, "E_LIMIT_003": 1,
-        "invalid_api_key": 2, "E_PROTO_001": 1, "E_PROTO_004": 1,
+        "invalid_api_key": 2, "E_PROTO_001": 1, "E_PROTO_004": 1, "unsupported_media_type": 1,
     }  # fmt: skip
 
 
