@@ -152,3 +152,23 @@ async def test_a_body_that_stops_midway_gets_408_and_its_connection_closed() -> 
                 assert b"did not arrive within 0.5 s" in received
                 await stream.aclose()
         assert server.metrics.errors["E_PROTO_008"] == 20
+
+
+async def test_http_clients_and_socket_users_do_not_share_cached_prefixes() -> None:
+    """Issue 17: the prefix cache is partitioned by principal (a socket peer's uid; "http"
+    for the gateway, which any local user can reach): `cached_tokens` no longer reveals
+    another principal's prompt."""
+    from uma_trio.client import UmaClient
+
+    secret = "the vault code is 4 7 1 9 and nobody else may know it " * 4  # 52 words
+    async with gateway_on_sim(prefix_cache_cells=None) as (server, _, url):
+        async with UmaClient.connect(server.config.socket_path) as client:
+            first = await client.complete(prompt=secret + " so", max_tokens=2)
+            again = await client.complete(prompt=secret + " and", max_tokens=2)
+        assert first.eos.usage.cached_tokens == 0 and again.eos.usage.cached_tokens > 10  # same user
+        async with httpx.AsyncClient(base_url=url) as http:
+            guess = {"prompt": secret + " so", "max_tokens": 2, "stream": False}
+            probe = (await http.post("/generate", json=guess)).json()
+            assert probe["usage"]["cached_tokens"] == 0  # another principal: nothing to learn
+            repeat = (await http.post("/generate", json=guess)).json()
+            assert repeat["usage"]["cached_tokens"] > 10  # its own prefixes still serve it

@@ -188,3 +188,18 @@ def test_forget_cached_frees_every_prefix_but_a_pinned_id_stays_taken_and_empty(
     assert claims[2] is None and {c.seq_id for c in claims[:2] if c} == {0, 1}  # id 2 stays held
     assert all(c is None or c.reused == 0 for c in claims)
     assert kv.unpin(2) == [] and kv.available_seqs() == 1  # now it may be evicted for a request
+
+
+def test_one_principals_cached_prefix_is_never_reused_by_another() -> None:
+    """Issue 17: `cached_tokens` (and the first token's time) told one client how much of its
+    prompt another client's cached prompt shared: a guessed secret could be confirmed token
+    by token.  Cached prefixes are partitioned by owner."""
+    kv = KvManager(n_seqs=4, n_cells=1000)
+    kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0, owner="uid:1000")
+    kv.release(0, prompt(1), owner="uid:1000")
+    other = kv.claim(prompt(500), {}, cells_needed=60, cells_reserved=0, owner="http")
+    assert other is not None and other.reused == 0 and other.source is None
+    kv.release(other.seq_id, prompt(500), owner="http")
+    same = kv.claim(prompt(700), {}, cells_needed=60, cells_reserved=0, owner="uid:1000")
+    assert same is not None and same.source == 0 and same.reused == 40
+    assert kv.find(prompt(1), "uid:1000") == 0 and kv.find(prompt(1), "http") is None

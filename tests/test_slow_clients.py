@@ -175,7 +175,7 @@ async def test_a_stuck_http_stream_is_cancelled_with_a_reason() -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills fast
         await sock.connect((host, int(port)))
         body = json.dumps({"prompt": "tell me everything", "max_tokens": 4000}).encode()
-        head = "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head = "POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         await sock.send(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
         with trio.fail_after(20):
             while server.metrics.cancels["stalled"] < 1:

@@ -64,6 +64,11 @@ class PriorityBody(msgspec.Struct, forbid_unknown_fields=True):
     priority: Lane
 
 
+# The principal of HTTP requests (prefix-cache partition): TCP carries no uid, and without a
+# key any local user can send them, so they never reuse a socket user's cached prefixes.
+HTTP_OWNER = "http"
+
+
 class Gateway:
     """The app's state: the server once the model is loaded, and its requests in flight."""
 
@@ -337,7 +342,7 @@ class Gateway:
         try:
             flight.session, flight.receive = await server.open_request(
                 generate_request, arrived, connection=server.next_connection_number(),
-                auto_max_tokens=auto_max_tokens,
+                owner=HTTP_OWNER, auto_max_tokens=auto_max_tokens,
             )  # fmt: skip
         except UmaError as exc:
             self._end(flight)

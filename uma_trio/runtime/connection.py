@@ -50,8 +50,9 @@ _READ_SIZE = 65536
 
 
 class Connection:
-    def __init__(self, server: Server, stream: trio.abc.Stream, number: int) -> None:
+    def __init__(self, server: Server, stream: trio.abc.Stream, number: int, owner: str = "") -> None:
         self.server = server
+        self.owner = owner  # its requests' principal (prefix-cache partition)
         self.config = server.config
         self.loop = server.loop
         self.stream = stream
@@ -159,7 +160,9 @@ class Connection:
         if rid in self.requests:
             raise UmaError(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight", request_id=rid)
         self._check_room(rid)
-        session, receive = await self.server.open_request(request, arrived, connection=self.number)
+        session, receive = await self.server.open_request(
+            request, arrived, connection=self.number, owner=self.owner
+        )
         self.requests[rid] = session
         self._set_idle_deadline()
         assert self._nursery is not None
@@ -176,7 +179,7 @@ class Connection:
     async def _snapshot(self, request: SnapshotRequest) -> None:
         """One answer, whatever happens: the event, or an error with the request's id."""
         try:
-            await self._send(await self.server.snapshot(request, self.number))
+            await self._send(await self.server.snapshot(request, self.number, self.owner))
         except UmaError as exc:
             await self._send_error(exc)
         except Exception as exc:  # a bug must not take the connection down unanswered

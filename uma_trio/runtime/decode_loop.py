@@ -197,8 +197,9 @@ class DecodeLoop:
         self._unpin.append(seq_id)
         self.wake()
 
-    async def restore(self, tokens: TokenArray, data: bytes) -> None:
-        """Load a saved sequence into the prefix cache (a job: run it through :meth:`exclusive`)."""
+    async def restore(self, tokens: TokenArray, data: bytes, owner: str = "") -> None:
+        """Load a saved sequence into ``owner``'s part of the prefix cache (a job: run it
+        through :meth:`exclusive`)."""
         budget = self.kv.budget_cells
         if budget is not None and len(tokens) > budget:
             raise UmaError(
@@ -206,7 +207,7 @@ class DecodeLoop:
                 f"the snapshot holds {len(tokens)} tokens and the prefix cache may keep {budget} "
                 "(--prefix-cache-cells)",
             )
-        if self.kv.find(tokens) is not None:
+        if self.kv.find(tokens, owner) is not None:
             return  # already cached
         claim = self.kv.claim_empty(cells_needed=len(tokens), cells_reserved=self._reserved_cells)
         if claim is None:
@@ -222,7 +223,7 @@ class DecodeLoop:
         except EngineError as exc:
             self._free_cells(self.kv.release(seq_id, tokens[:0]))
             raise UmaError(ErrorCode.SNAPSHOT_INVALID, str(exc)) from None
-        self._free_cells(self.kv.add(seq_id, tokens))
+        self._free_cells(self.kv.add(seq_id, tokens, owner))
 
     # -- the task ----------------------------------------------------------------
 
@@ -444,12 +445,17 @@ class DecodeLoop:
         return None
 
     def _admit(self) -> None:
-        running: dict[int, TokenArray] | None = None  # what running sequences hold: built once
+        # What running sequences hold, and whose they are: built once a round.
+        running: dict[int, tuple[str, TokenArray]] | None = None
         while (session := self._next_admittable()) is not None:
             if running is None:
-                running = {seq: s.kv_tokens() for seq, s in self._active.items()} if self.kv.enabled else {}
+                active = self._active.items() if self.kv.enabled else ()
+                running = {seq: (s.owner, s.kv_tokens()) for seq, s in active}
             needed, reserved = session.reserved_cells, self._reserved_cells
-            claim = self.kv.claim(session.prompt, running, cells_needed=needed, cells_reserved=reserved)
+            mine = {seq: tokens for seq, (owner, tokens) in running.items() if owner == session.owner}
+            claim = self.kv.claim(
+                session.prompt, mine, cells_needed=needed, cells_reserved=reserved, owner=session.owner
+            )
             if claim is None:  # pragma: no cover - _can_admit_now said there was room
                 break
             self._waiting.remove(session)
@@ -462,7 +468,7 @@ class DecodeLoop:
             self._reserved_cells += session.reserved_cells
             self._active[session.seq_id] = session
             if self.kv.enabled:  # a source for the rest of this round too
-                running[session.seq_id] = session.kv_tokens()
+                running[session.seq_id] = (session.owner, session.kv_tokens())
 
     def _set_up_sequence(self, claim: Claim) -> int:
         """Carry out a claim's engine operations, in the order :class:`Claim` gives; returns
@@ -624,7 +630,8 @@ class DecodeLoop:
             # left it in doubt.
             held = session.kv_tokens() if keep_kv and reason != "error" else session.prompt[:0]
             del self._active[session.seq_id]
-            self._free_cells(self.kv.release(session.seq_id, held, pin=session.pins_on(reason)))
+            pin = session.pins_on(reason)
+            self._free_cells(self.kv.release(session.seq_id, held, pin=pin, owner=session.owner))
             self._reserved_cells -= session.reserved_cells
         now = self._clock()
         session.phase = Phase.DONE

@@ -158,6 +158,7 @@ class Server:
         arrived: float,
         *,
         connection: int,
+        owner: str = "",
         auto_max_tokens: bool = False,
         pin_on_finish: bool = False,
     ) -> tuple[Session, trio.MemoryReceiveChannel[TokenEvent]]:
@@ -205,6 +206,7 @@ class Server:
         )  # fmt: skip
         session = Session(request, prompt, Sampler(params), send, created=arrived, connection=connection)
         session.pin_on_finish = pin_on_finish
+        session.owner = owner
         try:
             self.loop.submit(session)  # raises when the daemon is full or stopping
         except BaseException:
@@ -215,21 +217,21 @@ class Server:
 
     # -- KV snapshots --------------------------------------------------------------
 
-    async def snapshot(self, request: SnapshotRequest, connection: int) -> SnapshotEvent:
+    async def snapshot(self, request: SnapshotRequest, connection: int, owner: str = "") -> SnapshotEvent:
         """Carry out a snapshot request (docs/PROTOCOL.md); :class:`UmaError` on failure."""
         try:
             if request.op == "list":
                 infos = await trio.to_thread.run_sync(self.snapshots.list, abandon_on_cancel=True)
             elif request.op == "save":
-                infos = [await self._save_snapshot(request, connection)]
+                infos = [await self._save_snapshot(request, connection, owner)]
             else:
-                infos = [await self._restore_snapshot(request)]
+                infos = [await self._restore_snapshot(request, owner)]
         except UmaError as exc:
             exc.request_id = request.id  # the client routes by it; never another request's id
             raise
         return SnapshotEvent(op=request.op, snapshots=infos, id=request.id)
 
-    async def _save_snapshot(self, request: SnapshotRequest, connection: int) -> SnapshotInfo:
+    async def _save_snapshot(self, request: SnapshotRequest, connection: int, owner: str) -> SnapshotInfo:
         """Prefill the prompt as a one-token greedy request whose sequence stays cached and
         pinned, copy its cells out between two ticks, and write them to disk."""
         assert request.name is not None
@@ -238,7 +240,9 @@ class Server:
             max_tokens=1, temperature=0.0, stream=False,
         )  # fmt: skip
         arrived = trio.current_time()
-        session, receive = await self.open_request(fill, arrived, connection=connection, pin_on_finish=True)
+        session, receive = await self.open_request(
+            fill, arrived, connection=connection, owner=owner, pin_on_finish=True
+        )
         try:
             async with receive:
                 async for _ in receive:  # a non-stream request sends nothing before it ends
@@ -274,7 +278,7 @@ class Server:
             raise UmaError(ErrorCode.CONTEXT_LOST, "the context was rebuilt before the snapshot was read")
         return await self.engine.save_seq(seq_id)
 
-    async def _restore_snapshot(self, request: SnapshotRequest) -> SnapshotInfo:
+    async def _restore_snapshot(self, request: SnapshotRequest, owner: str) -> SnapshotInfo:
         """Check the snapshot was made by this model file and cache layout, then load it
         into a free sequence of the prefix cache between two ticks."""
         assert request.name is not None
@@ -297,7 +301,7 @@ class Server:
                 ErrorCode.SNAPSHOT_MISMATCH, f"snapshot {request.name!r} cannot be restored: {problem}"
             )
         tokens = np.asarray(header.tokens, dtype=np.int32)
-        await self.loop.exclusive(partial(self.loop.restore, tokens, state))
+        await self.loop.exclusive(partial(self.loop.restore, tokens, state, owner))
         return header.info(len(state))
 
     async def _fingerprint(self) -> str:
@@ -341,7 +345,7 @@ class Server:
             nursery.start_soon(self._handle, stream)
 
     async def _handle(self, stream: trio.SocketStream) -> None:
-        connection = Connection(self, stream, self.next_connection_number())
+        connection = Connection(self, stream, self.next_connection_number(), owner=socket_owner(stream))
         try:
             refusal = self._peer_refusal(stream)
             if refusal is None and len(self._connections) >= self.config.max_connections:
@@ -442,3 +446,10 @@ def append_csv_row(path: Path, row: dict[str, Any]) -> None:
         if new:
             writer.writeheader()
         writer.writerow(row)
+
+
+def socket_owner(stream: trio.SocketStream) -> str:
+    """The principal a socket connection's requests belong to: its peer's uid (the same
+    user's processes share cached prefixes; another user's never do)."""
+    uid = peer_uid(stream.socket)
+    return "uid:?" if uid is None else f"uid:{uid}"

@@ -46,6 +46,9 @@ class Session:
     events: trio.MemorySendChannel[TokenEvent]
     created: float  # when the request's frame arrived
     connection: int = 0  # the connection's number, for the live view
+    # Who sent it (docs/SECURITY.md "Prefix cache"): "uid:N" on the socket, "http" on the
+    # gateway.  Only the same principal's requests reuse each other's cached prefixes.
+    owner: str = ""
     text: TextStream = field(init=False)
     phase: Phase = Phase.WAITING
     seq_id: int | None = None

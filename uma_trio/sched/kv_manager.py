@@ -56,6 +56,7 @@ class CachedSequence:
     seq_id: int
     tokens: TokenArray  # exactly the tokens whose KV cells the sequence holds, in position order
     pins: int = 0
+    owner: str = ""  # the principal whose request left it: only its own requests reuse it
 
 
 @dataclass(frozen=True)
@@ -139,11 +140,13 @@ class KvManager:
         *,
         cells_needed: int,
         cells_reserved: int,
+        owner: str = "",
     ) -> Claim | None:
         """A sequence for a request with ``prompt`` that reserves ``cells_needed`` cells
         (running requests reserve ``cells_reserved``), reusing the longest shared prefix
-        of any cached or ``running`` sequence; None when no id or cells can be had."""
-        claim = self._claim(prompt, running, cells_needed, cells_reserved)
+        of any cached sequence of the same ``owner`` or ``running`` one (the caller passes
+        only the owner's own); None when no id or cells can be had."""
+        claim = self._claim(prompt, running, cells_needed, cells_reserved, owner)
         if claim is not None:
             if claim.reused:
                 self.stats.hits += 1
@@ -155,14 +158,19 @@ class KvManager:
     def claim_empty(self, *, cells_needed: int, cells_reserved: int) -> tuple[int, tuple[int, ...]] | None:
         """An id holding no cells, for a snapshot restore of ``cells_needed`` cells, and the
         cached ids evicted for it; None when none can be had."""
-        claim = self._claim(np.empty(0, dtype=np.int32), {}, cells_needed, cells_reserved)
+        claim = self._claim(np.empty(0, dtype=np.int32), {}, cells_needed, cells_reserved, "")
         return None if claim is None else (claim.seq_id, claim.evicted)
 
     def _claim(
-        self, prompt: TokenArray, running: Mapping[int, TokenArray], cells_needed: int, cells_reserved: int
+        self,
+        prompt: TokenArray,
+        running: Mapping[int, TokenArray],
+        cells_needed: int,
+        cells_reserved: int,
+        owner: str,
     ) -> Claim | None:
         """:meth:`claim`'s decision; changes nothing until it is sure to succeed."""
-        source, reused = self._best_match(prompt, running)
+        source, reused = self._best_match(prompt, running, owner)
         entry = self._cached.get(source) if source is not None else None
         adoptable = entry is not None and not entry.pins
         evictable = [s for s, c in self._cached.items() if not c.pins and s != source]  # LRU first
@@ -204,25 +212,29 @@ class KvManager:
         self.stats.evictions += len(evicted)
         return Claim(seq_id, seq_id if adopt else source, reused, tuple(evicted))
 
-    def release(self, seq_id: int, tokens: TokenArray, *, pin: bool = False) -> list[int]:
-        """A request ended holding ``tokens`` in ``seq_id``: cache it (always when
-        ``pin``) and return the ids whose cells must now be freed."""
+    def release(self, seq_id: int, tokens: TokenArray, *, pin: bool = False, owner: str = "") -> list[int]:
+        """A request of ``owner`` ended holding ``tokens`` in ``seq_id``: cache it (always
+        when ``pin``) and return the ids whose cells must now be freed."""
         if len(tokens) == 0 or not (self.enabled or pin):
             self._free.append(seq_id)
             return [seq_id]
-        self._cached[seq_id] = CachedSequence(seq_id, tokens, pins=int(pin))
+        self._cached[seq_id] = CachedSequence(seq_id, tokens, pins=int(pin), owner=owner)
         return self._enforce_budget()
 
-    def add(self, seq_id: int, tokens: TokenArray) -> list[int]:
+    def add(self, seq_id: int, tokens: TokenArray, owner: str = "") -> list[int]:
         """A restored snapshot now fills ``seq_id`` (claimed with :meth:`claim_empty`)."""
-        self._cached[seq_id] = CachedSequence(seq_id, tokens)
+        self._cached[seq_id] = CachedSequence(seq_id, tokens, owner=owner)
         return self._enforce_budget()
 
-    def find(self, tokens: TokenArray) -> int | None:
-        """The cached sequence holding exactly ``tokens``, if any."""
+    def find(self, tokens: TokenArray, owner: str = "") -> int | None:
+        """``owner``'s cached sequence holding exactly ``tokens``, if any."""
         return next(
-            (seq for seq, entry in self._cached.items() if np.array_equal(entry.tokens, tokens)), None
-        )
+            (
+                seq for seq, entry in self._cached.items()
+                if entry.owner == owner and np.array_equal(entry.tokens, tokens)
+            ),
+            None,
+        )  # fmt: skip
 
     def unpin(self, seq_id: int) -> list[int]:
         entry = self._cached.get(seq_id)
@@ -254,14 +266,18 @@ class KvManager:
 
     # -- internals -------------------------------------------------------------------
 
-    def _best_match(self, prompt: TokenArray, running: Mapping[int, TokenArray]) -> tuple[int | None, int]:
+    def _best_match(
+        self, prompt: TokenArray, running: Mapping[int, TokenArray], owner: str
+    ) -> tuple[int | None, int]:
         """The longest prefix of ``prompt`` (less its last token, whose logits are
-        needed) held by any sequence; cached ones win ties (they can be adopted)."""
+        needed) held by any of ``owner``'s sequences; cached ones win ties (they can be
+        adopted)."""
         if not self.enabled:
             return None, 0
         limit = len(prompt) - 1
         best: tuple[int | None, int] = (None, 0)
-        candidates = [*((s, c.tokens) for s, c in self._cached.items()), *running.items()]
+        mine = ((s, c.tokens) for s, c in self._cached.items() if c.owner == owner)
+        candidates = [*mine, *running.items()]
         for seq_id, tokens in candidates:
             n = min(common_prefix(tokens, prompt), limit)
             if n > best[1]:
