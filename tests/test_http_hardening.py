@@ -4,8 +4,11 @@ hypercorn runs its own timers)."""
 from __future__ import annotations
 
 import logging
+import shutil
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -172,3 +175,53 @@ async def test_http_clients_and_socket_users_do_not_share_cached_prefixes() -> N
             assert probe["usage"]["cached_tokens"] == 0  # another principal: nothing to learn
             repeat = (await http.post("/generate", json=guess)).json()
             assert repeat["usage"]["cached_tokens"] > 10  # its own prefixes still serve it
+
+
+async def test_api_key_file_keys_are_all_accepted_and_do_not_share_prefixes(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nsk-alice\n\nsk-bob  # the second\n")
+    prompt = " ".join(["shared system prompt words"] * 10)
+    async with (
+        gateway_on_sim(api_key_file=keys, prefix_cache_cells=None) as (_, _, url),
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        body = {"prompt": prompt, "max_tokens": 2, "stream": False}
+        alice = {"authorization": "Bearer sk-alice"}
+        assert (await http.post("/generate", json=body, headers=alice)).json()["usage"]["cached_tokens"] == 0
+        assert (await http.post("/generate", json=body, headers=alice)).json()["usage"]["cached_tokens"] > 10
+        bob = await http.post("/generate", json=body, headers={"x-api-key": "sk-bob"})  # Anthropic's header
+        assert bob.status_code == 200 and bob.json()["usage"]["cached_tokens"] == 0  # not alice's prefix
+        for wrong in ({"authorization": "Bearer sk-eve"}, {"x-api-key": "sk-alic"}, {}):
+            assert (await http.post("/generate", json=body, headers=wrong)).status_code == 401
+
+
+def test_tls_and_key_file_settings_are_checked(tmp_path: Path) -> None:
+    from uma_trio.config import ServerConfig, read_api_keys
+
+    with pytest.raises(ValueError, match="go together"):
+        ServerConfig(tls_cert=tmp_path / "c.pem")
+    (tmp_path / "empty").write_text("# nothing\n\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        read_api_keys(tmp_path / "empty")
+    with pytest.raises(ValueError, match="cannot read"):
+        read_api_keys(tmp_path / "missing")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+async def test_the_http_api_serves_https_with_tls_cert_and_key(tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    await trio.run_process(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        capture_stdout=True, capture_stderr=True,
+    )  # fmt: skip
+    async with gateway_on_sim(tls_cert=cert, tls_key=key) as (_, _, url):
+        assert url.startswith("https://")
+        async with httpx.AsyncClient(base_url=url, verify=ssl.create_default_context(cafile=cert)) as https:
+            answer = await https.post(
+                "/v1/completions", json={"model": "sim", "prompt": "a b", "max_tokens": 2}
+            )
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+        async with httpx.AsyncClient(base_url=url.replace("https://", "http://")) as plain:
+            with pytest.raises(httpx.HTTPError):
+                await plain.get("/health")

@@ -108,6 +108,9 @@ def serve(
     scorecard_csv: Path | None = None,
     http: str | None = None,
     api_key: str | None = None,
+    api_key_file: Path | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
     allowed_hosts: str | None = None,
     cors_origins: str | None = None,
     allow_uid: Annotated[list[int] | None, Parameter(negative_iterable=())] = None,
@@ -229,6 +232,14 @@ def serve(
     api_key
         Require "Authorization: Bearer KEY" on every HTTP path but /health (read it from
         UMA_API_KEY rather than the command line, which other users can see).
+    api_key_file
+        More HTTP API keys, one per line ("#" starts a comment); any of them, or --api-key,
+        is accepted, as "Authorization: Bearer KEY" or "x-api-key: KEY". Holders of
+        different keys never share cached prefixes.
+    tls_cert
+        Serve the HTTP API over HTTPS with this PEM certificate chain (with --tls-key).
+    tls_key
+        The PEM private key for --tls-cert.
     allowed_hosts
         Comma-separated host names the HTTP API answers to besides IP addresses, localhost
         and the --http host; "*" for any. Other Host headers (a DNS-rebinding web page) get
@@ -268,6 +279,7 @@ def serve(
             bmt_budget_gbps=bmt_budget_gbps, cost_model=cost_model or _calibrated_cost_model(),
             metrics_interval_s=metrics_interval, metrics_window_s=metrics_window, tick_trace=tick_trace,
             metrics_port=metrics_port, scorecard_csv=scorecard_csv, http=http, api_key=api_key,
+            api_key_file=api_key_file, tls_cert=tls_cert, tls_key=tls_key,
             allowed_hosts=_comma_list(allowed_hosts) or (),
             cors_origins=_comma_list(cors_origins),
             allowed_uids=tuple(allow_uid) if allow_uid is not None else None,

@@ -105,6 +105,9 @@ class ServerConfig:
     # HTTP gateway (docs/HTTP.md)
     http: str | None = None  # "HOST:PORT" (or "PORT", on 127.0.0.1) for the OpenAI-compatible API
     api_key: str | None = field(default=None, repr=False)  # HTTP requests need "Authorization: Bearer <key>"
+    api_key_file: Path | None = field(default=None, repr=False)  # more keys, one per line ("#": a comment)
+    tls_cert: Path | None = None  # serve the HTTP API over TLS with this certificate chain...
+    tls_key: Path | None = None  # ...and this private key (both or neither)
     # Web pages (http/origin.py): Host names besides IP addresses, localhost and the --http
     # host ("*": any); browser origins allowed (None: local pages, app and editor webviews).
     allowed_hosts: tuple[str, ...] = ()
@@ -156,6 +159,8 @@ class ServerConfig:
             self.http_address  # noqa: B018 - validates
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
         if self.allowed_uids is not None:
             if not self.allowed_uids:
                 raise ValueError("allowed_uids must not be empty (None: whoever can open the socket)")
@@ -231,3 +236,16 @@ class ServerConfig:
         if not port.isdigit() or not 0 <= int(port) <= 65535 or (":" in host and not bracketed):
             raise ValueError(f"http must be HOST:PORT with a TCP port (0: any free one), not {self.http!r}")
         return host, int(port)
+
+
+def read_api_keys(path: Path) -> tuple[str, ...]:
+    """The keys in an ``--api-key-file``: one per line, blank lines and ``#`` comments
+    skipped.  ``ValueError`` naming the file when it cannot be read or holds none."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read --api-key-file {path}: {exc.strerror or exc}") from None
+    keys = tuple(k for line in text.splitlines() if (k := line.split("#", 1)[0].strip()))
+    if not keys:
+        raise ValueError(f"--api-key-file {path} holds no key")
+    return keys

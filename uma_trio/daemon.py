@@ -12,7 +12,7 @@ from pathlib import Path
 
 import trio
 
-from .config import ServerConfig
+from .config import ServerConfig, read_api_keys
 from .engine.devices import devices, supports_gpu_offload
 from .engine.llama import (
     KV_TYPES,
@@ -174,17 +174,26 @@ async def http_gateway(config: ServerConfig, model_file: str) -> AsyncIterator[G
         yield None
         return
     host, port = address
+    try:
+        file_keys = read_api_keys(config.api_key_file) if config.api_key_file is not None else ()
+    except ValueError as exc:
+        raise DaemonStartError(str(exc)) from None
     sock = bind_tcp(host, port, "the HTTP API")
-    if not _is_loopback(host) and config.api_key is None:
+    if not _is_loopback(host) and config.api_key is None and not file_keys:
         log.warning("the HTTP API on %s is reachable from other hosts and has no --api-key", host)
     gateway = Gateway(
-        model_file, api_key=config.api_key, max_body_bytes=config.max_frame_bytes,
+        model_file, api_key=config.api_key, api_keys=file_keys, max_body_bytes=config.max_frame_bytes,
         max_requests=config.max_connections, hosts=allowed_hosts(host, config.allowed_hosts),
         cors_origins=DEFAULT_CORS_ORIGINS if config.cors_origins is None else config.cors_origins,
         body_timeout_s=config.frame_timeout_s,
     )  # fmt: skip
     async with trio.open_nursery() as nursery:
-        gateway.url = await nursery.start(partial(serve_asgi, gateway.app, sock, name="http"))
+        tls = (
+            (config.tls_cert, config.tls_key)
+            if config.tls_cert is not None and config.tls_key is not None
+            else None
+        )
+        gateway.url = await nursery.start(partial(serve_asgi, gateway.app, sock, name="http", tls=tls))
         log.info("OpenAI-compatible API on %s/v1", gateway.url)
         yield gateway
         nursery.cancel_scope.cancel()

@@ -14,6 +14,7 @@ and so cancels the request at the next token boundary, as a socket hang-up does.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import secrets
@@ -82,6 +83,7 @@ class Gateway:
         hosts: frozenset[str] = frozenset(LOOPBACK_HOSTS),
         cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS,
         body_timeout_s: float = 10.0,
+        api_keys: Sequence[str] = (),
     ) -> None:
         self.model = model_id(model_file)
         self._model_names = {self.model, model_file}
@@ -117,7 +119,9 @@ class Gateway:
                     expose_headers=["x-request-id", "retry-after"],
                     max_age=600,
                 ),
-                Middleware(BearerAuth, api_key=api_key, count=self._count_error),
+                Middleware(
+                    BearerAuth, api_keys=[*([api_key] if api_key else []), *api_keys], count=self._count_error
+                ),
             ],
             exception_handlers={
                 ApiError: self._api_error_response,
@@ -202,7 +206,8 @@ class Gateway:
             body, request_id=completion_id, lane_header=request.headers.get(openai.LANE_HEADER),
             max_tokens_limit=server.config.max_tokens,
         )  # fmt: skip
-        async with self._in_flight(translated.request, arrived, translated.auto_max_tokens) as flight:
+        owner = request_owner(request)
+        async with self._in_flight(translated.request, arrived, translated.auto_max_tokens, owner) as flight:
             return await self._openai_response(request, body, flight, completion_id, translated.include_usage)
 
     async def _openai_response(
@@ -256,7 +261,7 @@ class Gateway:
         lane = openai.lane_from_header(request.headers.get(openai.LANE_HEADER))
         if lane is not None:
             generate_request = msgspec.structs.replace(generate_request, priority=lane)
-        async with self._in_flight(generate_request, arrived, False) as flight:
+        async with self._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
             if not generate_request.stream:
                 return _json_response(_last_word(await self._collect(request, flight)))
 
@@ -309,13 +314,13 @@ class Gateway:
 
     @asynccontextmanager
     async def _in_flight(
-        self, generate_request: GenerateRequest, arrived: float, auto_max_tokens: bool
+        self, generate_request: GenerateRequest, arrived: float, auto_max_tokens: bool, owner: str
     ) -> AsyncIterator[Flight]:
         """The request lifecycle guard: a registered request is released if anything raises
         before its response owns it (:class:`EventStream` and :meth:`_collect` release it
         however they end).  Without it, a failure in between (once, a header that would not
         encode) left the id taken and the session parked for good."""
-        flight = await self._begin(generate_request, arrived, auto_max_tokens=auto_max_tokens)
+        flight = await self._begin(generate_request, arrived, auto_max_tokens=auto_max_tokens, owner=owner)
         try:
             yield flight
         except BaseException:
@@ -323,7 +328,7 @@ class Gateway:
             raise
 
     async def _begin(
-        self, generate_request: GenerateRequest, arrived: float, *, auto_max_tokens: bool
+        self, generate_request: GenerateRequest, arrived: float, *, auto_max_tokens: bool, owner: str
     ) -> Flight:
         """Admit one generation request: its id and a place among the HTTP requests in flight
         are taken before it is tokenized, so neither can be handed out twice."""
@@ -342,7 +347,7 @@ class Gateway:
         try:
             flight.session, flight.receive = await server.open_request(
                 generate_request, arrived, connection=server.next_connection_number(),
-                owner=HTTP_OWNER, auto_max_tokens=auto_max_tokens,
+                owner=owner, auto_max_tokens=auto_max_tokens,
             )  # fmt: skip
         except UmaError as exc:
             self._end(flight)
@@ -535,33 +540,53 @@ class EventStream(Response):
 
 
 class BearerAuth:
-    """ASGI middleware: with an API key set, every path but /health needs
-    ``Authorization: Bearer <key>`` (compared in constant time)."""
+    """ASGI middleware: with API keys set, every path but /health needs one of them, as
+    ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's header).  Every key
+    is compared, in constant time, so the answer's timing says nothing about which came
+    close.  The key a request used names its principal (``scope["state"]["uma_owner"]``):
+    holders of different keys never share cached prefixes."""
 
-    def __init__(self, app: Any, api_key: str | None, count: Callable[[ApiError], None]) -> None:
+    def __init__(self, app: Any, api_keys: Sequence[str], count: Callable[[ApiError], None]) -> None:
         self.app = app
-        self.expected = api_key.encode() if api_key else None
+        self.keys = [(key.encode(), key_owner(key)) for key in api_keys]
         self.count = count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected is not None and scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization")
+        if self.keys and scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization")
             scheme, _, token = (given or b"").strip().partition(b" ")
+            if given is None and b"x-api-key" in headers:
+                given, scheme, token = headers[b"x-api-key"], b"bearer", headers[b"x-api-key"]
+            owner = None
+            for key, key_principal in self.keys:  # no early exit: the time is the same either way
+                if hmac.compare_digest(token.strip(), key) and scheme.lower() == b"bearer":
+                    owner = key_principal
             if given is None:
-                error = ApiError(
+                error: ApiError | None = ApiError(
                     401, "You didn't provide an API key: send `Authorization: Bearer <key>`.",
                     code="invalid_api_key",
                 )  # fmt: skip
-            elif scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
+            elif owner is None:
                 error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
             else:
                 error = None
+                scope.setdefault("state", {})["uma_owner"] = owner
             if error is not None:
                 self.count(error)
                 response = _error_response(error, headers={"www-authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def key_owner(key: str) -> str:
+    """The principal of requests made with ``key``: a digest, never the key itself."""
+    return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def request_owner(request: Request) -> str:
+    return str(request.scope.get("state", {}).get("uma_owner", HTTP_OWNER))
 
 
 def _json_response(value: Any, headers: Mapping[str, str] | None = None, status: int = 200) -> Response:

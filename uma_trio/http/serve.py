@@ -11,6 +11,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -45,9 +46,10 @@ def _family(host: str) -> socket.AddressFamily:
         return socket.AF_INET
 
 
-def url_of(sock: socket.socket) -> str:
+def url_of(sock: socket.socket, *, https: bool = False) -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if https else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 async def serve_asgi(
@@ -55,12 +57,16 @@ async def serve_asgi(
     sock: socket.socket,
     *,
     name: str,
+    tls: tuple[Path, Path] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on the bound ``sock`` until cancelled; ``task_status.started`` gets
-    the base URL.  ``name`` names hypercorn's error logger."""
-    url = url_of(sock)
+    the base URL.  ``name`` names hypercorn's error logger; ``tls`` is a certificate chain
+    and private key file to serve HTTPS with."""
+    url = url_of(sock, https=tls is not None)
     config = Config()
+    if tls is not None:
+        config.certfile, config.keyfile = str(tls[0]), str(tls[1])
     config.bind = [f"fd://{sock.detach()}"]
     config.accesslog = None
     config.errorlog = logging.getLogger(f"uma_trio.{name}")
