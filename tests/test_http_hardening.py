@@ -225,3 +225,19 @@ async def test_the_http_api_serves_https_with_tls_cert_and_key(tmp_path: Path) -
         async with httpx.AsyncClient(base_url=url.replace("https://", "http://")) as plain:
             with pytest.raises(httpx.HTTPError):
                 await plain.get("/health")
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:
+    import resource
+
+    from uma_trio.daemon import raise_fd_limit
+
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, before[1]), before[1]))
+        raised = raise_fd_limit()
+        assert raised == resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= min(256, before[1])
+        if before[1] != resource.RLIM_INFINITY:
+            assert raised == before[1]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)

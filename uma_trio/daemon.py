@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import ipaddress
 import logging
+import resource
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -228,6 +229,21 @@ async def serving(model: LlamaModel, config: ServerConfig) -> AsyncIterator[Serv
         engine.close()
 
 
+def raise_fd_limit() -> int:
+    """Raise the soft limit on open files to the hard one and return it: each HTTP or
+    socket client holds a descriptor, and at the usual soft limit (1,024) a local user
+    opening connections could exhaust them (the accept loops then back off)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # some platforms cap it lower (macOS: OPEN_MAX)
+            pass
+    return soft
+
+
 def freeze_startup_heap() -> None:
     """Move everything allocated so far (modules, the model's Python objects: ~60,000) out
     of the cyclic garbage collector's reach.  A full collection scanned them all: 26-46 ms
@@ -238,6 +254,7 @@ def freeze_startup_heap() -> None:
 
 
 async def run_daemon(model_path: Path, config: ServerConfig) -> None:
+    log.debug("open-file limit %d", raise_fd_limit())
     engine: LlamaEngine | None = None
     try:
         try:
