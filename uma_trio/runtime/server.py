@@ -448,8 +448,10 @@ def append_csv_row(path: Path, row: dict[str, Any]) -> None:
         writer.writerow(row)
 
 
-def socket_owner(stream: trio.SocketStream) -> str:
+def socket_owner(stream: trio.abc.Stream) -> str:
     """The principal a socket connection's requests belong to: its peer's uid (the same
-    user's processes share cached prefixes; another user's never do)."""
-    uid = peer_uid(stream.socket)
+    user's processes share cached prefixes; another user's never do).  A stream that is not
+    a socket (tests hand in memory streams) has none to tell."""
+    sock = getattr(stream, "socket", None)
+    uid = peer_uid(sock) if sock is not None else None
     return "uid:?" if uid is None else f"uid:{uid}"
