@@ -94,7 +94,7 @@ class DecodeLoop:
         # While steps run ahead, KV cells are freed only once the compute thread is idle again.
         self._chain_live = False
         self._deferred_free: list[int] = []
-        self._overrun: dict[int, int | None] = {}  # seq id -> its cells: tokens run past its end
+        self._overrun: set[int] = set()  # seq ids with tokens run past their session's end
         self._ended_at: dict[int, int] = {}  # seq id -> n_past of a session that ended in a chain
         self._trace = TickTrace(config.tick_trace) if config.tick_trace is not None else None
         self.ahead_steps = 0  # steps the compute thread ran ahead (collected)
@@ -121,7 +121,6 @@ class DecodeLoop:
                 request_id=session.id,
             )
         self._waiting.append(session)
-        self._run_ahead.stop()  # it joins at the next plan, not after the steps run ahead
         self.metrics.on_submitted(session.lane, len(session.prompt))
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self.wake()
@@ -289,10 +288,8 @@ class DecodeLoop:
             return
         self._chain_live = self.engine.running_ahead
         self._absorb(plan, result, whole)
-        if self._trace is not None:
-            self._trace.write(
-                t=self._clock(), tick=self._tick, plan=plan, step_s=result.decode_s, ahead=False
-            )
+        if not self._chain_live:
+            return
         # Steps the compute thread ran ahead (run_ahead.py), collected one behind it.
         while self.engine.running_ahead:
             try:
@@ -302,16 +299,12 @@ class DecodeLoop:
                 return
             self._tick += 1
             self.ahead_steps += 1
-            ahead_plan = replace(plan, decode=tuple(e.seq_id for e in ahead))
-            self._absorb(ahead_plan, result, whole=True)
-            if self._trace is not None:
-                self._trace.write(
-                    t=self._clock(), tick=self._tick, plan=ahead_plan, step_s=result.decode_s, ahead=True
-                )
+            self._absorb(replace(plan, decode=tuple(e.seq_id for e in ahead)), result, whole=True, ahead=True)
         self._end_run_ahead()
 
-    def _absorb(self, plan: Plan, result: StepResult, whole: bool) -> None:
-        """Book one step's work and deliver its tokens."""
+    def _absorb(self, plan: Plan, result: StepResult, whole: bool, *, ahead: bool = False) -> None:
+        """Book one step's work (planned, or run ahead by the compute thread) and deliver its
+        tokens."""
         if whole:  # a batch run in parts says nothing about the cost of the plan
             self.policy.observe(plan, self._state, result.decode_s)
         # Sessions failed above are gone from _active; the rest ran.
@@ -337,7 +330,7 @@ class DecodeLoop:
             session = self._active.get(sampled.seq_id)
             if session is None:  # ended while the step ran ahead: drop the token, trim its cell
                 self.ahead_dropped += 1
-                self._overrun.setdefault(sampled.seq_id, self._ended_at.get(sampled.seq_id))
+                self._overrun.add(sampled.seq_id)
                 continue
             if session.abort is None:
                 generated += self._on_token(session, sampled, now)
@@ -349,6 +342,8 @@ class DecodeLoop:
             bmt_bytes=plan.bmt_bytes, cap_s=plan.cap_s,
         )  # fmt: skip
         self._last_step_end = now
+        if self._trace is not None:
+            self._trace.write(t=now, tick=self._tick, plan=plan, step_s=result.decode_s, ahead=ahead)
 
     def _arm_run_ahead(self, plan: Plan) -> Follow | None:
         """Let the compute thread run on after this step when the next plan is sure to be the
@@ -363,10 +358,7 @@ class DecodeLoop:
         budgets = {}
         for seq_id in plan.decode:
             session = self._active[seq_id]
-            room = None
-            if session.request.stream:
-                stats = session.events.statistics()
-                room = int(stats.max_buffer_size - stats.current_buffer_used)
+            room = self._buffer_room(session)
             budgets[seq_id] = ahead_budget(session.request.max_tokens, session.generated, room)
         self._run_ahead.arm(budgets)
         return self._run_ahead.follow if self._run_ahead.steady else None
@@ -376,9 +368,10 @@ class DecodeLoop:
         finished meanwhile."""
         self._chain_live = False
         self._run_ahead.stop()
-        overrun, self._overrun = self._overrun, {}
-        self._ended_at.clear()
-        for seq_id, keep in overrun.items():
+        overrun, self._overrun = self._overrun, set()
+        ended_at, self._ended_at = self._ended_at, {}
+        for seq_id in overrun:
+            keep = ended_at.get(seq_id)
             try:
                 if keep is None:
                     raise EngineError(-1, f"seq {seq_id} ran ahead with no known end")
@@ -512,10 +505,16 @@ class DecodeLoop:
 
     def _channel_full(self, session: Session) -> bool:
         """Room for a token and its end-of-stream tail, or the session sits out."""
+        room = self._buffer_room(session)
+        return room is not None and room < 2
+
+    @staticmethod
+    def _buffer_room(session: Session) -> int | None:
+        """Events the session's stream buffer can still take (None: not streamed)."""
         if not session.request.stream:
-            return False
+            return None
         stats = session.events.statistics()
-        return stats.max_buffer_size - stats.current_buffer_used < 2
+        return int(stats.max_buffer_size - stats.current_buffer_used)
 
     def _entries(self, plan: Plan) -> list[BatchEntry]:
         entries = []
@@ -625,7 +624,8 @@ class DecodeLoop:
             self._emit(session, session.text.flush(), session.last_token_id)
         self._run_ahead.stop()  # the next plan differs
         if session.seq_id is not None:
-            self._ended_at[session.seq_id] = session.n_past  # cells that are its own, if it ran ahead
+            if self._chain_live:
+                self._ended_at[session.seq_id] = session.n_past  # its own cells, if it ran on
             # Its KV stays cached for later requests sharing the prefix, unless a failure
             # left it in doubt.
             held = session.kv_tokens() if keep_kv and reason != "error" else session.prompt[:0]

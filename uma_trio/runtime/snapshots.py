@@ -107,11 +107,9 @@ class SnapshotStore:
     def path(self, name: str) -> Path:
         return self.directory / f"{name}{SUFFIX}"
 
-    def _check_directory(self, *, create: bool) -> bool:
+    def _check_directory(self) -> bool:
         """True when the directory exists and is private; raise if it exists and is not."""
-        if create:
-            self.directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        elif not os.path.lexists(self.directory):
+        if not os.path.lexists(self.directory):
             return False
         try:
             ensure_private_dir(self.directory, allow_sticky=False)
@@ -147,14 +145,14 @@ class SnapshotStore:
 
     def write(self, header: SnapshotHeader, state: bytes) -> SnapshotInfo:
         """Write atomically: a reader sees the old file or the new one, never half of one."""
-        if not self._check_directory(create=False):
+        if not self._check_directory():
             self.directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             old_umask = os.umask(0o077)
             try:
                 self.directory.mkdir(mode=0o700, exist_ok=True)
             finally:
                 os.umask(old_umask)
-            self._check_directory(create=False)
+            self._check_directory()
         blob = encode(header, state)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{header.name}.", suffix=".tmp")
         try:
@@ -167,7 +165,7 @@ class SnapshotStore:
         return header.info(len(blob))
 
     def read(self, name: str) -> tuple[SnapshotHeader, bytes]:
-        if not self._check_directory(create=False):
+        if not self._check_directory():
             raise UmaError(ErrorCode.SNAPSHOT_NOT_FOUND, f"no snapshot named {name!r} in {self.directory}")
         fd, size = self._open(self.path(name), name)
         try:
@@ -183,7 +181,7 @@ class SnapshotStore:
 
     def list(self) -> list[SnapshotInfo]:
         """Every snapshot whose header reads, by name; other files are left out."""
-        if not self._check_directory(create=False):
+        if not self._check_directory():
             return []
         infos = []
         for path in sorted(self.directory.glob(f"*{SUFFIX}")):
