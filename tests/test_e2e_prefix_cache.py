@@ -146,3 +146,36 @@ async def test_prefix_evicted_while_a_request_reuses_it_breaks_nothing(
     assert evicted_midway
     assert len(ids) > 16
     assert [ids] == await reference(llama_model, server_config, [long_answer], max_tokens=64)
+
+
+async def test_cached_prefix_moved_out_of_the_way_is_reused_exactly(
+    llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    """Four ids.  While a long answer runs in id 2, a new request evicts the oldest prefix
+    (id 0) but takes id 1, next to the running one: the prefix cached in 1 moves to 0
+    (kv_manager "Which id a request gets").  The next turn of that conversation then reuses
+    the moved cells and must answer exactly as without a cache."""
+    first_turn = chat(("user", QUESTIONS[1]))
+    long_answer = chat(("user", "Describe every room of the library in detail."))
+    async with running_server(llama_model, server_config, max_sessions=4, interactive_reserve=0) as srv:
+        with trio.fail_after(240):
+            async with UmaClient.connect(srv.config.socket_path) as client:
+                await client.complete(prompt="Count to three.", max_tokens=4, temperature=0.0)  # id 0
+                first, _ = await greedy(client, first_turn, max_tokens=12)  # id 1
+                moves_midway = -1
+                async with client.stream(messages=long_answer, max_tokens=40, temperature=0.0) as events:
+                    n = 0
+                    async for event in events:  # id 2
+                        n += isinstance(event, TokenEvent)
+                        if n == 8 and moves_midway < 0:
+                            await client.complete(
+                                prompt="Name a colour.", max_tokens=4, temperature=0.0
+                            )  # id 3
+                            await client.complete(prompt="Say hello.", max_tokens=4, temperature=0.0)
+                            moves_midway = (await cache_figures(client))["moves"]
+                reply = b"".join(llama_model.piece(t) for t in first).decode("utf-8", "replace")
+                turn2 = chat(("user", QUESTIONS[1]), ("assistant", reply), ("user", "And on Sundays?"))
+                second, second_eos = await greedy(client, turn2)
+    assert moves_midway == 1
+    assert second_eos.usage.cached_tokens > 300
+    assert [second] == await reference(llama_model, server_config, [turn2])

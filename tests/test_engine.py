@@ -52,6 +52,27 @@ def test_batched_decode_matches_alone(engine: LlamaEngine) -> None:
     assert together == alone
 
 
+def test_a_batch_goes_to_llama_cpp_in_sequence_id_order(engine: LlamaEngine) -> None:
+    # With a KV stream per sequence llama.cpp decodes one micro-batch per run of consecutive
+    # seq ids *in batch order*: 3, 2, 1, 0 would take four passes over the weights.
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    prompts = [engine.tokenize(engine.apply_chat_template([("user", p)])) for p in PROMPTS]
+    firsts = {s.seq_id: s.token_id for s in engine.step_sync(
+        [BatchEntry(i, p, 0, greedy) for i, p in enumerate(prompts)]
+    ).sampled}  # fmt: skip
+    backwards = [
+        BatchEntry(i, np.array([firsts[i]], np.int32), len(prompts[i]), greedy) for i in (3, 2, 1, 0)
+    ]
+    result = engine.step_sync(backwards)
+    assert engine._buffers.seq[:4].tolist() == [0, 1, 2, 3]
+    got = {s.seq_id: s.token_id for s in result.sampled}
+    for i in (3, 2, 1, 0):
+        engine.free_seq(i)
+    # Each token still belongs to its own sequence: the same as that sequence decoded alone.
+    for i in range(4):
+        assert greedy_run(engine, [prompts[i]], 1)[0] == [firsts[i], got[i]]
+
+
 def churn_run(engine: LlamaEngine, prompt: np.ndarray, filler: np.ndarray, steps: int) -> list[int]:
     """Decode ``prompt`` greedily while neighbours come and go around it.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from uma_trio.sched.kv_manager import Claim, KvManager, common_prefix
+from uma_trio.sched.kv_manager import Claim, KvManager, Move, common_prefix
 
 
 def toks(*values: int) -> np.ndarray:
@@ -143,7 +143,7 @@ def test_disabled_cache_frees_at_once_and_never_matches() -> None:
     kv = KvManager(n_seqs=2, n_cells=1000, budget_cells=0)
     kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)
     assert kv.release(0, prompt(1)) == [0]
-    assert kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0) == Claim(seq_id=1)
+    assert kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0) == Claim(seq_id=0)  # no reuse
 
 
 def test_pinned_sequence_is_a_source_but_never_evicted_or_adopted() -> None:
@@ -203,3 +203,56 @@ def test_one_principals_cached_prefix_is_never_reused_by_another() -> None:
     same = kv.claim(prompt(700), {}, cells_needed=60, cells_reserved=0, owner="uid:1000")
     assert same is not None and same.source == 0 and same.reused == 40
     assert kv.find(prompt(1), "uid:1000") == 0 and kv.find(prompt(1), "http") is None
+
+
+def _claim_new(kv: KvManager, n: int) -> int:
+    return kv.claim(seq(1000 * n, 40), {}, cells_needed=50, cells_reserved=0).seq_id  # type: ignore[union-attr]
+
+
+def test_new_requests_fill_the_holes_between_running_ids() -> None:
+    # Per-sequence KV streams decode one micro-batch per run of consecutive ids.
+    kv = KvManager(n_seqs=8, n_cells=10_000, budget_cells=0)
+    assert [_claim_new(kv, i) for i in range(6)] == [0, 1, 2, 3, 4, 5]
+    for seq_id in (1, 3, 4):
+        kv.release(seq_id, seq(0, 40))
+    # Running {0, 2, 5}: 1 joins two runs into one, then 3 and 4 close the last hole.
+    assert [_claim_new(kv, i) for i in (10, 11, 12)] == [1, 3, 4]
+    assert sorted(kv._running()) == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_cached_sequence_moves_out_of_the_way_of_running_ids() -> None:
+    kv = KvManager(n_seqs=6, n_cells=10_000)
+    assert [_claim_new(kv, i) for i in range(6)] == [0, 1, 2, 3, 4, 5]
+    for seq_id in (4, 1, 3, 0, 5):  # all but 2 finish, cached least recently used first
+        kv.release(seq_id, seq(1000 * seq_id, 40))
+    # LRU evicts 4's prefix, but id 4 would start a run of its own: the request takes id 1
+    # (next to running 2) and the prefix cached there moves into 4, keeping its LRU place.
+    first = kv.claim(seq(9000, 40), {}, cells_needed=50, cells_reserved=0)
+    assert first == Claim(seq_id=1, evicted=(4,), moved=Move(src=1, dst=4, cells=40))
+    assert list(kv.cached()) == [4, 3, 0, 5]
+    assert np.array_equal(kv.cached()[4], seq(1000, 40))
+    # Next, LRU evicts what now sits on 4; 3 (next to 2) is taken and moves there.
+    second = kv.claim(seq(9100, 40), {}, cells_needed=50, cells_reserved=0)
+    assert second == Claim(seq_id=3, evicted=(4,), moved=Move(src=3, dst=4, cells=40))
+    assert sorted(kv._running()) == [1, 2, 3] and kv.stats.moves == 2
+
+
+def test_no_moves_without_packing_or_for_an_adopted_or_source_sequence() -> None:
+    kv = KvManager(n_seqs=4, n_cells=10_000, pack_ids=False)
+    assert [_claim_new(kv, i) for i in range(4)] == [0, 1, 2, 3]
+    for seq_id in (3, 0, 1):
+        kv.release(seq_id, seq(1000 * seq_id, 40))
+    assert kv.claim(seq(9000, 40), {}, cells_needed=50, cells_reserved=0) == Claim(seq_id=3, evicted=(3,))
+    packing = KvManager(n_seqs=4, n_cells=10_000)
+    assert [_claim_new(packing, i) for i in range(4)] == [0, 1, 2, 3]
+    packing.release(0, seq(0, 40))
+    packing.release(1, seq(1000, 40))
+    # The prompt continues 1's tokens: 1 is adopted in place.
+    adopted = packing.claim(seq(1000, 60), {}, cells_needed=70, cells_reserved=0)
+    assert adopted == Claim(seq_id=1, source=1, reused=40)
+    packing.release(1, seq(1000, 60))
+    # A prompt sharing 1's first 30 tokens copies them into 0 (LRU); 1 would sit next to
+    # running 2, but it is the source, so it stays where it is.
+    shared = np.concatenate([seq(1000, 30), seq(5000, 10)])
+    copied = packing.claim(shared, {}, cells_needed=50, cells_reserved=0)
+    assert copied == Claim(seq_id=0, source=1, reused=30, evicted=(0,))

@@ -124,6 +124,12 @@ class Engine(Protocol):
         the last step's tokens can overlap the next; on a CPU the step needs every core."""
         ...
 
+    @property
+    def splits_at_seq_gaps(self) -> bool:
+        """Whether a step decodes in one pass per run of consecutive sequence ids (llama.cpp
+        with a KV stream per sequence), so the runtime keeps running ids together."""
+        ...
+
     def tokenize(self, text: str) -> TokenArray: ...
 
     @property

@@ -168,6 +168,10 @@ class FaultyEngine:
         return self.inner.step_frees_host
 
     @property
+    def splits_at_seq_gaps(self) -> bool:
+        return self.inner.splits_at_seq_gaps
+
+    @property
     def kv_type(self) -> str:
         return self.inner.kv_type
 

@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -434,6 +435,10 @@ class LlamaEngine:
         return 0 < self.model.layers_offloaded == self.model.layers_total
 
     @property
+    def splits_at_seq_gaps(self) -> bool:
+        return not self.config.kv_unified
+
+    @property
     def kv_type(self) -> str:
         return self.config.kv_type
 
@@ -548,6 +553,11 @@ class LlamaEngine:
         self, entries: Sequence[BatchEntry], decode_started: threading.Event | None
     ) -> StepResult:
         began = time.perf_counter()
+        if not self.config.kv_unified:
+            # With a KV stream per sequence llama.cpp cuts a micro-batch wherever the next
+            # token's seq id is not the previous one's + 1: in id order, consecutive running
+            # ids (kv_manager keeps them so) decode in one pass over the weights.
+            entries = sorted(entries, key=attrgetter("seq_id"))
         buf = self._buffers
         n = 0
         outputs: list[BatchEntry] = []

@@ -78,6 +78,10 @@ class SimEngine:
     def step_frees_host(self) -> bool:
         return False
 
+    @property
+    def splits_at_seq_gaps(self) -> bool:
+        return True  # the runtime's id packing runs in simulations too (the timing ignores it)
+
     def tokenize(self, text: str) -> TokenArray:
         words = text.split()
         return np.array([100 + zlib.crc32(w.encode()) % 30000 for w in words], dtype=np.int32)

@@ -86,6 +86,10 @@ class SnapshotCollector(Collector):
         )  # fmt: skip
         yield _counter("uma_prefix_cache_reused_tokens", "Prompt tokens reused", [], cache["reused_tokens"])
         yield _counter("uma_prefix_cache_evictions", "Cached prefixes evicted", [], cache["evictions"])
+        yield _counter(
+            "uma_prefix_cache_moves", "Cached prefixes moved to keep running sequence ids together", [],
+            cache["moves"],
+        )  # fmt: skip
         yield _gauge(
             "uma_prefix_cache_held", "What the prefix cache holds now", ["kind"],
             {"cells": cache["cells"], "sequences": cache["sequences"]},

@@ -70,7 +70,9 @@ class DecodeLoop:
         self.config = config
         self.metrics = metrics
         self._clock = clock
-        self.kv = KvManager(engine.n_seq_max, engine.n_ctx, config.prefix_cache_cells)
+        self.kv = KvManager(
+            engine.n_seq_max, engine.n_ctx, config.prefix_cache_cells, pack_ids=engine.splits_at_seq_gaps
+        )
         self._jobs: list[Callable[[], Awaitable[None]]] = []
         self._unpin: list[int] = []
         self._waiting: deque[Session] = deque()
@@ -467,7 +469,12 @@ class DecodeLoop:
         """Carry out a claim's engine operations, in the order :class:`Claim` gives; returns
         the prompt tokens reused (0 when the engine cannot trim: recurrent models)."""
         reused = claim.reused
-        if claim.seq_id in claim.evicted:
+        if (move := claim.moved) is not None:
+            if move.dst in claim.evicted:
+                self.engine.free_seq(move.dst)
+            self.engine.copy_seq(move.src, move.dst, move.cells)
+            self.engine.free_seq(claim.seq_id)
+        elif claim.seq_id in claim.evicted:
             self.engine.free_seq(claim.seq_id)
         try:
             if claim.adopted:
@@ -478,7 +485,8 @@ class DecodeLoop:
             log.warning("prefix reuse failed (%s); prefilling from scratch", exc)
             self.engine.free_seq(claim.seq_id)
             reused = 0
-        self._free_cells([s for s in claim.evicted if s != claim.seq_id])
+        done = (claim.seq_id, claim.moved.dst if claim.moved is not None else -1)
+        self._free_cells([s for s in claim.evicted if s not in done])
         return reused
 
     def _plan(self) -> Plan:
@@ -690,6 +698,7 @@ class DecodeLoop:
                 "misses": self.kv.stats.misses,
                 "reused_tokens": self.kv.stats.reused_tokens,
                 "evictions": self.kv.stats.evictions,
+                "moves": self.kv.stats.moves,
             },
         }
 

@@ -20,6 +20,17 @@ needs their id or cells, or when they hold more than the cell budget: the
 cache only ever uses KV memory no request is asking for.  Pinned sequences
 (a snapshot being written) are neither adopted nor evicted.
 
+**Which id a request gets** matters for speed with one KV stream per sequence:
+llama.cpp then splits a batch into micro-batches of *consecutive* sequence ids
+(each micro-batch reads all the weights once more), so running ids {0, 2, 4}
+decode in three passes where {0, 1, 2} take one.  A new request therefore takes
+the free id that adds fewest runs of consecutive running ids (lowest on a tie).
+When a cached sequence sits on an id that would add fewer (``pack_ids``), the
+two swap: that sequence moves into the id the request was given (a
+``llama_memory_seq_cp`` of its stream, one memory copy) and the request takes
+its place.  Which sequences stay cached is still decided least-recently-used
+first; only where they live changes.
+
 Why a linear scan and not a radix tree: each cached prefix occupies a whole
 sequence id, so there are at most ``n_seq_max`` candidates (8 by default),
 and numpy compares two 4,096-token arrays in microseconds.  A tree would only
@@ -29,9 +40,9 @@ per-sequence streams do not allow (docs/SCHEDULER.md).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -59,16 +70,33 @@ class CachedSequence:
     owner: str = ""  # the principal whose request left it: only its own requests reuse it
 
 
+def _runs_added(seq_id: int, running: set[int]) -> int:
+    """How many more runs of consecutive ids ``running`` has with ``seq_id`` in it (-1: it
+    joins two runs into one)."""
+    return 1 - ((seq_id - 1) in running) - ((seq_id + 1) in running)
+
+
+@dataclass(frozen=True)
+class Move:
+    """A cached sequence's ``cells`` move from id ``src`` to id ``dst``."""
+
+    src: int
+    dst: int
+    cells: int
+
+
 @dataclass(frozen=True)
 class Claim:
     """A new request's sequence and the engine operations that set it up, in order:
-    free ``seq_id`` if it is in ``evicted``; copy ``source``'s first ``reused`` cells
-    into it (or, when adopted, trim it to ``reused``); then free the other evicted ids."""
+    free ``seq_id`` (or, when ``moved``, the move's destination) if it is in ``evicted``;
+    carry out ``moved`` and free ``seq_id``; copy ``source``'s first ``reused`` cells into
+    it (or, when adopted, trim it to ``reused``); then free the other evicted ids."""
 
     seq_id: int
     source: int | None = None  # the sequence whose cells it starts from (None: from scratch)
     reused: int = 0  # prompt tokens it need not prefill
     evicted: tuple[int, ...] = ()  # cached sequences dropped to make room
+    moved: Move | None = None  # the cached sequence that held seq_id, moved out of its way
 
     @property
     def adopted(self) -> bool:
@@ -81,6 +109,7 @@ class CacheStats:
     misses: int = 0
     reused_tokens: int = 0
     evictions: int = 0
+    moves: int = 0  # cached sequences moved to keep running ids together
 
 
 @dataclass
@@ -89,18 +118,21 @@ class KvManager:
 
     ``budget_cells``: most cells cached sequences may hold (None: whatever no
     request needs; 0: no prefix cache).  ``n_cells`` is the whole context.
+    ``pack_ids``: move cached sequences out of the way of running ids (per-sequence
+    KV streams; with one unified stream ids cost nothing).
     """
 
     n_seqs: int
     n_cells: int
     budget_cells: int | None = None
     min_reuse: int = MIN_REUSE_TOKENS
+    pack_ids: bool = True
     stats: CacheStats = field(default_factory=CacheStats)
-    _free: deque[int] = field(init=False)
+    _free: set[int] = field(init=False)
     _cached: OrderedDict[int, CachedSequence] = field(init=False, default_factory=OrderedDict)  # LRU first
 
     def __post_init__(self) -> None:
-        self._free = deque(range(self.n_seqs))
+        self._free = set(range(self.n_seqs))
 
     @property
     def enabled(self) -> bool:
@@ -153,6 +185,8 @@ class KvManager:
                 self.stats.reused_tokens += claim.reused
             else:
                 self.stats.misses += 1
+            if self.pack_ids and not claim.adopted:
+                claim = self._pack(claim)
         return claim
 
     def claim_empty(self, *, cells_needed: int, cells_reserved: int) -> tuple[int, tuple[int, ...]] | None:
@@ -179,7 +213,8 @@ class KvManager:
         if entry is not None and adopt:
             seq_id = entry.seq_id
         elif self._free:
-            seq_id = self._free[0]
+            running_ids = self._running()
+            seq_id = min(self._free, key=lambda s: (_runs_added(s, running_ids), s))
         elif evictable:
             seq_id = evictable.pop(0)
             evicted.append(seq_id)
@@ -203,10 +238,10 @@ class KvManager:
         if adopt:
             del self._cached[seq_id]
         elif not evicted or evicted[0] != seq_id:
-            self._free.popleft()
+            self._free.remove(seq_id)
         for victim in evicted:
             del self._cached[victim]
-        self._free.extend(v for v in evicted if v != seq_id)  # the caller frees their cells now
+        self._free.update(v for v in evicted if v != seq_id)  # the caller frees their cells now
         if source is not None and source in self._cached:
             self._cached.move_to_end(source)  # a hit counts as a use
         self.stats.evictions += len(evicted)
@@ -216,7 +251,7 @@ class KvManager:
         """A request of ``owner`` ended holding ``tokens`` in ``seq_id``: cache it (always
         when ``pin``) and return the ids whose cells must now be freed."""
         if len(tokens) == 0 or not (self.enabled or pin):
-            self._free.append(seq_id)
+            self._free.add(seq_id)
             return [seq_id]
         self._cached[seq_id] = CachedSequence(seq_id, tokens, pins=int(pin), owner=owner)
         return self._enforce_budget()
@@ -242,7 +277,7 @@ class KvManager:
             entry.pins -= 1
         if not self.enabled and entry is not None and not entry.pins:
             del self._cached[seq_id]
-            self._free.append(seq_id)
+            self._free.add(seq_id)
             return [seq_id]
         return self._enforce_budget()
 
@@ -250,7 +285,7 @@ class KvManager:
         """Forget ``seq_id``'s cached prefix (its cells are in doubt); the ids to free."""
         if self._cached.pop(seq_id, None) is None:
             return []
-        self._free.append(seq_id)
+        self._free.add(seq_id)
         return [seq_id]
 
     def forget_cached(self) -> None:
@@ -262,7 +297,7 @@ class KvManager:
                 entry.tokens = entry.tokens[:0]
             else:
                 del self._cached[seq_id]
-                self._free.append(seq_id)
+                self._free.add(seq_id)
 
     # -- internals -------------------------------------------------------------------
 
@@ -284,6 +319,27 @@ class KvManager:
                 best = (seq_id, n)
         return best if best[1] >= self.min_reuse else (None, 0)
 
+    def _pack(self, claim: Claim) -> Claim:
+        """``claim`` with a cached sequence's id instead, if that id keeps the running ids
+        in fewer runs; the cached sequence moves into the id the claim had."""
+        running = self._running() - {claim.seq_id}
+        added = _runs_added(claim.seq_id, running)
+        better = [
+            s for s, c in self._cached.items()
+            if not c.pins and s != claim.source and _runs_added(s, running) < added
+        ]  # fmt: skip
+        if not better:
+            return claim
+        take = min(better, key=lambda s: _runs_added(s, running))  # min keeps LRU order on ties
+        entry = self._cached[take]
+        entry.seq_id = claim.seq_id
+        self._cached = OrderedDict((claim.seq_id if s == take else s, c) for s, c in self._cached.items())
+        self.stats.moves += 1
+        return replace(claim, seq_id=take, moved=Move(take, claim.seq_id, len(entry.tokens)))
+
+    def _running(self) -> set[int]:
+        return set(range(self.n_seqs)).difference(self._free, self._cached)
+
     def _lru_victim(self) -> int | None:
         for seq_id, entry in self._cached.items():
             if not entry.pins:
@@ -298,6 +354,6 @@ class KvManager:
             if victim is None:
                 break
             self.stats.evictions += 1
-            self._free.append(victim)
+            self._free.add(victim)
             freed.append(victim)
         return freed
