@@ -157,6 +157,31 @@ async def test_a_body_that_stops_midway_gets_408_and_its_connection_closed() -> 
         assert server.metrics.errors["E_PROTO_008"] == 20
 
 
+async def test_http_connections_beyond_the_cap_wait_until_one_closes() -> None:
+    """Issue 17: hypercorn's worker accepts without limit, and every open connection holds a
+    descriptor the socket's accept loop needs too."""
+    async with gateway_on_sim(http_max_connections=3) as (_, _, url):
+        host, port = url.removeprefix("http://").split(":")
+        request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+        async def answered(stream: trio.SocketStream, within: float) -> bool:
+            await stream.send_all(request)
+            with trio.move_on_after(within):
+                return (await stream.receive_some(65536)).startswith(b"HTTP/1.1 200")
+            return False
+
+        held = [await trio.open_tcp_stream(host, int(port)) for _ in range(3)]
+        for stream in held:  # served, then kept open (keep-alive)
+            assert await answered(stream, 5)
+        extra = await trio.open_tcp_stream(host, int(port))  # the kernel queues it
+        assert not await answered(extra, 1.0)
+        await held.pop().aclose()
+        with trio.fail_after(5):
+            assert (await extra.receive_some(65536)).startswith(b"HTTP/1.1 200")
+        for stream in [*held, extra]:
+            await stream.aclose()
+
+
 async def test_http_clients_and_socket_users_do_not_share_cached_prefixes() -> None:
     """Issue 17: the prefix cache is partitioned by principal (a socket peer's uid; "http"
     for the gateway, which any local user can reach): `cached_tokens` no longer reveals

@@ -88,6 +88,7 @@ def serve(
     max_sessions: int = _DEFAULTS.max_sessions,
     max_queue: int = _DEFAULTS.max_queue,
     max_connections: int = _DEFAULTS.max_connections,
+    http_max_connections: int = _DEFAULTS.http_max_connections,
     max_in_flight: int = _DEFAULTS.max_in_flight,
     max_frame_bytes: int = _DEFAULTS.max_frame_bytes,
     max_prompt_tokens: int = _DEFAULTS.max_prompt_tokens,
@@ -183,6 +184,9 @@ def serve(
         Requests that may wait for a session; beyond that requests get E_LIMIT_004.
     max_connections
         Client connections served at once; separately, HTTP requests in flight (--http).
+    http_max_connections
+        HTTP connections open at once, idle keep-alive ones included (--http); more wait in
+        the kernel's accept queue until one closes.
     max_in_flight
         Requests in flight per connection.
     max_frame_bytes
@@ -271,6 +275,7 @@ def serve(
             prefix_cache_cells=prefix_cache_cells, snapshot_dir=snapshot_dir, n_batch=n_batch,
             n_ubatch=n_ubatch, threads=threads,
             max_sessions=max_sessions, max_queue=max_queue, max_connections=max_connections,
+            http_max_connections=http_max_connections,
             max_in_flight=max_in_flight, max_frame_bytes=max_frame_bytes,
             max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
             idle_timeout_s=idle_timeout, stall_timeout_s=stall_timeout, frame_timeout_s=frame_timeout,

@@ -88,6 +88,7 @@ class ServerConfig:
     max_sessions: int = 8  # requests decoding at once (one KV seq id and stream each)
     max_queue: int = 64  # accepted requests waiting for a session slot
     max_connections: int = 64
+    http_max_connections: int = 256  # open HTTP connections (keep-alive ones too); more wait to be accepted
     max_in_flight: int = 16  # per connection
     max_frame_bytes: int = 1 << 20
     max_prompt_tokens: int = 4096
@@ -121,6 +122,7 @@ class ServerConfig:
             "n_ctx": self.n_ctx, "n_batch": self.n_batch, "n_ubatch": self.engine_n_ubatch,
             "tick_ms": self.tick_ms,
             "max_sessions": self.max_sessions, "max_connections": self.max_connections,
+            "http_max_connections": self.http_max_connections,
             "max_in_flight": self.max_in_flight, "max_frame_bytes": self.max_frame_bytes,
             "max_prompt_tokens": self.max_prompt_tokens, "max_tokens": self.max_tokens,
             "idle_timeout_s": self.idle_timeout_s, "stall_timeout_s": self.stall_timeout_s,

@@ -194,7 +194,10 @@ async def http_gateway(config: ServerConfig, model_file: str) -> AsyncIterator[G
             if config.tls_cert is not None and config.tls_key is not None
             else None
         )
-        gateway.url = await nursery.start(partial(serve_asgi, gateway.app, sock, name="http", tls=tls))
+        serve = partial(
+            serve_asgi, gateway.app, sock, name="http", tls=tls, max_connections=config.http_max_connections
+        )
+        gateway.url = await nursery.start(serve)
         log.info("OpenAI-compatible API on %s/v1", gateway.url)
         yield gateway
         nursery.cancel_scope.cancel()

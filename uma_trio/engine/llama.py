@@ -596,7 +596,10 @@ class LlamaEngine:
                 llama.llama_get_logits(self._ctx), shape=(len(outputs), self._n_vocab)
             )
             greedy = [i for i, e in enumerate(outputs) if e.sampler is not None and e.sampler.is_argmax]
-            argmax = dict(zip(greedy, rows[greedy].argmax(axis=1).tolist(), strict=True)) if greedy else {}
+            # All greedy (the usual case): argmax the view itself; picking rows would copy them
+            # (16 rows of a 128k vocabulary: 8 MB, 0.4 ms a step).
+            picked = rows if len(greedy) == len(outputs) else rows[greedy]
+            argmax = dict(zip(greedy, picked.argmax(axis=1).tolist(), strict=True)) if greedy else {}
             for i, entry in enumerate(outputs):
                 assert entry.sampler is not None
                 token = argmax.get(i)

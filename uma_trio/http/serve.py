@@ -1,8 +1,12 @@
-"""Binding a TCP port up front and serving an ASGI app on it with hypercorn's trio worker.
+"""Binding a TCP port up front and serving an ASGI app on it with hypercorn's HTTP protocol.
 
 The socket is bound before anything else starts, so a taken port is a one-line
-start-up error rather than a failure deep inside a running daemon; hypercorn then
-takes the bound socket over (``fd://``).
+start-up error rather than a failure deep inside a running daemon.  The accept loop is
+ours (``trio.serve_listeners`` over a listener that holds a slot per open connection):
+hypercorn's own worker has no cap on concurrent connections, and every connection holds
+a file descriptor the Unix socket's accept loop needs too.  At the cap new connections
+wait in the kernel's accept queue until one closes.  Each connection is then served by
+hypercorn's ``TCPServer`` (HTTP/1.1 and h2, TLS, its keep-alive timeout).
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import trio
+from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
-from hypercorn.trio import serve
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ASGIFramework
 
 log = logging.getLogger(__name__)
 
@@ -52,24 +59,54 @@ def url_of(sock: socket.socket, *, https: bool = False) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
+class _CappedListener(trio.abc.Listener[trio.abc.Stream]):
+    """Accepts only while a slot is free; the connection's handler gives the slot back."""
+
+    def __init__(self, inner: trio.abc.Listener[trio.abc.Stream], slots: trio.Semaphore) -> None:
+        self.inner, self.slots = inner, slots
+
+    async def accept(self) -> trio.abc.Stream:
+        await self.slots.acquire()
+        try:
+            return await self.inner.accept()
+        except BaseException:
+            self.slots.release()
+            raise
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 async def serve_asgi(
     app: AsgiApp,
     sock: socket.socket,
     *,
     name: str,
+    max_connections: int,
     tls: tuple[Path, Path] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` on the bound ``sock`` until cancelled; ``task_status.started`` gets
-    the base URL.  ``name`` names hypercorn's error logger; ``tls`` is a certificate chain
-    and private key file to serve HTTPS with."""
+    """Serve ``app`` on the bound ``sock`` until cancelled, at most ``max_connections``
+    connections at once; ``task_status.started`` gets the base URL.  ``name`` names the
+    error logger; ``tls`` is a certificate chain and private key file to serve HTTPS with."""
     url = url_of(sock, https=tls is not None)
     config = Config()
     if tls is not None:
         config.certfile, config.keyfile = str(tls[0]), str(tls[1])
-    config.bind = [f"fd://{sock.detach()}"]
     config.accesslog = None
     config.errorlog = logging.getLogger(f"uma_trio.{name}")
+    listener: trio.abc.Listener[Any] = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+    if (ssl_context := config.create_ssl_context()) is not None:  # set from certfile and keyfile
+        listener = trio.SSLListener(listener, ssl_context, https_compatible=True)
+    slots = trio.Semaphore(max_connections)
+    wrapped, context = ASGIWrapper(cast(ASGIFramework, app)), WorkerContext(None)
+
+    async def connection(stream: Any) -> None:
+        try:
+            await TCPServer(wrapped, config, context, {}, stream)
+        finally:
+            slots.release()
+
     async with trio.open_nursery() as nursery:
-        await nursery.start(serve, app, config)
+        await nursery.start(trio.serve_listeners, connection, [_CappedListener(listener, slots)])
         task_status.started(url)

@@ -2,8 +2,7 @@
 
 For scrapers that should not see the gateway (``--http`` serves ``/metrics`` too).
 The exposition itself is ``prometheus_client``'s ASGI app; the router around it
-only answers ASGI lifespan events (which that app does not handle) and sends 404
-for other paths.
+sends 404 for other paths (:func:`..http.serve.serve_asgi` sends no lifespan events).
 """
 
 from __future__ import annotations
@@ -19,11 +18,7 @@ def metrics_app(registry: CollectorRegistry) -> AsgiApp:
     prometheus: AsgiApp = make_asgi_app(registry)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-        elif scope["type"] == "http" and scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
+        if scope["type"] == "http" and scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
             await prometheus(scope, receive, send)
         elif scope["type"] == "http":
             await send(

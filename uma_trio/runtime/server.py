@@ -98,7 +98,11 @@ class Server:
                 nursery.start_soon(self._metrics_task)
                 if metrics_sock is not None:
                     app = metrics_app(self.registry)
-                    base = await nursery.start(partial(serve_asgi, app, metrics_sock, name="metrics_http"))
+                    serve = partial(
+                        serve_asgi, app, metrics_sock, name="metrics_http",
+                        max_connections=self.config.max_connections,
+                    )  # fmt: skip
+                    base = await nursery.start(serve)
                     self.metrics_url = f"{base}/metrics"
                     log.info("Prometheus metrics on %s", self.metrics_url)
                 if handle_signals:
