@@ -188,15 +188,32 @@ def test_overrun_holds_prefill_then_ramps_back() -> None:
     assert not policy.prefill_guard_active
 
 
-def test_cost_model_learns_per_token_kind() -> None:
-    model = TickCostModel(COST, alpha=0.5)
-    for _ in range(20):
-        model.observe(4, 0, 0, 0.004 + 4 * 0.006)  # decode is really 6 ms a token
-    assert model.coefficients.decode_s == pytest.approx(0.006, rel=0.01)
-    assert model.coefficients.prefill_s == COST.prefill_s
-    for _ in range(20):
-        model.observe(0, 10, 0, 0.004 + 10 * 0.002)
-    assert model.coefficients.prefill_s == pytest.approx(0.002, rel=0.01)
+def test_cost_model_fits_fixed_and_per_token_costs_jointly() -> None:
+    model = TickCostModel(COST)
+    for i in range(60):
+        d = 1 + i % 8
+        model.observe(d, 0, 0, 0.005 + d * 0.006)  # fixed 5 ms, decode really 6 ms a token
+    c = model.coefficients
+    assert c.decode_s == pytest.approx(0.006, rel=0.02) and c.fixed_s == pytest.approx(0.005, rel=0.05)
+    assert c.prefill_s == COST.prefill_s  # no prompt token seen yet: the prior's
+    for i in range(60):
+        n = 10 * (1 + i % 5)
+        model.observe(2, n, 0, 0.005 + 2 * 0.006 + n * 0.002)
+    assert model.coefficients.prefill_s == pytest.approx(0.002, rel=0.02)
+    assert model.coefficients.decode_s == pytest.approx(0.006, rel=0.05)
+
+
+def test_time_every_tick_shares_goes_to_the_fixed_cost_not_the_tokens() -> None:
+    """Issue 17: waiting for cores on a busy machine is the same for any batch, so a joint
+    fit puts it in fixed_s; fitted per token kind it inflated the prompt-token cost."""
+    model = TickCostModel(COST)
+    for i in range(80):
+        d, n = 1 + i % 4, 20 * (i % 3)
+        model.observe(d, n, 0, 0.011 + d * COST.decode_s + n * COST.prefill_s)  # + 7 ms contention
+    c = model.coefficients
+    assert c.fixed_s == pytest.approx(0.011, rel=0.05)
+    assert c.decode_s == pytest.approx(COST.decode_s, rel=0.1)
+    assert c.prefill_s == pytest.approx(COST.prefill_s, rel=0.1)
 
 
 def test_bmt_guard_trims_prefill_before_background_decoders() -> None:
@@ -272,7 +289,7 @@ def test_contention_cannot_inflate_the_learned_costs_without_bound() -> None:
     """Issue 17: on a busy CPU every tick also waited for cores, the online model put all of
     it on the prompt tokens (19-1,942 ms a token against a prior of 2.3), and a lone prompt
     then moved one token a tick.  Learned costs stay within 4x of the prior either way."""
-    model = TickCostModel(COST, alpha=0.5)
+    model = TickCostModel(COST)
     for _ in range(50):
         model.observe(1, 1, 0, 2.0)  # two tokens, two seconds: contention, not token cost
     c = model.coefficients

@@ -17,17 +17,22 @@ free (:meth:`CostCoefficients.predict`).
 :class:`CostCoefficients` hold one fit of that line; ``uma-trio calibrate``
 measures them on the real engine and writes them as JSON, which both the
 policy (as its prior) and the simulated engine (as ground truth) load.
-:class:`TickCostModel` starts from those coefficients and keeps learning the
-per-token costs online with EWMAs, one per token kind: decode-only ticks
-update the decode cost, ticks with prefill update the prefill cost.
+:class:`TickCostModel` starts from those coefficients and keeps learning all four
+online, jointly: an exponentially weighted least-squares fit over recent ticks, pulled
+towards the prior where the ticks say little (ridge), then clamped to [¼, 4]× the prior.
+Fitted jointly, time every tick shares (contention on a busy machine, a slower clock)
+lands in ``fixed_s`` instead of inflating the per-token costs of whichever token kind
+the tick happened to carry.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 from msgspec.structs import replace
 
 
@@ -80,13 +85,20 @@ CLAMP = 4.0  # how far the online corrections may move a cost from the prior (ei
 
 @dataclass
 class TickCostModel:
-    """The coefficients plus online EWMA corrections of the per-token costs."""
+    """The coefficients, refitted online from measured ticks (see the module docstring)."""
 
     prior: CostCoefficients
-    alpha: float = 0.2
+    forget: float = 0.97  # a tick's weight decays by this each tick: ~33 ticks of memory
+    prior_ticks: float = 0.05  # the prior weighs as much as this many typical ticks: it decides
+    # only what the ticks leave open (e.g. fixed vs per-token cost while every tick has 16 tokens)
     current: CostCoefficients | None = None
     last_s: float = 0.0
     ewma_s: float = 0.0
+    # Exponentially weighted sums over ticks of x·xᵀ, x·seconds and x² (x: the features).
+    _gram: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros((4, 4)))
+    _rhs: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(4))
+    _sq: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(4))
+    _weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.current is None:
@@ -101,28 +113,28 @@ class TickCostModel:
         return self.coefficients.predict(decode_tokens, prefill_tokens, kv_cells)
 
     def observe(self, decode_tokens: int, prefill_tokens: int, kv_cells: int, seconds: float) -> None:
-        """Fold one measured tick into the per-token costs."""
+        """Fold one measured tick into the fit."""
         if decode_tokens + prefill_tokens == 0:
             return
         self.last_s = seconds
-        self.ewma_s = seconds if self.ewma_s == 0.0 else self._mix(self.ewma_s, seconds)
-        c = self.coefficients
-        rest = seconds - c.fixed_s - c.ctx_s_per_kcell * kv_cells / 1000.0
-        beyond = over_knee(decode_tokens + prefill_tokens, c.flat_tokens)
-        if beyond == 0.0:  # under the knee the tick costs fixed_s: that is what it measured
-            sample = max(seconds - c.ctx_s_per_kcell * kv_cells / 1000.0, 0.1 * self.prior.fixed_s)
-            self.current = replace(c, fixed_s=self._mix(c.fixed_s, sample))
-        elif prefill_tokens == 0:
-            sample = max(rest / (beyond * decode_tokens), 0.1 * self.prior.decode_s)
-            self.current = replace(c, decode_s=self._mix(c.decode_s, sample))
-        else:
-            per = (rest / beyond - c.decode_s * decode_tokens) / prefill_tokens
-            sample = max(per, 0.1 * self.prior.prefill_s)
-            self.current = replace(c, prefill_s=self._mix(c.prefill_s, sample))
-        self.current = self._clamped(self.current)
-
-    def _mix(self, old: float, new: float) -> float:
-        return (1.0 - self.alpha) * old + self.alpha * new
+        self.ewma_s = seconds if self.ewma_s == 0.0 else 0.8 * self.ewma_s + 0.2 * seconds
+        p = self.prior
+        beyond = over_knee(decode_tokens + prefill_tokens, p.flat_tokens)
+        x = np.array([1.0, beyond * decode_tokens, beyond * prefill_tokens, kv_cells / 1000.0])
+        f = self.forget
+        self._gram = f * self._gram + np.outer(x, x)
+        self._rhs = f * self._rhs + x * seconds
+        self._sq = f * self._sq + x * x
+        self._weight = f * self._weight + 1.0
+        # Ridge towards the prior, scaled per feature by its typical size; a feature no tick
+        # has carried yet (prompt tokens before the first prompt) keeps the prior's value.
+        prior = np.array([p.fixed_s, p.decode_s, p.prefill_s, p.ctx_s_per_kcell])
+        ridge = self.prior_ticks * self._sq / self._weight + 1e-9
+        fit = np.linalg.solve(self._gram + np.diag(ridge), self._rhs + ridge * prior)
+        fixed, decode, prefill, ctx = (float(v) for v in fit)
+        self.current = self._clamped(
+            replace(p, fixed_s=fixed, decode_s=decode, prefill_s=prefill, ctx_s_per_kcell=ctx)
+        )
 
     def _clamped(self, coefficients: CostCoefficients) -> CostCoefficients:
         """Each learned cost within [1/CLAMP, CLAMP] × the prior's.  On a busy machine a tick
@@ -132,11 +144,12 @@ class TickCostModel:
         p = self.prior
 
         def clamp(value: float, prior: float) -> float:
-            return min(max(value, prior / CLAMP), prior * CLAMP) if prior > 0 else value
+            return min(max(value, prior / CLAMP), prior * CLAMP) if prior > 0 else max(value, 0.0)
 
         return replace(
             coefficients,
             fixed_s=clamp(coefficients.fixed_s, p.fixed_s),
             decode_s=clamp(coefficients.decode_s, p.decode_s),
             prefill_s=clamp(coefficients.prefill_s, p.prefill_s),
+            ctx_s_per_kcell=clamp(coefficients.ctx_s_per_kcell, p.ctx_s_per_kcell),
         )
