@@ -157,6 +157,19 @@ async def test_a_body_that_stops_midway_gets_408_and_its_connection_closed() -> 
         assert server.metrics.errors["E_PROTO_008"] == 20
 
 
+async def test_a_connection_whose_headers_never_end_is_closed() -> None:
+    """Issue 17, deadlines on every read: until a request's headers are in, hypercorn's
+    keep-alive timeout (5 s) runs; its read_timeout stays unset, as it would also cut a
+    long SSE response whose client sends nothing more."""
+    async with gateway_on_sim() as (_, _, url):
+        host, port = url.removeprefix("http://").split(":")
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        with trio.fail_after(8):
+            assert await stream.receive_some(65536) == b""  # closed by the server
+        await stream.aclose()
+
+
 async def test_http_connections_beyond_the_cap_wait_until_one_closes() -> None:
     """Issue 17: hypercorn's worker accepts without limit, and every open connection holds a
     descriptor the socket's accept loop needs too."""
