@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from uma_trio.engine.llama import ContextConfig, LlamaEngine, LlamaModel
-from uma_trio.sched.calibrate import (
+from uma_trio.engine.calibrate import (
     CALIBRATION_N_CTX_SEQ,
     CALIBRATION_N_SEQ_MAX,
     DEFAULT_GRID,
@@ -26,6 +25,7 @@ from uma_trio.sched.calibrate import (
     measure,
     median_per_configuration,
 )
+from uma_trio.engine.llama import ContextConfig, LlamaEngine, LlamaModel
 from uma_trio.sched.cost import CostCoefficients, kv_cells_read
 
 TRUE = CostCoefficients(

@@ -18,7 +18,9 @@ async def test_while_loading_health_says_503_and_the_rest_waits() -> None:
     gateway = Gateway("Some-Model.Q4_1.gguf", api_key="k", max_body_bytes=1 << 20, max_requests=4)
     sock = bind_tcp("127.0.0.1", 0, "test")
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(partial(serve_asgi, gateway.app, sock, name="test_http", max_connections=16))
+        url = await nursery.start(
+            partial(serve_asgi, gateway.app, sock, name="test_http", max_connections=16)
+        )
         async with httpx.AsyncClient(base_url=url) as http:
             health = await http.get("/health")
             assert health.status_code == 503 and health.json() == {"status": "loading"}

@@ -59,7 +59,7 @@ def _daemon_failure(socket: Path, exc: Exception) -> int:
 
 
 def _calibrated_cost_model() -> Path | None:
-    from .sched.calibrate import default_cost_model_path
+    from .engine.calibrate import default_cost_model_path
 
     path = default_cost_model_path()
     return path if path.is_file() else None
@@ -691,8 +691,8 @@ def calibrate(
     deterministic
         Measure the --deterministic engine settings instead of the fast ones.
     """
-    from .sched.calibrate import calibrate as run_calibration  # numpy, llama_cpp: keep others light
-    from .sched.calibrate import default_cost_model_path
+    from .engine.calibrate import calibrate as run_calibration  # numpy, llama_cpp: keep others light
+    from .engine.calibrate import default_cost_model_path
 
     if repeats < 1 or (threads is not None and threads < 1):
         print("error: --repeats and --threads must be positive", file=sys.stderr)
@@ -708,8 +708,9 @@ def calibrate(
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    from .daemon import context_config, offload_plan, placement_for
+    from .daemon import context_config
     from .engine.llama import read_shape
+    from .engine.planned import offload_plan, placement_for
 
     try:
         config = ServerConfig(gpu_layers=gpu_layers, deterministic=deterministic, threads=threads)

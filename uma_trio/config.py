@@ -41,6 +41,20 @@ DETERMINISTIC_KV_TYPE: KvType = "q8_0"
 DETERMINISTIC_MAX_UBATCH = 63  # llama.cpp's CPU matrix kernels change arithmetic at 64 tokens
 
 
+GpuLayersMode = Literal["auto", "all"]
+
+
+def parse_gpu_layers(value: str) -> GpuLayersMode | int:
+    """``auto``, ``all`` or a layer count (0 or more); anything else is a ValueError that
+    names the flag."""
+    text = value.strip().lower()
+    if text in ("auto", "all"):
+        return "auto" if text == "auto" else "all"
+    if text.isdigit():
+        return int(text)
+    raise ValueError(f"--gpu-layers must be auto, all or a number of layers (0 or more), not {value!r}")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     socket_path: Path = DEFAULT_SOCKET
@@ -170,8 +184,6 @@ class ServerConfig:
                 raise ValueError("allowed_uids must be user ids (integers, 0 or more)")
 
     def _check_placement(self) -> None:
-        from .engine.offload import parse_gpu_layers
-
         parse_gpu_layers(self.gpu_layers)  # raises, naming the flag
         if self.flash_attn not in get_args(FlashAttn):
             raise ValueError(f"--flash-attn must be auto, on or off, not {self.flash_attn!r}")

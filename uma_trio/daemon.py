@@ -14,19 +14,16 @@ from pathlib import Path
 import trio
 
 from .config import ServerConfig, read_api_keys
-from .engine.devices import devices, supports_gpu_offload
 from .engine.llama import (
     KV_TYPES,
     ContextConfig,
     LlamaEngine,
     LlamaModel,
     ModelLoadError,
-    ModelShape,
-    Placement,
     read_shape,
 )
 from .engine.memory_profile import memory_profile, probe_bandwidth_gbps, probe_step_bandwidth_gbps
-from .engine.offload import OffloadPlan, parse_gpu_layers, plan_offload
+from .engine.planned import offload_plan, placement_for
 from .engine.summary import one_line
 from .exception_groups import first_leaf
 from .http.gateway import Gateway
@@ -64,27 +61,6 @@ def engine_for(model: LlamaModel, config: ServerConfig) -> LlamaEngine:
     return LlamaEngine(model, context_config(config, all_on_gpu))
 
 
-def offload_plan(shape: ModelShape, config: ServerConfig) -> OffloadPlan:
-    """``--gpu-layers`` against this machine's devices and the model's size
-    (:func:`~uma_trio.engine.llama.read_shape`: no weights read)."""
-    kv_cells = config.n_ctx * config.max_sessions
-    return plan_offload(
-        parse_gpu_layers(config.gpu_layers),
-        supports_offload=supports_gpu_offload(),
-        devices=tuple(d.as_memory() for d in devices() if d.offloads),
-        n_layer=shape.n_layer,
-        weight_bytes=shape.file_bytes,
-        kv_bytes=kv_cells * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1]),
-    )
-
-
-def placement_for(plan: OffloadPlan, config: ServerConfig) -> Placement:
-    return Placement(
-        n_gpu_layers=plan.n_gpu_layers, main_gpu=config.main_gpu, split_mode=config.split_mode,
-        tensor_split=config.tensor_split, reason=plan.reason,
-    )  # fmt: skip
-
-
 def load_model(model_path: Path, config: ServerConfig) -> LlamaModel:
     plan = offload_plan(read_shape(model_path), config)
     log.info("GPU layers: %d of %d (%s)", plan.n_gpu_layers, plan.total, plan.reason)
@@ -106,7 +82,7 @@ def cost_prior(engine: LlamaEngine, config: ServerConfig) -> CostCoefficients:
     device with these settings; on a GPU without one, a quick calibration now (a CPU prior
     is 10-40x off there); otherwise the built-in CPU coefficients, which the policy keeps
     correcting online."""
-    from .sched.calibrate import calibrate_engine, engine_device_key
+    from .engine.calibrate import calibrate_engine, engine_device_key
 
     key = engine_device_key(engine)
     on_gpu = engine.model.layers_offloaded > 0

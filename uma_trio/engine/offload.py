@@ -9,25 +9,13 @@ layer costs its share of the weights plus its share of the KV cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-GpuLayersMode = Literal["auto", "all"]
+from ..config import GpuLayersMode
 
 # Room left on the device for llama.cpp's compute buffers, the CUDA context and other apps:
 # a share of the free memory, and at least this many bytes.
 RESERVE_SHARE = 0.05
 RESERVE_MIN_BYTES = 512 * 1024 * 1024
-
-
-def parse_gpu_layers(value: str) -> GpuLayersMode | int:
-    """``auto``, ``all`` or a layer count (0 or more); anything else is a ValueError that
-    names the flag."""
-    text = value.strip().lower()
-    if text in ("auto", "all"):
-        return "auto" if text == "auto" else "all"
-    if text.isdigit():
-        return int(text)
-    raise ValueError(f"--gpu-layers must be auto, all or a number of layers (0 or more), not {value!r}")
 
 
 def parse_tensor_split(value: str) -> tuple[float, ...]:

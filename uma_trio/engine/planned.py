@@ -1,9 +1,11 @@
-"""``uma-trio info``: the engine summary the daemon would start with, without starting it.
+"""Where the model will go, decided before it loads: ``--gpu-layers`` against this machine's
+devices (:func:`offload_plan`, used by ``serve``), and ``uma-trio info``'s engine summary,
+made without starting anything.
 
 The model's metadata is read (a vocab-only load, no weights), the devices are asked for
-their free memory, and ``--gpu-layers`` is decided exactly as ``serve`` decides it
-(:func:`uma_trio.daemon.offload_plan`).  Flash attention ``auto`` is resolved by llama.cpp
-only when a context is created, so the plan says ``auto``.
+their free memory, and ``--gpu-layers`` is decided exactly as ``serve`` decides it.  Flash
+attention ``auto`` is resolved by llama.cpp only when a context is created, so the plan says
+``auto``.
 """
 
 from __future__ import annotations
@@ -12,15 +14,35 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..config import ServerConfig
-from .devices import devices, system_info
-from .llama import KV_TYPES, read_shape
+from ..config import ServerConfig, parse_gpu_layers
+from .devices import devices, supports_gpu_offload, system_info
+from .llama import KV_TYPES, ModelShape, Placement, read_shape
+from .offload import OffloadPlan, plan_offload
 from .summary import engine_summary
 
 
-def planned_summary(model_path: Path, config: ServerConfig) -> dict[str, Any]:
-    from ..daemon import offload_plan
+def offload_plan(shape: ModelShape, config: ServerConfig) -> OffloadPlan:
+    """``--gpu-layers`` against this machine's devices and the model's size
+    (:func:`~uma_trio.engine.llama.read_shape`: no weights read)."""
+    kv_cells = config.n_ctx * config.max_sessions
+    return plan_offload(
+        parse_gpu_layers(config.gpu_layers),
+        supports_offload=supports_gpu_offload(),
+        devices=tuple(d.as_memory() for d in devices() if d.offloads),
+        n_layer=shape.n_layer,
+        weight_bytes=shape.file_bytes,
+        kv_bytes=kv_cells * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1]),
+    )
 
+
+def placement_for(plan: OffloadPlan, config: ServerConfig) -> Placement:
+    return Placement(
+        n_gpu_layers=plan.n_gpu_layers, main_gpu=config.main_gpu, split_mode=config.split_mode,
+        tensor_split=config.tensor_split, reason=plan.reason,
+    )  # fmt: skip
+
+
+def planned_summary(model_path: Path, config: ServerConfig) -> dict[str, Any]:
     shape = read_shape(model_path)
     plan = offload_plan(shape, config)
     cells = config.n_ctx * config.max_sessions

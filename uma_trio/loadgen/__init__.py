@@ -6,7 +6,8 @@ and the real-daemon benchmarks, so both measure the same scenario the same way.
 
 from __future__ import annotations
 
-from .runner import CONNECTION_LOST, RequestRecord, ScenarioResult, run_scenario
+from .records import RequestRecord
+from .runner import CONNECTION_LOST, ScenarioResult, run_scenario
 from .scenario import (
     ClientSpec,
     Lane,

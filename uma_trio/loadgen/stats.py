@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .runner import RequestRecord, ScenarioResult
+from .records import RequestRecord
+from .runner import ScenarioResult
 from .scenario import Lane
 
 FloatArray = npt.NDArray[np.float64]

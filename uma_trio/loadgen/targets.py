@@ -1,7 +1,7 @@
 """What a scenario runs against: the uma-trio socket, or any OpenAI-compatible server.
 
 A target opens one connection per client (:meth:`Target.connect`); a
-connection streams one request at a time into a :class:`~.runner.RequestRecord`,
+connection streams one request at a time into a :class:`~.records.RequestRecord`,
 stamping every token with the runner's clock.  The OpenAI target speaks
 ``POST /v1/completions`` with SSE, so the same scenario runs against
 uma-trio's HTTP gateway, llama.cpp's ``llama-server`` and llama-cpp-python's
@@ -23,7 +23,7 @@ from .scenario import ClientSpec
 if TYPE_CHECKING:
     import httpx
 
-    from .runner import RequestRecord
+from .records import RequestRecord
 
 Clock = Callable[[], float]
 

@@ -32,10 +32,10 @@ import numpy as np
 import numpy.typing as npt
 
 from ..model_files import cache_dir
-from .cost import CostCoefficients, kv_cells_read, over_knee
+from ..sched.cost import CostCoefficients, kv_cells_read, over_knee
 
 if TYPE_CHECKING:
-    from ..engine.llama import LlamaEngine, Placement
+    from .llama import LlamaEngine, Placement
 
 Progress = Callable[[str], None]
 
@@ -263,8 +263,8 @@ def measure(
     ``grid.mixed_context``.  Chunks request no logits (a middle chunk of a
     prompt); decoders sample greedily, as the decode loop does.
     """
-    from ..engine.base import BatchEntry
-    from ..engine.sampling import Sampler, SamplingParams
+    from .base import BatchEntry
+    from .sampling import Sampler, SamplingParams
 
     if repeats < 1:
         raise ValueError("repeats must be at least 1")
@@ -384,7 +384,7 @@ def calibrate(
     ``placement`` where the layers go; the grid is :data:`GPU_GRID` when layers are on a GPU.
     Raises ``ModelLoadError`` (from :mod:`uma_trio.engine.llama`) if llama.cpp refuses the model.
     """
-    from ..engine.llama import ContextConfig, LlamaEngine, LlamaModel
+    from .llama import ContextConfig, LlamaEngine, LlamaModel
 
     model = LlamaModel(model_path, placement) if placement is not None else LlamaModel(model_path)
     try:
@@ -449,7 +449,7 @@ def fit_grid(grid: Grid, engine: LlamaEngine) -> Grid:
 def engine_device_key(engine: LlamaEngine) -> str:
     """What a cost model is only valid for: the device that runs the layers, how many, the
     model file and the engine settings that change a step's cost."""
-    from ..engine.devices import devices
+    from .devices import devices
 
     m, c = engine.model, engine.config
     gpus = [f"{d.name} {d.description}" for d in devices() if d.offloads] if m.layers_offloaded else []
