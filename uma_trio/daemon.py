@@ -27,6 +27,7 @@ from .engine.planned import offload_plan, placement_for
 from .engine.summary import one_line
 from .exception_groups import first_leaf
 from .http.gateway import Gateway
+from .http.metrics import bind_metrics_port, metrics_app
 from .http.origin import DEFAULT_CORS_ORIGINS, allowed_hosts
 from .http.serve import BindError, bind_tcp, serve_asgi
 from .runtime.server import Server
@@ -183,9 +184,29 @@ async def _serve(
     server: Server, gateway: Gateway | None, *, handle_signals: bool,
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
 ) -> None:  # fmt: skip
-    """Run ``server``; the gateway serves it once its socket accepts."""
+    """Run ``server``; the gateway serves it once its socket accepts, and ``--metrics-port``
+    (bound first, so a taken port is a start-up error) until it stops."""
+    port = server.config.metrics_port
+    metrics_sock = bind_metrics_port(port) if port is not None else None
     async with trio.open_nursery() as nursery:
-        await nursery.start(partial(server.serve, handle_signals=handle_signals))
+
+        async def run_server(task_status: trio.TaskStatus[Server]) -> None:
+            await server.serve(handle_signals=handle_signals, task_status=task_status)
+            nursery.cancel_scope.cancel()  # the metrics port goes with the server
+
+        try:
+            await nursery.start(run_server)
+        except BaseException:
+            if metrics_sock is not None:
+                metrics_sock.close()
+            raise
+        if metrics_sock is not None:
+            base = await nursery.start(partial(
+                serve_asgi, metrics_app(server.registry), metrics_sock, name="metrics_http",
+                max_connections=server.config.max_connections,
+            ))  # fmt: skip
+            server.metrics_url = f"{base}/metrics"
+            log.info("Prometheus metrics on %s", server.metrics_url)
         if gateway is not None:
             server.http_url = gateway.url
             gateway.attach(server)

@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import trio
@@ -42,12 +42,10 @@ from ..protocol.errors import ErrorCode, UmaError, shown
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, Lane, ServerEvent, TokenEvent
 from ..protocol.openai import ApiError
 from ..runtime.delivery import deliver
+from ..runtime.desk import RequestDesk
 from ..runtime.session import Session
 from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pattern
 from .serve import Receive, Scope, Send
-
-if TYPE_CHECKING:
-    from ..runtime.server import Server
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +89,7 @@ class Gateway:
         self.max_body_bytes = max_body_bytes
         self.max_requests = max_requests  # generation requests in flight, tokenizing included
         self.body_timeout_s = body_timeout_s  # a body begun must arrive whole within this
-        self.server: Server | None = None
+        self.server: RequestDesk | None = None
         self.created = int(time.time())
         self._flights: dict[str, Flight] = {}  # by request id, for POST /priority and the limit
         self.url: str | None = None
@@ -130,7 +128,7 @@ class Gateway:
             },
         )
 
-    def attach(self, server: Server) -> None:
+    def attach(self, server: RequestDesk) -> None:
         self.server = server
 
     def _refuse(self, error: ApiError) -> Response:
@@ -275,7 +273,7 @@ class Gateway:
 
     # -- plumbing ----------------------------------------------------------------
 
-    def _ready(self) -> Server:
+    def _ready(self) -> RequestDesk:
         server = self.server
         if server is None:
             message = "the model is still loading; retry shortly"

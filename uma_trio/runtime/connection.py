@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import aclosing
-from typing import TYPE_CHECKING
 
 import trio
 
@@ -39,10 +38,8 @@ from ..protocol.messages import (
     TokenEvent,
 )
 from .delivery import deliver
+from .desk import RequestDesk
 from .session import Session
-
-if TYPE_CHECKING:
-    from .server import Server
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +47,7 @@ _READ_SIZE = 65536
 
 
 class Connection:
-    def __init__(self, server: Server, stream: trio.abc.Stream, number: int, owner: str = "") -> None:
+    def __init__(self, server: RequestDesk, stream: trio.abc.Stream, number: int, owner: str = "") -> None:
         self.server = server
         self.owner = owner  # its requests' principal (prefix-cache partition)
         self.config = server.config

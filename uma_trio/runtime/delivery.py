@@ -13,20 +13,17 @@ happens at once, not at garbage collection.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING
 
 import msgspec
 import trio
 
 from ..protocol.messages import ServerEvent, TokenEvent
+from .desk import RequestDesk
 from .session import Session
-
-if TYPE_CHECKING:
-    from .server import Server
 
 
 async def deliver(
-    server: Server, session: Session, receive: trio.MemoryReceiveChannel[TokenEvent]
+    server: RequestDesk, session: Session, receive: trio.MemoryReceiveChannel[TokenEvent]
 ) -> AsyncGenerator[ServerEvent, None]:
     loop, metrics = server.loop, server.metrics
     server.open_deliveries += 1  # shutdown waits for these to write their last event

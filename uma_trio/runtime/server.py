@@ -25,7 +25,6 @@ import trio
 from ..config import ServerConfig
 from ..engine.base import Engine, TokenArray
 from ..engine.sampling import Sampler, SamplingParams
-from ..http.serve import serve_asgi
 from ..observability.metrics import Metrics
 from ..observability.process import ProcessSampler
 from ..observability.prometheus import build_registry
@@ -33,9 +32,9 @@ from ..observability.scorecard import CSV_FIELDS, Scorecard, scorecard
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotInfo, SnapshotRequest, TokenEvent
 from ..sched.policy import Policy
+from .accept import accept_forever
 from .connection import Connection
 from .decode_loop import DecodeLoop
-from .metrics_http import bind_metrics_port, metrics_app
 from .peer import peer_uid
 from .session import Session
 from .snapshots import SnapshotHeader, SnapshotStore, default_snapshot_dir
@@ -64,7 +63,7 @@ class Server:
         self.loop = DecodeLoop(engine, config, self.metrics, policy=policy)
         self.process = ProcessSampler()
         self.registry = build_registry(self.metrics.registry, self.metrics_snapshot)
-        self.metrics_url: str | None = None  # set once --metrics-port serves
+        self.metrics_url: str | None = None  # set by the daemon once --metrics-port serves
         self.http_url: str | None = None  # set by the daemon once the --http gateway serves this server
         self.open_deliveries = 0  # requests whose client has not yet been handed its last event
         self.snapshots = SnapshotStore(config.snapshot_dir or default_snapshot_dir())
@@ -79,14 +78,7 @@ class Server:
         self, *, handle_signals: bool = False, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Run until shut down.  ``task_status.started`` fires once the socket accepts."""
-        metrics_port = self.config.metrics_port
-        metrics_sock = bind_metrics_port(metrics_port) if metrics_port is not None else None
-        try:
-            listener, inode = await bind_unix_listener(self.config.socket_path)
-        except BaseException:
-            if metrics_sock is not None:
-                metrics_sock.close()
-            raise
+        listener, inode = await bind_unix_listener(self.config.socket_path)
         self.metrics.started = trio.current_time()
         log.info(
             "serving %s on %s (n_ctx=%d per request, max_sessions=%d)",
@@ -96,15 +88,6 @@ class Server:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.loop.run)
                 nursery.start_soon(self._metrics_task)
-                if metrics_sock is not None:
-                    app = metrics_app(self.registry)
-                    serve = partial(
-                        serve_asgi, app, metrics_sock, name="metrics_http",
-                        max_connections=self.config.max_connections,
-                    )  # fmt: skip
-                    base = await nursery.start(serve)
-                    self.metrics_url = f"{base}/metrics"
-                    log.info("Prometheus metrics on %s", self.metrics_url)
                 if handle_signals:
                     nursery.start_soon(self._signal_task)
                 async with trio.open_nursery() as connections:
@@ -339,14 +322,9 @@ class Server:
     # -- tasks -------------------------------------------------------------------
 
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:  # EMFILE and friends: back off instead of spinning
-                log.warning("accept failed: %s", exc)
-                await trio.sleep(0.1)
-                continue
-            nursery.start_soon(self._handle, stream)
+        error = await accept_forever(listener, self._handle, nursery)
+        log.error("the socket %s stopped accepting (%s); shutting down", self.config.socket_path, error)
+        self.request_shutdown()
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         connection = Connection(self, stream, self.next_connection_number(), owner=socket_owner(stream))

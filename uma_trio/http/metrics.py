@@ -2,7 +2,7 @@
 
 For scrapers that should not see the gateway (``--http`` serves ``/metrics`` too).
 The exposition itself is ``prometheus_client``'s ASGI app; the router around it
-sends 404 for other paths (:func:`..http.serve.serve_asgi` sends no lifespan events).
+sends 404 for other paths (:func:`.serve.serve_asgi` sends no lifespan events).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import socket
 
 from prometheus_client import CollectorRegistry, make_asgi_app
 
-from ..http.serve import AsgiApp, Receive, Scope, Send, bind_tcp
+from .serve import AsgiApp, Receive, Scope, Send, bind_tcp
 
 
 def metrics_app(registry: CollectorRegistry) -> AsgiApp:
