@@ -230,6 +230,7 @@ def test_bmt_guard_trims_prefill_before_background_decoders() -> None:
     # 3000 B: one micro-batch of both decoders (1000 + 2×100×10) fits, the prompt does not.
     no_prefill = guard(3000).apply(base, state)
     assert no_prefill.decode == (1, 2) and no_prefill.prefill == () and dict(no_prefill.skipped)[3] == "bmt"
+    assert no_prefill.kv_cells == 200  # what the trimmed batch reads, for the cost model
     # 2500 B: the background decoder goes too; the interactive one never does.
     only_interactive = guard(2500).apply(base, state)
     assert only_interactive.decode == (1,) and dict(only_interactive.skipped)[2] == "bmt"
@@ -300,3 +301,15 @@ def test_contention_cannot_inflate_the_learned_costs_without_bound() -> None:
     # And a lone prompt still takes a whole micro-batch a tick (nobody decodes).
     state = SchedulerState((interactive(1, prompt=600),), max_batch=2048, micro_batch=512)
     assert sum(n for _, n in plan_tick(state, CONFIG, model.coefficients).prefill) == 512
+
+
+def test_a_plan_carries_the_kv_cells_its_batch_reads() -> None:
+    """observe() learns from the plan alone (issue 18: no state rebuilt between plan and observe)."""
+    state = SchedulerState((interactive(1, n_past=300), interactive(2, prompt=64, n_past=0)))
+    plan = plan_tick(state, CONFIG, COST)
+    chunk = dict(plan.prefill)[2]
+    assert plan.decode == (1,) and plan.kv_cells == 300 + chunk * (chunk // 2)
+    model = TickCostModel(COST)
+    policy = Policy(CONFIG, model)
+    policy.observe(plan, SchedulerState(()), seconds=0.05)  # the state is not needed for the cells
+    assert model.last_s == 0.05

@@ -48,8 +48,9 @@ from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEve
 from ..sched.kv_manager import Claim, KvManager
 from ..sched.policy import Policy, default_policy
 from ..sched.state import Lane, Plan, SchedulerState, SessionState
+from .lifecycle import Phase
 from .run_ahead import RunAhead, ahead_budget
-from .session import Phase, Session
+from .session import Session
 from .tick_trace import TickTrace
 
 log = logging.getLogger(__name__)
@@ -301,7 +302,8 @@ class DecodeLoop:
                 return
             self._tick += 1
             self.ahead_steps += 1
-            self._absorb(replace(plan, decode=tuple(e.seq_id for e in ahead)), result, whole=True, ahead=True)
+            ran = replace(plan, decode=tuple(e.seq_id for e in ahead), kv_cells=sum(e.pos0 for e in ahead))
+            self._absorb(ran, result, whole=True, ahead=True)
         self._end_run_ahead()
 
     def _absorb(self, plan: Plan, result: StepResult, whole: bool, *, ahead: bool = False) -> None:
@@ -316,7 +318,7 @@ class DecodeLoop:
                 session.n_past += n
                 session.computed_tokens += n
                 if session.n_past == len(session.prompt):
-                    session.phase = Phase.DECODE
+                    session.move_to(Phase.DECODE)
         for seq_id in plan.decode:
             if (session := self._active.get(seq_id)) is not None:
                 session.last_served_tick = self._tick
@@ -456,7 +458,7 @@ class DecodeLoop:
             self._waiting.remove(session)
             session.seq_id = claim.seq_id
             session.n_past = session.cached_tokens = self._set_up_sequence(claim)
-            session.phase = Phase.PREFILL
+            session.move_to(Phase.PREFILL)
             session.admitted = self._clock()
             session.admitted_tick = self._tick
             self.metrics.on_admitted(session.lane, session.admitted - session.created, session.admitted)
@@ -642,7 +644,7 @@ class DecodeLoop:
             self._free_cells(self.kv.release(session.seq_id, held, pin=pin, owner=session.owner))
             self._reserved_cells -= session.reserved_cells
         now = self._clock()
-        session.phase = Phase.DONE
+        session.move_to(Phase.DONE)
         session.pending_token = None
         session.final = session.eos_event(reason, cancel_reason)  # timed as the pump writes it
         session.events.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,13 +21,7 @@ from ..protocol.messages import (
     Usage,
 )
 from ..protocol.textstream import TextStream
-
-
-class Phase(enum.Enum):
-    WAITING = "waiting"  # accepted, no session slot yet
-    PREFILL = "prefill"  # reading its prompt into the KV cache
-    DECODE = "decode"  # generating
-    DONE = "done"
+from .lifecycle import Phase, advance
 
 
 @dataclass(eq=False)
@@ -75,6 +68,10 @@ class Session:
     def __post_init__(self) -> None:
         self.text = TextStream(self.request.stop)
         self.lane = self.request.priority
+
+    def move_to(self, phase: Phase) -> None:
+        """The one way ``phase`` changes (:mod:`.lifecycle` lists the allowed moves)."""
+        self.phase = advance(self.phase, phase)
 
     @property
     def id(self) -> str:

@@ -115,10 +115,14 @@ class _Batch:
     def n_tokens(self) -> int:
         return len(self.decode) + sum(n for _, n in self.prefill)
 
+    @property
+    def kv_cells(self) -> int:
+        return kv_cells_read([s.n_past for s in self.decode], [(s.n_past, n) for s, n in self.prefill])
+
     def predicted(self, extra_decode: Sequence[SessionState] = (), extra_prefill: int = 0) -> float:
         decode = [*self.decode, *extra_decode]
         prefill_tokens = sum(n for _, n in self.prefill) + extra_prefill
-        cells = kv_cells_read([s.n_past for s in decode], [(s.n_past, n) for s, n in self.prefill])
+        cells = self.kv_cells + sum(s.n_past for s in extra_decode)
         return self.cost.predict(len(decode), prefill_tokens, cells)
 
     def prefill_room(self, limit_s: float, candidates: Sequence[SessionState]) -> int:
@@ -263,7 +267,13 @@ def plan_tick(
         predicted_s=batch.predicted(),
         rescue=rescue,
         cap_s=config.latency_cap * baseline if interactive_decoders else 0.0,
+        kv_cells=batch.kv_cells,
     )
+
+
+def _background_only(state: SchedulerState) -> bool:
+    """No interactive session at all: the auto-tuner may set the background decoder limit."""
+    return not any(s.interactive for s in state.sessions)
 
 
 def _decoder_cap(batch: _Batch, controls: Controls) -> int | None:
@@ -325,18 +335,16 @@ class Policy:
         self.controls = Controls()
         self.gauges = PolicyGauges()
         self.tuner = HillClimber(period=config.autotune_period)
-        self._background_only = False
 
     @property
     def prefill_guard_active(self) -> bool:
         return self.controls.hold_left > 0 or self.controls.ramp < 1.0
 
     def plan(self, state: SchedulerState) -> Plan:
-        self._background_only = not any(s.interactive for s in state.sessions)
         controls = self.controls
         if self.config.background_limit is not None:
             controls = replace(controls, background_limit=self.config.background_limit)
-        elif self._background_only:
+        elif _background_only(state):
             controls = replace(controls, background_limit=self.tuner.limit)
         plan = plan_tick(state, self.config, self.cost.coefficients, controls)
         if self.bmt_guard is not None and plan:
@@ -375,9 +383,7 @@ class Policy:
 
     def observe(self, plan: Plan, state: SchedulerState, seconds: float) -> None:
         """Learn from the tick just run: cost model, hysteresis, rescue spacing, tuner."""
-        n_past = {s.key: s.n_past for s in state.sessions}
-        cells = kv_cells_read([n_past[k] for k in plan.decode], [(n_past[k], n) for k, n in plan.prefill])
-        self.cost.observe(len(plan.decode), plan.prefill_tokens, cells, seconds)
+        self.cost.observe(len(plan.decode), plan.prefill_tokens, plan.kv_cells, seconds)
         g = self.gauges
         g.last_budget_s, g.last_predicted_s = plan.budget_s, plan.predicted_s
         g.last_decode_tokens, g.last_prefill_tokens = len(plan.decode), plan.prefill_tokens
@@ -397,7 +403,7 @@ class Policy:
             c = replace(c, ramp=min(1.0, c.ramp + 1.0 / self.config.ramp_ticks))
         self.controls = c
         background_decoders = sum(1 for s in state.sessions if s.decoding and not s.parked)
-        if self._background_only:
+        if _background_only(state):
             self.tuner.observe(plan.n_tokens, seconds, background_decoders)
         else:
             self.tuner.reset()
@@ -451,6 +457,10 @@ class BmtGuard:
             prefill=tuple((k, n) for k, _, n in kept.prefill),
             skipped=tuple(sorted(skipped.items())),
             bmt_bytes=kept.n_bytes,
+            kv_cells=kv_cells_read(
+                [n_past for _, n_past in (*kept.interactive, *kept.background)],
+                [(start, n) for _, start, n in kept.prefill],
+            ),
         )
 
 

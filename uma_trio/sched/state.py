@@ -55,6 +55,7 @@ class Plan:
     rescue: bool = False  # over budget on purpose, so a starving session moves
     bmt_bytes: int = 0  # estimated bytes the batch moves (0: no memory profile)
     cap_s: float = 0.0  # latency_cap × interactive decode-only baseline (0: no interactive decoder)
+    kv_cells: int = 0  # KV cells the batch's attention reads (cost.kv_cells_read), for observe
 
     @property
     def n_tokens(self) -> int:
