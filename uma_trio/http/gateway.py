@@ -43,7 +43,7 @@ from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, Lane, Ser
 from ..protocol.openai import ApiError
 from ..runtime.delivery import deliver
 from ..runtime.desk import RequestDesk
-from ..runtime.session import Session
+from ..runtime.session import Session, StreamItem
 from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pattern
 from .serve import Receive, Scope, Send
 
@@ -406,7 +406,7 @@ class Flight:
 
     id: str
     session: Session | None = None  # None while it is being tokenized
-    receive: trio.MemoryReceiveChannel[TokenEvent] | None = None
+    receive: trio.MemoryReceiveChannel[StreamItem] | None = None
 
 
 def _last_word(events: list[ServerEvent]) -> EosEvent:

@@ -35,11 +35,10 @@ from ..protocol.messages import (
     PriorityRequest,
     ServerEvent,
     SnapshotRequest,
-    TokenEvent,
 )
 from .delivery import deliver
 from .desk import RequestDesk
-from .session import Session
+from .session import Session, StreamItem
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +188,7 @@ class Connection:
 
     # -- writing -----------------------------------------------------------------
 
-    async def _pump(self, session: Session, receive: trio.MemoryReceiveChannel[TokenEvent]) -> None:
+    async def _pump(self, session: Session, receive: trio.MemoryReceiveChannel[StreamItem]) -> None:
         """Forward one request's events to the socket; its end is the request's end."""
         try:
             async with aclosing(deliver(self.server, session, receive)) as events:

@@ -50,7 +50,7 @@ from ..sched.policy import Policy, default_policy
 from ..sched.state import Lane, Plan, SchedulerState, SessionState
 from .lifecycle import Phase
 from .run_ahead import RunAhead, ahead_budget
-from .session import Session
+from .session import END_SLOTS, Session, StreamEnd
 from .tick_trace import TickTrace
 
 log = logging.getLogger(__name__)
@@ -524,7 +524,7 @@ class DecodeLoop:
         if not session.request.stream:
             return None
         stats = session.events.statistics()
-        return int(stats.max_buffer_size - stats.current_buffer_used)
+        return int(stats.max_buffer_size - stats.current_buffer_used) - END_SLOTS
 
     def _entries(self, plan: Plan) -> list[BatchEntry]:
         entries = []
@@ -647,6 +647,12 @@ class DecodeLoop:
         session.move_to(Phase.DONE)
         session.pending_token = None
         session.final = session.eos_event(reason, cancel_reason)  # timed as the pump writes it
+        try:
+            session.events.send_nowait(StreamEnd(session.final, session.error))
+        except trio.BrokenResourceError:
+            pass  # nobody is reading any more
+        except trio.WouldBlock:  # pragma: no cover - the END_SLOTS room is kept
+            log.error("no room for the end of %s's stream", session.id)
         session.events.close()
         self.metrics.on_finished(
             session.lane, reason, now, computed_tokens=session.computed_tokens, cancel_reason=cancel_reason

@@ -17,32 +17,33 @@ from collections.abc import AsyncGenerator
 import msgspec
 import trio
 
-from ..protocol.messages import ServerEvent, TokenEvent
+from ..protocol.messages import ServerEvent
 from .desk import RequestDesk
-from .session import Session
+from .session import Session, StreamEnd, StreamItem
 
 
 async def deliver(
-    server: RequestDesk, session: Session, receive: trio.MemoryReceiveChannel[TokenEvent]
+    server: RequestDesk, session: Session, receive: trio.MemoryReceiveChannel[StreamItem]
 ) -> AsyncGenerator[ServerEvent, None]:
     loop, metrics = server.loop, server.metrics
     server.open_deliveries += 1  # shutdown waits for these to write their last event
     try:
         async with receive:
-            async for event in receive:
+            async for item in receive:
+                if isinstance(item, StreamEnd):
+                    if item.error is not None:
+                        yield item.error
+                    now = trio.current_time()
+                    yield msgspec.structs.replace(item.final, timings=session.timings(now))
+                    if item.final.reason in ("stop", "length"):
+                        metrics.on_completed(session.lane, now - session.created, now)
+                    return
                 if session.parked:
                     loop.wake()
-                yield event
+                yield item
                 now = trio.current_time()
                 ttft, gap = session.delivered_at.record(now, session.created)
                 metrics.on_token_latency(session.lane, now, ttft_s=ttft, gap_s=gap)
-        if session.error is not None:
-            yield session.error
-        if session.final is not None:
-            now = trio.current_time()
-            yield msgspec.structs.replace(session.final, timings=session.timings(now))
-            if session.final.reason in ("stop", "length"):
-                metrics.on_completed(session.lane, now - session.created, now)
     finally:
         server.open_deliveries -= 1
         loop.cancel(session, "disconnect")  # a no-op once the request has ended

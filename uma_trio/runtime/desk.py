@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry
 
 from ..config import ServerConfig
 from ..observability.metrics import Metrics
-from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotRequest, TokenEvent
+from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotRequest
 from .decode_loop import DecodeLoop
-from .session import Session
+from .session import Session, StreamItem
 
 
 class RequestDesk(Protocol):
@@ -43,6 +43,6 @@ class RequestDesk(Protocol):
         owner: str = "",
         auto_max_tokens: bool = False,
         pin_on_finish: bool = False,
-    ) -> tuple[Session, trio.MemoryReceiveChannel[TokenEvent]]: ...
+    ) -> tuple[Session, trio.MemoryReceiveChannel[StreamItem]]: ...
 
     async def snapshot(self, request: SnapshotRequest, connection: int, owner: str = "") -> SnapshotEvent: ...

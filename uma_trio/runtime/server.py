@@ -30,13 +30,13 @@ from ..observability.process import ProcessSampler
 from ..observability.prometheus import build_registry
 from ..observability.scorecard import CSV_FIELDS, Scorecard, scorecard
 from ..protocol.errors import ErrorCode, UmaError
-from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotInfo, SnapshotRequest, TokenEvent
+from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotInfo, SnapshotRequest
 from ..sched.policy import Policy
 from .accept import accept_forever
 from .connection import Connection
 from .decode_loop import DecodeLoop
 from .peer import peer_uid
-from .session import Session
+from .session import END_SLOTS, Session, StreamEnd, StreamItem
 from .snapshots import SnapshotHeader, SnapshotStore, default_snapshot_dir
 from .unix_socket import bind_unix_listener, unlink_if_ours
 
@@ -148,7 +148,7 @@ class Server:
         owner: str = "",
         auto_max_tokens: bool = False,
         pin_on_finish: bool = False,
-    ) -> tuple[Session, trio.MemoryReceiveChannel[TokenEvent]]:
+    ) -> tuple[Session, trio.MemoryReceiveChannel[StreamItem]]:
         """Check ``request`` against the daemon's limits, tokenize it and queue it; the
         session's events come out of the returned channel (hand both to
         :func:`~uma_trio.runtime.delivery.deliver`).  ``auto_max_tokens``: the request named
@@ -186,7 +186,7 @@ class Server:
         if auto_max_tokens:
             room = max(1, self.engine.n_ctx_seq - len(prompt))
             request = msgspec.structs.replace(request, max_tokens=min(self.config.max_tokens, room))
-        send, receive = trio.open_memory_channel[TokenEvent](self.config.stream_buffer)
+        send, receive = trio.open_memory_channel[StreamItem](self.config.stream_buffer + END_SLOTS)
         params = SamplingParams(
             temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
             min_p=request.min_p, seed=request.seed,
@@ -231,13 +231,11 @@ class Server:
             fill, arrived, connection=connection, owner=owner, pin_on_finish=True
         )
         try:
-            async with receive:
-                async for _ in receive:  # a non-stream request sends nothing before it ends
-                    pass
-            final = session.final
-            assert final is not None
-            if session.error is not None:
-                raise UmaError(ErrorCode(session.error.code), session.error.message)
+            async with receive:  # a non-stream request sends nothing but its end
+                ends = [item async for item in receive if isinstance(item, StreamEnd)]
+            final, error = ends[0].final, ends[0].error
+            if error is not None:
+                raise UmaError(ErrorCode(error.code), error.message)
             if final.reason not in ("stop", "length"):
                 raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
             assert session.seq_id is not None

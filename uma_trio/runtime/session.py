@@ -24,19 +24,34 @@ from ..protocol.textstream import TextStream
 from .lifecycle import Phase, advance
 
 
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """The last item of a request's stream: its error, if it failed, then its eos (whose
+    timings the front end fills in as it writes it)."""
+
+    final: EosEvent
+    error: ErrorEvent | None = None
+
+
+# What a request's channel carries: its tokens, then exactly one StreamEnd.
+StreamItem = TokenEvent | StreamEnd
+END_SLOTS = 1  # the channel keeps this room for the StreamEnd: a parked stream can still end
+
+
 @dataclass(eq=False)
 class Session:
     """Owned by the decode task once submitted; the connection only reads it.
 
-    Token events go out through ``events`` (a bounded memory channel drained by
-    the connection); the last word, ``error`` then ``final``, is set before the
-    channel is closed, so it never competes with tokens for buffer space.
+    Token events go out through ``events`` (a bounded memory channel drained by the
+    connection), and then one :class:`StreamEnd`.  The channel holds ``END_SLOTS`` more
+    than the stream buffer, and a session is parked while only that room is left, so the
+    end always fits.  ``error`` and ``final`` stay on the session for the loop's own use.
     """
 
     request: GenerateRequest
     prompt: TokenArray
     sampler: Sampler
-    events: trio.MemorySendChannel[TokenEvent]
+    events: trio.MemorySendChannel[StreamItem]
     created: float  # when the request's frame arrived
     connection: int = 0  # the connection's number, for the live view
     # Who sent it (docs/SECURITY.md "Prefix cache"): "uid:N" on the socket, "http" on the
