@@ -1,0 +1,138 @@
+"""KV snapshots: save a prompt's cells to a file, list them, restore one into the prefix cache.
+
+The service owns the snapshot store and nothing else; it reaches the decode task only
+through the loop's public operations (``exclusive``, ``restore``, ``cancel``, ``unpin``)
+and opens its fill request through the same desk as any front end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, Protocol
+
+import numpy as np
+import trio
+
+from ..engine.base import Engine
+from ..protocol.errors import ErrorCode, UmaError
+from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotInfo, SnapshotRequest
+from .decode_loop import DecodeLoop
+from .session import Session, StreamEnd, StreamItem
+from .snapshots import SnapshotHeader, SnapshotStore
+
+
+class OpenRequest(Protocol):
+    async def __call__(
+        self, request: GenerateRequest, arrived: float, *, connection: int, owner: str = "",
+        pin_on_finish: bool = False,
+    ) -> tuple[Session, trio.MemoryReceiveChannel[StreamItem]]: ...  # fmt: skip
+
+
+class SnapshotService:
+    """``snapshot`` requests (list, save, restore) on one engine's store."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        loop: DecodeLoop,
+        store: SnapshotStore,
+        open_request: OpenRequest,
+        off_loop: Callable[[Callable[[Any], str], Any], Awaitable[str]],
+    ) -> None:
+        self.engine, self.loop, self.store = engine, loop, store
+        self._open_request, self._off_loop = open_request, off_loop
+
+    async def handle(self, request: SnapshotRequest, connection: int, owner: str = "") -> SnapshotEvent:
+        """Carry out a snapshot request (docs/PROTOCOL.md); :class:`UmaError` on failure."""
+        try:
+            if request.op == "list":
+                infos = await trio.to_thread.run_sync(self.store.list, abandon_on_cancel=True)
+            elif request.op == "save":
+                infos = [await self._save_snapshot(request, connection, owner)]
+            else:
+                infos = [await self._restore_snapshot(request, owner)]
+        except UmaError as exc:
+            exc.request_id = request.id  # the client routes by it; never another request's id
+            raise
+        return SnapshotEvent(op=request.op, snapshots=infos, id=request.id)
+
+    async def _save_snapshot(self, request: SnapshotRequest, connection: int, owner: str) -> SnapshotInfo:
+        """Prefill the prompt as a one-token greedy request whose sequence stays cached and
+        pinned, copy its cells out between two ticks, and write them to disk."""
+        assert request.name is not None
+        fill = GenerateRequest(
+            id=request.id or f"snapshot:{request.name}", prompt=request.prompt, messages=request.messages,
+            max_tokens=1, temperature=0.0, stream=False,
+        )  # fmt: skip
+        arrived = trio.current_time()
+        session, receive = await self._open_request(
+            fill, arrived, connection=connection, owner=owner, pin_on_finish=True
+        )
+        try:
+            async with receive:  # a non-stream request sends nothing but its end
+                ends = [item async for item in receive if isinstance(item, StreamEnd)]
+            final, error = ends[0].final, ends[0].error
+            if error is not None:
+                raise UmaError(ErrorCode(error.code), error.message)
+            if final.reason not in ("stop", "length"):
+                raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+            assert session.seq_id is not None
+            state = await self.loop.exclusive(partial(self._read_cells, session.seq_id, session.n_past))
+        finally:
+            if not session.finished:
+                self.loop.cancel(session, "disconnect")  # sets abort: it will not be pinned
+            elif session.final is not None and session.pins_on(session.final.reason):
+                assert session.seq_id is not None
+                self.loop.unpin(session.seq_id)
+        header = SnapshotHeader(
+            name=request.name, model=self.engine.model_name, model_sha256=await self._fingerprint(),
+            kv_type=self.engine.kv_type, tokens=session.prompt.tolist(), created_unix=time.time(),
+        )  # fmt: skip
+        try:
+            return await trio.to_thread.run_sync(self.store.write, header, state)
+        except OSError as exc:
+            raise UmaError(
+                ErrorCode.SNAPSHOT_INVALID, f"cannot write snapshot {request.name!r}: {exc}"
+            ) from None
+
+    async def _read_cells(self, seq_id: int, n_cells: int) -> bytes:
+        # A context rebuilt since the fill finished holds nothing for it any more.
+        if self.engine.seq_cells(seq_id) != n_cells:
+            raise UmaError(ErrorCode.CONTEXT_LOST, "the context was rebuilt before the snapshot was read")
+        return await self.engine.save_seq(seq_id)
+
+    async def _restore_snapshot(self, request: SnapshotRequest, owner: str) -> SnapshotInfo:
+        """Check the snapshot was made by this model file and cache layout, then load it
+        into a free sequence of the prefix cache between two ticks."""
+        assert request.name is not None
+        # Abandoned on cancel: a read stuck in the filesystem must not hold up a shutdown.
+        read = partial(self.store.read, request.name)
+        header, state = await trio.to_thread.run_sync(read, abandon_on_cancel=True)
+        fingerprint = await self._fingerprint()
+        problem, engine = None, self.engine
+        if header.model_sha256 != fingerprint:
+            problem = (
+                f"it was saved from another model file ({header.model}, sha256 {header.model_sha256[:12]}…) "
+                f"and this daemon serves {self.engine.model_name} (sha256 {fingerprint[:12]}…)"
+            )
+        elif header.kv_type != self.engine.kv_type:
+            problem = f"it holds a {header.kv_type} KV cache and this daemon runs --kv-type {engine.kv_type}"
+        elif len(header.tokens) >= engine.n_ctx_seq:
+            problem = f"it holds {len(header.tokens)} tokens and a request's context is {engine.n_ctx_seq}"
+        if problem is not None:
+            raise UmaError(
+                ErrorCode.SNAPSHOT_MISMATCH, f"snapshot {request.name!r} cannot be restored: {problem}"
+            )
+        tokens = np.asarray(header.tokens, dtype=np.int32)
+        await self.loop.exclusive(partial(self.loop.restore, tokens, state, owner))
+        return header.info(len(state))
+
+    async def _fingerprint(self) -> str:
+        try:
+            return await self._off_loop(lambda _: self.engine.fingerprint(), None)
+        except OSError as exc:
+            raise UmaError(
+                ErrorCode.SNAPSHOT_INVALID, f"cannot read the model file to identify it: {exc}"
+            ) from None
