@@ -41,7 +41,7 @@ import outcome
 import trio
 
 from ..config import ServerConfig
-from ..engine.base import BatchEntry, Engine, EngineError, Follow, Sampled, StepResult, TokenArray
+from ..engine.base import BatchEntry, Engine, EngineError, Follow, StepResult, TokenArray
 from ..observability.metrics import Metrics
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEvent
@@ -51,6 +51,7 @@ from ..sched.state import Lane, Plan, SchedulerState, SessionState
 from .lifecycle import Phase
 from .run_ahead import RunAhead, ahead_budget
 from .session import END_SLOTS, Session, StreamEnd
+from .step_apply import Ended, Failed, Overran, Token, apply_step
 from .tick_trace import TickTrace
 
 log = logging.getLogger(__name__)
@@ -312,32 +313,25 @@ class DecodeLoop:
         if whole:  # a batch run in parts says nothing about the cost of the plan
             self.policy.observe(plan, self._state, result.decode_s)
         # Sessions failed above are gone from _active; the rest ran.
-        for seq_id, n in plan.prefill:
-            if (session := self._active.get(seq_id)) is not None:
-                session.last_served_tick = self._tick
-                session.n_past += n
-                session.computed_tokens += n
-                if session.n_past == len(session.prompt):
-                    session.move_to(Phase.DECODE)
-        for seq_id in plan.decode:
-            if (session := self._active.get(seq_id)) is not None:
-                session.last_served_tick = self._tick
-                session.n_past += 1
-                session.computed_tokens += 1
-                session.pending_token = None
-        for failure in result.failed:
-            if (session := self._active.get(failure.seq_id)) is not None:
-                self._fail(session, ErrorCode.SAMPLING_FAILED, failure.message)
         now = self._clock()
         generated = 0
-        for sampled in result.sampled:
-            session = self._active.get(sampled.seq_id)
-            if session is None:  # ended while the step ran ahead: drop the token, trim its cell
-                self.ahead_dropped += 1
-                self._overrun.add(sampled.seq_id)
-                continue
-            if session.abort is None:
-                generated += self._on_token(session, sampled, now)
+        for event in apply_step(plan, result, self._active, tick=self._tick, now=now):
+            match event:
+                case Token(session=session):
+                    generated += 1
+                    self.metrics.on_generated(session.lane)
+                    if not session.request.stream:  # a stream's are taken as its connection writes
+                        self.metrics.on_token_latency(
+                            session.lane, now, ttft_s=event.ttft_s, gap_s=event.gap_s
+                        )
+                    self._emit(session, event.text, event.token_id)
+                case Ended(session=session, reason=reason):
+                    self._finish(session, reason)
+                case Failed(session=session, message=message):
+                    self._fail(session, ErrorCode.SAMPLING_FAILED, message)
+                case Overran(seq_id=seq_id):  # ended while the step ran ahead: trim its cell
+                    self.ahead_dropped += 1
+                    self._overrun.add(seq_id)
         # Overhead: wall time since the previous step ended, less this step's own time.
         since = now - self._last_step_end if self._last_step_end is not None else result.decode_s
         self.metrics.on_tick(
@@ -546,28 +540,6 @@ class DecodeLoop:
                 )
             )
         return entries
-
-    def _on_token(self, session: Session, sampled: Sampled, now: float) -> int:
-        """Deliver one sampled token; returns 1 if it was a generated token, 0 for end-of-generation."""
-        session.last_token_id = sampled.token_id
-        if sampled.is_eog:
-            self._finish(session, "stop")
-            return 0
-        session.output_ids.append(sampled.token_id)
-        ttft, gap = session.generated_at.record(now, session.created)
-        session.generated += 1
-        self.metrics.on_generated(session.lane)
-        if not session.request.stream:  # a stream's latencies are taken as its connection writes
-            self.metrics.on_token_latency(session.lane, now, ttft_s=ttft, gap_s=gap)
-        delta = session.text.push(sampled.piece)
-        self._emit(session, delta.text, sampled.token_id)
-        if delta.stopped:
-            self._finish(session, "stop")
-        elif session.generated >= session.request.max_tokens:
-            self._finish(session, "length")
-        else:
-            session.pending_token = sampled.token_id
-        return 1
 
     def _emit(self, session: Session, text: str, token_id: int) -> None:
         if not text:
