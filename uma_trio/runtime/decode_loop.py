@@ -48,6 +48,7 @@ from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEve
 from ..sched.kv_manager import Claim, KvManager
 from ..sched.policy import Policy, default_policy
 from ..sched.state import Lane, Plan, SchedulerState, SessionState
+from .admission import Capacity, Waiting, next_to_admit
 from .lifecycle import Phase
 from .run_ahead import RunAhead, ahead_budget
 from .session import END_SLOTS, Session, StreamEnd
@@ -136,7 +137,7 @@ class DecodeLoop:
         if len(self._waiting) < self.config.max_queue + self.kv.available_seqs():
             return False
         if session.lane == "interactive" and all(s.lane == "background" for s in self._waiting):
-            return not self._can_admit_now(session)
+            return not self._capacity().fits(Waiting(session.lane, session.reserved_cells))
         return True
 
     def cancel(self, session: Session, reason: CancelReason) -> None:
@@ -415,25 +416,21 @@ class DecodeLoop:
         for seq_id in seq_ids:
             self.engine.free_seq(seq_id)
 
-    def _can_admit_now(self, session: Session) -> bool:
+    def _capacity(self) -> Capacity:
         # Cached prefixes yield their ids and cells to requests; only pinned ones stay.
-        room = self.engine.n_ctx - self.kv.pinned_cells
-        if not self.kv.available_seqs() or self._reserved_cells + session.reserved_cells > room:
-            return False
-        if session.lane == "background":
-            background = sum(s.lane == "background" for s in self._active.values())
-            return background < self._background_seq_cap
-        return True
+        return Capacity(
+            available_seqs=self.kv.available_seqs(),
+            room_cells=self.engine.n_ctx - self.kv.pinned_cells,
+            reserved_cells=self._reserved_cells,
+            background_running=sum(s.lane == "background" for s in self._active.values()),
+            background_cap=self._background_seq_cap,
+        )
 
     def _next_admittable(self) -> Session | None:
-        """The oldest interactive request that fits, else the oldest background one."""
-        for lane in ("interactive", "background"):
-            for session in self._waiting:
-                if session.lane == lane:
-                    if self._can_admit_now(session):
-                        return session
-                    break  # FIFO within a lane: nobody overtakes the head of its lane
-        return None
+        """The request :func:`.admission.next_to_admit` picks, if any."""
+        views = [Waiting(s.lane, s.reserved_cells) for s in self._waiting]
+        index = next_to_admit(views, self._capacity())
+        return None if index is None else self._waiting[index]
 
     def _admit(self) -> None:
         # What running sequences hold, and whose they are: built once a round.
@@ -447,7 +444,7 @@ class DecodeLoop:
             claim = self.kv.claim(
                 session.prompt, mine, cells_needed=needed, cells_reserved=reserved, owner=session.owner
             )
-            if claim is None:  # pragma: no cover - _can_admit_now said there was room
+            if claim is None:  # pragma: no cover - admission said there was room
                 break
             self._waiting.remove(session)
             session.seq_id = claim.seq_id

@@ -1,0 +1,45 @@
+"""Which waiting request starts next (issue 18: admission as a pure function), alone."""
+
+from __future__ import annotations
+
+from uma_trio.runtime.admission import Capacity, Waiting, next_to_admit
+
+ROOMY = Capacity(
+    available_seqs=4, room_cells=10_000, reserved_cells=0, background_running=0, background_cap=3
+)
+
+
+def chat(cells: int = 100) -> Waiting:
+    return Waiting("interactive", cells)
+
+
+def job(cells: int = 100) -> Waiting:
+    return Waiting("background", cells)
+
+
+def test_the_oldest_interactive_request_goes_before_older_background_ones() -> None:
+    assert next_to_admit([job(), job(), chat(), chat()], ROOMY) == 2
+    assert next_to_admit([job(), job()], ROOMY) == 0
+    assert next_to_admit([], ROOMY) is None
+
+
+def test_nobody_overtakes_the_head_of_its_lane() -> None:
+    tight = Capacity(
+        available_seqs=4, room_cells=1_000, reserved_cells=500, background_running=0, background_cap=3
+    )
+    # The interactive head needs 600 cells and 500 are free: the small chat behind it waits
+    # too, and the background head, which fits, goes.
+    assert next_to_admit([chat(600), chat(50), job(100)], tight) == 2
+    assert next_to_admit([chat(600), chat(50)], tight) is None
+
+
+def test_no_free_id_or_the_background_cap_holds_requests_back() -> None:
+    no_ids = Capacity(
+        available_seqs=0, room_cells=10_000, reserved_cells=0, background_running=0, background_cap=3
+    )
+    assert next_to_admit([chat(), job()], no_ids) is None
+    capped = Capacity(
+        available_seqs=1, room_cells=10_000, reserved_cells=0, background_running=3, background_cap=3
+    )
+    assert next_to_admit([job()], capped) is None  # the last id is kept for a chat
+    assert next_to_admit([job(), chat()], capped) == 1

@@ -1,0 +1,48 @@
+"""Which waiting request starts next: a pure function of the queue and what the context has
+free (issue 18), so the rule is stated and tested in one place.
+
+The oldest interactive request that fits goes first, else the oldest background one.  Within
+a lane it is first in, first out: nobody overtakes the head of its lane, so a large request
+is not starved by a stream of small ones behind it.  A request fits when a sequence id is
+available (free, or a cached prefix that would yield it) and the cells it may come to need
+(prompt plus ``max_tokens``) fit beside what running requests reserve and pinned prefixes
+hold.  Background requests never take the last ``interactive_reserve`` sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..sched.state import Lane
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    lane: Lane
+    reserved_cells: int  # prompt plus max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """The context, as admission sees it now."""
+
+    available_seqs: int  # ids a request could get: free ones plus those the cache would yield
+    room_cells: int  # the whole context less the cells pinned prefixes hold
+    reserved_cells: int  # what running requests may come to need
+    background_running: int
+    background_cap: int  # sequences background requests may hold at once
+
+    def fits(self, request: Waiting) -> bool:
+        if not self.available_seqs or self.reserved_cells + request.reserved_cells > self.room_cells:
+            return False
+        return request.lane == "interactive" or self.background_running < self.background_cap
+
+
+def next_to_admit(waiting: Sequence[Waiting], capacity: Capacity) -> int | None:
+    """The index in ``waiting`` (oldest first) of the request to start now, or None."""
+    for lane in ("interactive", "background"):
+        head = next((i for i, request in enumerate(waiting) if request.lane == lane), None)
+        if head is not None and capacity.fits(waiting[head]):
+            return head
+    return None
