@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 
 from uma_trio.sched.autotune import HillClimber
-from uma_trio.sched.bmt import MemoryProfile
+from uma_trio.sched.bmt import BmtGuard, MemoryProfile
 from uma_trio.sched.cost import CostCoefficients, TickCostModel
 from uma_trio.sched.policy import (
-    BmtGuard,
     Controls,
     Policy,
     PolicyConfig,

@@ -32,8 +32,9 @@ from .http.origin import DEFAULT_CORS_ORIGINS, allowed_hosts
 from .http.serve import BindError, bind_tcp, serve_asgi
 from .runtime.server import Server
 from .runtime.unix_socket import SocketInUseError
+from .sched.bmt import BmtGuard
 from .sched.cost import CostCoefficients
-from .sched.policy import BmtGuard, Policy, default_policy
+from .sched.policy import Policy, default_policy
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from typing import Any
 
 from ..config import ServerConfig
 from .autotune import HillClimber
-from .bmt import MemoryProfile, tick_bytes, trim_to_budget
+from .bmt import BmtGuard
 from .cost import CostCoefficients, TickCostModel, kv_cells_read
 from .state import Plan, SchedulerState, SessionState, SkipReason
 
@@ -407,61 +407,6 @@ class Policy:
             self.tuner.observe(plan.n_tokens, seconds, background_decoders)
         else:
             self.tuner.reset()
-
-
-@dataclass(frozen=True)
-class BmtGuard:
-    """Stage 7: keep the bytes a tick moves within ``bandwidth × tick budget``.
-
-    With ``bandwidth_gbps`` 0 it only estimates each plan's bytes (for the
-    ΣBMT-per-token figure) and trims nothing.
-    """
-
-    profile: MemoryProfile
-    bandwidth_gbps: float
-
-    @property
-    def trims(self) -> bool:
-        return self.bandwidth_gbps > 0
-
-    def estimate(self, plan: Plan, state: SchedulerState) -> int:
-        n_past = {s.key: s.n_past for s in state.sessions}
-        return tick_bytes(
-            self.profile, [n_past[k] for k in plan.decode], [(n_past[k], n) for k, n in plan.prefill]
-        )
-
-    def budget_bytes(self, plan: Plan) -> int:
-        seconds = max(plan.budget_s, plan.predicted_s) if plan.rescue else plan.budget_s
-        return int(self.bandwidth_gbps * 1e9 * seconds)
-
-    def apply(self, plan: Plan, state: SchedulerState) -> Plan:
-        sessions = {s.key: s for s in state.sessions}
-        interactive = [(k, sessions[k].n_past) for k in plan.decode if sessions[k].interactive]
-        background = [(k, sessions[k].n_past) for k in plan.decode if not sessions[k].interactive]
-        prefill = [(k, sessions[k].n_past, n) for k, n in plan.prefill]
-        kept = trim_to_budget(
-            self.profile,
-            self.budget_bytes(plan),
-            interactive=interactive,
-            background=background,
-            prefill=prefill,
-        )
-        if not kept.trimmed and len(kept.prefill) == len(prefill) and kept.prefill == tuple(prefill):
-            return replace(plan, bmt_bytes=kept.n_bytes)
-        decode = {k for k, _ in kept.interactive} | {k for k, _ in kept.background}
-        skipped = dict(plan.skipped)
-        skipped.update((k, "bmt") for k, _ in kept.trimmed)
-        return replace(
-            plan,
-            decode=tuple(k for k in plan.decode if k in decode),
-            prefill=tuple((k, n) for k, _, n in kept.prefill),
-            skipped=tuple(sorted(skipped.items())),
-            bmt_bytes=kept.n_bytes,
-            kv_cells=kv_cells_read(
-                [n_past for _, n_past in (*kept.interactive, *kept.background)],
-                [(start, n) for _, start, n in kept.prefill],
-            ),
-        )
 
 
 def default_policy(
