@@ -14,8 +14,9 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import trio
@@ -33,14 +34,12 @@ from ..sched.policy import Policy
 from .accept import accept_forever
 from .connection import Connection
 from .decode_loop import DecodeLoop
+from .off_loop import off_loop
 from .peer import peer_uid
 from .session import END_SLOTS, Session, StreamItem
 from .snapshot_service import SnapshotService
 from .snapshots import SnapshotStore, default_snapshot_dir
 from .unix_socket import bind_unix_listener, unlink_if_ours
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ class Server:
         self.http_url: str | None = None  # set by the daemon once the --http gateway serves this server
         self.open_deliveries = 0  # requests whose client has not yet been handed its last event
         store = SnapshotStore(config.snapshot_dir or default_snapshot_dir())
-        self.snapshots = SnapshotService(engine, self.loop, store, self.open_request, self._off_loop)
+        self.snapshots = SnapshotService(engine, self.loop, store, self)
         self._connections: set[Connection] = set()
         self._shutdown = trio.Event()
         self._force = trio.Event()
@@ -131,13 +130,6 @@ class Server:
     def scorecard(self, now: float, rss_bytes: int | None = None) -> Scorecard:
         rss = self.process.sample().rss_bytes if rss_bytes is None else rss_bytes
         return scorecard(self.metrics, now, latency_cap=self.config.latency_cap, rss_bytes=rss)
-
-    async def _off_loop(self, fn: Callable[[T], R], arg: T) -> R:
-        # A simulated engine tokenizes instantly and must stay on the loop: under
-        # MockClock a thread wait would let virtual time jump.
-        if not self.engine.tokenizer_blocks:
-            return fn(arg)
-        return await trio.to_thread.run_sync(fn, arg)
 
     async def open_request(
         self,
@@ -216,10 +208,10 @@ class Server:
         try:
             if request.messages is not None:
                 turns = [(m.role, m.content) for m in request.messages]
-                tokens = await self._off_loop(self.engine.tokenize_chat, turns)
+                tokens = await off_loop(self.engine, partial(self.engine.tokenize_chat, turns))
             else:
                 assert request.prompt is not None
-                tokens = await self._off_loop(self.engine.tokenize, request.prompt)
+                tokens = await off_loop(self.engine, partial(self.engine.tokenize, request.prompt))
         except ValueError as exc:
             raise UmaError(ErrorCode.MODEL, str(exc), request_id=request.id) from None
         if len(tokens) == 0:

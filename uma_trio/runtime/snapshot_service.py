@@ -2,15 +2,13 @@
 
 The service owns the snapshot store and nothing else; it reaches the decode task only
 through the loop's public operations (``exclusive``, ``restore``, ``cancel``, ``unpin``)
-and opens its fill request through the same desk as any front end.
+and opens its fill request through the same desk (:class:`~.desk.RequestDesk`) as any front end.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Protocol
 
 import numpy as np
 import trio
@@ -19,15 +17,10 @@ from ..engine.base import Engine
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotInfo, SnapshotRequest
 from .decode_loop import DecodeLoop
-from .session import Session, StreamEnd, StreamItem
+from .desk import RequestDesk
+from .off_loop import off_loop
+from .session import StreamEnd
 from .snapshots import SnapshotHeader, SnapshotStore
-
-
-class OpenRequest(Protocol):
-    async def __call__(
-        self, request: GenerateRequest, arrived: float, *, connection: int, owner: str = "",
-        pin_on_finish: bool = False,
-    ) -> tuple[Session, trio.MemoryReceiveChannel[StreamItem]]: ...  # fmt: skip
 
 
 class SnapshotService:
@@ -38,11 +31,9 @@ class SnapshotService:
         engine: Engine,
         loop: DecodeLoop,
         store: SnapshotStore,
-        open_request: OpenRequest,
-        off_loop: Callable[[Callable[[Any], str], Any], Awaitable[str]],
+        desk: RequestDesk,
     ) -> None:
-        self.engine, self.loop, self.store = engine, loop, store
-        self._open_request, self._off_loop = open_request, off_loop
+        self.engine, self.loop, self.store, self.desk = engine, loop, store, desk
 
     async def handle(self, request: SnapshotRequest, connection: int, owner: str = "") -> SnapshotEvent:
         """Carry out a snapshot request (docs/PROTOCOL.md); :class:`UmaError` on failure."""
@@ -67,7 +58,7 @@ class SnapshotService:
             max_tokens=1, temperature=0.0, stream=False,
         )  # fmt: skip
         arrived = trio.current_time()
-        session, receive = await self._open_request(
+        session, receive = await self.desk.open_request(
             fill, arrived, connection=connection, owner=owner, pin_on_finish=True
         )
         try:
@@ -131,7 +122,7 @@ class SnapshotService:
 
     async def _fingerprint(self) -> str:
         try:
-            return await self._off_loop(lambda _: self.engine.fingerprint(), None)
+            return await off_loop(self.engine, self.engine.fingerprint)
         except OSError as exc:
             raise UmaError(
                 ErrorCode.SNAPSHOT_INVALID, f"cannot read the model file to identify it: {exc}"
