@@ -226,19 +226,19 @@ async def test_peer_uid_is_ours_on_a_socketpair() -> None:
 
 
 def test_allowed_uids_must_be_a_non_empty_list_of_uids() -> None:
-    with pytest.raises(ValueError, match="allowed_uids must not be empty"):
+    with pytest.raises(ValueError, match="--allow-uid must not be empty"):
         ServerConfig(allowed_uids=())
-    with pytest.raises(ValueError, match="allowed_uids must be user ids"):
+    with pytest.raises(ValueError, match="--allow-uid must be user ids"):
         ServerConfig(allowed_uids=(-1,))
     assert ServerConfig().allowed_uids is None
 
 
 def test_allow_uid_flag_repeats_and_reads_its_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
     _, bound, _ = cli.app.parse_args(["serve", "--allow-uid", "5", "--allow-uid", "7"])
-    assert bound.kwargs["allow_uid"] == [5, 7]
+    assert bound.kwargs["config"].allowed_uids == (5, 7)
     monkeypatch.setenv("UMA_ALLOW_UID", "5 7")
     _, bound, _ = cli.app.parse_args(["serve"])
-    assert bound.kwargs["allow_uid"] == [5, 7]
+    assert bound.kwargs["config"].allowed_uids == (5, 7)
 
 
 async def test_an_allowed_uid_is_served(tmp: Path) -> None:

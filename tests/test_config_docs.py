@@ -1,57 +1,64 @@
-"""docs/CONFIG.md and `uma-trio serve` agree (issue 18): every flag documented, every
-documented flag real, and every plain-number default the same in both."""
+"""Settings are declared once (issue 18): ServerConfig's fields are `uma-trio serve`'s flags,
+their UMA_* variables and docs/CONFIG.md's table, and the file agrees with the code."""
 
 from __future__ import annotations
 
-import inspect
-import re
-from pathlib import Path
+import dataclasses
 
-from uma_trio import cli
+import pytest
+
+from uma_trio import cli, config_doc
 from uma_trio.config import ServerConfig
 
-DOC = Path(__file__).parent.parent / "docs" / "CONFIG.md"
+
+def test_config_md_holds_the_table_the_code_writes() -> None:
+    """Fails when a flag, a default or a help text changed without `python -m
+    uma_trio.config_doc` (or when someone edited the table by hand)."""
+    assert config_doc.documented(config_doc.CONFIG_MD.read_text()) == config_doc.render()
 
 
-def documented() -> dict[str, str]:
-    """The serve table's flags and their default cells."""
-    table = DOC.read_text().split("| flag | default | meaning |", 1)[1].split("\n\n", 1)[0]
-    rows: dict[str, str] = {}
-    for line in table.splitlines()[2:]:
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        for flag in re.findall(r"`(--[a-z0-9-]+)", cells[0]):
-            rows[flag] = cells[1]
-    return rows
+def test_every_setting_but_the_hidden_ones_is_a_documented_flag() -> None:
+    flags = {flag for flag, _, _ in config_doc.serve_flags()}
+    hidden = {"burst_quiet_ms", "burst_max_ms", "stream_buffer"}
+    renamed = {"socket_path": "--socket", "allowed_uids": "--allow-uid"}
+    for field in dataclasses.fields(ServerConfig):
+        if field.name in hidden:
+            assert "--" + field.name.replace("_", "-") not in flags
+            continue
+        flag = renamed.get(field.name, "--" + field.name.removesuffix("_s").replace("_", "-"))
+        assert flag in flags, f"{field.name} is not a serve flag"
+    assert {"--model", "--log-level"} <= flags and len(flags) > 40
 
 
-def serve_flags() -> dict[str, object]:
-    return {
-        "--" + name.replace("_", "-"): p.default
-        for name, p in inspect.signature(cli.serve).parameters.items()
-    }
-
-
-def test_every_serve_flag_is_documented_and_every_documented_flag_exists() -> None:
-    flags, docs = serve_flags(), documented()
-    assert len(flags) > 40
-    assert sorted(set(flags) - set(docs)) == []  # undocumented flags
-    assert sorted(set(docs) - set(flags)) == []  # documented flags serve does not take
-
-
-def test_plain_number_defaults_match() -> None:
-    flags, docs = serve_flags(), documented()
-    checked = 0
-    for flag, cell in docs.items():
-        if re.fullmatch(r"[0-9.]+", cell):
-            assert float(cell) == flags[flag], f"{flag}: CONFIG.md says {cell}, serve uses {flags[flag]}"
-            checked += 1
-    assert checked >= 20
-
-
-def test_serve_defaults_are_the_config_defaults() -> None:
-    """The CLI takes its defaults from ServerConfig (cli._DEFAULTS), not from copies."""
+def test_the_table_shows_the_dataclass_defaults() -> None:
+    rows = {flag: default for flag, default, _ in config_doc.serve_flags()}
     config = ServerConfig()
-    flags = serve_flags()
-    for name in ("max_sessions", "max_queue", "max_connections", "http_max_connections", "n_batch", "n_ctx"):
-        assert flags["--" + name.replace("_", "-")] == getattr(config, name)
-    assert flags["--idle-timeout"] == config.idle_timeout_s and flags["--tick-ms"] == config.tick_ms
+    assert rows["--n-ctx"] == str(config.n_ctx) and rows["--max-frame-bytes"] == str(config.max_frame_bytes)
+    assert rows["--idle-timeout"] == "300" and rows["--latency-cap"] == "1.2"
+    assert rows["--deterministic"] == "off" and rows["--threads"] == "all cores"
+
+
+def test_flags_and_environment_build_the_config() -> None:
+    _, bound, _ = cli.app.parse_args(["serve"])
+    assert bound.kwargs.get("config", ServerConfig()) == ServerConfig()
+    args = ["serve", "--n-ctx", "1024", "--idle-timeout", "5", "--allowed-hosts", "a.test, b.test",
+            "--tensor-split", "3,1", "--socket", "/tmp/x/u.sock", "--kv-type", "q8_0"]  # fmt: skip
+    config = cli.app.parse_args(args)[1].kwargs["config"]
+    assert (config.n_ctx, config.idle_timeout_s, config.allowed_hosts) == (1024, 5.0, ("a.test", "b.test"))
+    assert config.tensor_split == (3.0, 1.0) and str(config.socket_path) == "/tmp/x/u.sock"
+
+
+def test_environment_variables_follow_the_flag_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UMA_IDLE_TIMEOUT", "7")
+    monkeypatch.setenv("UMA_SOCK", "/tmp/seeds/uma.sock")  # the seeds' name for --socket
+    monkeypatch.setenv("UMA_CORS_ORIGINS", "http://a.test,http://b.test")
+    config = cli.app.parse_args(["serve", "--n-ctx", "512"])[1].kwargs["config"]
+    assert config.idle_timeout_s == 7.0 and str(config.socket_path) == "/tmp/seeds/uma.sock"
+    assert config.cors_origins == ("http://a.test", "http://b.test") and config.n_ctx == 512
+
+
+def test_a_bad_value_is_refused_naming_the_flag() -> None:
+    with pytest.raises(ValueError, match="--idle-timeout"):
+        cli.app.parse_args(["serve", "--idle-timeout", "0"])
+    with pytest.raises(ValueError, match="--tls-cert and --tls-key"):
+        cli.app.parse_args(["serve", "--tls-cert", "/tmp/c.pem"])

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from uma_trio.config import ServerConfig, parse_gpu_layers
-from uma_trio.engine.offload import DeviceMemory, OffloadPlan, parse_tensor_split, plan_offload
+from uma_trio.config import ServerConfig, parse_gpu_layers, parse_tensor_split
+from uma_trio.engine.offload import DeviceMemory, OffloadPlan, plan_offload
 
 GIB = 1024**3
 

