@@ -60,7 +60,7 @@ def test_bad_http_address(http: str) -> None:
 
 
 def test_empty_api_key_is_refused() -> None:
-    with pytest.raises(ValueError, match="api_key"):
+    with pytest.raises(ValueError, match="--api-key"):
         ServerConfig(api_key=" ")
 
 

@@ -43,7 +43,7 @@ from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, Lane, Ser
 from ..protocol.openai import ApiError
 from ..runtime.delivery import deliver
 from ..runtime.desk import RequestDesk
-from ..runtime.session import Session, StreamItem
+from ..runtime.stream import RequestStream
 from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pattern
 from .serve import Receive, Scope, Send
 
@@ -168,15 +168,15 @@ class Gateway:
         return _json_response(listing)
 
     async def priority(self, request: Request) -> Response:
-        server = self._ready()
+        self._ready()
         try:
             body = msgspec.json.decode(await self._body(request), type=PriorityBody)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise openai.validation_error(exc) from None
         flight = self._flights.get(body.id)
-        if flight is None or flight.session is None:
+        if flight is None or flight.stream is None:
             raise openai.api_error(ErrorCode.UNKNOWN_ID, f"no HTTP request {body.id!r} in flight")
-        server.loop.set_lane(flight.session, body.priority)
+        flight.stream.set_lane(body.priority)
         return JSONResponse({"id": body.id, "priority": body.priority})
 
     # -- generation --------------------------------------------------------------
@@ -343,7 +343,7 @@ class Gateway:
             raise openai.api_error(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight")
         flight = self._flights[rid] = Flight(rid)
         try:
-            flight.session, flight.receive = await server.open_request(
+            flight.stream = await server.open_request(
                 generate_request, arrived, connection=server.next_connection_number(),
                 owner=owner, auto_max_tokens=auto_max_tokens,
             )  # fmt: skip
@@ -358,27 +358,25 @@ class Gateway:
     def _event_stream(
         self, sse: Callable[[], AsyncGenerator[bytes, None]], flight: Flight, headers: dict[str, str]
     ) -> EventStream:
-        assert self.server is not None
-        loop, session = self.server.loop, flight.session
-        assert session is not None
-        stall = self.server.config.stall_timeout_s
+        assert self.server is not None and flight.stream is not None
+        stream, stall = flight.stream, self.server.config.stall_timeout_s
         return EventStream(
             sse, on_close=lambda: self._end(flight), headers=headers,
-            stall_timeout_s=stall, on_stall=lambda: loop.cancel(session, "stalled"),
+            stall_timeout_s=stall, on_stall=lambda: stream.cancel("stalled"),
         )  # fmt: skip
 
     def _end(self, flight: Flight) -> None:
         """The request is over for its client: cancel it if it still runs (a no-op after its
         eos) and give back its place.  Idempotent; reached however the response ends."""
-        if flight.session is not None and self.server is not None:
-            self.server.loop.cancel(flight.session, "disconnect")
+        if flight.stream is not None:
+            flight.stream.cancel("disconnect")
         if self._flights.get(flight.id) is flight:
             del self._flights[flight.id]
 
     async def _events(self, flight: Flight) -> AsyncGenerator[ServerEvent, None]:
-        assert self.server is not None and flight.session is not None and flight.receive is not None
+        assert self.server is not None and flight.stream is not None
         try:
-            async with aclosing(deliver(self.server, flight.session, flight.receive)) as events:
+            async with aclosing(deliver(self.server, flight.stream)) as events:
                 async for event in events:
                     yield event
         finally:
@@ -405,8 +403,7 @@ class Flight:
     """One HTTP generation request, from admission to its last event."""
 
     id: str
-    session: Session | None = None  # None while it is being tokenized
-    receive: trio.MemoryReceiveChannel[StreamItem] | None = None
+    stream: RequestStream | None = None  # None while it is being tokenized
 
 
 def _last_word(events: list[ServerEvent]) -> EosEvent:

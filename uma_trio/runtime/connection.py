@@ -38,7 +38,7 @@ from ..protocol.messages import (
 )
 from .delivery import deliver
 from .desk import RequestDesk
-from .session import Session, StreamItem
+from .stream import RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Connection:
         self.loop = server.loop
         self.stream = stream
         self.number = number
-        self.requests: dict[str, Session] = {}
+        self.requests: dict[str, RequestStream] = {}
         self._send_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._idle_deadline = trio.current_time() + self.config.idle_timeout_s
@@ -114,9 +114,9 @@ class Connection:
             case GenerateRequest():
                 await self._start_request(message, arrived)
             case CancelRequest(id=request_id):
-                self.loop.cancel(self._in_flight(request_id), "client")
+                self._in_flight(request_id).cancel("client")
             case PriorityRequest(id=request_id, priority=lane):
-                self.loop.set_lane(self._in_flight(request_id), lane)
+                self._in_flight(request_id).set_lane(lane)
             case MetricsRequest(id=request_id):
                 await self._send(MetricsEvent(metrics=self.server.metrics_snapshot(), id=request_id))
             case SnapshotRequest():
@@ -142,27 +142,25 @@ class Connection:
         idle = self.config.idle_timeout_s
         return UmaError(ErrorCode.IDLE_TIMEOUT, f"connection idle for {idle:g} s; closing")
 
-    def _in_flight(self, request_id: str) -> Session:
-        session = self.requests.get(request_id)
-        if session is None:
+    def _in_flight(self, request_id: str) -> RequestStream:
+        stream = self.requests.get(request_id)
+        if stream is None:
             raise UmaError(
                 ErrorCode.UNKNOWN_ID, f"no request {request_id!r} in flight on this connection",
                 request_id=request_id,
             )  # fmt: skip
-        return session
+        return stream
 
     async def _start_request(self, request: GenerateRequest, arrived: float) -> None:
         rid = request.id
         if rid in self.requests:
             raise UmaError(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight", request_id=rid)
         self._check_room(rid)
-        session, receive = await self.server.open_request(
-            request, arrived, connection=self.number, owner=self.owner
-        )
-        self.requests[rid] = session
+        stream = await self.server.open_request(request, arrived, connection=self.number, owner=self.owner)
+        self.requests[rid] = stream
         self._set_idle_deadline()
         assert self._nursery is not None
-        self._nursery.start_soon(self._pump, session, receive)
+        self._nursery.start_soon(self._pump, stream)
 
     def _check_room(self, request_id: str | None) -> None:
         if len(self.requests) + self._snapshots >= self.config.max_in_flight:
@@ -188,15 +186,15 @@ class Connection:
 
     # -- writing -----------------------------------------------------------------
 
-    async def _pump(self, session: Session, receive: trio.MemoryReceiveChannel[StreamItem]) -> None:
+    async def _pump(self, stream: RequestStream) -> None:
         """Forward one request's events to the socket; its end is the request's end."""
         try:
-            async with aclosing(deliver(self.server, session, receive)) as events:
+            async with aclosing(deliver(self.server, stream)) as events:
                 async for event in events:
                     await self._send(event)
         finally:
             # A hang-up lands here through Cancelled; deliver() has cancelled the request.
-            del self.requests[session.id]
+            del self.requests[stream.id]
             self._set_idle_deadline()
 
     async def _send(self, event: ServerEvent) -> None:
@@ -214,8 +212,8 @@ class Connection:
                     "connection %d read none of its events for %g s; cancelling its %d requests",
                     self.number, self.config.stall_timeout_s, len(self.requests),
                 )  # fmt: skip
-                for session in self.requests.values():
-                    self.loop.cancel(session, "stalled")
+                for stream in self.requests.values():
+                    stream.cancel("stalled")
                 await self._close()
 
     async def _close(self) -> None:

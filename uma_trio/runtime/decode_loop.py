@@ -51,7 +51,7 @@ from ..sched.state import Lane, Plan, SchedulerState, SessionState
 from .admission import Capacity, Waiting, next_to_admit
 from .lifecycle import Phase
 from .run_ahead import RunAhead, ahead_budget
-from .session import END_SLOTS, Session, StreamEnd
+from .session import END_SLOTS, PinnedSequence, Session, StreamEnd, parks
 from .step_apply import Ended, Failed, Overran, Token, apply_step
 from .tick_trace import TickTrace
 
@@ -504,10 +504,13 @@ class DecodeLoop:
         )
         return self.policy.plan(self._state)
 
-    def _channel_full(self, session: Session) -> bool:
+    @staticmethod
+    def _channel_full(session: Session) -> bool:
         """Room for a token and its end-of-stream tail, or the session sits out."""
-        room = self._buffer_room(session)
-        return room is not None and room < 2
+        if not session.request.stream:
+            return False
+        stats = session.events.statistics()
+        return parks(int(stats.current_buffer_used), int(stats.max_buffer_size))
 
     @staticmethod
     def _buffer_room(session: Session) -> int | None:
@@ -602,6 +605,7 @@ class DecodeLoop:
         if reason in ("stop", "length"):
             self._emit(session, session.text.flush(), session.last_token_id)
         self._run_ahead.stop()  # the next plan differs
+        pinned = None
         if session.seq_id is not None:
             if self._chain_live:
                 self._ended_at[session.seq_id] = session.n_past  # its own cells, if it ran on
@@ -609,17 +613,24 @@ class DecodeLoop:
             # left it in doubt.
             held = session.kv_tokens() if keep_kv and reason != "error" else session.prompt[:0]
             del self._active[session.seq_id]
-            pin = session.pins_on(reason)
-            self._free_cells(self.kv.release(session.seq_id, held, pin=pin, owner=session.owner))
+            if session.pins_on(reason):  # a snapshot's fill: its reader copies the cells out
+                pinned = PinnedSequence(session.seq_id, session.n_past, session.prompt)
+            release = self.kv.release(session.seq_id, held, pin=pinned is not None, owner=session.owner)
+            self._free_cells(release)
             self._reserved_cells -= session.reserved_cells
         now = self._clock()
         session.move_to(Phase.DONE)
         session.pending_token = None
         session.final = session.eos_event(reason, cancel_reason)  # timed as the pump writes it
+        end = StreamEnd(
+            session.final, session.error, admitted=session.admitted, generated=session.generated,
+            generated_at=session.generated_at, pinned=pinned,
+        )  # fmt: skip
         try:
-            session.events.send_nowait(StreamEnd(session.final, session.error))
-        except trio.BrokenResourceError:
-            pass  # nobody is reading any more
+            session.events.send_nowait(end)
+        except trio.BrokenResourceError:  # nobody is reading any more
+            if pinned is not None:  # nor will anybody copy the cells out
+                self._unpin.append(pinned.seq_id)
         except trio.WouldBlock:  # pragma: no cover - the END_SLOTS room is kept
             log.error("no room for the end of %s's stream", session.id)
         session.events.close()

@@ -19,31 +19,29 @@ import trio
 
 from ..protocol.messages import ServerEvent
 from .desk import RequestDesk
-from .session import Session, StreamEnd, StreamItem
+from .session import StreamEnd
+from .stream import RequestStream
 
 
-async def deliver(
-    server: RequestDesk, session: Session, receive: trio.MemoryReceiveChannel[StreamItem]
-) -> AsyncGenerator[ServerEvent, None]:
-    loop, metrics = server.loop, server.metrics
+async def deliver(server: RequestDesk, stream: RequestStream) -> AsyncGenerator[ServerEvent, None]:
+    metrics = server.metrics
     server.open_deliveries += 1  # shutdown waits for these to write their last event
     try:
-        async with receive:
-            async for item in receive:
+        async with stream.receive:
+            async for item in stream.receive:
                 if isinstance(item, StreamEnd):
                     if item.error is not None:
                         yield item.error
                     now = trio.current_time()
-                    yield msgspec.structs.replace(item.final, timings=session.timings(now))
+                    yield msgspec.structs.replace(item.final, timings=stream.timings(item, now))
                     if item.final.reason in ("stop", "length"):
-                        metrics.on_completed(session.lane, now - session.created, now)
+                        metrics.on_completed(stream.lane, now - stream.created, now)
                     return
-                if session.parked:
-                    loop.wake()
+                stream.took_one()
                 yield item
                 now = trio.current_time()
-                ttft, gap = session.delivered_at.record(now, session.created)
-                metrics.on_token_latency(session.lane, now, ttft_s=ttft, gap_s=gap)
+                ttft, gap = stream.delivered_at.record(now, stream.created)
+                metrics.on_token_latency(stream.lane, now, ttft_s=ttft, gap_s=gap)
     finally:
         server.open_deliveries -= 1
-        loop.cancel(session, "disconnect")  # a no-op once the request has ended
+        stream.cancel("disconnect")  # a no-op once the request has ended

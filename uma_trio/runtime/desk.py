@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-import trio
 from prometheus_client import CollectorRegistry
 
 from ..config import ServerConfig
 from ..observability.metrics import Metrics
 from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotRequest
 from .decode_loop import DecodeLoop
-from .session import Session, StreamItem
+from .stream import RequestStream
 
 
 class RequestDesk(Protocol):
@@ -43,6 +42,6 @@ class RequestDesk(Protocol):
         owner: str = "",
         auto_max_tokens: bool = False,
         pin_on_finish: bool = False,
-    ) -> tuple[Session, trio.MemoryReceiveChannel[StreamItem]]: ...
+    ) -> RequestStream: ...
 
     async def snapshot(self, request: SnapshotRequest, connection: int, owner: str = "") -> SnapshotEvent: ...

@@ -39,6 +39,7 @@ from .peer import peer_uid
 from .session import END_SLOTS, Session, StreamItem
 from .snapshot_service import SnapshotService
 from .snapshots import SnapshotStore, default_snapshot_dir
+from .stream import RequestStream
 from .unix_socket import bind_unix_listener, unlink_if_ours
 
 log = logging.getLogger(__name__)
@@ -140,9 +141,9 @@ class Server:
         owner: str = "",
         auto_max_tokens: bool = False,
         pin_on_finish: bool = False,
-    ) -> tuple[Session, trio.MemoryReceiveChannel[StreamItem]]:
-        """Check ``request`` against the daemon's limits, tokenize it and queue it; the
-        session's events come out of the returned channel (hand both to
+    ) -> RequestStream:
+        """Check ``request`` against the daemon's limits, tokenize it and queue it; its
+        events come out of the returned stream (hand it to
         :func:`~uma_trio.runtime.delivery.deliver`).  ``auto_max_tokens``: the request named
         no max_tokens, so it may use what is left of its context, up to ``--max-tokens``.
         Raises :class:`UmaError` for anything that cannot be served."""
@@ -192,7 +193,7 @@ class Server:
             send.close()
             receive.close()
             raise
-        return session, receive
+        return RequestStream(session, receive, self.loop)
 
     async def snapshot(self, request: SnapshotRequest, connection: int, owner: str = "") -> SnapshotEvent:
         """Carry out a snapshot request (docs/PROTOCOL.md); :class:`UmaError` on failure."""

@@ -25,12 +25,26 @@ from .lifecycle import Phase, advance
 
 
 @dataclass(frozen=True, slots=True)
+class PinnedSequence:
+    """A finished request's sequence left cached and pinned (a snapshot's fill): read its
+    cells, then ``loop.unpin(seq_id)``."""
+
+    seq_id: int
+    cells: int
+    tokens: TokenArray
+
+
+@dataclass(frozen=True, slots=True)
 class StreamEnd:
     """The last item of a request's stream: its error, if it failed, then its eos (whose
-    timings the front end fills in as it writes it)."""
+    timings the front end fills in as it writes it), with the loop's figures for them."""
 
     final: EosEvent
     error: ErrorEvent | None = None
+    admitted: float | None = None  # when it got a sequence (None: it never did)
+    generated: int = 0
+    generated_at: TokenTimes = field(default_factory=lambda: TokenTimes())  # when each was sampled
+    pinned: PinnedSequence | None = None
 
 
 # What a request's channel carries: its tokens, then exactly one StreamEnd.
@@ -38,14 +52,21 @@ StreamItem = TokenEvent | StreamEnd
 END_SLOTS = 1  # the channel keeps this room for the StreamEnd: a parked stream can still end
 
 
+def parks(used: int, size: int) -> bool:
+    """Whether a stream buffer holding ``used`` of ``size`` events leaves no room for one
+    more token and the end (``END_SLOTS``): the decode loop then leaves the stream out."""
+    return size - used - END_SLOTS < 2
+
+
 @dataclass(eq=False)
 class Session:
-    """Owned by the decode task once submitted; the connection only reads it.
+    """A request's sequence state, owned by the decode task once submitted.  Front ends
+    never read it: they hold a :class:`~.stream.RequestStream`.
 
-    Token events go out through ``events`` (a bounded memory channel drained by the
-    connection), and then one :class:`StreamEnd`.  The channel holds ``END_SLOTS`` more
-    than the stream buffer, and a session is parked while only that room is left, so the
-    end always fits.  ``error`` and ``final`` stay on the session for the loop's own use.
+    Token events go out through ``events`` (a bounded memory channel drained by the front
+    end), and then one :class:`StreamEnd`.  The channel holds ``END_SLOTS`` more than the
+    stream buffer, and a session is parked while only that room is left, so the end always
+    fits.  ``error`` and ``final`` stay on the session for the loop's own use.
     """
 
     request: GenerateRequest
@@ -75,7 +96,6 @@ class Session:
     abort: CancelReason | None = None
     admitted: float | None = None
     generated_at: TokenTimes = field(default_factory=lambda: TokenTimes())  # when sampled
-    delivered_at: TokenTimes = field(default_factory=lambda: TokenTimes())  # when written (streams)
     pieces: list[str] = field(default_factory=list)  # whole text, non-stream only
     error: ErrorEvent | None = None
     final: EosEvent | None = None
@@ -122,13 +142,8 @@ class Session:
     def last_token(self) -> float | None:
         return self.generated_at.last
 
-    @property
-    def felt(self) -> TokenTimes:
-        """The token times the client felt: written to its socket for a stream, else generated."""
-        return self.delivered_at if self.request.stream else self.generated_at
-
     def eos_event(self, reason: FinishReason, cancel_reason: CancelReason | None) -> EosEvent:
-        """The last event, without its timings: the connection fills those in as it writes it."""
+        """The last event, without its timings: the front end fills those in as it writes it."""
         usage = Usage(len(self.prompt), self.generated, len(self.prompt) + self.generated, self.cached_tokens)
         return EosEvent(
             id=self.id,
@@ -138,25 +153,6 @@ class Session:
             text="".join(self.pieces) if not self.request.stream else None,
             cancel_reason=cancel_reason,
         )
-
-    def timings(self, now: float) -> Timings:
-        ms = 1000.0
-        started = self.admitted if self.admitted is not None else now
-        timings = Timings(queue_ms=(started - self.created) * ms, total_ms=(now - self.created) * ms)
-        times = self.felt
-        if times.first is not None:
-            timings.ttft_ms = (times.first - self.created) * ms
-        if times.gaps:
-            gaps = np.asarray(times.gaps) * ms
-            # The rank rule of the daemon-wide quantiles (METRICS.md).
-            timings.itl_p50_ms = float(np.percentile(gaps, 50, method="lower"))
-            timings.itl_p95_ms = float(np.percentile(gaps, 95, method="lower"))
-            timings.itl_max_ms = float(gaps.max())
-        if times.first is not None and times.last is not None and len(times.gaps) > 0:
-            span = times.last - times.first
-            if span > 0:
-                timings.tokens_per_s = (self.generated - 1) / span
-        return timings
 
 
 @dataclass

@@ -21,6 +21,7 @@ from .desk import RequestDesk
 from .off_loop import off_loop
 from .session import StreamEnd
 from .snapshots import SnapshotHeader, SnapshotStore
+from .stream import RequestStream
 
 
 class SnapshotService:
@@ -58,28 +59,30 @@ class SnapshotService:
             max_tokens=1, temperature=0.0, stream=False,
         )  # fmt: skip
         arrived = trio.current_time()
-        session, receive = await self.desk.open_request(
+        stream = await self.desk.open_request(
             fill, arrived, connection=connection, owner=owner, pin_on_finish=True
         )
+        end: StreamEnd | None = None
         try:
-            async with receive:  # a non-stream request sends nothing but its end
-                ends = [item async for item in receive if isinstance(item, StreamEnd)]
-            final, error = ends[0].final, ends[0].error
-            if error is not None:
-                raise UmaError(ErrorCode(error.code), error.message)
-            if final.reason not in ("stop", "length"):
+            async for item in stream.receive:  # a non-stream request sends nothing but its end
+                end = item if isinstance(item, StreamEnd) else None
+            if end is None:  # pragma: no cover - every stream ends with a StreamEnd
                 raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-            assert session.seq_id is not None
-            state = await self.loop.exclusive(partial(self._read_cells, session.seq_id, session.n_past))
+            if end.error is not None:
+                raise UmaError(ErrorCode(end.error.code), end.error.message)
+            if end.pinned is None:  # cancelled: the daemon is stopping
+                raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+            pinned = end.pinned
+            state = await self.loop.exclusive(partial(self._read_cells, pinned.seq_id, pinned.cells))
         finally:
-            if not session.finished:
-                self.loop.cancel(session, "disconnect")  # sets abort: it will not be pinned
-            elif session.final is not None and session.pins_on(session.final.reason):
-                assert session.seq_id is not None
-                self.loop.unpin(session.seq_id)
+            stream.cancel("disconnect")  # still running (we were cancelled): it will not be pinned
+            end = end or _end_if_sent(stream)
+            stream.receive.close()
+            if end is not None and end.pinned is not None:
+                self.loop.unpin(end.pinned.seq_id)
         header = SnapshotHeader(
             name=request.name, model=self.engine.model_name, model_sha256=await self._fingerprint(),
-            kv_type=self.engine.kv_type, tokens=session.prompt.tolist(), created_unix=time.time(),
+            kv_type=self.engine.kv_type, tokens=pinned.tokens.tolist(), created_unix=time.time(),
         )  # fmt: skip
         try:
             return await trio.to_thread.run_sync(self.store.write, header, state)
@@ -127,3 +130,14 @@ class SnapshotService:
             raise UmaError(
                 ErrorCode.SNAPSHOT_INVALID, f"cannot read the model file to identify it: {exc}"
             ) from None
+
+
+def _end_if_sent(stream: RequestStream) -> StreamEnd | None:
+    """The end already in ``stream``'s channel, if the loop sent it before we stopped reading."""
+    while True:
+        try:
+            item = stream.receive.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return None
+        if isinstance(item, StreamEnd):
+            return item
