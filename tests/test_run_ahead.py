@@ -103,7 +103,7 @@ async def test_a_stop_string_mid_run_ahead_trims_the_extra_cells(autojump_clock:
         events = await stream_all(server, [req("r0", 50, stop=["tok tok tok"]), req("r1", 50)])
         assert events["r0"][-1]["reason"] == "stop"
         assert events["r1"][-1]["reason"] == "length"
-        assert server.loop.ahead_dropped >= 1
+        assert server.loop.gauges()["run_ahead"]["dropped_tokens"] >= 1
         await server.loop.wait_idle()
         assert_nothing_held(server)  # engine cells == cached prefixes' cells
 
@@ -122,7 +122,7 @@ async def test_a_cancel_during_run_ahead_leaves_nothing_behind(autojump_clock: t
             elif event["id"] == "long" and (seen := seen + 1) == 40:
                 await client.send({"type": "cancel", "id": "long"})
         assert reasons == {"long": "cancelled", "short": "length"}
-        assert server.loop.ahead_steps > 0
+        assert server.loop.gauges()["run_ahead"]["steps"] > 0
         await server.loop.wait_idle()
         assert_nothing_held(server)
 
@@ -163,7 +163,7 @@ async def test_real_model_greedy_output_is_the_same_with_and_without_run_ahead(
                         messages=[{"role": "user", "content": prompts[0]}], max_tokens=32, temperature=0.0
                     )
             assert stopped.eos.reason == "stop" and again.text == results[0]
-            assert (server.loop.ahead_steps > 0) == on
+            assert (server.loop.gauges()["run_ahead"]["steps"] > 0) == on
             texts[on] = results
     assert texts[True] == texts[False]
     assert all(len(t) > 20 for t in texts[True])

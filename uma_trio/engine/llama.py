@@ -40,253 +40,32 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from operator import attrgetter
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..config import DETERMINISTIC_KV_TYPE, DETERMINISTIC_N_UBATCH, FlashAttn, SplitMode
-from ..model_files import sha256_of
+from ..config import DETERMINISTIC_KV_TYPE, DETERMINISTIC_N_UBATCH, FlashAttn
 from .base import BatchEntry, EngineError, Follow, Sampled, SampleFailure, StepResult, TokenArray
 from .compute_thread import ComputeThread
-from .devices import LlamaLog, devices, flash_attention_resolved, init_backend, offloaded_layers, system_info
+from .devices import LlamaLog, devices, flash_attention_resolved, system_info
 from .libllama import llama
+from .llama_model import LlamaModel, ModelLoadError, ModelShape, Placement, read_shape
 from .step_gaps import StepGaps
 from .summary import engine_summary
 
 log = logging.getLogger(__name__)
+
+# The model side lives in llama_model.py; engine.llama stays the one module to import from.
+__all__ = [
+    "DETERMINISTIC", "KV_TYPES", "ContextConfig", "LlamaEngine", "LlamaModel", "ModelLoadError",
+    "ModelShape", "Placement", "read_shape",
+]  # fmt: skip
 
 _FLASH_ATTN = {
     "auto": llama.LLAMA_FLASH_ATTN_TYPE_AUTO,
     "on": llama.LLAMA_FLASH_ATTN_TYPE_ENABLED,
     "off": llama.LLAMA_FLASH_ATTN_TYPE_DISABLED,
 }
-_SPLIT_MODE = {
-    "none": llama.LLAMA_SPLIT_MODE_NONE,
-    "layer": llama.LLAMA_SPLIT_MODE_LAYER,
-    "row": llama.LLAMA_SPLIT_MODE_ROW,
-}
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the weights go: llama_model_params' device fields, passed through."""
-
-    n_gpu_layers: int = 0
-    main_gpu: int = 0  # the GPU that holds everything with split_mode none (and the scratch)
-    split_mode: SplitMode = "layer"  # across several GPUs: whole layers, or rows (tensor parallel)
-    tensor_split: tuple[float, ...] | None = None  # share of the model per GPU; None: by free memory
-    reason: str = "CPU only"  # why this many layers (the offload decision, for the log and info)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What sizing the KV cache and the offload needs, read without loading weights."""
-
-    n_layer: int
-    n_head_kv: int
-    key_length: int
-    value_length: int
-    n_ctx_train: int
-    file_bytes: int
-
-    def kv_bytes_per_cell(self, kv_type_bytes: float) -> int:
-        """K and V of one token over every layer (layer 0's head counts stand for all)."""
-        return round(self.n_layer * self.n_head_kv * (self.key_length + self.value_length) * kv_type_bytes)
-
-
-def _meta_int(model: Any, key: str) -> int | None:
-    buf = ctypes.create_string_buffer(64)
-    if llama.llama_model_meta_val_str(model, key.encode(), buf, len(buf)) < 0:
-        return None
-    try:
-        return int(buf.value.decode())
-    except ValueError:
-        return None
-
-
-def _meta_str(model: Any, key: str) -> str | None:
-    buf = ctypes.create_string_buffer(128)
-    n = llama.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
-    return None if n < 0 else buf.value.decode(errors="replace")
-
-
-def shape_of(model: Any, path: Path) -> ModelShape:
-    """A model's layer and head sizes from its GGUF metadata (which a vocab-only load
-    reads too; llama.cpp's hparams getters need the weights).  The head sizes come from
-    ``<arch>.attention.key_length`` / ``value_length`` when the GGUF has them (models
-    whose K and V heads differ set them), else ``n_embd / n_head``; a per-layer KV head
-    array falls back to the head count (an upper bound)."""
-    arch = _meta_str(model, "general.architecture") or ""
-
-    def key(name: str) -> int | None:
-        return _meta_int(model, f"{arch}.{name}")
-
-    n_head = key("attention.head_count") or 0
-    n_embd = key("embedding_length") or 0
-    head = n_embd // n_head if n_head > 0 else 0
-    return ModelShape(
-        n_layer=key("block_count") or 0,
-        n_head_kv=key("attention.head_count_kv") or n_head,
-        key_length=key("attention.key_length") or head,
-        value_length=key("attention.value_length") or head,
-        n_ctx_train=key("context_length") or 0,
-        file_bytes=path.stat().st_size,
-    )
-
-
-def read_shape(path: Path) -> ModelShape:
-    """:class:`ModelShape` from the GGUF's metadata alone (a vocab-only load: no weights)."""
-    init_backend()
-    params = llama.llama_model_default_params()
-    params.vocab_only = True
-    params.n_gpu_layers = 0
-    handle = llama.llama_model_load_from_file(str(path).encode(), params)
-    if not handle:
-        raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF)")
-    try:
-        return shape_of(handle, path)
-    finally:
-        llama.llama_model_free(handle)
-
-
-class ModelLoadError(Exception):
-    """llama.cpp refused the model file."""
-
-
-class LlamaModel:
-    """Weights and vocabulary, loaded once; read-only, so safe from any thread."""
-
-    def __init__(self, path: Path, placement: Placement = Placement()) -> None:
-        init_backend()
-        self.path = path
-        self.placement = placement
-        params = llama.llama_model_default_params()
-        params.n_gpu_layers = placement.n_gpu_layers
-        params.main_gpu = placement.main_gpu
-        params.split_mode = _SPLIT_MODE[placement.split_mode]
-        if placement.tensor_split is not None:
-            # llama.cpp reads llama_max_devices() floats; keep the array alive with the params.
-            shares = (ctypes.c_float * max(int(llama.llama_max_devices()), len(placement.tensor_split)))()
-            for i, share in enumerate(placement.tensor_split):
-                shares[i] = share
-            self._tensor_split = shares
-            params.tensor_split = ctypes.cast(shares, ctypes.POINTER(ctypes.c_float))
-        with LlamaLog.capture() as lines:
-            self._model = llama.llama_model_load_from_file(str(path).encode(), params)
-        if not self._model:
-            raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF)")
-        self.shape = shape_of(self._model, path)
-        # llama.cpp says how many layers it placed on a GPU; without a GPU backend, none.
-        said = offloaded_layers(lines)
-        self.layers_offloaded, self.layers_total = said or (0, self.shape.n_layer + 1)
-        self.weight_bytes = int(llama.llama_model_size(self._model))
-        self.description = _model_desc(self._model)
-        self._vocab = llama.llama_model_get_vocab(self._model)
-        self.n_vocab = int(llama.llama_vocab_n_tokens(self._vocab))
-        self.n_ctx_train = int(llama.llama_model_n_ctx_train(self._model))
-        self._add_bos = bool(llama.llama_vocab_get_add_bos(self._vocab))
-        self._pieces: dict[int, bytes] = {}
-        template = llama.llama_model_chat_template(self._model, None)
-        self.chat_template: bytes | None = template or None
-        self._fingerprint: str | None = None
-        self._max_token_bytes: int | None = None
-
-    @property
-    def handle(self) -> Any:  # llama_model_p (an opaque ctypes pointer)
-        return self._model
-
-    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> TokenArray:
-        """``text`` as tokens; ``special`` parses control-token text (``<|im_end|>``) into
-        control tokens, which only text we wrote ourselves may do."""
-        data = text.encode("utf-8")
-        bos = self._add_bos if add_bos is None else add_bos and self._add_bos
-        capacity = len(data) + 2  # a BPE token covers at least one byte, plus BOS/EOS
-        buf = (llama.llama_token * capacity)()
-        n = llama.llama_tokenize(self._vocab, data, len(data), buf, capacity, bos, special)
-        if n < 0:  # cannot happen with this capacity, but llama.cpp says how much it needs
-            buf = (llama.llama_token * -n)()
-            n = llama.llama_tokenize(self._vocab, data, len(data), buf, -n, bos, special)
-        return np.array(buf[:n], dtype=np.int32)
-
-    @property
-    def max_token_bytes(self) -> int:
-        """The longest token's text in bytes (read from the vocabulary once, ~50 ms)."""
-        if self._max_token_bytes is None:
-            n_vocab = llama.llama_vocab_n_tokens(self._vocab)
-            self._max_token_bytes = max(1, max(len(self.piece(t)) for t in range(n_vocab)))
-        return self._max_token_bytes
-
-    def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
-        """A chat as tokens: the template's own text with its control tokens, each message's
-        content as plain text, so a ``<|im_end|>`` typed into a message cannot close its turn
-        or open another (tokenizing the rendered chat whole would parse it).  The template is
-        rendered around a marker per content, and the pieces are tokenized apart."""
-        markers = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        text = self.apply_chat_template([(role, m) for (role, _), m in zip(messages, markers, strict=True)])
-        pieces, start = [], 0
-        for marker, (_, content) in zip(markers, messages, strict=True):
-            at = text.find(marker, start)
-            if at < 0 or text.count(marker) != 1:
-                raise ValueError(
-                    "the model's chat template does not keep message contents whole; send `prompt`"
-                )
-            pieces.append(self.tokenize(text[start:at], add_bos=start == 0))
-            pieces.append(self.tokenize(content, add_bos=False, special=False))
-            start = at + len(marker)
-        pieces.append(self.tokenize(text[start:], add_bos=not pieces))
-        return np.concatenate(pieces)
-
-    def piece(self, token: int) -> bytes:
-        """The bytes a token renders to (empty for control tokens); cached."""
-        cached = self._pieces.get(token)
-        if cached is None:
-            buf = ctypes.create_string_buffer(64)
-            n = llama.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = llama.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
-            cached = self._pieces[token] = buf.raw[:n]
-        return cached
-
-    def fingerprint(self) -> str:
-        """The sha256 of the model file: what a KV snapshot must match.  Read once (about
-        a third of a second per 100 MB), then remembered."""
-        if self._fingerprint is None:
-            self._fingerprint = sha256_of(self.path)
-        return self._fingerprint
-
-    def is_eog(self, token: int) -> bool:
-        return bool(llama.llama_vocab_is_eog(self._vocab, token))
-
-    def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
-        if self.chat_template is None:
-            raise ValueError("this model has no chat template; send `prompt` instead")
-        keep = [(role.encode(), content.encode()) for role, content in messages]
-        chat = (llama.llama_chat_message * len(keep))(
-            *(llama.llama_chat_message(role=r, content=c) for r, c in keep)
-        )
-        size = 2 * sum(len(r) + len(c) for r, c in keep) + 256
-        for _ in range(2):
-            buf = ctypes.create_string_buffer(size)
-            n = llama.llama_chat_apply_template(self.chat_template, chat, len(keep), True, buf, size)
-            if n < 0:
-                raise ValueError("the model's chat template is not supported by llama.cpp")
-            if n <= size:
-                return buf.raw[:n].decode("utf-8", errors="replace")
-            size = n
-        raise ValueError("chat template output kept growing")  # pragma: no cover
-
-    def close(self) -> None:
-        if self._model:
-            llama.llama_model_free(self._model)
-            self._model = None
-
-
-def _model_desc(model: Any) -> str:
-    buf = ctypes.create_string_buffer(256)
-    n = llama.llama_model_desc(model, buf, len(buf))
-    return buf.value.decode(errors="replace") if n > 0 else ""
 
 
 @dataclass(frozen=True)

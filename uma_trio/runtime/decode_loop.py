@@ -36,7 +36,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
-import numpy as np
 import outcome
 import trio
 
@@ -49,8 +48,10 @@ from ..sched.kv_manager import Claim, KvManager
 from ..sched.policy import Policy, default_policy
 from ..sched.state import Lane, Plan, SchedulerState, SessionState
 from .admission import Capacity, Waiting, next_to_admit
+from .batch import batch_entries, set_up_sequence
 from .lifecycle import Phase
-from .run_ahead import RunAhead, ahead_budget
+from .loop_gauges import kv_gauges, session_gauges
+from .run_ahead import AheadChain, RunAhead, ahead_budget
 from .session import END_SLOTS, PinnedSequence, Session, StreamEnd, parks
 from .step_apply import Ended, Failed, Overran, Token, apply_step
 from .tick_trace import TickTrace
@@ -97,13 +98,8 @@ class DecodeLoop:
         self._may_run_ahead = engine.step_frees_host if config.run_ahead is None else config.run_ahead
         self._run_ahead = RunAhead()
         # While steps run ahead, KV cells are freed only once the compute thread is idle again.
-        self._chain_live = False
-        self._deferred_free: list[int] = []
-        self._overrun: set[int] = set()  # seq ids with tokens run past their session's end
-        self._ended_at: dict[int, int] = {}  # seq id -> n_past of a session that ended in a chain
+        self._chain = AheadChain()
         self._trace = TickTrace(config.tick_trace) if config.tick_trace is not None else None
-        self.ahead_steps = 0  # steps the compute thread ran ahead (collected)
-        self.ahead_dropped = 0  # tokens they decoded for sessions that had ended meanwhile
 
     # -- called from connection tasks (synchronous: they only record and wake) --
 
@@ -278,7 +274,7 @@ class DecodeLoop:
             seen = len(self._waiting)
 
     async def _run_plan(self, plan: Plan) -> None:
-        entries = self._entries(plan)
+        entries = batch_entries(plan, self._active)
         whole = True
         try:
             try:
@@ -291,9 +287,9 @@ class DecodeLoop:
         except Exception as exc:  # the context is in doubt: only a fresh one can be trusted
             await self._lose_context(exc)
             return
-        self._chain_live = self.engine.running_ahead
+        self._chain.live = self.engine.running_ahead
         self._absorb(plan, result, whole)
-        if not self._chain_live:
+        if not self._chain.live:
             return
         # Steps the compute thread ran ahead (run_ahead.py), collected one behind it.
         while self.engine.running_ahead:
@@ -303,7 +299,7 @@ class DecodeLoop:
                 await self._lose_context(exc)
                 return
             self._tick += 1
-            self.ahead_steps += 1
+            self._chain.steps += 1
             ran = replace(plan, decode=tuple(e.seq_id for e in ahead), kv_cells=sum(e.pos0 for e in ahead))
             self._absorb(ran, result, whole=True, ahead=True)
         self._end_run_ahead()
@@ -331,8 +327,7 @@ class DecodeLoop:
                 case Failed(session=session, message=message):
                     self._fail(session, ErrorCode.SAMPLING_FAILED, message)
                 case Overran(seq_id=seq_id):  # ended while the step ran ahead: trim its cell
-                    self.ahead_dropped += 1
-                    self._overrun.add(seq_id)
+                    self._chain.overran(seq_id)
         # Overhead: wall time since the previous step ended, less this step's own time.
         since = now - self._last_step_end if self._last_step_end is not None else result.decode_s
         self.metrics.on_tick(
@@ -365,21 +360,17 @@ class DecodeLoop:
     def _end_run_ahead(self) -> None:
         """The compute thread is idle again: trim what ran past a session's end, free what
         finished meanwhile."""
-        self._chain_live = False
         self._run_ahead.stop()
-        overrun, self._overrun = self._overrun, set()
-        ended_at, self._ended_at = self._ended_at, {}
-        for seq_id in overrun:
-            keep = ended_at.get(seq_id)
+        trims, freed = self._chain.end()
+        for seq_id, keep in trims.items():
             try:
                 if keep is None:
                     raise EngineError(-1, f"seq {seq_id} ran ahead with no known end")
                 self.engine.trim_seq(seq_id, keep)
             except EngineError as exc:  # cannot trim (a recurrent model): its cached prefix is in doubt
                 log.warning("dropping the cached prefix of seq %d: %s", seq_id, exc)
-                self._deferred_free.extend(self.kv.drop(seq_id))
-        deferred, self._deferred_free = self._deferred_free, []
-        self._free_cells(deferred)
+                freed.extend(self.kv.drop(seq_id))
+        self._free_cells(freed)
 
     async def _lose_context(self, exc: Exception) -> None:
         self._run_ahead.stop()
@@ -410,8 +401,7 @@ class DecodeLoop:
             await job()
 
     def _free_cells(self, seq_ids: list[int] | tuple[int, ...]) -> None:
-        if self._chain_live:  # the compute thread may be decoding: the context is its alone
-            self._deferred_free.extend(seq_ids)
+        if self._chain.defer(seq_ids):  # the compute thread may be decoding: the context is its alone
             return
         for seq_id in seq_ids:
             self.engine.free_seq(seq_id)
@@ -459,27 +449,8 @@ class DecodeLoop:
                 running[session.seq_id] = (session.owner, session.kv_tokens())
 
     def _set_up_sequence(self, claim: Claim) -> int:
-        """Carry out a claim's engine operations, in the order :class:`Claim` gives; returns
-        the prompt tokens reused (0 when the engine cannot trim: recurrent models)."""
-        reused = claim.reused
-        if (move := claim.moved) is not None:
-            if move.dst in claim.evicted:
-                self.engine.free_seq(move.dst)
-            self.engine.copy_seq(move.src, move.dst, move.cells)
-            self.engine.free_seq(claim.seq_id)
-        elif claim.seq_id in claim.evicted:
-            self.engine.free_seq(claim.seq_id)
-        try:
-            if claim.adopted:
-                self.engine.trim_seq(claim.seq_id, claim.reused)
-            elif claim.source is not None:
-                self.engine.copy_seq(claim.source, claim.seq_id, claim.reused)
-        except EngineError as exc:
-            log.warning("prefix reuse failed (%s); prefilling from scratch", exc)
-            self.engine.free_seq(claim.seq_id)
-            reused = 0
-        done = (claim.seq_id, claim.moved.dst if claim.moved is not None else -1)
-        self._free_cells([s for s in claim.evicted if s not in done])
+        reused, evicted = set_up_sequence(self.engine, claim)
+        self._free_cells(evicted)
         return reused
 
     def _plan(self) -> Plan:
@@ -519,27 +490,6 @@ class DecodeLoop:
             return None
         stats = session.events.statistics()
         return int(stats.max_buffer_size - stats.current_buffer_used) - END_SLOTS
-
-    def _entries(self, plan: Plan) -> list[BatchEntry]:
-        entries = []
-        for seq_id in plan.decode:
-            session = self._active[seq_id]
-            assert session.pending_token is not None
-            token = np.array([session.pending_token], dtype=np.int32)
-            entries.append(BatchEntry(seq_id, token, session.n_past, session.sampler))
-        for seq_id, n in plan.prefill:
-            session = self._active[seq_id]
-            start = session.n_past
-            last_chunk = start + n == len(session.prompt)
-            entries.append(
-                BatchEntry(
-                    seq_id,
-                    session.prompt[start : start + n],
-                    start,
-                    session.sampler if last_chunk else None,
-                )
-            )
-        return entries
 
     def _emit(self, session: Session, text: str, token_id: int) -> None:
         if not text:
@@ -607,8 +557,7 @@ class DecodeLoop:
         self._run_ahead.stop()  # the next plan differs
         pinned = None
         if session.seq_id is not None:
-            if self._chain_live:
-                self._ended_at[session.seq_id] = session.n_past  # its own cells, if it ran on
+            self._chain.session_ended(session.seq_id, session.n_past)
             # Its KV stays cached for later requests sharing the prefix, unless a failure
             # left it in doubt.
             held = session.kv_tokens() if keep_kv and reason != "error" else session.prompt[:0]
@@ -651,59 +600,18 @@ class DecodeLoop:
         return sum(s.n_past for s in self._active.values())
 
     def gauges(self) -> dict[str, Any]:
-        sessions = list(self._active.values())
-        now = self._clock()
+        engine = self.engine
+        kv = kv_gauges(
+            self.kv, cells_total=engine.n_ctx, cells_per_seq=engine.n_ctx_seq, cells_used=self.kv_cells_used,
+            cells_reserved=self._reserved_cells, seqs_total=engine.n_seq_max, kv_type=engine.kv_type,
+        )  # fmt: skip
         return {
-            "in_flight": [self._describe(s, now) for s in [*sessions, *self._waiting]],
-            "sessions": {
-                "active": len(sessions),
-                "waiting": len(self._waiting),
-                "prefilling": sum(s.phase is Phase.PREFILL for s in sessions),
-                "decoding": sum(s.phase is Phase.DECODE for s in sessions),
-                "parked": sum(s.parked for s in sessions),
-            },
+            **session_gauges(list(self._active.values()), list(self._waiting), self._clock()),
             "scheduler": self.policy.snapshot(),
             "run_ahead": {
                 "enabled": self._may_run_ahead,
-                "steps": self.ahead_steps,
-                "dropped_tokens": self.ahead_dropped,
+                "steps": self._chain.steps,
+                "dropped_tokens": self._chain.dropped,
             },
-            "kv": {
-                "cells_total": self.engine.n_ctx,
-                "cells_per_seq": self.engine.n_ctx_seq,
-                "cells_used": self.kv_cells_used,
-                "cells_reserved": self._reserved_cells,
-                "seqs_total": self.engine.n_seq_max,
-                "seqs_free": self.kv.free_seqs,
-                "kv_type": self.engine.kv_type,
-            },
-            "prefix_cache": {
-                "enabled": self.kv.enabled,
-                "budget_cells": self.kv.budget_cells,
-                "sequences": self.kv.cached_seqs,
-                "cells": self.kv.cached_cells,
-                "hits": self.kv.stats.hits,
-                "misses": self.kv.stats.misses,
-                "reused_tokens": self.kv.stats.reused_tokens,
-                "evictions": self.kv.stats.evictions,
-                "moves": self.kv.stats.moves,
-            },
-        }
-
-    @staticmethod
-    def _describe(session: Session, now: float) -> dict[str, Any]:
-        """One row of the live view: where a request stands and how long since its last token."""
-        since = session.last_token if session.last_token is not None else session.created
-        return {
-            "id": session.id,
-            "connection": session.connection,
-            "lane": session.lane,
-            "phase": session.phase.value,
-            "parked": session.parked,
-            "prompt_tokens": len(session.prompt),
-            "prefilled": min(session.n_past, len(session.prompt)),
-            "generated": session.generated,
-            "max_tokens": session.request.max_tokens,
-            "age_ms": round((now - session.created) * 1000.0, 1),
-            "gap_ms": round((now - since) * 1000.0, 1),
+            **kv,
         }

@@ -76,3 +76,40 @@ class RunAhead:
             tokens = np.array([token], dtype=np.int32)
             after.append(BatchEntry(entry.seq_id, tokens, entry.pos0 + len(entry.tokens), entry.sampler))
         return after or None
+
+
+class AheadChain:
+    """The event loop's books while the compute thread runs ahead.  The context is then the
+    thread's alone, so cells freed meanwhile wait for the chain to end, and a session that
+    ends meanwhile is noted, so what was decoded past its end can be trimmed."""
+
+    def __init__(self) -> None:
+        self.live = False
+        self.steps = 0  # steps the compute thread ran ahead (collected)
+        self.dropped = 0  # tokens they decoded for sessions that had ended meanwhile
+        self._deferred: list[int] = []
+        self._overrun: set[int] = set()  # seq ids with tokens run past their session's end
+        self._ended_at: dict[int, int] = {}  # seq id -> n_past of a session that ended in the chain
+
+    def defer(self, seq_ids: Sequence[int]) -> bool:
+        """Hold ``seq_ids``' cells for freeing at the chain's end; False when no chain runs."""
+        if self.live:
+            self._deferred.extend(seq_ids)
+        return self.live
+
+    def session_ended(self, seq_id: int, n_past: int) -> None:
+        if self.live:
+            self._ended_at[seq_id] = n_past  # its own cells, if it ran on
+
+    def overran(self, seq_id: int) -> None:
+        """A token was decoded for ``seq_id`` after its session ended."""
+        self.dropped += 1
+        self._overrun.add(seq_id)
+
+    def end(self) -> tuple[dict[int, int | None], list[int]]:
+        """The compute thread is idle again: for each sequence that ran past its session's
+        end, the cells to keep (None: unknown), and the sequences freed meanwhile."""
+        trims = {seq_id: self._ended_at.get(seq_id) for seq_id in self._overrun}
+        deferred = self._deferred
+        self.live, self._deferred, self._overrun, self._ended_at = False, [], set(), {}
+        return trims, deferred

@@ -1,0 +1,39 @@
+"""``uma-trio``: serve, info, generate, metrics, top, bench, snapshot, fetch-model, calibrate.
+
+Every ``serve`` flag also reads an environment variable: ``--n-ctx`` ⇄ ``UMA_N_CTX`` and so
+on (``--socket`` also honours the seeds' ``UMA_SOCK``); the flags are ServerConfig's fields
+(uma_trio/config.py).  One module per group of commands; this one assembles the app.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cyclopts
+
+from ..config import ConfigError
+from .client_commands import bench, generate, metrics, top
+from .common import EXIT_PROTOCOL_ERROR, EXIT_SERVER_ERROR
+from .serve import info, serve
+from .snapshot import snapshot_app
+from .tools import calibrate, fetch_model
+
+__all__ = ["EXIT_PROTOCOL_ERROR", "EXIT_SERVER_ERROR", "app", "main", "metrics", "top"]
+
+app = cyclopts.App(
+    name="uma-trio",
+    help="A local multi-tenant LLM daemon with token-level scheduling, on trio.",
+    config=cyclopts.config.Env("UMA_", command=False),
+)
+for command in (serve, info, generate, metrics, top, bench, snapshot_app, calibrate):
+    app.command(command)
+app.command(fetch_model, name="fetch-model")
+
+
+def main() -> None:
+    try:
+        result = app()
+    except ConfigError as exc:  # ServerConfig's own checks run as cyclopts builds it
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_SERVER_ERROR)
+    sys.exit(result if isinstance(result, int) else 0)

@@ -1,0 +1,189 @@
+"""The commands that talk to a running daemon: generate, metrics, top, bench."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio
+import trio
+from cyclopts import Parameter
+
+from ..client import ConnectionLost, RequestFailed, UmaClient
+from ..config import DEFAULT_SOCKET
+from ..protocol.messages import EosEvent, ErrorEvent, TokenEvent
+from .common import (
+    EXIT_PROTOCOL_ERROR,
+    EXIT_SERVER_ERROR,
+    SocketPath,
+    daemon_failure,
+)
+
+
+def generate(
+    *,
+    prompt: str,
+    max_tokens: int = 128,
+    temp: float = 0.8,
+    top_p: float = 0.95,
+    seed: int | None = None,
+    no_stream: bool = False,
+    raw: bool = False,
+    socket: SocketPath = DEFAULT_SOCKET,
+) -> int:
+    """Send one request and print the answer to stdout (the seeds' uma-cli).
+
+    Exit status: 0 success, 2 the daemon reported an error, 3 connection or protocol error.
+
+    Parameters
+    ----------
+    prompt
+        The user's message (formatted with the model's chat template unless --raw).
+    max_tokens
+        Most tokens to generate.
+    temp
+        Sampling temperature; 0 is greedy.
+    top_p
+        Nucleus sampling threshold.
+    seed
+        Random seed for reproducible sampling.
+    no_stream
+        Ask for one final event instead of a token stream.
+    raw
+        Send the prompt as plain text completion instead of a chat message.
+    socket
+        Unix socket path of the daemon.
+    """
+    request: dict[str, object] = {
+        "max_tokens": max_tokens, "temperature": temp, "top_p": top_p, "stream": not no_stream,
+    }  # fmt: skip
+    if raw:
+        request["prompt"] = prompt
+    else:
+        request["messages"] = [{"role": "user", "content": prompt}]
+    if seed is not None:
+        request["seed"] = seed
+    return anyio.run(_generate, socket, request)
+
+
+async def _generate(socket: Path, request: dict[str, object]) -> int:
+    try:
+        async with UmaClient.connect(socket) as client, client.stream(**request) as events:
+            async for event in events:
+                if isinstance(event, TokenEvent):
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+                elif isinstance(event, ErrorEvent):
+                    print(f"\nerror {event.code}: {event.message}", file=sys.stderr)
+                    return EXIT_SERVER_ERROR
+                elif isinstance(event, EosEvent):
+                    if event.text is not None:
+                        sys.stdout.write(event.text)
+                    sys.stdout.write("\n")
+                    return EXIT_SERVER_ERROR if event.reason == "error" else 0
+    except (ConnectionLost, OSError) as exc:
+        return daemon_failure(socket, exc)
+    print("the daemon ended the stream without an eos event", file=sys.stderr)
+    return EXIT_PROTOCOL_ERROR
+
+
+def metrics(
+    *, socket: SocketPath = DEFAULT_SOCKET, json_: Annotated[bool, Parameter(name="--json")] = False
+) -> int:
+    """Print the daemon's metrics: tables, or the raw snapshot with --json (docs/METRICS.md).
+
+    Parameters
+    ----------
+    socket
+        Unix socket path of the daemon.
+    json_
+        Print the snapshot as JSON instead of tables.
+    """
+
+    async def fetch() -> dict[str, Any]:
+        async with UmaClient.connect(socket) as client:
+            return await client.metrics()
+
+    try:
+        snapshot = anyio.run(fetch)
+    except (RequestFailed, ConnectionLost, OSError) as exc:
+        return daemon_failure(socket, exc)
+    if json_:
+        print(json.dumps(snapshot, indent=2, sort_keys=True))
+    else:
+        from rich.console import Console
+
+        from ..observability.views import report
+
+        Console().print(report(snapshot))
+    return 0
+
+
+def top(*, socket: SocketPath = DEFAULT_SOCKET, interval: float = 1.0, once: bool = False) -> int:
+    """A live view of the daemon: requests in flight, lane latencies, the scorecard.
+
+    Parameters
+    ----------
+    socket
+        Unix socket path of the daemon.
+    interval
+        Seconds between refreshes.
+    once
+        Draw one frame and exit (for scripts).
+    """
+    from ..top import run_top
+
+    if interval <= 0:
+        print("error: --interval must be positive", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    try:
+        trio.run(run_top, socket, interval, once)
+    except (RequestFailed, ConnectionLost, OSError) as exc:
+        return daemon_failure(socket, exc)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def bench(
+    scenario: str,
+    *,
+    target: Annotated[list[str] | None, Parameter(consume_multiple=False)] = None,
+    socket: SocketPath = DEFAULT_SOCKET,
+    api_key: Annotated[str | None, Parameter(env_var="UMA_API_KEY")] = None,
+    out: Path = Path("benches/results/bench"),
+) -> int:
+    """Run a benchmark scenario against one or more servers, one after the other, and print
+    them side by side (docs/BENCHMARKS.md). Exit status 1 if any request failed.
+
+    Parameters
+    ----------
+    scenario
+        A scenario or suite JSON file, or the name of one in benches/scenarios/
+        (mixed, storm, scaling, agents, ipc, ...).
+    target
+        Repeat for each server: `uma` (the daemon at --socket), `uma-http:URL` or
+        `openai:URL` (any OpenAI-compatible server, e.g. llama-server), optionally
+        labelled: `llama-server=openai:http://127.0.0.1:8081`. Default: uma.
+    socket
+        Unix socket of the `uma` target.
+    api_key
+        Bearer key for HTTP targets.
+    out
+        Directory for tokens.csv, requests.csv, summary.csv and the PNG plots.
+    """
+    from ..bench_cli import BenchError, run
+
+    try:
+        return run(scenario, target or ["uma"], socket_path=socket, api_key=api_key, out=out)
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    except BaseExceptionGroup as group:  # a BenchError beside another failure
+        errors = group.subgroup(BenchError)
+        if errors is None:
+            raise
+        print(f"error: {errors.exceptions[0]}", file=sys.stderr)
+        return EXIT_SERVER_ERROR

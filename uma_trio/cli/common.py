@@ -1,0 +1,39 @@
+"""What every ``uma-trio`` command shares: the socket flag, exit codes, logging, and how a
+failure to talk to the daemon is reported."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Literal
+
+from cyclopts import Parameter
+
+from ..client import RequestFailed
+from ..config import ServerConfig
+
+SocketPath = Annotated[Path, Parameter(env_var=["UMA_SOCKET", "UMA_SOCK"])]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+EXIT_SERVER_ERROR = 2
+EXIT_PROTOCOL_ERROR = 3
+
+DEFAULTS = ServerConfig()
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+def daemon_failure(socket: Path, exc: Exception) -> int:
+    """Say why talking to the daemon at ``socket`` failed; returns the exit code.  An error
+    event (e.g. E_AUTH_001: this user is not on the daemon's --allow-uid) is the daemon's
+    answer; anything else means it could not be reached or hung up."""
+    if isinstance(exc, RequestFailed):
+        print(f"error {exc.event.code}: {exc.event.message}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    print(f"cannot talk to the daemon at {socket}: {exc}", file=sys.stderr)
+    return EXIT_PROTOCOL_ERROR

