@@ -54,7 +54,7 @@ async def test_a_failure_after_registration_releases_the_request(
     async with gateway_on_sim() as (server, gateway, url), httpx.AsyncClient(base_url=url) as http:
         with monkeypatch.context() as patch:
             patch.setattr(gateway_module.EventStream, "__init__", broken)
-            patch.setattr(gateway_module, "_json_response", broken)
+            patch.setattr(gateway_module, "json_response", broken)
             for _ in range(gateway.max_requests + 2):  # more than the HTTP in-flight limit
                 failed = await http.post(path, json=body)
                 assert failed.status_code == 500

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from uma_trio.protocol import openai
+from uma_trio.protocol import openai, openai_errors
 from uma_trio.protocol.errors import ErrorCode
 from uma_trio.protocol.messages import EosEvent, Timings, Usage
 
@@ -170,7 +170,7 @@ def test_daemon_errors_map_to_http_statuses() -> None:
         "context_length_exceeded",
         "E_LIMIT_002",
     )
-    assert set(ErrorCode) <= set(openai._STATUS), "every daemon error has an HTTP status"
+    assert set(ErrorCode) <= set(openai_errors._STATUS), "every daemon error has an HTTP status"
 
 
 def test_chat_stream_chunks_follow_openais_order() -> None:

@@ -15,6 +15,9 @@ cross-stream KV copy) and followed by a trim back to the same state, so the
 repeats of a configuration measure identical batches.
 
 This module imports no llama_cpp at import time, so the CLI stays light.
+
+Over 400 lines: the measuring grid and the fit belong together (the fit's inputs are the grid's
+configurations); the fit is pure and tested on synthetic data, the grid on the real engine.
 """
 
 from __future__ import annotations

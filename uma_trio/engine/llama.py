@@ -26,6 +26,9 @@ logits are read through one zero-copy numpy view of every output row, and greedy
 are argmax-ed together.  ``llama_decode`` runs in a worker thread (ctypes releases the
 GIL), always the same one (:mod:`.compute_thread`), which keeps the trio loop serving
 sockets meanwhile.
+
+Over 400 lines: the context, its reused batch buffers and the decode-and-sample step share
+the context's lifetime and threading rules; the model file's side is in llama_model.py.
 """
 
 from __future__ import annotations

@@ -10,19 +10,20 @@ Cancel-on-disconnect: each request that reaches the decode loop runs beside a
 task that waits for the client's ``http.disconnect``; when it comes, the
 request's task is cancelled, which closes :func:`~uma_trio.runtime.delivery.deliver`
 and so cancels the request at the next token boundary, as a socket hang-up does.
+
+Over 400 lines: one route per endpoint and the request lifecycle they share (begin, stream
+or collect, end); the response shapes, API keys and the SSE response live in their own
+modules (responses.py, auth.py, event_stream.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import trio
@@ -44,13 +45,14 @@ from ..protocol.openai import ApiError
 from ..runtime.delivery import deliver
 from ..runtime.desk import RequestDesk
 from ..runtime.stream import RequestStream
+from .auth import BearerAuth, request_owner
+from .event_stream import EventStream, until_disconnect
 from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pattern
-from .serve import Receive, Scope, Send
+from .responses import error_response, http_error_response, json_response, unexpected_error_response
 
 log = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()
-_OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancers, probes)
 
 
 def model_id(model_file: str) -> str:
@@ -65,7 +67,6 @@ class PriorityBody(msgspec.Struct, forbid_unknown_fields=True):
 
 # The principal of HTTP requests (prefix-cache partition): TCP carries no uid, and without a
 # key any local user can send them, so they never reuse a socket user's cached prefixes.
-HTTP_OWNER = "http"
 
 
 class Gateway:
@@ -123,8 +124,8 @@ class Gateway:
             ],
             exception_handlers={
                 ApiError: self._api_error_response,
-                HTTPException: _http_error_response,
-                Exception: _unexpected_error_response,
+                HTTPException: http_error_response,
+                Exception: unexpected_error_response,
             },
         )
 
@@ -134,7 +135,7 @@ class Gateway:
     def _refuse(self, error: ApiError) -> Response:
         log.info("HTTP %d: %s", error.status, error.message)
         self._count_error(error)
-        return _error_response(error)
+        return error_response(error)
 
     def _count_error(self, error: ApiError) -> None:
         """Refusals count in the daemon's errors as the socket's do: by the daemon's code, else
@@ -147,7 +148,7 @@ class Gateway:
         assert isinstance(exc, ApiError)
         log.debug("HTTP %d on %s: %s", exc.status, shown(request.url.path), shown(exc.message, 300))
         self._count_error(exc)
-        return _error_response(exc)
+        return error_response(exc)
 
     # -- plain endpoints ---------------------------------------------------------
 
@@ -165,7 +166,7 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         self._ready()
         listing = openai.ModelList([openai.Model(id=self.model, created=self.created)])
-        return _json_response(listing)
+        return json_response(listing)
 
     async def priority(self, request: Request) -> Response:
         self._ready()
@@ -222,7 +223,7 @@ class Gateway:
         if not body.stream:
             eos = _completed(await self._collect(request, flight))
             make = openai.chat_completion if is_chat else openai.text_completion
-            return _json_response(make(completion_id, created, self.model, eos), headers=headers)
+            return json_response(make(completion_id, created, self.model, eos), headers=headers)
 
         stream_kind = openai.ChatStream if is_chat else openai.CompletionStream
         chunks = stream_kind(completion_id, created, self.model, include_usage)
@@ -261,7 +262,7 @@ class Gateway:
             generate_request = msgspec.structs.replace(generate_request, priority=lane)
         async with self._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
             if not generate_request.stream:
-                return _json_response(_last_word(await self._collect(request, flight)))
+                return json_response(_last_word(await self._collect(request, flight)))
 
             async def sse() -> AsyncGenerator[bytes, None]:
                 async with aclosing(self._events(flight)) as events:
@@ -392,7 +393,7 @@ class Gateway:
                     collected.append(event)
 
         try:
-            await _until_disconnect(request.receive, collect)
+            await until_disconnect(request.receive, collect)
         finally:
             self._end(flight)
         return collected
@@ -452,159 +453,3 @@ def _generate_request(data: bytes) -> GenerateRequest:
     if not isinstance(message, GenerateRequest):
         raise ApiError(400, "POST /generate takes a generate request", param="type")
     return message
-
-
-async def _until_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> None:
-    """Run ``work``; if the client disconnects first, cancel it."""
-    async with trio.open_nursery() as nursery:
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(watch)
-        await work()
-        nursery.cancel_scope.cancel()
-
-
-class EventStream(Response):
-    """A ``text/event-stream`` response whose generator is closed at once, whether it ends,
-    fails or the client disconnects (Starlette's StreamingResponse leaves that to the
-    garbage collector, which would hold the request's KV cells until then)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(
-        self,
-        chunks: Callable[[], AsyncGenerator[bytes, None]],
-        *,
-        on_close: Callable[[], None],
-        stall_timeout_s: float,
-        on_stall: Callable[[], None],
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        self.status_code = 200
-        self.background = None
-        self._chunks = chunks
-        self._on_close = on_close  # runs however the response ends, even before the first chunk
-        self._stall_timeout_s = stall_timeout_s  # a client reading nothing this long is cut off
-        self._on_stall = on_stall
-        self.init_headers({"cache-control": "no-cache", **(headers or {})})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sending_since: float | None = None  # when the body write now blocked began
-        finished = False
-
-        async def stream() -> None:
-            nonlocal sending_since, finished
-            async with aclosing(self._chunks()) as chunks:
-                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-                async for chunk in chunks:
-                    sending_since = trio.current_time()
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    sending_since = None
-            finished = True
-
-        async def watchdog() -> None:
-            # Hypercorn shields its socket writes from cancellation, so a client that reads
-            # nothing is detected from outside: its request ends and frees what it held, and
-            # the write stays blocked until the client goes away.
-            while True:
-                since = sending_since
-                if since is not None and trio.current_time() - since >= self._stall_timeout_s:
-                    log.warning("an HTTP client read nothing for %g s; cancelling", self._stall_timeout_s)
-                    self._on_stall()
-                    self._on_close()
-                    return
-                start = since if since is not None else trio.current_time()
-                await trio.sleep_until(start + self._stall_timeout_s)
-
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(watchdog)
-                await _until_disconnect(receive, stream)
-                nursery.cancel_scope.cancel()
-        finally:
-            self._on_close()
-        if finished:
-            # Outside the disconnect watcher: with `Connection: close` hypercorn reports the
-            # disconnect while it finishes this send, and cancelling the send then left the
-            # socket open after the body had ended.
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-class BearerAuth:
-    """ASGI middleware: with API keys set, every path but /health needs one of them, as
-    ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's header).  Every key
-    is compared, in constant time, so the answer's timing says nothing about which came
-    close.  The key a request used names its principal (``scope["state"]["uma_owner"]``):
-    holders of different keys never share cached prefixes."""
-
-    def __init__(self, app: Any, api_keys: Sequence[str], count: Callable[[ApiError], None]) -> None:
-        self.app = app
-        self.keys = [(key.encode(), key_owner(key)) for key in api_keys]
-        self.count = count
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.keys and scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            headers = dict(scope["headers"])
-            given = headers.get(b"authorization")
-            scheme, _, token = (given or b"").strip().partition(b" ")
-            if given is None and b"x-api-key" in headers:
-                given, scheme, token = headers[b"x-api-key"], b"bearer", headers[b"x-api-key"]
-            owner = None
-            for key, key_principal in self.keys:  # no early exit: the time is the same either way
-                if hmac.compare_digest(token.strip(), key) and scheme.lower() == b"bearer":
-                    owner = key_principal
-            if given is None:
-                error: ApiError | None = ApiError(
-                    401, "You didn't provide an API key: send `Authorization: Bearer <key>`.",
-                    code="invalid_api_key",
-                )  # fmt: skip
-            elif owner is None:
-                error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-            else:
-                error = None
-                scope.setdefault("state", {})["uma_owner"] = owner
-            if error is not None:
-                self.count(error)
-                response = _error_response(error, headers={"www-authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def key_owner(key: str) -> str:
-    """The principal of requests made with ``key``: a digest, never the key itself."""
-    return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def request_owner(request: Request) -> str:
-    return str(request.scope.get("state", {}).get("uma_owner", HTTP_OWNER))
-
-
-def _json_response(value: Any, headers: Mapping[str, str] | None = None, status: int = 200) -> Response:
-    return Response(_json.encode(value), status_code=status, media_type="application/json", headers=headers)
-
-
-def _error_response(error: ApiError, headers: Mapping[str, str] | None = None) -> Response:
-    if error.status in (429, 503):  # busy or loading: worth a retry soon
-        headers = {"retry-after": "1", **(headers or {})}
-    if error.close_connection:  # the rest of a request would follow: the connection cannot go on
-        headers = {"connection": "close", **(headers or {})}
-    return _json_response(error.body(), headers=headers, status=error.status)
-
-
-async def _unexpected_error_response(request: Request, exc: Exception) -> Response:
-    """A bug: still OpenAI's error object (Starlette logs the traceback and re-raises)."""
-    error = ApiError(500, f"internal error: {type(exc).__name__}", type="server_error")
-    return _error_response(error)
-
-
-async def _http_error_response(request: Request, exc: Exception) -> Response:
-    """Starlette's own 404/405 as OpenAI error objects."""
-    assert isinstance(exc, HTTPException)
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    message = f"{request.method} {request.url.path}: {exc.detail}"
-    return _error_response(ApiError(exc.status_code, message, code=code), headers=exc.headers)

@@ -7,118 +7,27 @@ penalties, tools, ...) is refused by name instead of being silently ignored, and
 fields it does not know at all are ignored, as OpenAI-compatible servers do.
 Value checks are the socket protocol's own: the translated request goes through
 :class:`~uma_trio.protocol.messages.GenerateRequest`'s validation.
+
+Over 400 lines: every request body, response and stream chunk OpenAI's two generation
+endpoints define, with their translation; the errors are in openai_errors.py.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
-from .errors import ErrorCode, UmaError
+from .errors import ErrorCode
 from .messages import EosEvent, FinishReason, GenerateRequest, Lane
 
-# -- errors ------------------------------------------------------------------------
-
-
-class ApiError(Exception):
-    """An HTTP error answered with OpenAI's error object."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        uma_code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.uma_code = uma_code  # the daemon's E_ code, for its error counts (HTTP.md)
-        self.counted = False  # already in the daemon's error counts (the decode loop's own errors)
-        self.close_connection = False  # answer with `Connection: close` (a body left unread)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-# HTTP status and OpenAI error type of each daemon error code.  `code` in the error object
-# is the daemon's E_ code, except where OpenAI defines one that clients act on.
-_STATUS: dict[ErrorCode, tuple[int, str]] = {
-    ErrorCode.INVALID_JSON: (400, "invalid_request_error"),
-    ErrorCode.SCHEMA: (400, "invalid_request_error"),
-    ErrorCode.INVALID_UTF8: (400, "invalid_request_error"),
-    ErrorCode.FRAME_TOO_LARGE: (413, "invalid_request_error"),
-    ErrorCode.UNKNOWN_TYPE: (400, "invalid_request_error"),
-    ErrorCode.DUPLICATE_ID: (409, "invalid_request_error"),
-    ErrorCode.UNKNOWN_ID: (404, "invalid_request_error"),
-    ErrorCode.PROMPT_TOO_LARGE: (400, "invalid_request_error"),
-    ErrorCode.CONTEXT_OVERFLOW: (400, "invalid_request_error"),
-    ErrorCode.MAX_TOKENS: (400, "invalid_request_error"),
-    ErrorCode.SERVER_BUSY: (429, "rate_limit_error"),
-    ErrorCode.TOO_MANY_IN_FLIGHT: (429, "rate_limit_error"),
-    ErrorCode.TOO_MANY_CONNECTIONS: (429, "rate_limit_error"),
-    ErrorCode.IDLE_TIMEOUT: (408, "invalid_request_error"),
-    ErrorCode.SHUTTING_DOWN: (503, "server_error"),
-    ErrorCode.MODEL: (400, "invalid_request_error"),
-    ErrorCode.DECODE_FAILED: (500, "server_error"),
-    ErrorCode.KV_FULL: (503, "server_error"),
-    ErrorCode.SAMPLING_FAILED: (500, "server_error"),
-    ErrorCode.CONTEXT_LOST: (503, "server_error"),  # a retry runs on the rebuilt context
-    # Socket-only (framing, peer credentials); mapped so every code has an answer.
-    ErrorCode.FRAME_TIMEOUT: (408, "invalid_request_error"),
-    ErrorCode.PEER_NOT_ALLOWED: (403, "permission_error"),
-    # Snapshots are socket-only today; mapped so every code has an answer.
-    ErrorCode.SNAPSHOT_NOT_FOUND: (404, "invalid_request_error"),
-    ErrorCode.SNAPSHOT_MISMATCH: (409, "invalid_request_error"),
-    ErrorCode.SNAPSHOT_INVALID: (422, "invalid_request_error"),
-}
-_OPENAI_CODE = {
-    ErrorCode.PROMPT_TOO_LARGE: "context_length_exceeded",
-    ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded",
-}
-_PARAM = {ErrorCode.MAX_TOKENS: "max_tokens"}
-
-
-def api_error(code: ErrorCode, message: str) -> ApiError:
-    """The HTTP answer to a daemon error."""
-    status, kind = _STATUS[code]
-    return ApiError(
-        status, message, type=kind, param=_PARAM.get(code), code=_OPENAI_CODE.get(code, code), uma_code=code
-    )
-
-
-def from_uma_error(error: UmaError) -> ApiError:
-    return api_error(error.code, error.message)
-
-
-_PATH = re.compile(r"at `\$\.?([^`]*)`")
-
-
-def validation_error(exc: msgspec.ValidationError | msgspec.DecodeError | ValueError) -> ApiError:
-    """A bad body, naming the offending field as ``param`` where msgspec says which."""
-    message = str(exc)
-    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
-        return ApiError(400, f"the body is not valid JSON: {message}", code=ErrorCode.INVALID_JSON)
-    found = _PATH.search(message)
-    param = found.group(1) if found and found.group(1) else None
-    return ApiError(400, message, param=param, code=ErrorCode.SCHEMA)
-
-
-def _stop_param(error: ApiError, stop: str | list[str] | None) -> ApiError:
-    """A single stop string is checked as a one-item list: name it as the client sent it."""
-    if isinstance(stop, str) and error.param == "stop[0]":
-        error.param = "stop"
-    return error
-
+# The errors live in openai_errors.py; callers reach every OpenAI shape through this module.
+from .openai_errors import ApiError as ApiError
+from .openai_errors import api_error as api_error
+from .openai_errors import from_uma_error as from_uma_error
+from .openai_errors import stop_param
+from .openai_errors import validation_error as validation_error
 
 # -- request bodies ----------------------------------------------------------------
 
@@ -295,7 +204,7 @@ def translate(
     try:
         request = msgspec.convert(fields, GenerateRequest)
     except (msgspec.ValidationError, ValueError) as exc:
-        raise _stop_param(validation_error(exc), body.stop) from None
+        raise stop_param(validation_error(exc), body.stop) from None
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     return Translated(request=request, auto_max_tokens=auto, include_usage=include_usage)
 

@@ -25,6 +25,12 @@ them; both only record the wish and wake the loop.  The loop then repeats:
    never stalls anybody else and never loses a token.
 
 It never awaits a client.
+
+Over 400 lines: it is the one task that may touch the engine's context, so every engine
+call is sequenced here.  The decisions it carries out are made in pure modules beside it:
+admission.py (who starts), sched/policy.py (the plan), batch.py (plan and claim to engine
+calls), step_apply.py (a step's result to events), lifecycle.py, run_ahead.py; its
+gauges are built in loop_gauges.py.
 """
 
 from __future__ import annotations

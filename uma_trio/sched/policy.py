@@ -36,6 +36,9 @@ The stages, in order (each a function below):
    bandwidth × budget, prefill is trimmed first, then background decoders.
 
 Parked sessions (clients not reading) sit out and are never dropped.
+
+Over 400 lines: the pipeline's stages read best in order in one place; the ΣBMT guard
+(bmt.py), the cost model (cost.py) and the state types (state.py) are apart.
 """
 
 from __future__ import annotations

@@ -1,0 +1,41 @@
+"""JSON responses and OpenAI-shaped error objects for the gateway."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..protocol.openai import ApiError
+
+_json = msgspec.json.Encoder()
+
+
+def json_response(value: Any, headers: Mapping[str, str] | None = None, status: int = 200) -> Response:
+    return Response(_json.encode(value), status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(error: ApiError, headers: Mapping[str, str] | None = None) -> Response:
+    if error.status in (429, 503):  # busy or loading: worth a retry soon
+        headers = {"retry-after": "1", **(headers or {})}
+    if error.close_connection:  # the rest of a request would follow: the connection cannot go on
+        headers = {"connection": "close", **(headers or {})}
+    return json_response(error.body(), headers=headers, status=error.status)
+
+
+async def unexpected_error_response(request: Request, exc: Exception) -> Response:
+    """A bug: still OpenAI's error object (Starlette logs the traceback and re-raises)."""
+    error = ApiError(500, f"internal error: {type(exc).__name__}", type="server_error")
+    return error_response(error)
+
+
+async def http_error_response(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 as OpenAI error objects."""
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return error_response(ApiError(exc.status_code, message, code=code), headers=exc.headers)
