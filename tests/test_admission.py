@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from uma_trio.runtime.admission import Capacity, Waiting, next_to_admit
+from uma_trio.runtime.admission import Capacity, InteractiveDemand, Waiting, next_to_admit
 
 ROOMY = Capacity(
     available_seqs=4, room_cells=10_000, reserved_cells=0, background_running=0, background_cap=3
@@ -43,3 +43,15 @@ def test_no_free_id_or_the_background_cap_holds_requests_back() -> None:
     )
     assert next_to_admit([job()], capped) is None  # the last id is kept for a chat
     assert next_to_admit([job(), chat()], capped) == 1
+
+
+def test_interactive_demand_is_the_peak_of_the_last_window() -> None:
+    demand = InteractiveDemand(window_s=10.0)
+    demand.note(0.0, 3)
+    demand.note(1.0, 1)  # two chats are between turns
+    assert demand.peak(5.0) == 3
+    demand.note(9.0, 2)
+    assert demand.peak(10.5) == 3 and demand.peak(11.5) == 2  # the 3 ended at 1.0 s
+    demand.note(20.0, 0)
+    assert demand.peak(20.0) == 2 and demand.peak(31.0) == 0
+    assert InteractiveDemand().peak(0.0) == 0

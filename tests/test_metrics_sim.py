@@ -62,3 +62,24 @@ async def test_counters_and_percentiles_match_what_the_clients_saw(autojump_cloc
         assert_lane_percentiles_agree(snapshot["latency"], result.records, lane)
     assert snapshot["cancels"] == {} and snapshot["errors"] == {}
     assert snapshot["scorecard"]["scheduler_efficiency"] == 1.0  # nothing was cancelled
+
+
+async def test_a_request_in_flight_shows_when_it_should_end(autojump_clock: trio.abc.Clock) -> None:
+    """``in_flight`` rows carry ``eta_s`` (issue 19: a background job's expected completion,
+    shown by ``uma-trio top``): mid-prompt it names an end close to the real one."""
+    from uma_trio.protocol.messages import GenerateRequest
+
+    from .helpers import sim_daemon
+
+    async with sim_daemon(n_ctx=8192, max_prompt_tokens=8192) as server:
+        prompt = " ".join(f"w{i}" for i in range(3000))
+        request = GenerateRequest(id="job", prompt=prompt, max_tokens=16, priority="background", stream=True)
+        stream = await server.open_request(request, trio.current_time(), connection=1)
+        await trio.sleep(2.0)
+        row = next(r for r in server.loop.gauges()["in_flight"] if r["id"] == "job")
+        asked = trio.current_time()
+        assert row["phase"] == "prefill" and row["eta_s"] is not None
+        async for _ in stream.receive:
+            pass
+        left = trio.current_time() - asked
+        assert 0.5 * left <= row["eta_s"] <= 2.0 * left, (row["eta_s"], left)

@@ -312,3 +312,99 @@ def test_a_plan_carries_the_kv_cells_its_batch_reads() -> None:
     policy = Policy(CONFIG, model)
     policy.observe(plan, SchedulerState(()), seconds=0.05)  # the state is not needed for the cells
     assert model.last_s == 0.05
+
+
+# -- quiet ticks: work-conserving background prompts (issue 19) ---------------------
+
+
+def quiet_state(*sessions: SessionState, micro_batch: int = 512) -> SchedulerState:
+    return SchedulerState(tuple(sessions), tick=0, max_batch=2048, micro_batch=micro_batch, preemptible=True)
+
+
+def test_quiet_ticks_double_the_background_tick_up_to_the_growth_limit() -> None:
+    """With no interactive session and an engine that can stop a step, every quiet tick
+    doubles the budget; background prompts take at most a micro-batch a tick."""
+    state = quiet_state(background(1, prompt=50_000))
+    budgets, chunks = [], []
+    for quiet in range(CONFIG.background_growth + 3):
+        p = plan_tick(state, CONFIG, COST, Controls(quiet_ticks=quiet))
+        budgets.append(p.budget_s)
+        chunks.append(p.prefill_tokens)
+        assert p.preemptible
+    growth = 2**CONFIG.background_growth
+    assert budgets[0] == pytest.approx(CONFIG.tick_background_s)
+    assert budgets[3] == pytest.approx(8 * CONFIG.tick_background_s)
+    assert budgets[-1] == pytest.approx(growth * CONFIG.tick_background_s)  # capped
+    assert chunks[0] == int((CONFIG.tick_background_s - 0.004) / 0.003)  # the throughput tick's room
+    assert chunks == sorted(chunks) and max(chunks) == 512  # one micro-batch at most
+
+
+def test_without_preemption_or_with_an_interactive_session_the_tick_does_not_grow() -> None:
+    job = background(1, prompt=50_000)
+    unstoppable = SchedulerState((job,), tick=0, max_batch=2048, micro_batch=512, preemptible=False)
+    p = plan_tick(unstoppable, CONFIG, COST, Controls(quiet_ticks=5))
+    assert p.budget_s == pytest.approx(CONFIG.tick_background_s) and not p.preemptible
+    waiting_chat = quiet_state(job, interactive(2, prompt=30))
+    p = plan_tick(waiting_chat, CONFIG, COST, Controls(quiet_ticks=5))
+    assert not p.preemptible  # the chat's prompt is in it
+    assert p.budget_s < 2 * CONFIG.tick_background_s
+
+
+def test_a_batch_without_interactive_sessions_is_preemptible_beside_a_parked_one() -> None:
+    state = quiet_state(background(1, prompt=5000), interactive(2, parked=True, n_past=40))
+    p = plan_tick(state, CONFIG, COST, Controls(quiet_ticks=3))
+    assert p.preemptible and p.prefill and not p.decode
+    assert p.budget_s == pytest.approx(CONFIG.tick_background_s)  # a session is interactive: no growth
+
+
+def test_quiet_ticks_count_up_reset_on_preemption_and_never_hold() -> None:
+    policy = Policy(CONFIG, TickCostModel(COST))
+    state = quiet_state(background(1, prompt=50_000))
+    for _ in range(3):
+        p = policy.plan(state)
+        policy.observe(p, state, seconds=p.budget_s * 3)  # far over budget: no hold while quiet
+    assert policy.controls.quiet_ticks == 3 and policy.controls.hold_left == 0
+    policy.preempted()
+    assert policy.controls.quiet_ticks == 0 and policy.snapshot()["preempted_ticks"] == 1
+    chat = quiet_state(background(1, prompt=50_000), interactive(2, n_past=40))
+    p = policy.plan(chat)
+    policy.observe(p, chat, seconds=p.predicted_s)
+    assert policy.controls.quiet_ticks == 0
+
+
+# -- the p95 slack as an error budget (issue 19) -------------------------------------
+
+
+def test_the_slack_budget_counts_ticks_past_the_cap_over_its_window() -> None:
+    from uma_trio.sched.slack import SlackBudget
+
+    slack = SlackBudget(share=0.05, rescue_share=0.03, window=100)
+    assert slack.for_rescue and slack.used == 0.0
+    for _ in range(2):
+        slack.record(True)
+    assert slack.for_rescue  # a third stretched tick keeps 3 of 100
+    slack.record(True)
+    assert not slack.for_rescue and slack.used == pytest.approx(0.03)
+    for _ in range(100):
+        slack.record(False)  # the stretched ticks leave the window
+    assert slack.over_cap == 0 and slack.for_rescue
+
+
+def test_rescues_wait_while_the_slack_is_spent_but_new_prompts_do_not() -> None:
+    starving = background(1, prompt=800, ticks_waiting=CONFIG.starve_ticks)
+    chat = interactive(2, n_past=50)
+    newcomer = interactive(3, prompt=30)
+    spent = Controls(slack_for_rescue=False)
+    assert plan(chat, starving, controls=spent).rescue is False
+    assert plan(chat, starving).rescue is True
+    with_prompt = plan(chat, newcomer, controls=spent)
+    assert dict(with_prompt.prefill)[3] > 1  # stretched past the budget all the same
+
+
+def test_the_policy_feeds_its_slack_from_measured_interactive_ticks() -> None:
+    policy = Policy(CONFIG, TickCostModel(COST))
+    state = SchedulerState((interactive(1, n_past=50),), tick=0)
+    p = policy.plan(state)
+    policy.observe(p, state, seconds=p.cap_s * 1.5)
+    policy.observe(p, state, seconds=p.cap_s * 0.9)
+    assert policy.slack.over_cap == 1 and policy.snapshot()["slack"]["over_cap"] == 1

@@ -90,6 +90,12 @@ class EngineError(Exception):
         """The batch was refused before anything ran: it may be retried in parts."""
         return self.status in (1, -1)
 
+    @property
+    def preempted(self) -> bool:
+        """A preemptible step stopped early at :meth:`Engine.preempt`; the engine has undone
+        all of it (every entry's sequence is back at its ``pos0``), so nothing changed."""
+        return self.status == 2
+
 
 class Engine(Protocol):
     """A model plus one context: the runtime's view of llama.cpp (or a simulation)."""
@@ -145,7 +151,21 @@ class Engine(Protocol):
         content is plain text whatever it contains."""
         ...
 
-    async def step(self, entries: Sequence[BatchEntry], follow: Follow | None = None) -> StepResult:
+    @property
+    def can_preempt(self) -> bool:
+        """Whether :meth:`preempt` can stop a step midway (llama.cpp's CPU backend polls an
+        abort flag between graph nodes; GPU backends run a graph to its end)."""
+        ...
+
+    def preempt(self) -> None:
+        """Stop the step in flight if it was started ``preemptible``: it raises an
+        :class:`EngineError` whose ``preempted`` holds, having changed nothing.  A no-op
+        otherwise.  Called from the event loop while the compute thread decodes."""
+        ...
+
+    async def step(
+        self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False
+    ) -> StepResult:
         """Decode one batch and sample where asked.  Cancellation waits for the step.
 
         Raises :class:`EngineError` when the decode fails.  A sampler that raises fails

@@ -93,7 +93,16 @@ class FaultyEngine:
     async def next_ahead(self) -> tuple[Sequence[BatchEntry], StepResult]:
         raise RuntimeError("FaultyEngine does not run ahead")
 
-    async def step(self, entries: Sequence[BatchEntry], follow: Follow | None = None) -> StepResult:
+    @property
+    def can_preempt(self) -> bool:
+        return False  # likewise: every step it is handed runs whole
+
+    def preempt(self) -> None:
+        pass
+
+    async def step(
+        self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False
+    ) -> StepResult:
         entries = list(entries)
         poison: Fault | None = None
         for fault in list(self.armed):

@@ -64,6 +64,13 @@ __all__ = [
     "ModelShape", "Placement", "read_shape",
 ]  # fmt: skip
 
+# The abort flag llama.cpp polls between graph nodes (preempt()): a 2-byte buffer handed to
+# libc's strlen, installed as the ggml_abort_callback.  strlen(flag) is 0 (go on) or 1
+# (stop), returned where the C ABIs return a bool, and it runs without the GIL; a Python
+# callback would take the GIL at every node of every step.
+_STRLEN_ADDRESS = ctypes.cast(ctypes.CDLL(None).strlen, ctypes.c_void_p).value or 0
+_STRLEN_AS_ABORT = llama.ggml_abort_callback(_STRLEN_ADDRESS)
+
 _FLASH_ATTN = {
     "auto": llama.LLAMA_FLASH_ATTN_TYPE_AUTO,
     "on": llama.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -169,6 +176,9 @@ class LlamaEngine:
         # auto with a quantized V cache is forced on without a probe line; an explicit choice is kept.
         self.flash_attn = resolved if resolved is not None else config.flash_attn != "off"
         self._memory = llama.llama_get_memory(self._ctx)
+        self._abort = ctypes.create_string_buffer(2)  # b"": go on; b"x": stop (preempt)
+        self._preemptible = False  # the step in flight may be preempted
+        self._install_abort()
         self.rebuilds = 0
         self._n_ctx = int(llama.llama_n_ctx(self._ctx))
         # llama.cpp pads a stream to 256 cells; the request limit stays what was asked.  One
@@ -240,10 +250,27 @@ class LlamaEngine:
     def max_token_bytes(self) -> int:
         return self.model.max_token_bytes
 
-    async def step(self, entries: Sequence[BatchEntry], follow: Follow | None = None) -> StepResult:
-        # Not abandoned on cancel: the context must never be touched by two threads.
+    @property
+    def can_preempt(self) -> bool:
+        return self.model.layers_offloaded == 0  # only the CPU backend polls the abort flag
+
+    def preempt(self) -> None:
+        if self._preemptible:
+            self._abort.value = b"x"  # llama.cpp sees it at the next graph node
+
+    async def step(
+        self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False
+    ) -> StepResult:
+        # Cleared here, before the compute thread can start: a preempt() after this line
+        # is for this step, and one before it was for a step already over.
+        self._abort.value = b""
+        self._preemptible = preemptible and follow is None
         started = threading.Event()
-        return await self._compute.run(self._step, entries, started, follow, started=started)
+        try:
+            # Not abandoned on cancel: the context must never be touched by two threads.
+            return await self._compute.run(self._step, entries, started, follow, started=started)
+        finally:
+            self._preemptible = False
 
     @property
     def running_ahead(self) -> bool:
@@ -269,7 +296,11 @@ class LlamaEngine:
         if not self._ctx:
             raise ModelLoadError("llama.cpp could not create a new context")
         self._memory = llama.llama_get_memory(self._ctx)
+        self._install_abort()
         self.rebuilds += 1
+
+    def _install_abort(self) -> None:
+        llama.llama_set_abort_callback(self._ctx, _STRLEN_AS_ABORT, ctypes.cast(self._abort, ctypes.c_void_p))
 
     def free_seq(self, seq_id: int) -> None:
         llama.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
@@ -368,6 +399,10 @@ class LlamaEngine:
         status = llama.llama_decode(self._ctx, buf.batch)
         if status != 0:
             self.step_gaps.on_end(None)
+            if status == 2:  # preempted: undo the micro-batches that did finish, too
+                for entry in entries:
+                    llama.llama_memory_seq_rm(self._memory, entry.seq_id, entry.pos0, -1)
+                raise EngineError(2, f"preempted: a batch of {n} tokens stopped early and was undone")
             raise EngineError(status, f"llama_decode returned {status} for a batch of {n} tokens")
         sampled, failed = [], []
         if not outputs:  # a GPU's decode returns before the device is done: time all of it

@@ -49,6 +49,9 @@ class SimEngine:
         self.steps: list[tuple[int, int, float]] = []  # (decode tokens, prefill tokens, seconds)
         self.rebuilds = 0
         self._ahead: deque[tuple[Sequence[BatchEntry], Follow]] = deque()  # run-ahead steps to run
+        self.preemptible_steps = True  # as llama.cpp's CPU backend: preempt() stops a step midway
+        self._preempt_scope: trio.CancelScope | None = None
+        self.preempted = 0  # steps preempt() stopped
 
     @property
     def n_ctx(self) -> int:
@@ -96,8 +99,18 @@ class SimEngine:
     def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
         return self.tokenize(self.apply_chat_template(messages))  # the simulation has no control tokens
 
-    async def step(self, entries: Sequence[BatchEntry], follow: Follow | None = None) -> StepResult:
-        result = await self._step(entries)
+    @property
+    def can_preempt(self) -> bool:
+        return self.preemptible_steps
+
+    def preempt(self) -> None:
+        if self._preempt_scope is not None:
+            self._preempt_scope.cancel()
+
+    async def step(
+        self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False
+    ) -> StepResult:
+        result = await self._step(entries, preemptible=preemptible and follow is None)
         if follow is not None and (after := follow(entries, result)):
             self._ahead.append((after, follow))
         return result
@@ -112,7 +125,7 @@ class SimEngine:
         entries, follow = self._ahead.popleft()
         return entries, await self.step(entries, follow)
 
-    async def _step(self, entries: Sequence[BatchEntry]) -> StepResult:
+    async def _step(self, entries: Sequence[BatchEntry], *, preemptible: bool = False) -> StepResult:
         decode_ctx: list[int] = []
         prefill: list[tuple[int, int]] = []
         n_tokens = 0
@@ -131,8 +144,14 @@ class SimEngine:
             raise ValueError(f"batch of {n_tokens} tokens exceeds n_batch={self._n_batch}")
         prefill_tokens = sum(n for _, n in prefill)
         seconds = self.cost.predict(len(decode_ctx), prefill_tokens, kv_cells_read(decode_ctx, prefill))
-        with trio.CancelScope(shield=True):  # like the real engine: a started step finishes
-            await trio.sleep(seconds)
+        with trio.CancelScope(shield=True):  # like the real engine: a started step finishes...
+            with trio.CancelScope() as preempt:  # ...unless preempted, which undoes it
+                self._preempt_scope = preempt if preemptible else None
+                await trio.sleep(seconds)
+            self._preempt_scope = None
+        if preempt.cancelled_caught:
+            self.preempted += 1
+            raise EngineError(2, f"preempted: a batch of {n_tokens} tokens stopped early and was undone")
         sampled, failed = [], []
         for entry in entries:
             self._cells[entry.seq_id] = entry.pos0 + len(entry.tokens)

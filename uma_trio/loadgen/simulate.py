@@ -36,13 +36,18 @@ async def simulate(
     cost: CostCoefficients,
     config: ServerConfig = SIM_CONFIG,
     policy: Policy | None = None,
+    *,
+    preemptible: bool = True,
 ) -> tuple[ScenarioResult, Server]:
-    """Run ``scenario`` to its end; return its records and the (stopped) server."""
+    """Run ``scenario`` to its end; return its records and the (stopped) server.
+    ``preemptible``: whether the engine can stop a step midway, as llama.cpp's CPU backend
+    can (Engine.can_preempt); GPU backends cannot."""
     with tempfile.TemporaryDirectory(prefix="uma-sim-") as tmp:
         config = replace(config, socket_path=Path(tmp) / "sim.sock")
         engine = SimEngine(
             cost, n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions, n_batch=config.n_batch
         )
+        engine.preemptible_steps = preemptible
         server = Server(engine, config, policy=policy or default_policy(config, prior=cost))
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)

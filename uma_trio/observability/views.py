@@ -78,7 +78,7 @@ def latency_table(snap: dict[str, Any], scope: str = "window") -> Table:
 
 def sessions_table(snap: dict[str, Any]) -> Table:
     table = Table(title="requests in flight", title_justify="left")
-    for column in ("conn", "id", "lane", "phase", "prompt", "generated", "gap ms", "age s"):
+    for column in ("conn", "id", "lane", "phase", "prompt", "generated", "gap ms", "age s", "eta s"):
         table.add_column(column, justify="left" if column in ("id", "lane", "phase") else "right")
     for row in snap["in_flight"]:
         phase = row["phase"] + (" (parked)" if row["parked"] else "")
@@ -87,7 +87,7 @@ def sessions_table(snap: dict[str, Any]) -> Table:
         table.add_row(
             str(row["connection"]), row["id"], row["lane"], phase, prompt,
             f"{row['generated']}/{row['max_tokens']}", _num(row["gap_ms"]), f"{row['age_ms'] / 1000:,.1f}",
-            style=style,
+            "-" if row.get("eta_s") is None else f"{row['eta_s']:,.1f}", style=style,
         )  # fmt: skip
     return table
 

@@ -6,11 +6,13 @@ a lane it is first in, first out: nobody overtakes the head of its lane, so a la
 is not starved by a stream of small ones behind it.  A request fits when a sequence id is
 available (free, or a cached prefix that would yield it) and the cells it may come to need
 (prompt plus ``max_tokens``) fit beside what running requests reserve and pinned prefixes
-hold.  Background requests never take the last ``interactive_reserve`` sequences.
+hold.  Background requests never take the last ``interactive_reserve`` sequences, nor those
+interactive requests needed lately (:class:`InteractiveDemand`).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,3 +48,26 @@ def next_to_admit(waiting: Sequence[Waiting], capacity: Capacity) -> int | None:
         if head is not None and capacity.fits(waiting[head]):
             return head
     return None
+
+
+class InteractiveDemand:
+    """How many sequences interactive requests have needed lately: the most that ran or
+    waited at once over the last ``window_s``.  Background requests leave that many to them,
+    so chat clients coming back after a turn's think time find their sessions, instead of
+    queueing behind background prompts that took the sessions meanwhile (a background
+    prompt gains little from them while chats stream: it only gets the headroom).  Noted
+    every round of the decode loop; time is passed in."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._changes: deque[tuple[float, int]] = deque()  # (when, count): each holds until the next
+
+    def note(self, now: float, count: int) -> None:
+        if not self._changes or self._changes[-1][1] != count:
+            self._changes.append((now, count))
+
+    def peak(self, now: float) -> int:
+        start = now - self.window_s
+        while len(self._changes) > 1 and self._changes[1][0] <= start:
+            self._changes.popleft()  # it ended before the window began
+        return max((count for _, count in self._changes), default=0)

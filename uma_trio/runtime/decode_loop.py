@@ -53,7 +53,7 @@ from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEve
 from ..sched.kv_manager import Claim, KvManager
 from ..sched.policy import Policy, default_policy
 from ..sched.state import Lane, Plan, SchedulerState, SessionState
-from .admission import Capacity, Waiting, next_to_admit
+from .admission import Capacity, InteractiveDemand, Waiting, next_to_admit
 from .batch import batch_entries, set_up_sequence
 from .lifecycle import Phase
 from .loop_gauges import kv_gauges, session_gauges
@@ -96,8 +96,9 @@ class DecodeLoop:
         self._tick = 0
         self.policy = policy or default_policy(config)
         self.max_batch = min(config.n_batch, engine.n_batch)
-        # Background sessions never hold the last seq ids: interactive work always finds one.
-        self._background_seq_cap = max(1, engine.n_seq_max - config.interactive_reserve)
+        # Background sessions never hold the last seq ids (--interactive-reserve), nor those
+        # interactive requests needed lately: a chat coming back after its think time finds one.
+        self._interactive_demand = InteractiveDemand()
         self._state = SchedulerState(())
         self._last_step_end: float | None = None  # None after the loop slept: no overhead to count
         # Run-ahead (run_ahead.py): by default where a step leaves the host idle (all on a GPU).
@@ -105,6 +106,7 @@ class DecodeLoop:
         self._run_ahead = RunAhead()
         # While steps run ahead, KV cells are freed only once the compute thread is idle again.
         self._chain = AheadChain()
+        self._step_preemptible = False  # the step in flight may be stopped (_preempt)
         self._trace = TickTrace(config.tick_trace) if config.tick_trace is not None else None
 
     # -- called from connection tasks (synchronous: they only record and wake) --
@@ -128,6 +130,8 @@ class DecodeLoop:
                 request_id=session.id,
             )
         self._waiting.append(session)
+        if session.lane == "interactive":
+            self._preempt()
         self.metrics.on_submitted(session.lane, len(session.prompt))
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self.wake()
@@ -148,6 +152,8 @@ class DecodeLoop:
             return
         session.abort = reason
         self._aborted.append(session)
+        if session.phase is not Phase.WAITING:
+            self._preempt()  # it may be in the step now running
         self.wake()
 
     def set_lane(self, session: Session, lane: Lane) -> None:
@@ -155,7 +161,15 @@ class DecodeLoop:
         if session.lane != lane and not session.finished:
             session.lane = lane
             self.metrics.lane_changes += 1
+            if lane == "interactive":
+                self._preempt()
             self.wake()
+
+    def _preempt(self) -> None:
+        """Stop the step now running if it carries no interactive session (Plan.preemptible):
+        an interactive request should not wait for background work."""
+        if self._step_preemptible:
+            self.engine.preempt()
 
     def wake(self) -> None:
         self._run_ahead.stop()  # whatever woke the loop may change the next plan
@@ -284,12 +298,20 @@ class DecodeLoop:
         whole = True
         try:
             try:
-                result = await self.engine.step(entries, self._arm_run_ahead(plan))
+                follow = self._arm_run_ahead(plan)
+                self._step_preemptible = plan.preemptible and follow is None
+                result = await self.engine.step(entries, follow, preemptible=self._step_preemptible)
             except EngineError as exc:
+                if exc.preempted:  # undone by the engine: plan again, with the newcomer
+                    self.policy.preempted()
+                    self._last_step_end = self._clock()
+                    return
                 if not exc.rejected:
                     raise
                 whole = False
                 result = await self._step_apart(entries, exc)
+            finally:
+                self._step_preemptible = False
         except Exception as exc:  # the context is in doubt: only a fresh one can be trusted
             await self._lose_context(exc)
             return
@@ -419,8 +441,15 @@ class DecodeLoop:
             room_cells=self.engine.n_ctx - self.kv.pinned_cells,
             reserved_cells=self._reserved_cells,
             background_running=sum(s.lane == "background" for s in self._active.values()),
-            background_cap=self._background_seq_cap,
+            background_cap=self._background_seq_cap(),
         )
+
+    def _background_seq_cap(self) -> int:
+        now = self._clock()
+        interactive = sum(s.lane == "interactive" for s in [*self._active.values(), *self._waiting])
+        self._interactive_demand.note(now, interactive)
+        kept = max(self.config.interactive_reserve, self._interactive_demand.peak(now))
+        return max(1, self.engine.n_seq_max - kept)
 
     def _next_admittable(self) -> Session | None:
         """The request :func:`.admission.next_to_admit` picks, if any."""
@@ -477,8 +506,9 @@ class DecodeLoop:
                 )
             )
         self._state = SchedulerState(
-            tuple(views), tick=self._tick, max_batch=self.max_batch, micro_batch=self.config.engine_n_ubatch
-        )
+            tuple(views), tick=self._tick, max_batch=self.max_batch, micro_batch=self.config.engine_n_ubatch,
+            preemptible=self.engine.can_preempt,
+        )  # fmt: skip
         return self.policy.plan(self._state)
 
     @staticmethod
@@ -612,7 +642,9 @@ class DecodeLoop:
             cells_reserved=self._reserved_cells, seqs_total=engine.n_seq_max, kv_type=engine.kv_type,
         )  # fmt: skip
         return {
-            **session_gauges(list(self._active.values()), list(self._waiting), self._clock()),
+            **session_gauges(
+                list(self._active.values()), list(self._waiting), self._clock(), self.policy.cost.ewma_s
+            ),
             "scheduler": self.policy.snapshot(),
             "run_ahead": {
                 "enabled": self._may_run_ahead,

@@ -11,8 +11,25 @@ from .lifecycle import Phase
 from .session import Session
 
 
-def describe(session: Session, now: float) -> dict[str, Any]:
-    """One row of the live view: where a request stands and how long since its last token."""
+def eta_s(session: Session, now: float, tick_s: float) -> float | None:
+    """Seconds until the request ends (at ``max_tokens``) at the pace it has gone so far: its
+    prompt at the rate its prefill has run, then one tick a token; once decoding, at its own
+    mean gap.  None until it has advanced."""
+    left = session.request.max_tokens - session.generated
+    times = session.generated_at
+    if session.phase is Phase.DECODE and times.first is not None and times.last is not None:
+        per_token = (times.last - times.first) / (session.generated - 1) if session.generated > 1 else tick_s
+        return round(left * per_token, 3)
+    prefilled, started = session.n_past - session.cached_tokens, session.admitted
+    if session.phase is not Phase.PREFILL or started is None or prefilled <= 0 or now <= started:
+        return None
+    rate = prefilled / (now - started)
+    return round(session.prompt_remaining / rate + left * tick_s, 3)
+
+
+def describe(session: Session, now: float, tick_s: float = 0.0) -> dict[str, Any]:
+    """One row of the live view: where a request stands, how long since its last token and
+    when it should end."""
     since = session.last_token if session.last_token is not None else session.created
     return {
         "id": session.id,
@@ -26,12 +43,15 @@ def describe(session: Session, now: float) -> dict[str, Any]:
         "max_tokens": session.request.max_tokens,
         "age_ms": round((now - session.created) * 1000.0, 1),
         "gap_ms": round((now - since) * 1000.0, 1),
+        "eta_s": eta_s(session, now, tick_s),
     }
 
 
-def session_gauges(active: Sequence[Session], waiting: Sequence[Session], now: float) -> dict[str, Any]:
+def session_gauges(
+    active: Sequence[Session], waiting: Sequence[Session], now: float, tick_s: float
+) -> dict[str, Any]:
     return {
-        "in_flight": [describe(s, now) for s in [*active, *waiting]],
+        "in_flight": [describe(s, now, tick_s) for s in [*active, *waiting]],
         "sessions": {
             "active": len(active),
             "waiting": len(waiting),

@@ -51,6 +51,7 @@ from ..config import ServerConfig
 from .autotune import HillClimber
 from .bmt import BmtGuard
 from .cost import CostCoefficients, TickCostModel, kv_cells_read
+from .slack import SlackBudget
 from .state import Plan, SchedulerState, SessionState, SkipReason
 
 
@@ -72,6 +73,10 @@ class PolicyConfig:
     overrun_tolerance: float = 0.25  # a tick is over budget above budget × (1 + this)
     autotune_period: int = 16  # ticks per hill-climbing step
     background_limit: int | None = None  # a static decoders-per-tick limit instead of auto-tune
+    # Quiet ticks (no interactive session, on an engine that can preempt a step) double the
+    # throughput tick each, up to 2**this × it: the engine's efficient unit for background
+    # prompts, at no cost to an interactive request, which stops such a tick when it arrives.
+    background_growth: int = 6
 
     def __post_init__(self) -> None:
         if self.latency_cap < 1.0 or self.max_pause < 1.0:
@@ -190,6 +195,10 @@ class Controls:
     ramp: float = 1.0  # share of the headroom background prefill may use
     background_limit: int | None = None  # background decoders per tick (None: no limit)
     last_rescue_tick: int = -(10**9)
+    quiet_ticks: int = 0  # consecutive ticks with no interactive session (reset by a preemption)
+    # The p95 slack (sched/slack.py) left for a rescue tick past the cap; new interactive
+    # prompts stretch ticks whatever is left (time to first token comes first).
+    slack_for_rescue: bool = True
 
 
 def plan_tick(
@@ -202,6 +211,9 @@ def plan_tick(
     skipped: dict[int, SkipReason] = {s.key: "parked" for s in state.sessions if s.parked}
     runnable = [s for s in state.sessions if not s.parked]
     budget, baseline = tick_budget(runnable, config, cost)
+    if quiet_tick(state):
+        growth = 2 ** min(controls.quiet_ticks, config.background_growth)
+        budget = baseline = config.tick_background_s * growth
     batch = _Batch(cost, state.max_batch)
 
     interactive_decoders = [s for s in runnable if s.interactive and s.decoding]
@@ -214,9 +226,8 @@ def plan_tick(
     # with), which admitting them sets anyway.  Against today's smaller tick a burst of
     # requests would trickle in a few tokens a tick (on a GPU, in waves over seconds).
     interactive_prompts = [s for s in runnable if s.interactive and not s.decoding]
-    pause_limit = max(
-        budget, config.max_pause * joined_baseline(interactive_decoders, interactive_prompts, cost)
-    )
+    joined = joined_baseline(interactive_decoders, interactive_prompts, cost)
+    pause_limit = max(budget, config.max_pause * joined)
     room = batch.prefill_room(pause_limit, interactive_prompts)
     # With no stream decoding there is no gap to protect: prompts take a whole micro-batch
     # (work-conserving: the engine's efficient unit, as llama-server prefills) but no more, so
@@ -233,12 +244,19 @@ def plan_tick(
     skipped.update((s.key, "budget") for s in left)
 
     background_prompts = [s for s in runnable if not s.interactive and not s.decoding]
-    # Background prompts keep the throughput tick even with nobody decoding: a tick cannot be
-    # interrupted, and an interactive request arriving meanwhile would wait all of it.
-    if controls.hold_left > 0:
+    # With no interactive session at all the tick grows (stage 1: quiet ticks) and the hold
+    # and ramp, which protect interactive gaps, do not apply.  Where the engine cannot stop
+    # a step midway, background prompts keep the throughput tick even with nobody decoding:
+    # an interactive request arriving meanwhile would wait all of it.
+    quiet = quiet_tick(state)
+    if controls.hold_left > 0 and not quiet:
         skipped.update((s.key, "hold") for s in background_prompts)
     else:
-        room = int(batch.prefill_room(budget, background_prompts) * controls.ramp)
+        room = batch.prefill_room(budget, background_prompts)
+        if quiet:  # at most one micro-batch: what a preemption can waste
+            room = min(room, max(0, state.micro_batch - batch.n_tokens))
+        else:
+            room = int(room * controls.ramp)
         batch.prefill.extend(water_fill(background_prompts, room))
 
     if not batch.decode and not batch.prefill and runnable:
@@ -250,7 +268,8 @@ def plan_tick(
 
     served = {s.key for s in batch.decode} | {s.key for s, _ in batch.prefill}
     rescue = False
-    if state.tick - controls.last_rescue_tick >= config.rescue_every:
+    spaced = state.tick - controls.last_rescue_tick >= config.rescue_every
+    if spaced and (controls.slack_for_rescue or not interactive_decoders):
         starving = [s for s in runnable if s.key not in served and s.ticks_waiting >= config.starve_ticks]
         rescue = _rescue(batch, starving, max(budget, config.max_pause * baseline))
         served = {s.key for s in batch.decode} | {s.key for s, _ in batch.prefill}
@@ -269,9 +288,21 @@ def plan_tick(
         budget_s=budget,
         predicted_s=batch.predicted(),
         rescue=rescue,
-        cap_s=config.latency_cap * baseline if interactive_decoders else 0.0,
+        # The gap the guard allows this tick: against the pace the interactive clients set once
+        # the waiting prompts decode too (the "alone" it compares with; stage 3).
+        cap_s=config.latency_cap * max(baseline, joined) if interactive_decoders else 0.0,
         kv_cells=batch.kv_cells,
+        preemptible=state.preemptible and not any(s.interactive for s in [*batch.decode, *prompts_in(batch)]),
     )
+
+
+def quiet_tick(state: SchedulerState) -> bool:
+    """No interactive session at all, on an engine that can stop a step for one that arrives."""
+    return state.preemptible and not any(s.interactive for s in state.sessions)
+
+
+def prompts_in(batch: _Batch) -> list[SessionState]:
+    return [s for s, n in batch.prefill if n > 0]
 
 
 def _background_only(state: SchedulerState) -> bool:
@@ -320,6 +351,7 @@ class PolicyGauges:
     parked_sessions: int = 0
     bmt_estimate_last: int = 0  # bytes the last batch was estimated to move (0: guard off)
     bmt_budget_last: int = 0  # bytes the guard allowed for it
+    preempted_ticks: int = 0  # steps stopped midway for an arriving interactive request
 
 
 class Policy:
@@ -336,6 +368,7 @@ class Policy:
         self.cost = cost
         self.bmt_guard = bmt_guard
         self.controls = Controls()
+        self.slack = SlackBudget()
         self.gauges = PolicyGauges()
         self.tuner = HillClimber(period=config.autotune_period)
 
@@ -349,6 +382,7 @@ class Policy:
             controls = replace(controls, background_limit=self.config.background_limit)
         elif _background_only(state):
             controls = replace(controls, background_limit=self.tuner.limit)
+        controls = replace(controls, slack_for_rescue=self.slack.for_rescue)
         plan = plan_tick(state, self.config, self.cost.coefficients, controls)
         if self.bmt_guard is not None and plan:
             if not self.bmt_guard.trims:
@@ -374,6 +408,12 @@ class Policy:
             "prefill_guard_active": self.prefill_guard_active,
             "ticks_over_budget": g.ticks_over_budget,
             "rescue_ticks": g.rescue_ticks,
+            "preempted_ticks": g.preempted_ticks,
+            "slack": {
+                "window_ticks": self.slack.window, "over_cap": self.slack.over_cap,
+                "used": round(self.slack.used, 4), "budget": self.slack.share,
+            },
+            "quiet_ticks": self.controls.quiet_ticks,
             "background_limit": self.tuner.limit,
             "bmt_estimate_last": g.bmt_estimate_last,
             "bmt_budget": g.bmt_budget_last,
@@ -384,19 +424,30 @@ class Policy:
             },
         }  # fmt: skip
 
+    def preempted(self) -> None:
+        """The engine stopped the last plan midway for an interactive request: nothing of it
+        happened, and quiet ticks start over."""
+        self.gauges.preempted_ticks += 1
+        self.controls = replace(self.controls, quiet_ticks=0)
+
     def observe(self, plan: Plan, state: SchedulerState, seconds: float) -> None:
         """Learn from the tick just run: cost model, hysteresis, rescue spacing, tuner."""
         self.cost.observe(len(plan.decode), plan.prefill_tokens, plan.kv_cells, seconds)
+        if plan.cap_s > 0:  # interactive streams decoded: their gap is this tick
+            self.slack.record(seconds > plan.cap_s)
         g = self.gauges
         g.last_budget_s, g.last_predicted_s = plan.budget_s, plan.predicted_s
         g.last_decode_tokens, g.last_prefill_tokens = len(plan.decode), plan.prefill_tokens
         g.served_decoders = len(plan.decode)
         g.parked_sessions = sum(s.parked for s in state.sessions)
         g.bmt_estimate_last = plan.bmt_bytes
-        c = self.controls
+        quiet = quiet_tick(state)
+        c = replace(self.controls, quiet_ticks=self.controls.quiet_ticks + 1 if quiet else 0)
         if plan.rescue:
             g.rescue_ticks += 1
             c = replace(c, last_rescue_tick=state.tick)
+        elif quiet:
+            pass  # no interactive gap to protect: the hold is for ticks that have some
         elif seconds > plan.budget_s * (1.0 + self.config.overrun_tolerance):
             g.ticks_over_budget += 1
             c = replace(c, hold_left=self.config.hold_ticks, ramp=0.0)

@@ -41,6 +41,7 @@ class SchedulerState:
     tick: int = 0
     max_batch: int = 512  # hard cap on tokens in one batch
     micro_batch: int = 512  # llama.cpp's n_ubatch: the prompt tokens one tick takes when nobody decodes
+    preemptible: bool = False  # the engine can stop a step midway (Engine.can_preempt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +55,13 @@ class Plan:
     predicted_s: float = 0.0  # the cost model's estimate of this batch
     rescue: bool = False  # over budget on purpose, so a starving session moves
     bmt_bytes: int = 0  # estimated bytes the batch moves (0: no memory profile)
-    cap_s: float = 0.0  # latency_cap × interactive decode-only baseline (0: no interactive decoder)
+    # latency_cap × the interactive decode-only baseline, with waiting interactive prompts
+    # counted as decoding (the clients' own pace); 0: no interactive decoder
+    cap_s: float = 0.0
     kv_cells: int = 0  # KV cells the batch's attention reads (cost.kv_cells_read), for observe
+    # No interactive session in the batch, on an engine that can stop a step midway: the loop
+    # stops it when an interactive request arrives (its work is undone and planned again).
+    preemptible: bool = False
 
     @property
     def n_tokens(self) -> int:
