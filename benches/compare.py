@@ -6,7 +6,8 @@ the pinned llama-cpp-python vendors.  Both get the same model, per-request conte
 threads and parallel slots.  The scenario then runs on each of them, one after the
 other, through the same load generator as ``uma-trio bench``, and the servers are
 stopped.  Results go to ``OUT/SCENARIO/`` (tokens.csv, requests.csv, summary.csv, PNG
-plots) and the side-by-side tables to ``OUT/tables.md``.
+plots, uma-trio's per-step trace ``ticks.jsonl``) and the side-by-side tables to
+``OUT/tables.md``.
 
 Where a one-request-at-a-time server applies (``mixed``, ``ipc``), llama-cpp-python's own
 server (``python -m llama_cpp.server``, installed by build.sh into ``peers/lcp-venv``) runs
@@ -14,6 +15,9 @@ as a third target.  Every target gets one unreported warm-up request first.
 
 Extra comparisons:
 
+* every scenario gets a scheduler-efficiency table per target: the engine time its work
+  needs at the capacity ``llama-batched-bench`` measures first (``OUT/capacity.csv``) over
+  the time the server had work (uma_trio/loadgen/efficiency.py);
 * ``scaling`` also runs ``llama-batched-bench`` (the engine's ceiling, no server) at
   the same batch sizes;
 * ``each_app_separate`` runs the mixed load with one server process per client
@@ -49,6 +53,7 @@ from bench_output import free_port
 
 from uma_trio.loadgen import Scenario, ScenarioResult, load_suite, run_scenario
 from uma_trio.loadgen.bench import run_bench, side_by_side, summary_rows, write_csv, write_results
+from uma_trio.loadgen.efficiency import Capacity, busy_seconds, efficiency, ideal_seconds
 from uma_trio.loadgen.targets import OpenAITarget, Target, UmaTarget
 from uma_trio.model_files import ensure_default_model
 
@@ -110,12 +115,13 @@ def running(command: Sequence[str], url: str, what: str, log: Path) -> Iterator[
                 process.kill()
 
 
-def uma_command(setup: Setup, sock: Path, port: int) -> list[str]:
+def uma_command(setup: Setup, sock: Path, port: int, trace: Path | None = None) -> list[str]:
     prompt_limit = str(setup.n_ctx)
     return [
         sys.executable, "-m", "uma_trio", "serve", "--socket", str(sock), "--http", f"127.0.0.1:{port}",
         "--n-ctx", str(setup.n_ctx), "--max-sessions", str(setup.slots), "--max-prompt-tokens", prompt_limit,
         "--threads", str(THREADS), "--log-level", "warning",
+        *(["--tick-trace", str(trace)] if trace is not None else []),
     ]  # fmt: skip
 
 
@@ -141,22 +147,56 @@ def llama_cpp_python_command(peers: Path, model: Path, setup: Setup, port: int) 
 LLAMA_CPP_PYTHON_SCENARIOS = ("mixed", "ipc")  # where a one-request-at-a-time server applies
 
 
+def batched_bench_rows(
+    peers: Path, model: Path, sizes: Sequence[int], prompts: Sequence[int], tokens: int
+) -> list[tuple[int, int, float, float]]:
+    """``llama-batched-bench``'s rows: (prompt length, sequences, S_PP, S_TG) in tokens/s."""
+    command = [
+        str(peers / "llama-batched-bench"), "-m", str(model),
+        "-c", str(max(sizes) * (max(prompts) + tokens)), "-b", "2048", "-ub", "512",
+        "-npp", ",".join(map(str, prompts)), "-ntg", str(tokens),
+        "-npl", ",".join(map(str, sizes)), "-t", str(THREADS), "-tb", str(THREADS),
+    ]  # fmt: skip
+    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    rows = []
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and all(re.fullmatch(r"[0-9.]+", c) for c in cells[:8]):
+            rows.append((int(cells[0]), int(cells[2]), float(cells[5]), float(cells[7])))  # PP, B, S_PP, S_TG
+    return rows
+
+
 def batched_bench(
     peers: Path, model: Path, sizes: Sequence[int], prompt: int, tokens: int
 ) -> dict[int, float]:
     """Decode tokens/s of ``llama-batched-bench`` (S_TG) for each batch size."""
-    command = [
-        str(peers / "llama-batched-bench"), "-m", str(model), "-c", str(max(sizes) * (prompt + tokens)),
-        "-b", "512", "-ub", "512", "-npp", str(prompt), "-ntg", str(tokens),
-        "-npl", ",".join(map(str, sizes)), "-t", str(THREADS), "-tb", str(THREADS),
-    ]  # fmt: skip
-    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    speeds: dict[int, float] = {}
-    for line in output.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 8 and all(re.fullmatch(r"[0-9.]+", c) for c in cells[:8]):
-            speeds[int(cells[2])] = float(cells[7])  # B, S_TG t/s
-    return speeds
+    return {b: s_tg for _, b, _, s_tg in batched_bench_rows(peers, model, sizes, [prompt], tokens)}
+
+
+def engine_capacity(peers: Path, model: Path, out: Path) -> Capacity:
+    """The engine's capacity for the scheduler efficiency (uma_trio/loadgen/efficiency.py):
+    prefill tokens/s by prompt length at one sequence, decode tokens/s by sequences."""
+    lengths = [128, 512, 2048, 8000]
+    prefill = {pp: s_pp for pp, _, s_pp, _ in batched_bench_rows(peers, model, [1], lengths, 1)}
+    decode = batched_bench(peers, model, [1, 2, 3, 4, 5, 6, 8, 16], prompt=32, tokens=64)
+    rows = [{"kind": "prefill", "n": n, "tok_s": v} for n, v in prefill.items()]
+    rows += [{"kind": "decode", "n": n, "tok_s": v} for n, v in decode.items()]
+    write_csv(out / "capacity.csv", rows, ["kind", "n", "tok_s"])
+    return Capacity(prefill=prefill, decode=decode)
+
+
+def efficiency_table(results: Sequence[ScenarioResult], capacity: Capacity) -> str:
+    lines = [
+        "\n| run | target | busy s | ideal s (batched-bench) | scheduler efficiency |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for result in results:
+        prompts = {c.name: c.prompt_tokens for c in result.scenario.expanded().clients}
+        busy = busy_seconds(result.records)
+        ideal = ideal_seconds(result.records, capacity, prompts)
+        share = efficiency(result.records, capacity, prompts)
+        lines.append(f"| {result.scenario.name} | {result.target} | {busy:.2f} | {ideal:.2f} | {share} |")
+    return "\n".join(lines) + "\n"
 
 
 def run_suite(suite_name: str, targets: list[Target]) -> list[ScenarioResult]:
@@ -207,6 +247,10 @@ def main() -> None:
         f"Machine: {THREADS} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB; model {model.name}; "
         f"peers: {(args.peers / 'VERSION').read_text().splitlines()[0]}\n"
     ]
+    capacity: Capacity | None = None
+    if any(name in SETUPS for name in args.scenarios):
+        print("== engine capacity (llama-batched-bench)", flush=True)
+        capacity = engine_capacity(args.peers, model, args.out)
     for name in args.scenarios:
         print(f"== {name}", flush=True)
         if name == "long_ctx":
@@ -226,9 +270,9 @@ def main() -> None:
             uma_url, peer_url = f"http://127.0.0.1:{uma_port}", f"http://127.0.0.1:{peer_port}"
             out = args.out / name
             out.mkdir(parents=True, exist_ok=True)
-            uma = stack.enter_context(
-                running(uma_command(setup, sock, uma_port), uma_url, "uma-trio", out / "uma.log")
-            )
+            (out / "ticks.jsonl").unlink(missing_ok=True)  # the trace appends
+            command = uma_command(setup, sock, uma_port, out / "ticks.jsonl")
+            uma = stack.enter_context(running(command, uma_url, "uma-trio", out / "uma.log"))
             peer = stack.enter_context(
                 running(llama_server_command(args.peers, model, setup, peer_port), peer_url, "llama-server",
                         out / "llama-server.log")
@@ -250,11 +294,11 @@ def main() -> None:
             rss = {label: rss_bytes(process) for label, process in rss_of.items()}
         rows = summary_rows(results)
         write_results(results, out)
-        extra = ""
+        extra = efficiency_table(results, capacity) if capacity is not None else ""
         if name == "scaling":
             sizes = [len(r.scenario.expanded().clients) for r in results if r.target == "uma-trio"]
             ceiling = batched_bench(args.peers, model, sizes, prompt=32, tokens=128)
-            extra = "\n| streams | uma-trio tok/s | llama-server tok/s | llama-batched-bench S_TG tok/s |" \
+            extra += "\n| streams | uma-trio tok/s | llama-server tok/s | llama-batched-bench S_TG tok/s |" \
                     "\n| --- | --- | --- | --- |\n"  # fmt: skip
             for size in sizes:
                 got = {r["target"]: r["tokens_per_s"] for r in rows

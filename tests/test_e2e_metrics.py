@@ -4,6 +4,7 @@ sent, percentiles equal the clients' own, and the Prometheus text parses."""
 from __future__ import annotations
 
 import csv
+import re
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -25,6 +26,7 @@ from .conftest import running_server
 from .helpers import RawClient, assert_lane_percentiles_agree, frame
 
 pytestmark = pytest.mark.model
+METRICS_DOC = Path(__file__).resolve().parents[1] / "docs" / "METRICS.md"
 
 SCENARIO = Scenario(
     name="metrics",
@@ -113,6 +115,10 @@ async def test_counters_and_percentiles_after_a_scripted_run(
     )
     assert itl_count == snapshot["latency"]["run"]["interactive"]["itl_ms"]["count"]
     assert families["process_resident_memory_bytes"].samples[0].value > 50e6
+    # Every series docs/METRICS.md lists is exposed (the parser drops a counter's _total).
+    documented = set(re.findall(r"`(uma_[a-z0-9_]+)`", METRICS_DOC.read_text()))
+    missing = {name for name in documented if name.removesuffix("_total") not in families}
+    assert not missing, f"in docs/METRICS.md but not exposed: {sorted(missing)}"
 
 
 async def test_scorecard_rows_are_appended_to_the_csv(

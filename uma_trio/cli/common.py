@@ -13,7 +13,7 @@ from cyclopts import Parameter
 from ..client import RequestFailed
 from ..config import ServerConfig
 
-SocketPath = Annotated[Path, Parameter(env_var=["UMA_SOCKET", "UMA_SOCK"])]
+SocketPath = Annotated[Path, Parameter(env_var="UMA_SOCK")]  # UMA_SOCKET comes from the app's Env config
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 EXIT_SERVER_ERROR = 2

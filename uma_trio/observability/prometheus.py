@@ -147,6 +147,14 @@ class SnapshotCollector(Collector):
         yield _counter(
             "uma_scheduler_rescue_ticks", "Ticks that served a starving session", [], s["rescue_ticks"]
         )
+        yield _counter(
+            "uma_scheduler_preempted_ticks", "Steps stopped midway for an arriving interactive request",
+            [], s["preempted_ticks"],
+        )  # fmt: skip
+        yield _gauge(
+            "uma_scheduler_slack_used", "Share of the recent interactive ticks that ran past the cap",
+            [], {"": s["slack"]["used"]},
+        )  # fmt: skip
         yield _gauge(
             "uma_scheduler_bmt_bytes", "Last tick's ΣBMT estimate and the guard's budget", ["kind"],
             {"estimate": s["bmt_estimate_last"], "budget": s["bmt_budget"]},

@@ -1,0 +1,48 @@
+"""The scheduler-efficiency arithmetic of benches/compare.py (uma_trio/loadgen/efficiency.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from uma_trio.loadgen.efficiency import Capacity, busy_seconds, efficiency, ideal_seconds
+from uma_trio.loadgen.records import RequestRecord
+
+CAPACITY = Capacity(prefill={100: 100.0, 1000: 50.0}, decode={1: 10.0, 2: 16.0})
+
+
+def record(client: str, sent: float, tokens: list[float], prompt: int) -> RequestRecord:
+    return RequestRecord(
+        client=client, lane="interactive", index=0, sent=sent, token_times=tokens, ended=tokens[-1],
+        eos_reason="length", prompt_tokens=prompt, completion_tokens=len(tokens),
+    )  # fmt: skip
+
+
+def test_busy_time_is_the_union_of_request_spans() -> None:
+    records = [record("a", 0.0, [1.0, 2.0], 1), record("b", 1.5, [3.0], 1), record("c", 5.0, [6.0], 1)]
+    assert busy_seconds(records) == pytest.approx(3.0 + 1.0)
+
+
+def test_capacity_interpolates_prefill_time_and_prices_decode_by_concurrency() -> None:
+    assert CAPACITY.prefill_seconds(100) == pytest.approx(1.0)
+    assert CAPACITY.prefill_seconds(550) == pytest.approx(1.0 + (20.0 - 1.0) / 2)
+    assert CAPACITY.prefill_seconds(50) == pytest.approx(0.5)
+    assert CAPACITY.decode_seconds_per_token(1) == pytest.approx(0.1)
+    assert CAPACITY.decode_seconds_per_token(2) == pytest.approx(1 / 16)
+    # past the last measured point, the last segment's slope: 3 sequences take 0.15 s a step
+    assert CAPACITY.decode_seconds_per_token(3) == pytest.approx(0.15 / 3)
+
+
+def test_ideal_time_counts_each_prompt_prefix_once_and_decodes_at_the_concurrency_seen() -> None:
+    alone = [record("a", 0.0, [1.0, 1.1, 1.2], 100)]
+    # prefill 1 s, then two tokens decoding alone at 10 tok/s
+    assert ideal_seconds(alone, CAPACITY, {}) == pytest.approx(1.0 + 0.2)
+    together = [record("a", 0.0, [1.0, 1.1, 1.2], 100), record("b", 0.5, [1.0, 1.1, 1.2], 100)]
+    # b's prompt is a's again: no prefill; all four later tokens arrive while both decode
+    assert ideal_seconds(together, CAPACITY, {}) == pytest.approx(1.0 + 4 / 16)
+    assert efficiency(together, CAPACITY, {}) == pytest.approx((1.0 + 4 / 16) / 1.2, abs=1e-3)
+
+
+def test_a_chunk_of_several_tokens_is_priced_per_token() -> None:
+    chunked = record("a", 0.0, [1.0, 1.2], 100)
+    chunked.completion_tokens = 5  # the second event carried four tokens
+    assert ideal_seconds([chunked], CAPACITY, {}) == pytest.approx(1.0 + 4 * 0.1)
