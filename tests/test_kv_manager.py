@@ -60,6 +60,25 @@ def test_next_turn_adopts_the_whole_conversation_without_copying() -> None:
     assert claim.adopted and not kv.cached() and kv.free_seqs == 1
 
 
+def test_the_same_prompt_again_adopts_the_old_answer_s_sequence_without_copying() -> None:
+    kv = KvManager(n_seqs=3, n_cells=1000)
+    kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)
+    answered = np.concatenate([prompt(1), seq(7000, 30)])  # its answer: 30 tokens fed back
+    kv.release(0, answered, prompt_len=len(prompt(1)))
+    again = kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)  # regenerate / re-send
+    assert again == Claim(seq_id=0, source=0, reused=len(prompt(1)) - 1)
+    assert again.adopted and not kv.cached()
+
+
+def test_a_prompt_sharing_only_part_of_another_s_prompt_copies_and_keeps_it() -> None:
+    kv = KvManager(n_seqs=3, n_cells=1000)
+    kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)
+    kv.release(0, np.concatenate([prompt(1), seq(7000, 30)]), prompt_len=len(prompt(1)))
+    other = kv.claim(prompt(500), {}, cells_needed=60, cells_reserved=0)  # the system prompt only
+    assert other == Claim(seq_id=1, source=0, reused=len(SYSTEM))
+    assert 0 in kv.cached()
+
+
 def test_the_last_prompt_token_is_always_computed() -> None:
     kv = KvManager(n_seqs=2, n_cells=1000)
     kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)

@@ -12,6 +12,7 @@ from uma_trio.sched.policy import (
     Policy,
     PolicyConfig,
     plan_tick,
+    shortest_first,
     tick_budget,
     water_fill,
 )
@@ -117,6 +118,15 @@ def test_a_burst_of_interactive_prompts_is_let_in_at_its_own_pace() -> None:
     # Against the one stream's own tick, the burst would get under a quarter of that room.
     _, alone = tick_budget([interactive(0)], CONFIG, h100)
     assert result.prefill_tokens > 4 * (CONFIG.max_pause - 1) * alone / h100.prefill_s
+
+
+def test_background_prompts_go_shortest_first_each_whole() -> None:
+    candidates = [background(1, prompt=100), background(2, prompt=3), background(3, prompt=50)]
+    chunks = shortest_first(candidates, 60)
+    assert [(s.key, n) for s, n in chunks] == [(2, 3), (3, 50), (1, 7)]
+    # A throughput tick's ~15 tokens all go to the shorter prompt, none to the longer one.
+    result = plan(background(1, prompt=2000), background(2, prompt=500))
+    assert [key for key, _ in result.prefill] == [2] and result.prefill[0][1] > 1
 
 
 def test_water_fill_is_max_min_fair_shortest_first() -> None:
@@ -348,6 +358,17 @@ def test_without_preemption_or_with_an_interactive_session_the_tick_does_not_gro
     p = plan_tick(waiting_chat, CONFIG, COST, Controls(quiet_ticks=5))
     assert not p.preemptible  # the chat's prompt is in it
     assert p.budget_s < 2 * CONFIG.tick_background_s
+
+
+def test_a_background_decoder_keeps_the_quiet_tick_at_the_throughput_tick() -> None:
+    """It gets one token a tick: a grown tick of prefill beside it would starve it."""
+    state = quiet_state(background(1, prompt=50_000), background(2, n_past=2000))
+    p = plan_tick(state, CONFIG, COST, Controls(quiet_ticks=5))
+    assert p.budget_s == pytest.approx(CONFIG.tick_background_s) and p.preemptible
+    assert p.decode == (2,) and p.prefill
+    policy = Policy(CONFIG, TickCostModel(COST))
+    policy.observe(policy.plan(state), state, seconds=0.05)
+    assert policy.controls.quiet_ticks == 0  # growth starts over once only prompts are left
 
 
 def test_a_batch_without_interactive_sessions_is_preemptible_beside_a_parked_one() -> None:

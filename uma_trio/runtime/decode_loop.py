@@ -600,7 +600,10 @@ class DecodeLoop:
             del self._active[session.seq_id]
             if session.pins_on(reason):  # a snapshot's fill: its reader copies the cells out
                 pinned = PinnedSequence(session.seq_id, session.n_past, session.prompt)
-            release = self.kv.release(session.seq_id, held, pin=pinned is not None, owner=session.owner)
+            release = self.kv.release(
+                session.seq_id, held, pin=pinned is not None, owner=session.owner,
+                prompt_len=len(session.prompt),
+            )  # fmt: skip
             self._free_cells(release)
             self._reserved_cells -= session.reserved_cells
         now = self._clock()

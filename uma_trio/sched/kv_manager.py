@@ -11,7 +11,12 @@ sequence, so it prefills only the rest:
 
 * a cached sequence that the new prompt covers entirely is **adopted**: the
   request takes over its id and cells, and nothing is copied (the next turn
-  of a chat continues its own conversation's KV this way);
+  of a chat continues its own conversation's KV this way); so is one whose
+  whole *prompt* the new prompt repeats (a regenerated answer, a retried or
+  re-sent request): only the old answer's cells are lost, which no prompt but
+  that answer's own continuation could use, and with a KV stream per sequence
+  the alternative, a copy, moves the whole stream (94 MB for 4,096 cells of
+  SmolLM2 in f16) at the start of a step every running request waits for;
 * otherwise the shared cells are **copied** into the request's own sequence
   (``llama_memory_seq_cp``) and the source stays cached for others.
 
@@ -68,6 +73,13 @@ class CachedSequence:
     tokens: TokenArray  # exactly the tokens whose KV cells the sequence holds, in position order
     pins: int = 0
     owner: str = ""  # the principal whose request left it: only its own requests reuse it
+    prompt_len: int | None = None  # how many of ``tokens`` were its request's prompt (None: all)
+
+    def replaced_by(self, reused: int) -> bool:
+        """A new prompt reusing ``reused`` of these tokens covers all of them, or repeats
+        this sequence's whole prompt (its last token is always recomputed): adopt it."""
+        whole = len(self.tokens) if self.prompt_len is None else min(self.prompt_len, len(self.tokens))
+        return reused >= len(self.tokens) or reused >= whole - 1
 
 
 def _runs_added(seq_id: int, running: set[int]) -> int:
@@ -209,7 +221,7 @@ class KvManager:
         adoptable = entry is not None and not entry.pins
         evictable = [s for s, c in self._cached.items() if not c.pins and s != source]  # LRU first
         evicted: list[int] = []
-        adopt = entry is not None and adoptable and reused == len(entry.tokens)
+        adopt = entry is not None and adoptable and entry.replaced_by(reused)
         if entry is not None and adopt:
             seq_id = entry.seq_id
         elif self._free:
@@ -247,13 +259,23 @@ class KvManager:
         self.stats.evictions += len(evicted)
         return Claim(seq_id, seq_id if adopt else source, reused, tuple(evicted))
 
-    def release(self, seq_id: int, tokens: TokenArray, *, pin: bool = False, owner: str = "") -> list[int]:
-        """A request of ``owner`` ended holding ``tokens`` in ``seq_id``: cache it (always
-        when ``pin``) and return the ids whose cells must now be freed."""
+    def release(
+        self,
+        seq_id: int,
+        tokens: TokenArray,
+        *,
+        pin: bool = False,
+        owner: str = "",
+        prompt_len: int | None = None,
+    ) -> list[int]:
+        """A request of ``owner`` ended holding ``tokens`` in ``seq_id``, the first
+        ``prompt_len`` of them its prompt: cache it (always when ``pin``) and return the ids
+        whose cells must now be freed."""
         if len(tokens) == 0 or not (self.enabled or pin):
             self._free.add(seq_id)
             return [seq_id]
-        self._cached[seq_id] = CachedSequence(seq_id, tokens, pins=int(pin), owner=owner)
+        entry = CachedSequence(seq_id, tokens, pins=int(pin), owner=owner, prompt_len=prompt_len)
+        self._cached[seq_id] = entry
         return self._enforce_budget()
 
     def add(self, seq_id: int, tokens: TokenArray, owner: str = "") -> list[int]:
