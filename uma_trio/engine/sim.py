@@ -18,6 +18,7 @@ from __future__ import annotations
 import zlib
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import trio
@@ -29,6 +30,30 @@ GENERATED_TOKEN = 7
 GENERATED_PIECE = b" tok"
 SIM_VOCAB = 30100  # tokenize() yields ids 100 .. 30099
 _ONE_LOGIT = np.zeros(1, dtype=np.float32)  # the samplers still run: their failures must show
+
+
+@dataclass
+class StepNoise:
+    """How a real daemon's steps differ from the cost model's prediction, as measured on a
+    machine (``benches/sim_vs_real.py`` takes them from a real run's ``--tick-trace``):
+    ``ratios``, measured over predicted step times, drawn at random (seeded) for each step,
+    and ``overhead_s``, the event loop's own time between two steps.  The default is none
+    of either: every step takes exactly its prediction, as the simulation tests assume."""
+
+    ratios: Sequence[float] = ()
+    overhead_s: float = 0.0
+    seed: int = 0
+    _rng: np.random.Generator | None = field(default=None, repr=False)
+
+    def step_seconds(self, predicted: float, *, streaming: bool = True) -> float:
+        """``streaming``: the step samples tokens for running requests, whose delivery to
+        their clients competes with it for the cores; a prompt-only step takes its
+        prediction."""
+        if not self.ratios or not streaming:
+            return predicted + self.overhead_s
+        if self._rng is None:
+            self._rng = np.random.default_rng(self.seed)
+        return predicted * float(self._rng.choice(np.asarray(self.ratios))) + self.overhead_s
 
 
 class SimEngine:
@@ -52,6 +77,7 @@ class SimEngine:
         self.preemptible_steps = True  # as llama.cpp's CPU backend: preempt() stops a step midway
         self._preempt_scope: trio.CancelScope | None = None
         self.preempted = 0  # steps preempt() stopped
+        self.machine = StepNoise()
 
     @property
     def n_ctx(self) -> int:
@@ -143,7 +169,8 @@ class SimEngine:
         if n_tokens > self._n_batch:
             raise ValueError(f"batch of {n_tokens} tokens exceeds n_batch={self._n_batch}")
         prefill_tokens = sum(n for _, n in prefill)
-        seconds = self.cost.predict(len(decode_ctx), prefill_tokens, kv_cells_read(decode_ctx, prefill))
+        predicted = self.cost.predict(len(decode_ctx), prefill_tokens, kv_cells_read(decode_ctx, prefill))
+        seconds = self.machine.step_seconds(predicted, streaming=bool(decode_ctx))
         with trio.CancelScope(shield=True):  # like the real engine: a started step finishes...
             with trio.CancelScope() as preempt:  # ...unless preempted, which undoes it
                 self._preempt_scope = preempt if preemptible else None

@@ -16,7 +16,7 @@ from pathlib import Path
 import trio
 
 from ..config import ServerConfig
-from ..engine.sim import SimEngine
+from ..engine.sim import SimEngine, StepNoise
 from ..runtime.server import Server
 from ..sched.cost import CostCoefficients
 from ..sched.policy import Policy, default_policy
@@ -38,16 +38,20 @@ async def simulate(
     policy: Policy | None = None,
     *,
     preemptible: bool = True,
+    machine: StepNoise | None = None,
 ) -> tuple[ScenarioResult, Server]:
     """Run ``scenario`` to its end; return its records and the (stopped) server.
     ``preemptible``: whether the engine can stop a step midway, as llama.cpp's CPU backend
-    can (Engine.can_preempt); GPU backends cannot."""
+    can (Engine.can_preempt); GPU backends cannot.  ``machine``: the spread of real steps
+    around the cost model and the time between them (none by default)."""
     with tempfile.TemporaryDirectory(prefix="uma-sim-") as tmp:
         config = replace(config, socket_path=Path(tmp) / "sim.sock")
         engine = SimEngine(
             cost, n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions, n_batch=config.n_batch
         )
         engine.preemptible_steps = preemptible
+        if machine is not None:
+            engine.machine = machine
         server = Server(engine, config, policy=policy or default_policy(config, prior=cost))
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)

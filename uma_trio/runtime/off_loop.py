@@ -12,10 +12,16 @@ from ..engine.base import Engine
 R = TypeVar("R")
 
 
-async def off_loop(engine: Engine, fn: Callable[[], R]) -> R:
-    """``fn()`` in a worker thread, or inline for an engine whose helpers never block: a
-    simulated engine must stay on the loop, where under MockClock a thread wait would let
-    virtual time jump."""
-    if not engine.tokenizer_blocks:
+# Tokenizing this much text takes well under a millisecond: less than the hop to a worker
+# thread, which on a machine whose cores run a step waits for that step to end (on 2 cores
+# a 30-token chat turn then missed the next tick: TTFT +13 ms, BENCHMARKS.md "Issue 19").
+INLINE_TEXT_CHARS = 4096
+
+
+async def off_loop(engine: Engine, fn: Callable[[], R], *, small: bool = False) -> R:
+    """``fn()`` in a worker thread, or inline when it is ``small`` or for an engine whose
+    helpers never block: a simulated engine must stay on the loop, where under MockClock a
+    thread wait would let virtual time jump."""
+    if small or not engine.tokenizer_blocks:
         return fn()
     return await trio.to_thread.run_sync(fn)

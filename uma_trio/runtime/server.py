@@ -34,7 +34,7 @@ from ..sched.policy import Policy
 from .accept import accept_forever
 from .connection import Connection
 from .decode_loop import DecodeLoop
-from .off_loop import off_loop
+from .off_loop import INLINE_TEXT_CHARS, off_loop
 from .peer import peer_uid
 from .session import END_SLOTS, Session, StreamItem
 from .snapshot_service import SnapshotService
@@ -209,10 +209,12 @@ class Server:
         try:
             if request.messages is not None:
                 turns = [(m.role, m.content) for m in request.messages]
-                tokens = await off_loop(self.engine, partial(self.engine.tokenize_chat, turns))
+                small = sum(len(content) for _, content in turns) <= INLINE_TEXT_CHARS
+                tokens = await off_loop(self.engine, partial(self.engine.tokenize_chat, turns), small=small)
             else:
                 assert request.prompt is not None
-                tokens = await off_loop(self.engine, partial(self.engine.tokenize, request.prompt))
+                prompt, small = request.prompt, len(request.prompt) <= INLINE_TEXT_CHARS
+                tokens = await off_loop(self.engine, partial(self.engine.tokenize, prompt), small=small)
         except ValueError as exc:
             raise UmaError(ErrorCode.MODEL, str(exc), request_id=request.id) from None
         if len(tokens) == 0:

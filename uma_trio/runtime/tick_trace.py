@@ -2,8 +2,9 @@
 
 Each line holds what the policy planned and what the step cost: ``t`` (the decode task's
 clock, s), ``tick``, ``decode`` and ``prefill`` (tokens), ``predicted_ms``, ``budget_ms``,
-``cap_ms``, ``step_ms`` (measured), ``ahead`` (run ahead by the compute thread, not
-planned), ``skipped`` (sessions left out) and ``rescue``.  Buffered; written by the decode
+``cap_ms``, ``step_ms`` (measured), ``kv_cells`` (read by attention, as the cost model
+counts them), ``ahead`` (run ahead by the compute thread, not planned), ``skipped``
+(sessions left out) and ``rescue``.  Buffered; written by the decode
 task only, so it costs a few microseconds a step.
 """
 
@@ -29,7 +30,7 @@ class TickTrace:
             "predicted_ms": round(plan.predicted_s * 1000.0, 3),
             "budget_ms": round(plan.budget_s * 1000.0, 3),
             "cap_ms": round(plan.cap_s * 1000.0, 3), "step_ms": round(step_s * 1000.0, 3), "ahead": ahead,
-            "skipped": len(plan.skipped), "rescue": plan.rescue,
+            "skipped": len(plan.skipped), "rescue": plan.rescue, "kv_cells": plan.kv_cells,
         }  # fmt: skip
         self._file.write(_encoder.encode(row) + b"\n")
 
