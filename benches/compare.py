@@ -176,9 +176,16 @@ def batched_bench(
 def engine_capacity(peers: Path, model: Path, out: Path) -> Capacity:
     """The engine's capacity for the scheduler efficiency (uma_trio/loadgen/efficiency.py):
     prefill tokens/s by prompt length at one sequence, decode tokens/s by sequences."""
-    lengths = [128, 512, 2048, 8000]
-    prefill = {pp: s_pp for pp, _, s_pp, _ in batched_bench_rows(peers, model, [1], lengths, 1)}
-    decode = batched_bench(peers, model, [1, 2, 3, 4, 5, 6, 8, 16], prompt=32, tokens=64)
+    # The best of two runs: on a shared machine noise only ever slows the engine, and one
+    # run's decode figures at 2-3 sequences moved by 40 % between two runs of this script.
+    lengths, sizes = [128, 512, 2048, 8000], [1, 2, 3, 4, 5, 6, 8, 16]
+    prefill: dict[int, float] = {}
+    decode: dict[int, float] = {}
+    for _ in range(2):
+        for pp, _, s_pp, _ in batched_bench_rows(peers, model, [1], lengths, 1):
+            prefill[pp] = max(prefill.get(pp, 0.0), s_pp)
+        for size, s_tg in batched_bench(peers, model, sizes, prompt=32, tokens=128).items():
+            decode[size] = max(decode.get(size, 0.0), s_tg)
     rows = [{"kind": "prefill", "n": n, "tok_s": v} for n, v in prefill.items()]
     rows += [{"kind": "decode", "n": n, "tok_s": v} for n, v in decode.items()]
     write_csv(out / "capacity.csv", rows, ["kind", "n", "tok_s"])

@@ -70,6 +70,17 @@ def test_the_same_prompt_again_adopts_the_old_answer_s_sequence_without_copying(
     assert again.adopted and not kv.cached()
 
 
+def test_among_equal_matches_the_adopted_sequence_is_the_one_next_to_the_running_ids() -> None:
+    kv = KvManager(n_seqs=4, n_cells=1000)
+    for seq_id in range(4):
+        assert kv.claim(prompt(seq_id * 100), {}, cells_needed=60, cells_reserved=0) is not None
+    same = prompt(7)
+    kv.release(3, same, prompt_len=len(same))  # least recently used: scanned first
+    kv.release(2, same, prompt_len=len(same))  # the same prompt, next to the running 0 and 1
+    claim = kv.claim(same, {}, cells_needed=60, cells_reserved=0)
+    assert claim is not None and claim.adopted and claim.seq_id == 2  # 3 would run apart
+
+
 def test_a_prompt_sharing_only_part_of_another_s_prompt_copies_and_keeps_it() -> None:
     kv = KvManager(n_seqs=3, n_cells=1000)
     kv.claim(prompt(1), {}, cells_needed=60, cells_reserved=0)
