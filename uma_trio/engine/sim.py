@@ -53,7 +53,7 @@ class StepNoise:
             return predicted + self.overhead_s
         if self._rng is None:
             self._rng = np.random.default_rng(self.seed)
-        return predicted * float(self._rng.choice(np.asarray(self.ratios))) + self.overhead_s
+        return predicted * self.ratios[int(self._rng.integers(len(self.ratios)))] + self.overhead_s
 
 
 class SimEngine:
