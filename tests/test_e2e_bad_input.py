@@ -69,6 +69,19 @@ async def test_duplicate_id_in_flight_is_refused(server: Server) -> None:
     assert sum(e["event"] == "eos" for e in seen) == 1
 
 
+async def test_an_id_is_free_again_as_soon_as_its_eos_is_read(server: Server) -> None:
+    # The client may reuse an id in the frame right after its eos; the daemon must not
+    # still count the ended request as in flight (it once freed the id a few steps later).
+    client = await RawClient.connect(server.config.socket_path)
+    with trio.fail_after(60):
+        for _ in range(30):
+            await client.send({"id": "again", **OK, "max_tokens": 1})
+            events = await client.until_end("again")
+            assert [e["event"] for e in events][-1] == "eos", events
+            assert not [e for e in events if e["event"] == "error"], events
+    assert server.metrics.errors.get("E_PROTO_006", 0) == 0
+
+
 async def test_oversized_frame_closes_only_that_connection(
     llama_model: LlamaModel, server_config: ServerConfig
 ) -> None:

@@ -208,6 +208,8 @@ async def test_greedy_tokens_same_alone_and_beside_three_others(server: Server) 
                 together[int(event["id"][1:])].append(event["token_id"])
             elif event["event"] == "eos":
                 ended += 1
+            else:
+                raise AssertionError(f"unexpected event {event}")
     assert all(len(ids) > 10 for ids in alone.values())
     assert together == alone
 

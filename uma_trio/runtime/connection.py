@@ -28,6 +28,7 @@ from ..protocol.framing import FrameDecoder
 from ..protocol.messages import (
     CancelRequest,
     ClientMessage,
+    EosEvent,
     ErrorEvent,
     GenerateRequest,
     MetricsEvent,
@@ -191,9 +192,18 @@ class Connection:
         try:
             async with aclosing(deliver(self.server, stream)) as events:
                 async for event in events:
+                    if isinstance(event, EosEvent):
+                        # The id is free once the client can see the end: it may reuse it in
+                        # the very next frame, before this task runs again.
+                        self._forget(stream)
                     await self._send(event)
         finally:
             # A hang-up lands here through Cancelled; deliver() has cancelled the request.
+            self._forget(stream)
+
+    def _forget(self, stream: RequestStream) -> None:
+        """Give back the request's id and place; idempotent, and never a newer request's."""
+        if self.requests.get(stream.id) is stream:
             del self.requests[stream.id]
             self._set_idle_deadline()
 
