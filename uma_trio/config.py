@@ -150,6 +150,12 @@ class ServerConfig:
     behind (same tokens). On the H100 it cut the time between two decodes from 10–14 % of a
     step to 4 % (BENCHMARKS.md "GPU"); on a CPU the event loop's work would compete with the
     decode's threads."""
+    gpu_sampling: bool = False
+    """A greedy request's next token is picked where the logits are computed (llama.cpp's
+    backend sampler, an argmax in the model's graph), so a step copies no logits to the host
+    and the compute thread does no argmax; other requests' rows still come back. Same tokens
+    (tests/test_gpu_sampling.py). Off by default: on the H100 the graph's per-sequence argmax
+    cost what it saved (BENCHMARKS.md "GPU", step probe); on a CPU it saves nothing."""
     tick_trace: Annotated[Path | None, Parameter(show_default="off")] = None
     """Append one JSON line per engine step to this file (METRICS.md "Per-step trace"): tokens
     planned, predicted and measured step time, budget, whether the step ran ahead. A

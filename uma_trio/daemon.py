@@ -52,6 +52,7 @@ def context_config(config: ServerConfig, all_layers_on_gpu: bool = False) -> Con
         n_seq_max=config.max_sessions,
         n_threads=config.threads,
         kv_unified=config.engine_kv_unified(all_layers_on_gpu),
+        device_greedy=config.gpu_sampling,
         kv_type=config.engine_kv_type,
         flash_attn=config.engine_flash_attn,
     )

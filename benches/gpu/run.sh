@@ -103,6 +103,11 @@ UMA_GPU_TEST_MODEL=$TINY timeout 300 $PY -m pytest -q -s -m gpu -p no:cacheprovi
 log "the same tests on the 8B-shaped random model (for the record; its logits are chaotic):"
 UMA_GPU_TEST_MODEL=$MODEL timeout 300 $PY -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | grep -E "passed|failed|rel |assert \(" | tail -6 | tee -a "$L/driver.log"
 
+if [ -n "${PROBE:-}" ]; then  # the engine alone, greedy rows on the host and on the device (--gpu-sampling)
+  stage probe
+  timeout 400 $PY benches/gpu/step_probe.py "$MODEL" "$W/results/step_probe.jsonl" --streams 1,4,8,16 2>&1 | grep '^{' | tee -a "$L/driver.log"
+fi
+
 stage compare
 timeout 1500 $PY benches/gpu_compare.py --bin "$B/bin" --model "$MODEL" --out "$W/results" --parts "$PARTS" ${COMPARE_ARGS:-} 2>&1 | tee -a "$L/driver.log" | tail -5
 if [ -n "${VARIANT:-}" ]; then  # uma-trio again with other flags (and VARIANT_ENV), e.g. VARIANT=--no-run-ahead (A/B)

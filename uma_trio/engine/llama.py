@@ -50,6 +50,7 @@ import numpy as np
 from ..config import DETERMINISTIC_KV_TYPE, DETERMINISTIC_N_UBATCH, FlashAttn
 from .base import BatchEntry, EngineError, Follow, Sampled, SampleFailure, StepResult, TokenArray
 from .compute_thread import ComputeThread
+from .device_sampling import DeviceGreedy
 from .devices import LlamaLog, devices, flash_attention_resolved, system_info
 from .libllama import llama
 from .llama_model import LlamaModel, ModelLoadError, ModelShape, Placement, read_shape
@@ -94,6 +95,7 @@ class ContextConfig:
     kv_unified: bool = False
     kv_type: str = "f16"  # K and V element type: f16, q8_0 or q4_0 (see KV_TYPES and the module doc)
     flash_attn: FlashAttn = "auto"  # auto: where the backend supports it (quantized V needs it)
+    device_greedy: bool = False  # greedy rows picked by llama.cpp on the device (device_sampling.py)
 
 
 # The settings --deterministic fixes (module doc); with f16 KV or 64+ token micro-batches
@@ -176,6 +178,7 @@ class LlamaEngine:
         # auto with a quantized V cache is forced on without a probe line; an explicit choice is kept.
         self.flash_attn = resolved if resolved is not None else config.flash_attn != "off"
         self._memory = llama.llama_get_memory(self._ctx)
+        self._device_greedy = DeviceGreedy(self._ctx, config.device_greedy)
         self._abort = ctypes.create_string_buffer(2)  # b"": go on; b"x": stop (preempt)
         self._preemptible = False  # the step in flight may be preempted
         self._install_abort()
@@ -291,11 +294,13 @@ class LlamaEngine:
         # Same parameters, so the same cell counts and sequence ids; the old context's KV
         # memory is freed first, so the two never coexist.
         llama.llama_free(self._ctx)
+        self._device_greedy.free()  # the freed context held them
         self._ctx = self._memory = None  # nothing may touch the freed context if the next fails
         self._ctx = llama.llama_init_from_model(self.model.handle, self._params)
         if not self._ctx:
             raise ModelLoadError("llama.cpp could not create a new context")
         self._memory = llama.llama_get_memory(self._ctx)
+        self._device_greedy = DeviceGreedy(self._ctx, self.config.device_greedy)
         self._install_abort()
         self.rebuilds += 1
 
@@ -374,6 +379,7 @@ class LlamaEngine:
         buf = self._buffers
         n = 0
         outputs: list[BatchEntry] = []
+        on_device: list[int] = []  # batch index of each output the device samples, else -1
         for entry in entries:
             k = len(entry.tokens)
             if n + k > buf.capacity:
@@ -390,6 +396,8 @@ class LlamaEngine:
             if entry.sampler is not None:
                 buf.logits[n + k - 1] = 1
                 outputs.append(entry)
+                device = self._device_greedy.route(entry.seq_id, entry.sampler.is_argmax)
+                on_device.append(n + k - 1 if device else -1)
             n += k
         buf.batch.n_tokens = n
         started = time.perf_counter()
@@ -404,34 +412,57 @@ class LlamaEngine:
                     llama.llama_memory_seq_rm(self._memory, entry.seq_id, entry.pos0, -1)
                 raise EngineError(2, f"preempted: a batch of {n} tokens stopped early and was undone")
             raise EngineError(status, f"llama_decode returned {status} for a batch of {n} tokens")
-        sampled, failed = [], []
         if not outputs:  # a GPU's decode returns before the device is done: time all of it
             llama.llama_synchronize(self._ctx)
+            sampled: list[Sampled] = []
+            failed: list[SampleFailure] = []
         else:
-            # Every output row in batch order, one view (llama_get_logits waits for the device).
-            rows = np.ctypeslib.as_array(
-                llama.llama_get_logits(self._ctx), shape=(len(outputs), self._n_vocab)
-            )
-            greedy = [i for i, e in enumerate(outputs) if e.sampler is not None and e.sampler.is_argmax]
-            # All greedy (the usual case): argmax the view itself; picking rows would copy them
-            # (16 rows of a 128k vocabulary: 8 MB, 0.4 ms a step).
-            picked = rows if len(greedy) == len(outputs) else rows[greedy]
-            argmax = dict(zip(greedy, picked.argmax(axis=1).tolist(), strict=True)) if greedy else {}
-            for i, entry in enumerate(outputs):
-                assert entry.sampler is not None
-                token = argmax.get(i)
-                if token is None:
-                    try:
-                        token = entry.sampler.sample(rows[i])
-                    except Exception as exc:  # one request's sampler must not cost the others their tokens
-                        failed.append(SampleFailure(entry.seq_id, f"sampling failed: {exc}"))
-                        continue
-                sampled.append(
-                    Sampled(entry.seq_id, token, self.model.piece(token), self.model.is_eog(token))
-                )
+            sampled, failed = self._sample(outputs, on_device)
         ended = time.perf_counter()
         self.step_gaps.on_end(ended)
         return StepResult(sampled, n, ended - started, failed)
+
+    def _sample(
+        self, outputs: list[BatchEntry], on_device: list[int]
+    ) -> tuple[list[Sampled], list[SampleFailure]]:
+        """The next token of each output, in order: read back where the device picked it,
+        argmax-ed together where greedy on the host, else drawn by the request's sampler."""
+        tokens: dict[int, int] = {}
+        failed: list[SampleFailure] = []
+        for i, index in enumerate(on_device):
+            if index < 0:
+                continue
+            if (token := self._device_greedy.token(index)) is None:  # its logits did not come back either
+                failed.append(SampleFailure(outputs[i].seq_id, "llama.cpp sampled no token on the device"))
+            else:
+                tokens[i] = token
+        if len(tokens) + len(failed) < len(outputs):
+            # Every output row in batch order, one view (llama_get_logits waits for the device).
+            logits = llama.llama_get_logits(self._ctx)
+            rows = np.ctypeslib.as_array(logits, shape=(len(outputs), self._n_vocab))
+            greedy = [
+                i for i, e in enumerate(outputs) if on_device[i] < 0 and e.sampler and e.sampler.is_argmax
+            ]
+            # All greedy (the usual case on a CPU): argmax the view itself; picking rows would
+            # copy them (16 rows of a 128k vocabulary: 8 MB, 0.4 ms a step).
+            picked = rows if len(greedy) == len(outputs) else rows[greedy]
+            if greedy:
+                tokens.update(zip(greedy, picked.argmax(axis=1).tolist(), strict=True))
+            for i, entry in enumerate(outputs):
+                if on_device[i] >= 0 or i in tokens:
+                    continue
+                assert entry.sampler is not None
+                try:
+                    tokens[i] = entry.sampler.sample(rows[i])
+                except Exception as exc:  # one request's sampler must not cost the others their tokens
+                    failed.append(SampleFailure(entry.seq_id, f"sampling failed: {exc}"))
+        piece, is_eog = self.model.piece, self.model.is_eog
+        sampled = [
+            Sampled(entry.seq_id, token, piece(token), is_eog(token))
+            for i, entry in enumerate(outputs)
+            if (token := tokens.get(i)) is not None
+        ]
+        return sampled, failed
 
     def describe(self, *, deterministic: bool = False) -> dict[str, Any]:
         """:func:`.summary.engine_summary` of this engine, device memory read now."""
@@ -445,6 +476,7 @@ class LlamaEngine:
                 "n_ctx_seq": self._n_ctx_seq, "n_seq_max": self._n_seq_max, "n_batch": c.n_batch,
                 "n_ubatch": int(llama.llama_n_ubatch(self._ctx)), "threads": self._params.n_threads,
                 "kv_unified": c.kv_unified, "deterministic": deterministic,
+                "gpu_sampling": self._device_greedy.enabled,
                 "main_gpu": m.placement.main_gpu, "split_mode": m.placement.split_mode,
                 "tensor_split": list(m.placement.tensor_split) if m.placement.tensor_split else None,
             },
@@ -456,5 +488,6 @@ class LlamaEngine:
     def close(self) -> None:
         if self._ctx:
             self._compute.call(llama.llama_free, self._ctx)
+            self._compute.call(self._device_greedy.free)  # the freed context held the chains
             self._ctx = None
             self._compute.close()

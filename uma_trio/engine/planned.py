@@ -57,6 +57,7 @@ def planned_summary(model_path: Path, config: ServerConfig) -> dict[str, Any]:
             "n_ctx_seq": config.n_ctx, "n_seq_max": config.max_sessions, "n_batch": config.n_batch,
             "n_ubatch": config.engine_n_ubatch, "threads": config.threads or os.cpu_count() or 1,
             "kv_unified": config.engine_kv_unified(0 < plan.n_gpu_layers == plan.total),
+            "gpu_sampling": config.gpu_sampling,
             "deterministic": config.deterministic,
             "main_gpu": config.main_gpu, "split_mode": config.split_mode,
             "tensor_split": list(config.tensor_split) if config.tensor_split else None,
