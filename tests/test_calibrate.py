@@ -34,7 +34,7 @@ TRUE = CostCoefficients(
 
 
 def synthetic(
-    fixed: float, decode: float, prefill: float, ctx: float, *, noise: float, seed: int = 0
+    fixed: float, decode: float, prefill: float, ctx: float, *, noise: float, seed: int = 0, step: float = 0.0
 ) -> list[TickSample]:
     """Ticks over a grid like the real one, timed by the given line times (1 + noise)."""
     rng = np.random.default_rng(seed)
@@ -45,7 +45,7 @@ def synthetic(
         samples.append((d, p, kv_cells_read([512] * d, [(start, p)])))
     out = []
     for d, p, kv in samples * 3:
-        seconds = fixed + decode * d + prefill * p + ctx * kv / 1000.0
+        seconds = fixed + decode * d + prefill * p + ctx * kv / 1000.0 + (step if p else 0.0)
         out.append(TickSample(d, p, kv, seconds * (1.0 + noise * rng.standard_normal())))
     return out
 
@@ -70,6 +70,14 @@ def test_fit_is_exact_without_noise() -> None:
         assert getattr(fit, name) == pytest.approx(getattr(TRUE, name), rel=1e-6)
     quality = fit_quality(fit, samples)
     assert quality.r2 == pytest.approx(1.0) and quality.mean_abs_rel_error == pytest.approx(0.0, abs=1e-9)
+
+
+def test_fit_finds_the_step_a_prompt_token_adds_and_none_where_there_is_none() -> None:
+    line = fit_coefficients(synthetic(0.004, 0.003, 0.0022, 0.0019, noise=0.0), "test")
+    assert line.prompt_tick_s == pytest.approx(0.0, abs=1e-9)
+    stepped = fit_coefficients(synthetic(0.004, 0.003, 0.0022, 0.0019, noise=0.02, step=0.006), "test")
+    assert stepped.prompt_tick_s == pytest.approx(0.006, rel=0.15)
+    assert stepped.prefill_s == pytest.approx(0.0022, rel=0.05)
 
 
 def test_a_preempted_tick_does_not_move_the_fit() -> None:

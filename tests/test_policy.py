@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from uma_trio.sched.autotune import HillClimber
@@ -223,6 +224,46 @@ def test_time_every_tick_shares_goes_to_the_fixed_cost_not_the_tokens() -> None:
     assert c.fixed_s == pytest.approx(0.011, rel=0.05)
     assert c.decode_s == pytest.approx(COST.decode_s, rel=0.1)
     assert c.prefill_s == pytest.approx(COST.prefill_s, rel=0.1)
+
+
+def test_a_tick_with_prompt_tokens_pays_the_step_once() -> None:
+    stepped = msgspec.structs.replace(COST, prompt_tick_s=0.004)
+    assert stepped.predict(3, 0, 0) == COST.predict(3, 0, 0)
+    assert stepped.predict(3, 2, 0) == pytest.approx(COST.predict(3, 2, 0) + 0.004)
+    assert stepped.predict(3, 64, 0) - stepped.predict(3, 2, 0) == pytest.approx(62 * COST.prefill_s)
+
+
+def test_the_online_fit_learns_the_step_a_prompt_token_adds() -> None:
+    """The H100's mixed trace (run M): 3 decoders 5.4 ms a tick, 3.7 ms more with any prompt
+    token; a line would price the first few prompt tokens at a fraction of that."""
+    model = TickCostModel(COST)
+    for i in range(140):
+        d, n = 1 + i % 3, (0, 0, 2, 0, 16, 0, 64)[i % 7]
+        model.observe(d, n, 0, 0.003 + 0.0008 * d + (0.0037 + n * 0.001 if n else 0.0))
+    c = model.coefficients
+    assert c.prompt_tick_s == pytest.approx(0.0037, rel=0.1)
+    assert c.predict(3, 0, 0) == pytest.approx(0.0054, rel=0.05)
+    assert c.predict(3, 2, 0) == pytest.approx(0.0111, rel=0.05)
+
+
+def test_the_learned_step_is_bounded_like_every_other_cost() -> None:
+    model = TickCostModel(COST)
+    for i in range(80):
+        model.observe(2, 8 * (i % 2), 0, 0.010 + (1.0 if i % 2 else 0.0))  # prompt ticks stalled 1 s
+    assert model.coefficients.prompt_tick_s <= 4.0 * COST.fixed_s
+
+
+def test_no_sliver_of_a_prompt_rides_a_tick_that_cannot_pay_its_step() -> None:
+    """3 interactive decoders leave 1.8 ms of their 14.8 ms budget: at 0.2 ms a prompt token a
+    line fits 8 tokens there, but not a 4 ms step, so the tick stays decode-only."""
+    cheap = CostCoefficients(fixed_s=0.004, decode_s=0.003, prefill_s=0.0002, ctx_s_per_kcell=0.0)
+    sessions = (interactive(1), interactive(2), interactive(3), background(5, prompt=500))
+    state = SchedulerState(sessions, tick=100)
+    line = plan_tick(state, CONFIG, cheap, Controls())
+    assert dict(line.prefill).get(5, 0) >= 4
+    stepped = plan_tick(state, CONFIG, msgspec.structs.replace(cheap, prompt_tick_s=0.004), Controls())
+    assert stepped.decode == (1, 2, 3) and stepped.prefill == ()
+    assert stepped.predicted_s <= stepped.budget_s
 
 
 def test_bmt_guard_trims_prefill_before_background_decoders() -> None:

@@ -108,9 +108,9 @@ def cost_prior(engine: LlamaEngine, config: ServerConfig) -> CostCoefficients:
     c = result.coefficients
     log.info(
         "cost model: fixed %.2f ms, %.3f ms/decode token, %.3f ms/prompt token past %d tokens, "
-        "%.4f ms/1k cells (R² %.3f)",
+        "%.4f ms/1k cells, %.2f ms a tick with prompt tokens (R² %.3f)",
         c.fixed_s * 1e3, c.decode_s * 1e3, c.prefill_s * 1e3, c.flat_tokens, c.ctx_s_per_kcell * 1e3,
-        result.quality.r2,
+        c.prompt_tick_s * 1e3, result.quality.r2,
     )  # fmt: skip
     return c
 

@@ -110,6 +110,7 @@ def calibrate(
     print(f"prefill_s        {c.prefill_s:.6f}  s per prompt token")
     print(f"ctx_s_per_kcell  {c.ctx_s_per_kcell:.6f}  s per 1,000 KV cells read")
     print(f"flat_tokens      {c.flat_tokens}  tokens a tick carries for fixed_s (the knee)")
+    print(f"prompt_tick_s    {c.prompt_tick_s:.6f}  s once a tick that carries prompt tokens")
     print(f"device           {c.device}")
     print(f"R²               {q.r2:.4f}  ({q.n_samples} configurations, medians)")
     print(f"mean |rel. err|  {100.0 * q.mean_abs_rel_error:.1f} %")

@@ -89,14 +89,19 @@ def _design(
     rows = []
     for s in samples:
         beyond = over_knee(s.decode_tokens + s.prefill_tokens, flat_tokens)
-        rows.append((1.0, beyond * s.decode_tokens, beyond * s.prefill_tokens, s.kv_cells / 1000.0))
+        rows.append(
+            (
+                1.0, beyond * s.decode_tokens, beyond * s.prefill_tokens, s.kv_cells / 1000.0,
+                float(s.prefill_tokens > 0),
+            )
+        )  # fmt: skip
     x = np.array(rows, dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
     return x, y
 
 
 def fit_coefficients(samples: Sequence[TickSample], source: str, device: str = "") -> CostCoefficients:
-    """Non-negative least squares of seconds on ``[1, D', P', kv_cells/1000]``, for each
+    """Non-negative least squares of seconds on ``[1, D', P', kv_cells/1000, P > 0]``, for each
     knee in :data:`FLAT_CANDIDATES` (``D'``, ``P'``: the tokens' share past the knee), keeping
     the knee with the smallest residual: a CPU comes out at 0 (a line), a GPU at the batch
     size its step stays flat to.
@@ -107,7 +112,7 @@ def fit_coefficients(samples: Sequence[TickSample], source: str, device: str = "
     then weighted by ``1/seconds``, i.e. relative error is minimised: ticks
     span ~5 ms to ~1 s, and a plain fit would let the big prefill ticks decide
     the fixed cost that matters most for the small decode ticks the policy
-    budgets.  Non-negativity is exact and simple: with four columns we solve
+    budgets.  Non-negativity is exact and simple: with five columns we solve
     the plain least squares on every subset of columns, keep the solutions with
     no negative coefficient, and take the one with the smallest residual (the
     NNLS optimum is the least-squares solution on its own support).  A dropped
@@ -120,7 +125,7 @@ def fit_coefficients(samples: Sequence[TickSample], source: str, device: str = "
     medians = median_per_configuration(samples)
     widest = max(s.decode_tokens + s.prefill_tokens for s in medians)
     knees = FLAT_CANDIDATES if looks_flat(medians) else (0,)
-    best, best_flat, best_residual = np.zeros(4), 0, float("inf")
+    best, best_flat, best_residual = np.zeros(5), 0, float("inf")
     for flat in knees:
         if flat >= widest:  # a knee past every sample says nothing about per-token costs
             break
@@ -132,6 +137,7 @@ def fit_coefficients(samples: Sequence[TickSample], source: str, device: str = "
         decode_s=float(best[1]),
         prefill_s=float(best[2]),
         ctx_s_per_kcell=float(best[3]),
+        prompt_tick_s=float(best[4]),
         flat_tokens=best_flat,
         source=source,
         device=device,

@@ -37,7 +37,14 @@ from msgspec.structs import replace
 
 
 class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
-    """``seconds = fixed_s + decode_s·D + prefill_s·P + ctx_s_per_kcell·(KV cells read)/1000``."""
+    """``seconds = fixed_s + decode_s·D + prefill_s·P + ctx_s_per_kcell·(KV cells read)/1000``,
+    plus ``prompt_tick_s`` when the tick carries any prompt token (P > 0).
+
+    That last term is a step, not a slope: on the H100 three decode tokens took 5.4 ms and the
+    same three with two prompt tokens 9.1 ms (another batch shape: other matrix kernels, and
+    llama.cpp's CUDA graph rebuilt), while 64 more prompt tokens cost little more.  A line
+    through such ticks prices a few prompt tokens as cheap, so a policy trickled them in two at
+    a time, each tick paying the whole jump (BENCHMARKS.md "GPU", run M's mixed trace)."""
 
     # Defaults: `uma-trio calibrate` on the 2-core AMD EPYC dev machine, SmolLM2-135M Q4_1
     # (three runs, R² 0.988-0.997, mean relative error 8-9%).
@@ -46,6 +53,7 @@ class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
     prefill_s: float = 0.0023  # per prompt token
     ctx_s_per_kcell: float = 0.0018  # per 1,000 KV cells scanned by the batch's tokens
     flat_tokens: int = 0  # tokens a tick carries for fixed_s alone (the knee; 0 on a CPU)
+    prompt_tick_s: float = 0.0  # once per tick that carries prompt tokens (the step above)
     source: str = "built-in defaults (2-core AMD EPYC, SmolLM2-135M Q4_1)"
     device: str = ""  # what the coefficients were measured on (engine_device_key); "" = any CPU
 
@@ -58,6 +66,7 @@ class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
             self.fixed_s
             + beyond * (self.decode_s * decode_tokens + self.prefill_s * prefill_tokens)
             + self.ctx_s_per_kcell * kv_cells_read / 1000.0
+            + (self.prompt_tick_s if prefill_tokens > 0 else 0.0)
         )
 
     def save(self, path: Path) -> None:
@@ -95,9 +104,9 @@ class TickCostModel:
     last_s: float = 0.0
     ewma_s: float = 0.0
     # Exponentially weighted sums over ticks of x·xᵀ, x·seconds and x² (x: the features).
-    _gram: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros((4, 4)))
-    _rhs: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(4))
-    _sq: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(4))
+    _gram: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros((5, 5)))
+    _rhs: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(5))
+    _sq: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(5))
     _weight: float = 0.0
 
     def __post_init__(self) -> None:
@@ -120,7 +129,8 @@ class TickCostModel:
         self.ewma_s = seconds if self.ewma_s == 0.0 else 0.8 * self.ewma_s + 0.2 * seconds
         p = self.prior
         beyond = over_knee(decode_tokens + prefill_tokens, p.flat_tokens)
-        x = np.array([1.0, beyond * decode_tokens, beyond * prefill_tokens, kv_cells / 1000.0])
+        has_prompt = float(prefill_tokens > 0)
+        x = np.array([1.0, beyond * decode_tokens, beyond * prefill_tokens, kv_cells / 1000.0, has_prompt])
         f = self.forget
         self._gram = f * self._gram + np.outer(x, x)
         self._rhs = f * self._rhs + x * seconds
@@ -128,13 +138,16 @@ class TickCostModel:
         self._weight = f * self._weight + 1.0
         # Ridge towards the prior, scaled per feature by its typical size; a feature no tick
         # has carried yet (prompt tokens before the first prompt) keeps the prior's value.
-        prior = np.array([p.fixed_s, p.decode_s, p.prefill_s, p.ctx_s_per_kcell])
+        prior = np.array([p.fixed_s, p.decode_s, p.prefill_s, p.ctx_s_per_kcell, p.prompt_tick_s])
         ridge = self.prior_ticks * self._sq / self._weight + 1e-9
         fit = np.linalg.solve(self._gram + np.diag(ridge), self._rhs + ridge * prior)
-        fixed, decode, prefill, ctx = (float(v) for v in fit)
+        fixed, decode, prefill, ctx, prompt_tick = (float(v) for v in fit)
         self.current = self._clamped(
-            replace(p, fixed_s=fixed, decode_s=decode, prefill_s=prefill, ctx_s_per_kcell=ctx)
-        )
+            replace(
+                p, fixed_s=fixed, decode_s=decode, prefill_s=prefill, ctx_s_per_kcell=ctx,
+                prompt_tick_s=prompt_tick,
+            )
+        )  # fmt: skip
 
     def _clamped(self, coefficients: CostCoefficients) -> CostCoefficients:
         """Each learned cost within [1/CLAMP, CLAMP] × the prior's.  On a busy machine a tick
@@ -152,4 +165,6 @@ class TickCostModel:
             decode_s=clamp(coefficients.decode_s, p.decode_s),
             prefill_s=clamp(coefficients.prefill_s, p.prefill_s),
             ctx_s_per_kcell=clamp(coefficients.ctx_s_per_kcell, p.ctx_s_per_kcell),
+            # A prior of 0 (a CPU, uncalibrated) still bounds it: a jump is a share of a tick.
+            prompt_tick_s=min(max(coefficients.prompt_tick_s, 0.0), CLAMP * max(p.prompt_tick_s, p.fixed_s)),
         )

@@ -442,7 +442,8 @@ class Policy:
             "cost_model": {
                 "fixed_ms": round(c.fixed_s * 1000.0, 4), "decode_ms": round(c.decode_s * 1000.0, 4),
                 "prefill_ms": round(c.prefill_s * 1000.0, 4),
-                "ctx_ms_per_kcell": round(c.ctx_s_per_kcell * 1000.0, 4), "source": c.source,
+                "ctx_ms_per_kcell": round(c.ctx_s_per_kcell * 1000.0, 4),
+                "prompt_tick_ms": round(c.prompt_tick_s * 1000.0, 4), "source": c.source,
             },
         }  # fmt: skip
 
