@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU comparison on a machine with CUDA and no internet (docs/BENCHMARKS.md "GPU").
-# Needs, in $PAYLOAD: lcp-src.tar.gz (benches/gpu/strip_sdist.sh: the pinned llama-cpp-python,
-# stripped) and whl/ (pure-Python wheels the machine lacks).  Runs in the background (setsid)
+# Needs, in $PAYLOAD (default .gpu): lcp-src.tar.gz (benches/gpu/strip_sdist.sh: the pinned llama-cpp-python,
+# stripped; copy it from benches/gpu/payload/) and whl/ (benches/gpu/wheels.sh).  Runs in the background (setsid)
 # from the repository root; benches/gpu/poll.sh follows it.  Stages: build llama.cpp with CUDA
 # (llama-server, llama-batched-bench, llama-quantize, libllama) while a random-weight
 # Llama-3-8B-shaped GGUF is generated and quantized (Q4_K_M); then the import-order probe, the
