@@ -12,7 +12,10 @@ The simulated machine is this one, calibrated without looking at the mixed run:
   when the file is missing): the engine alone;
 * how the daemon's steps spread around that model under a live load, and the event loop's
   time between two steps: from one real run of the same chats without the background
-  prompt (``--tick-trace``; ``engine.sim.StepNoise``).
+  prompt (``--tick-trace``; ``engine.sim.StepNoise``);
+* the time a request spends outside the engine before its first token (connecting,
+  framing, tokenizing, delivering): that same run's TTFT p50 less the simulator's for the
+  same chats with the step spread above (``StepNoise.request_s``).
 
 Prints the interactive gap p95, TTFT p50 and the background request's completion time of
 each, and the simulator's ratio to the real runs' median (also for the cost model alone,
@@ -24,6 +27,7 @@ without the measured spread); writes ``OUT/sim_vs_real.csv``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -116,17 +120,22 @@ def main() -> None:
     trace = args.out / "ticks-alone.jsonl"
     trace.unlink(missing_ok=True)
     print("real daemon, the chats alone (the machine's step spread) ...", flush=True)
-    real_run(alone, args.cost_model, args.out / "uma-alone.log", trace)
+    alone_run = real_run(alone, args.cost_model, args.out / "uma-alone.log", trace)
+    alone_ttft = lane_stats(alone_run, "interactive")
     real, simulated = [], []
     for repeat in range(args.repeats):
         print(f"real daemon, run {repeat + 1} of {args.repeats} ...", flush=True)
         real.append(figures(real_run(scenario, args.cost_model, args.out / f"uma-{repeat}.log")))
         machine = measured_machine(trace, cost, seed=repeat)
+        sim_alone = lane_stats(simulated_run(alone, cost, machine), "interactive")
+        outside = max(0.0, alone_ttft.ttft_p50 - sim_alone.ttft_p50)
+        machine = dataclasses.replace(machine, request_s=outside, _rng=None)  # the same draws again
         simulated.append(figures(simulated_run(scenario, cost, machine)))
     plain = figures(simulated_run(scenario, cost, None))
     spread = statistics.median(machine.ratios)
     print(f"machine: {len(machine.ratios)} steps, measured / predicted p50 {spread:.2f}, "
-          f"between steps {machine.overhead_s * 1000:.2f} ms")  # fmt: skip
+          f"between steps {machine.overhead_s * 1000:.2f} ms, outside the engine per request "
+          f"{machine.request_s * 1000:.1f} ms")  # fmt: skip
 
     rows = []
     print(f"\n{'':<27} {'real (runs)':>20} {'median':>7} {'simulated (seeds)':>20} {'median':>7} "

@@ -1,11 +1,17 @@
-"""The simulated machine's spread around the cost model (engine/sim.py StepNoise), used by
-benches/sim_vs_real.py to make the simulated engine this machine."""
+"""The simulated machine's spread around the cost model and its time outside the engine
+(engine/sim.py StepNoise), used by benches/sim_vs_real.py to make the simulated engine this
+machine."""
 
 from __future__ import annotations
 
 import pytest
+import trio
 
 from uma_trio.engine.sim import StepNoise
+from uma_trio.loadgen.scenario import ClientSpec, Scenario
+from uma_trio.loadgen.simulate import simulate
+from uma_trio.loadgen.stats import lane_stats
+from uma_trio.sched.cost import CostCoefficients
 
 
 def test_no_noise_by_default_every_step_takes_its_prediction() -> None:
@@ -21,3 +27,22 @@ def test_measured_ratios_scale_each_step_and_the_overhead_is_added() -> None:
     assert set(map(lambda s: round(s, 6), drawn)) == {0.01, 0.015}  # both ratios, nothing else
     again = StepNoise(ratios=[1.0, 1.5], seed=7)
     assert [again.step_seconds(0.01) for _ in range(200)] == drawn  # seeded: repeatable
+
+
+async def test_a_requests_time_outside_the_engine_comes_before_its_first_token(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """StepNoise.request_s: the simulated clients wait it out after their ``sent`` time, so
+    it adds to every TTFT (and to nothing else: the steps are the same)."""
+    chats = Scenario(
+        name="chats",
+        clients=[
+            ClientSpec(name=f"c{i}", prompt_tokens=30, max_tokens=20, requests=3, think_s=0.2)
+            for i in range(2)
+        ],
+    )
+    plain, _ = await simulate(chats, CostCoefficients(), machine=StepNoise())
+    outside, _ = await simulate(chats, CostCoefficients(), machine=StepNoise(request_s=0.04))
+    before, after = lane_stats(plain, "interactive"), lane_stats(outside, "interactive")
+    assert after.ttft_p50 == pytest.approx(before.ttft_p50 + 0.04, abs=0.002)
+    assert after.gap_p95 == pytest.approx(before.gap_p95)

@@ -37,11 +37,15 @@ class StepNoise:
     """How a real daemon's steps differ from the cost model's prediction, as measured on a
     machine (``benches/sim_vs_real.py`` takes them from a real run's ``--tick-trace``):
     ``ratios``, measured over predicted step times, drawn at random (seeded) for each step,
-    and ``overhead_s``, the event loop's own time between two steps.  The default is none
-    of either: every step takes exactly its prediction, as the simulation tests assume."""
+    ``overhead_s``, the event loop's own time between two steps, and ``request_s``, the time
+    a request spends outside the engine before its first token can come (the client's and the
+    daemon's own work: connecting, framing, tokenizing, delivering; the simulated clients wait
+    it out before they send).  The default is none of these: every step takes exactly its
+    prediction, as the simulation tests assume."""
 
     ratios: Sequence[float] = ()
     overhead_s: float = 0.0
+    request_s: float = 0.0
     seed: int = 0
     _rng: np.random.Generator | None = field(default=None, repr=False)
 

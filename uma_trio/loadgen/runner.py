@@ -37,9 +37,13 @@ async def run_scenario(
     *,
     clock: Callable[[], float] = trio.current_time,
     on_token: Callable[[], None] | None = None,
+    request_delay_s: float = 0.0,
 ) -> ScenarioResult:
     """Run every client of ``scenario`` against ``target`` (a daemon's socket path, or any
     :class:`~.targets.Target`).  ``on_token`` is called after each token event (progress).
+    ``request_delay_s``: for simulations, a machine's time per request outside the engine
+    (:class:`~uma_trio.engine.sim.StepNoise` ``request_s``), waited between a request's
+    ``sent`` time and sending it.
 
     Request failures (error events, a lost connection) are recorded, not
     raised, so one misbehaving request does not hide what the others saw; a
@@ -61,6 +65,8 @@ async def run_scenario(
                     await trio.sleep(spec.think_s)
                 record = RequestRecord(client=spec.name, lane=spec.lane, index=index, sent=clock())
                 records.append(record)
+                if request_delay_s > 0:
+                    await trio.sleep(request_delay_s)
                 alive = await connection.run(spec, index, record, clock, on_token or _nothing)
                 if not alive:
                     return  # the connection is gone: the rest of the chain cannot run

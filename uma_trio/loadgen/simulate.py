@@ -43,7 +43,8 @@ async def simulate(
     """Run ``scenario`` to its end; return its records and the (stopped) server.
     ``preemptible``: whether the engine can stop a step midway, as llama.cpp's CPU backend
     can (Engine.can_preempt); GPU backends cannot.  ``machine``: the spread of real steps
-    around the cost model and the time between them (none by default)."""
+    around the cost model, the time between them and each request's time outside the engine
+    (none by default)."""
     with tempfile.TemporaryDirectory(prefix="uma-sim-") as tmp:
         config = replace(config, socket_path=Path(tmp) / "sim.sock")
         engine = SimEngine(
@@ -55,6 +56,7 @@ async def simulate(
         server = Server(engine, config, policy=policy or default_policy(config, prior=cost))
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
-            result = await run_scenario(config.socket_path, scenario)
+            delay = machine.request_s if machine is not None else 0.0
+            result = await run_scenario(config.socket_path, scenario, request_delay_s=delay)
             server.request_shutdown(force=True)
     return result, server
