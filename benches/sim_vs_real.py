@@ -126,10 +126,11 @@ def main() -> None:
     for repeat in range(args.repeats):
         print(f"real daemon, run {repeat + 1} of {args.repeats} ...", flush=True)
         real.append(figures(real_run(scenario, args.cost_model, args.out / f"uma-{repeat}.log")))
-        machine = measured_machine(trace, cost, seed=repeat)
-        sim_alone = lane_stats(simulated_run(alone, cost, machine), "interactive")
+        measured = measured_machine(trace, cost, seed=repeat)
+        # Copies: each simulation draws the seeded spread from its start.
+        sim_alone = lane_stats(simulated_run(alone, cost, dataclasses.replace(measured)), "interactive")
         outside = max(0.0, alone_ttft.ttft_p50 - sim_alone.ttft_p50)
-        machine = dataclasses.replace(machine, request_s=outside, _rng=None)  # the same draws again
+        machine = dataclasses.replace(measured, request_s=outside)
         simulated.append(figures(simulated_run(scenario, cost, machine)))
     plain = figures(simulated_run(scenario, cost, None))
     spread = statistics.median(machine.ratios)

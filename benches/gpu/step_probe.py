@@ -3,8 +3,7 @@ plain loop, no daemon: B sequences with a 128-token prompt each, then DECODE gre
 one token per sequence.  Each step splits into ``llama_decode`` plus the wait for the device
 and the rest (batch fill, logits or device-picked tokens, argmax, pieces).  Configurations:
 ``host`` argmaxes greedy rows on the host (the default), ``device`` with llama.cpp's backend
-sampler (``--gpu-sampling``).  Prints one line per run and appends JSON
-lines to OUT.
+sampler (``--gpu-sampling``).  Prints one line per run and appends JSON lines to OUT.
 
 Usage: python benches/gpu/step_probe.py MODEL.gguf OUT.jsonl [--streams 1,16] [--decode 256]
 """
