@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import msgspec
 import pytest
 
@@ -334,6 +336,30 @@ def test_with_nobody_decoding_prompts_take_a_whole_micro_batch() -> None:
     assert burst.budget_s >= burst.predicted_s  # not an overrun to hold prefill back for
     beside = plan(interactive(0), *(interactive(k, prompt=128) for k in range(1, 16)))
     assert sum(n for _, n in beside.prefill) < 512  # a decoding stream keeps its pause limit
+
+
+def test_with_nobody_decoding_a_burst_takes_what_fits_the_burst_tick() -> None:
+    """On a GPU a micro-batch of 512 prompt tokens is a fraction of the burst tick: sixteen
+    128-token requests arriving at an idle daemon all prefill in one tick (as llama-server's
+    2,048-token batch takes them), instead of four, with twelve joining at the pace of four
+    decoding streams, a few dozen tokens a tick (ramp to 16 streams: 231-582 ms on the H100)."""
+    h100 = CostCoefficients(
+        fixed_s=0.00462, decode_s=0.000515, prefill_s=0.000105, flat_tokens=1, ctx_s_per_kcell=0.0
+    )
+    burst = tuple(interactive(k, prompt=128) for k in range(16))
+    plan_all = plan_tick(SchedulerState(burst, max_batch=2048, micro_batch=512), CONFIG, h100)
+    assert plan_all.prefill_tokens == 16 * 128 and plan_all.predicted_s <= CONFIG.burst_tick_s
+    assert plan_all.budget_s >= plan_all.predicted_s
+    # Where the burst tick holds less than the burst, it takes what fits, water-filled.
+    short = replace(CONFIG, burst_tick_s=0.1)
+    part = plan_tick(SchedulerState(burst, max_batch=2048, micro_batch=512), short, h100)
+    assert 512 < part.prefill_tokens < 16 * 128 and part.predicted_s <= 0.1
+    assert len(part.prefill) == 16
+    # Never more than the batch holds, and on this CPU a micro-batch outlasts the burst tick.
+    assert (
+        plan_tick(SchedulerState(burst, max_batch=1024, micro_batch=512), CONFIG, h100).prefill_tokens == 1024
+    )
+    assert COST.predict(0, 512, 0) > CONFIG.burst_tick_s
 
 
 def test_contention_cannot_inflate_the_learned_costs_without_bound() -> None:

@@ -16,8 +16,11 @@ from uma_trio.loadgen.runner import ScenarioResult
 from uma_trio.loadgen.scenario import ClientSpec, Scenario
 from uma_trio.loadgen.simulate import SIM_CONFIG, simulate
 from uma_trio.loadgen.stats import completion_time, gaps, lane_stats, tokens_per_s, window_gaps
+from uma_trio.protocol.messages import GenerateRequest
 from uma_trio.sched.cost import CostCoefficients, TickCostModel
 from uma_trio.sched.policy import Policy, PolicyConfig
+
+from .helpers import sim_daemon
 
 COST = CostCoefficients()
 
@@ -146,6 +149,32 @@ async def test_a_burst_arriving_at_an_idle_daemon_shares_its_first_tick(
     assert (
         alone_ttft <= COST.predict(0, 100, 100 * 50) + wait + 1e-9
     )  # a lone request pays only the quiet time
+
+
+async def test_a_burst_still_being_read_is_waited_for(autojump_clock: trio.abc.Clock) -> None:
+    """A front end reads a burst one request after another (on this 2-core CPU, 5 ms each
+    under HTTP): while requests are on their way in (DecodeLoop.arriving), the idle decode
+    task waits for them, up to burst_max_ms, instead of starting the first alone after its
+    1 ms quiet time (which on this CPU put the first of 16 in a tick of its own)."""
+    async with sim_daemon() as server:
+        parse_s = 0.003  # more than burst_quiet_ms between two arrivals
+
+        async def one(i: int) -> None:
+            with server.loop.arriving():
+                await trio.sleep(parse_s * i)  # the requests before it being read
+                request = GenerateRequest(id=f"r{i}", prompt="a " * 60, max_tokens=4, stream=True)
+                stream = await server.open_request(request, trio.current_time(), connection=i)
+            async for _ in stream.receive:
+                pass
+
+        async with trio.open_nursery() as nursery:
+            for i in range(5):
+                nursery.start_soon(one, i)
+        first = server.engine.steps[0]  # type: ignore[attr-defined]
+        assert (
+            first[1] == 5 * len(server.engine.tokenize("a " * 60))
+            and server.config.burst_max_ms / 1000.0 > 4 * parse_s
+        )
 
 
 async def test_an_interactive_request_stops_a_grown_background_tick(autojump_clock: trio.abc.Clock) -> None:

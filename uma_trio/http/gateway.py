@@ -192,7 +192,10 @@ class Gateway:
         self, request: Request, kind: type[openai.CompletionBody] | type[openai.ChatBody], prefix: str
     ) -> Response:
         server = self._ready()
-        data = await self._body(request)
+        # On its way in from here: an idle decode task gathering a burst waits for it.  Nothing
+        # below awaits before open_request, which marks it on through tokenizing.
+        with server.loop.arriving():
+            data = await self._body(request)
         arrived = trio.current_time()
         body = openai.decode_body(data, kind)
         if body.model not in self._model_names:
@@ -253,8 +256,8 @@ class Gateway:
     async def generate(self, request: Request) -> Response:
         """The socket protocol over HTTP: its request body, its events as SSE (or, with
         ``"stream": false``, the eos event as JSON)."""
-        self._ready()
-        data = await self._body(request)
+        with self._ready().loop.arriving():  # as in _openai
+            data = await self._body(request)
         arrived = trio.current_time()
         generate_request = _generate_request(data)
         lane = openai.lane_from_header(request.headers.get(openai.LANE_HEADER))

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -86,6 +86,7 @@ class DecodeLoop:
         self._jobs: list[Callable[[], Awaitable[None]]] = []
         self._unpin: list[int] = []
         self._waiting: deque[Session] = deque()
+        self._arriving = 0  # requests being read or tokenized, not yet submitted (arriving())
         self._active: dict[int, Session] = {}
         self._aborted: list[Session] = []
         self._reserved_cells = 0
@@ -110,6 +111,16 @@ class DecodeLoop:
         self._trace = TickTrace(config.tick_trace) if config.tick_trace is not None else None
 
     # -- called from connection tasks (synchronous: they only record and wake) --
+
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Mark a request on its way in (its body being read, its prompt tokenized), so an
+        idle decode task gathering a burst waits for it (:meth:`_gather_burst`).  Nests."""
+        self._arriving += 1
+        try:
+            yield
+        finally:
+            self._arriving -= 1
 
     def submit(self, session: Session) -> None:
         """Queue an accepted request, or raise :class:`UmaError` if the daemon is full."""
@@ -280,7 +291,9 @@ class DecodeLoop:
         """Woken from idle: give requests arriving together a moment to arrive, so they
         share the first tick.  The first of a burst would otherwise start alone, and every
         other one join only at the pace a decoding stream allows: on the H100 four streams
-        started over 200 ms.  Waits ``burst_quiet_ms`` after each new arrival, at most
+        started over 200 ms.  Waits ``burst_quiet_ms`` after each new arrival, and while other
+        requests are on their way in (:meth:`arriving`: read but not yet tokenized; an HTTP
+        server reads a burst one request after another, on a busy CPU 5 ms each), at most
         ``burst_max_ms`` in all; a lone request pays ``burst_quiet_ms``."""
         quiet, longest = self.config.burst_quiet_ms / 1000.0, self.config.burst_max_ms / 1000.0
         if quiet <= 0 or not self._waiting:
@@ -289,7 +302,7 @@ class DecodeLoop:
         seen = len(self._waiting)
         while (left := deadline - self._clock()) > 0:
             await trio.sleep(min(quiet, left))
-            if len(self._waiting) == seen:
+            if len(self._waiting) == seen and not self._arriving:
                 return
             seen = len(self._waiting)
 

@@ -147,6 +147,20 @@ class Server:
         :func:`~uma_trio.runtime.delivery.deliver`).  ``auto_max_tokens``: the request named
         no max_tokens, so it may use what is left of its context, up to ``--max-tokens``.
         Raises :class:`UmaError` for anything that cannot be served."""
+        with self.loop.arriving():  # an idle decode task waits for it (burst gathering)
+            return await self._open_request(
+                request, arrived, connection, owner, auto_max_tokens, pin_on_finish
+            )
+
+    async def _open_request(
+        self,
+        request: GenerateRequest,
+        arrived: float,
+        connection: int,
+        owner: str,
+        auto_max_tokens: bool,
+        pin_on_finish: bool,
+    ) -> RequestStream:
         rid = request.id
         if not self.loop.accepting:  # before tokenizing: the engine may be closing
             raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=rid)

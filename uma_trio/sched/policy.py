@@ -78,6 +78,12 @@ class PolicyConfig:
     # throughput tick each, up to 2**this × it: the engine's efficient unit for background
     # prompts, at no cost to an interactive request, which stops such a tick when it arrives.
     background_growth: int = 6
+    # With no stream decoding, interactive prompts (a burst arriving at an idle daemon) may
+    # take a tick up to this long, or one micro-batch if that is longer: what a request
+    # arriving meanwhile waits at most.  On a GPU a burst of 16 × 128 tokens fits one such
+    # tick; taken one micro-batch at a time, the rest would join at the pace of the first
+    # ones' streams, a few dozen tokens a tick.
+    burst_tick_s: float = 0.3
 
     def __post_init__(self) -> None:
         if self.latency_cap < 1.0 or self.max_pause < 1.0:
@@ -245,12 +251,13 @@ def plan_tick(
     pause_limit = max(budget, config.max_pause * joined)
     room = batch.prefill_room(pause_limit, interactive_prompts)
     # With no stream decoding there is no gap to protect: prompts take a whole micro-batch
-    # (work-conserving: the engine's efficient unit, as llama-server prefills) but no more, so
-    # a request arriving meanwhile waits one micro-batch at most, then joins.  The budget
-    # covers what is planned.
+    # (work-conserving: the engine's efficient unit, as llama-server prefills), or as many as
+    # fit the burst tick where that is more, so a request arriving meanwhile waits one of
+    # those at most, then joins.  The budget covers what is planned.
     nobody_decodes = not any(s.decoding for s in runnable)
     if nobody_decodes and interactive_prompts:
-        room = max(room, min(state.micro_batch, state.max_batch - batch.n_tokens))
+        whole = min(state.micro_batch, state.max_batch - batch.n_tokens)
+        room = max(room, whole, batch.prefill_room(config.burst_tick_s, interactive_prompts))
     room = max(room, min(1, len(interactive_prompts)))
     batch.prefill.extend(water_fill(interactive_prompts, room))
 
