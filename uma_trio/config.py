@@ -194,10 +194,10 @@ class ServerConfig:
     (SCHEDULER.md); background work only fills the headroom above that tick."""
     tick_ms_min: float = 5.0
     """Floor of the tick budget (ms)."""
-    # Woken from idle, the decode task waits this long after each arrival (at most
-    # burst_max_ms), and while other requests are still being read, so a burst of requests
-    # shares its first tick (runtime/decode_loop.py).
-    burst_quiet_ms: Annotated[float, _HIDDEN] = 1.0
+    # Woken from idle, the decode task waits this long after the first arrival, twice that
+    # after later ones (at most burst_max_ms), and while other requests are still on their
+    # way in, so a burst of requests shares its first tick (runtime/decode_loop.py).
+    burst_quiet_ms: Annotated[float, _HIDDEN] = 2.0
     burst_max_ms: Annotated[float, _HIDDEN] = 25.0
     interactive_reserve: int = 1
     """Sessions background requests never take (they always keep at least one), so

@@ -174,7 +174,13 @@ async def http_gateway(config: ServerConfig, model_file: str) -> AsyncIterator[G
             else None
         )
         serve = partial(
-            serve_asgi, gateway.app, sock, name="http", tls=tls, max_connections=config.http_max_connections
+            serve_asgi,
+            gateway.app,
+            sock,
+            name="http",
+            tls=tls,
+            max_connections=config.http_max_connections,
+            on_connection=gateway.watch_connection,
         )
         gateway.url = await nursery.start(serve)
         log.info("OpenAI-compatible API on %s/v1", gateway.url)

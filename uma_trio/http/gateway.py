@@ -47,6 +47,7 @@ from ..runtime.desk import RequestDesk
 from ..runtime.stream import RequestStream
 from .auth import BearerAuth, request_owner
 from .event_stream import EventStream, until_disconnect
+from .fresh import FreshConnections, peer_of
 from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pattern
 from .responses import error_response, http_error_response, json_response, unexpected_error_response
 
@@ -94,7 +95,13 @@ class Gateway:
         self.created = int(time.time())
         self._flights: dict[str, Flight] = {}  # by request id, for POST /priority and the limit
         self.url: str | None = None
-        self.app = Starlette(
+        self.fresh = FreshConnections()  # connections whose first request is still to come
+        self.app = self.fresh.wrap(self._starlette(hosts, cors_origins, api_key, api_keys))
+
+    def _starlette(
+        self, hosts: frozenset[str], cors_origins: Sequence[str], api_key: str | None, api_keys: Sequence[str]
+    ) -> Starlette:
+        return Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
@@ -131,6 +138,13 @@ class Gateway:
 
     def attach(self, server: RequestDesk) -> None:
         self.server = server
+
+    async def watch_connection(self, stream: object) -> None:
+        """Beside each accepted connection (serve_asgi's ``on_connection``): it counts as a
+        request on its way in until its first request reaches the app (http/fresh.py)."""
+        server, peer = self.server, peer_of(stream)
+        if server is not None and peer is not None:
+            await self.fresh.watch(peer, server.loop.arriving)
 
     def _refuse(self, error: ApiError) -> Response:
         log.info("HTTP %d: %s", error.status, error.message)

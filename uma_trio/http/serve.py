@@ -84,11 +84,13 @@ async def serve_asgi(
     name: str,
     max_connections: int,
     tls: tuple[Path, Path] | None = None,
+    on_connection: Callable[[Any], Awaitable[None]] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on the bound ``sock`` until cancelled, at most ``max_connections``
     connections at once; ``task_status.started`` gets the base URL.  ``name`` names the
-    error logger; ``tls`` is a certificate chain and private key file to serve HTTPS with."""
+    error logger; ``tls`` is a certificate chain and private key file to serve HTTPS with;
+    ``on_connection(stream)`` runs beside each accepted connection (cancelled when it ends)."""
     url = url_of(sock, https=tls is not None)
     config = Config()
     if tls is not None:
@@ -103,7 +105,11 @@ async def serve_asgi(
 
     async def connection(stream: Any) -> None:
         try:
-            await TCPServer(wrapped, config, context, {}, stream)
+            async with trio.open_nursery() as nursery:
+                if on_connection is not None:
+                    nursery.start_soon(on_connection, stream)
+                await TCPServer(wrapped, config, context, {}, stream)
+                nursery.cancel_scope.cancel()
         finally:
             slots.release()
 

@@ -291,17 +291,18 @@ class DecodeLoop:
         """Woken from idle: give requests arriving together a moment to arrive, so they
         share the first tick.  The first of a burst would otherwise start alone, and every
         other one join only at the pace a decoding stream allows: on the H100 four streams
-        started over 200 ms.  Waits ``burst_quiet_ms`` after each new arrival, and while other
-        requests are on their way in (:meth:`arriving`: read but not yet tokenized; an HTTP
-        server reads a burst one request after another, on a busy CPU 5 ms each), at most
-        ``burst_max_ms`` in all; a lone request pays ``burst_quiet_ms``."""
+        started over 200 ms.  Waits ``burst_quiet_ms`` after the first arrival, twice that
+        after each later one (a burst is forming: a Python HTTP client sends its requests
+        0.3-2 ms apart), and while other requests are on their way in (:meth:`arriving`:
+        connecting, being read or tokenized; on a busy CPU an HTTP server takes 5 ms a
+        request), at most ``burst_max_ms`` in all; a lone request pays ``burst_quiet_ms``."""
         quiet, longest = self.config.burst_quiet_ms / 1000.0, self.config.burst_max_ms / 1000.0
         if quiet <= 0 or not self._waiting:
             return
         deadline = self._clock() + longest
         seen = len(self._waiting)
         while (left := deadline - self._clock()) > 0:
-            await trio.sleep(min(quiet, left))
+            await trio.sleep(min(quiet if seen == 1 else 2 * quiet, left))
             if len(self._waiting) == seen and not self._arriving:
                 return
             seen = len(self._waiting)
