@@ -63,7 +63,7 @@ async def test_a_connection_that_never_sends_holds_nothing_past_its_window() -> 
         port = int(url.rsplit(":", 1)[1])
         idle = await trio.open_tcp_stream("127.0.0.1", port)
         await trio.sleep(0.01)
-        assert server.loop._arriving == 1
+        assert server.loop.arrivals.count == 1
         await trio.sleep(gateway.fresh.window_s + 0.1)
-        assert server.loop._arriving == 0 and gateway.fresh.pending == 0
+        assert server.loop.arrivals.count == 0 and gateway.fresh.pending == 0
         await idle.aclose()

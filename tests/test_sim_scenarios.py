@@ -153,14 +153,14 @@ async def test_a_burst_arriving_at_an_idle_daemon_shares_its_first_tick(
 
 async def test_a_burst_still_being_read_is_waited_for(autojump_clock: trio.abc.Clock) -> None:
     """A front end reads a burst one request after another (on this 2-core CPU, 5 ms each
-    under HTTP): while requests are on their way in (DecodeLoop.arriving), the idle decode
+    under HTTP): while requests are on their way in (DecodeLoop.arrivals), the idle decode
     task waits for them, up to burst_max_ms, instead of starting the first alone after its
     1 ms quiet time (which on this CPU put the first of 16 in a tick of its own)."""
     async with sim_daemon() as server:
         parse_s = 0.003  # more than burst_quiet_ms between two arrivals
 
         async def one(i: int) -> None:
-            with server.loop.arriving():
+            with server.loop.arrivals.mark():
                 await trio.sleep(parse_s * i)  # the requests before it being read
                 request = GenerateRequest(id=f"r{i}", prompt="a " * 60, max_tokens=4, stream=True)
                 stream = await server.open_request(request, trio.current_time(), connection=i)

@@ -2,7 +2,7 @@
 
 An idle decode task woken by a request waits a moment for the rest of a burst
 (``DecodeLoop._gather_burst``), for as long as other requests are on their way in
-(``DecodeLoop.arriving``).  A request is marked from the moment the gateway's handler
+(``DecodeLoop.arrivals``).  A request is marked from the moment the gateway's handler
 starts; before that, a client that opens a connection per request (the first burst from
 any HTTP client pool, a script, ``curl``) spends a few milliseconds connecting, and on the
 H100 the first request of such a burst of 16 started alone while the rest joined at the pace

@@ -144,7 +144,7 @@ class Gateway:
         request on its way in until its first request reaches the app (http/fresh.py)."""
         server, peer = self.server, peer_of(stream)
         if server is not None and peer is not None:
-            await self.fresh.watch(peer, server.loop.arriving)
+            await self.fresh.watch(peer, server.loop.arrivals.mark)
 
     def _refuse(self, error: ApiError) -> Response:
         log.info("HTTP %d: %s", error.status, error.message)
@@ -208,7 +208,7 @@ class Gateway:
         server = self._ready()
         # On its way in from here: an idle decode task gathering a burst waits for it.  Nothing
         # below awaits before open_request, which marks it on through tokenizing.
-        with server.loop.arriving():
+        with server.loop.arrivals.mark():
             data = await self._body(request)
         arrived = trio.current_time()
         body = openai.decode_body(data, kind)
@@ -270,7 +270,7 @@ class Gateway:
     async def generate(self, request: Request) -> Response:
         """The socket protocol over HTTP: its request body, its events as SSE (or, with
         ``"stream": false``, the eos event as JSON)."""
-        with self._ready().loop.arriving():  # as in _openai
+        with self._ready().loop.arrivals.mark():  # as in _openai
             data = await self._body(request)
         arrived = trio.current_time()
         generate_request = _generate_request(data)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -54,6 +54,7 @@ from ..sched.kv_manager import Claim, KvManager
 from ..sched.policy import Policy, default_policy
 from ..sched.state import Lane, Plan, SchedulerState, SessionState
 from .admission import Capacity, InteractiveDemand, Waiting, next_to_admit
+from .arrivals import Arrivals
 from .batch import batch_entries, set_up_sequence
 from .lifecycle import Phase
 from .loop_gauges import kv_gauges, session_gauges
@@ -86,7 +87,7 @@ class DecodeLoop:
         self._jobs: list[Callable[[], Awaitable[None]]] = []
         self._unpin: list[int] = []
         self._waiting: deque[Session] = deque()
-        self._arriving = 0  # requests being read or tokenized, not yet submitted (arriving())
+        self.arrivals = Arrivals()  # requests on their way in (_gather_burst waits for them)
         self._active: dict[int, Session] = {}
         self._aborted: list[Session] = []
         self._reserved_cells = 0
@@ -111,16 +112,6 @@ class DecodeLoop:
         self._trace = TickTrace(config.tick_trace) if config.tick_trace is not None else None
 
     # -- called from connection tasks (synchronous: they only record and wake) --
-
-    @contextlib.contextmanager
-    def arriving(self) -> Iterator[None]:
-        """Mark a request on its way in (its body being read, its prompt tokenized), so an
-        idle decode task gathering a burst waits for it (:meth:`_gather_burst`).  Nests."""
-        self._arriving += 1
-        try:
-            yield
-        finally:
-            self._arriving -= 1
 
     def submit(self, session: Session) -> None:
         """Queue an accepted request, or raise :class:`UmaError` if the daemon is full."""
@@ -293,7 +284,7 @@ class DecodeLoop:
         other one join only at the pace a decoding stream allows: on the H100 four streams
         started over 200 ms.  Waits ``burst_quiet_ms`` after the first arrival, twice that
         after each later one (a burst is forming: a Python HTTP client sends its requests
-        0.3-2 ms apart), and while other requests are on their way in (:meth:`arriving`:
+        0.3-2 ms apart), and while other requests are on their way in (:attr:`arrivals`:
         connecting, being read or tokenized; on a busy CPU an HTTP server takes 5 ms a
         request), at most ``burst_max_ms`` in all; a lone request pays ``burst_quiet_ms``."""
         quiet, longest = self.config.burst_quiet_ms / 1000.0, self.config.burst_max_ms / 1000.0
@@ -303,7 +294,7 @@ class DecodeLoop:
         seen = len(self._waiting)
         while (left := deadline - self._clock()) > 0:
             await trio.sleep(min(quiet if seen == 1 else 2 * quiet, left))
-            if len(self._waiting) == seen and not self._arriving:
+            if len(self._waiting) == seen and not self.arrivals.count:
                 return
             seen = len(self._waiting)
 

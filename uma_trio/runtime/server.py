@@ -147,7 +147,7 @@ class Server:
         :func:`~uma_trio.runtime.delivery.deliver`).  ``auto_max_tokens``: the request named
         no max_tokens, so it may use what is left of its context, up to ``--max-tokens``.
         Raises :class:`UmaError` for anything that cannot be served."""
-        with self.loop.arriving():  # an idle decode task waits for it (burst gathering)
+        with self.loop.arrivals.mark():  # an idle decode task waits for it (burst gathering)
             return await self._open_request(
                 request, arrived, connection, owner, auto_max_tokens, pin_on_finish
             )
