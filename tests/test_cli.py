@@ -48,6 +48,7 @@ def test_generate_without_daemon_exits_3(tmp_path: Path) -> None:
 async def test_generate_streams_an_answer(server: Server) -> None:
     done = await trio.run_process(
         [*UMA, "generate", "--prompt", "What is the capital of France?", "--temp", "0",
+         "--system", "You are a helpful assistant.",
          "--max-tokens", "24", "--socket", str(server.config.socket_path)],
         capture_stdout=True, capture_stderr=True, check=False,
     )  # fmt: skip

@@ -22,7 +22,12 @@ from .helpers import RawClient, frame
 
 pytestmark = pytest.mark.model
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# With a system turn of its own: under the template's default one ("You are a helpful AI
+# assistant named SmolLM...") this 135M model answers this question in French drivel.
+QUESTION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 
 
 def chat(content: str) -> list[dict[str, str]]:

@@ -90,7 +90,16 @@ def test_message_roles_and_text_parts() -> None:
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [{"type": "function"}]}]},
+            "messages[0].tool_calls",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {}}]}]},
+            "messages[0].tool_calls[0].function.name",
+        ),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": []}, "messages"),

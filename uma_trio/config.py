@@ -207,6 +207,10 @@ class ServerConfig:
     where the weights live: a 256 MB host copy for a CPU engine, the weight bytes over the
     median of eight timed one-token steps for an engine with layers on a GPU; 0 turns the
     guard off."""
+    chat_template: Annotated[Path | None, Parameter(show_default="the model's own")] = None
+    """A Jinja chat template file to format chat messages with instead of the model's own
+    (its GGUF's tokenizer.chat_template), as HF transformers renders it. A file that cannot be
+    read or does not compile is refused at start-up."""
     cost_model: Annotated[Path | None, Parameter(show_default="the calibrated file if present")] = None
     """Tick-cost coefficients from `uma-trio calibrate` (default path: cost-model.json in the
     model cache directory). A file records the device, layers, model and engine settings it

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import trio
 
-from .config import ServerConfig, read_api_keys
+from .config import ConfigError, ServerConfig, read_api_keys
+from .engine.chat_template import ChatTemplateError, JinjaChatTemplate
 from .engine.llama import (
     KV_TYPES,
     ContextConfig,
@@ -65,15 +66,35 @@ def engine_for(model: LlamaModel, config: ServerConfig) -> LlamaEngine:
 
 
 def load_model(model_path: Path, config: ServerConfig) -> LlamaModel:
+    template = chat_template_file(config.chat_template)  # refused before the weights load
     plan = offload_plan(read_shape(model_path), config)
     log.info("GPU layers: %d of %d (%s)", plan.n_gpu_layers, plan.total, plan.reason)
-    return LlamaModel(model_path, placement_for(plan, config))
+    model = LlamaModel(model_path, placement_for(plan, config))
+    if template is not None:
+        model.use_chat_template(template)
+    log.info("chat template: %s", model.chat_template_in_use(config.chat_template))
+    return model
+
+
+def chat_template_file(path: Path | None) -> str | None:
+    """The ``--chat-template`` file's text, checked to compile; :class:`ConfigError` if not."""
+    if path is None:
+        return None
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--chat-template {path}: cannot read it ({exc})") from None
+    try:
+        JinjaChatTemplate(source)
+    except ChatTemplateError as exc:
+        raise ConfigError(f"--chat-template {path}: {exc}") from None
+    return source
 
 
 def load_engine(model_path: Path, config: ServerConfig) -> LlamaEngine:
     try:
         engine = engine_for(load_model(model_path, config), config)
-    except ModelLoadError as exc:
+    except (ModelLoadError, ConfigError) as exc:
         raise DaemonStartError(str(exc)) from None
     log.info("%s", one_line(engine.describe(deterministic=config.deterministic)))
     _ = engine.max_token_bytes  # read the vocabulary now, not during the first request

@@ -25,6 +25,7 @@ from .common import (
 def generate(
     *,
     prompt: str,
+    system: str | None = None,
     max_tokens: int = 128,
     temp: float = 0.8,
     top_p: float = 0.95,
@@ -41,6 +42,8 @@ def generate(
     ----------
     prompt
         The user's message (formatted with the model's chat template unless --raw).
+    system
+        A system message before it (else the template's own default, if it has one).
     max_tokens
         Most tokens to generate.
     temp
@@ -62,7 +65,8 @@ def generate(
     if raw:
         request["prompt"] = prompt
     else:
-        request["messages"] = [{"role": "user", "content": prompt}]
+        system_turn = [{"role": "system", "content": system}] if system is not None else []
+        request["messages"] = [*system_turn, {"role": "user", "content": prompt}]
     if seed is not None:
         request["seed"] = seed
     return anyio.run(_generate, socket, request)

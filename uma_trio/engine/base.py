@@ -7,9 +7,9 @@ read only the immutable vocabulary and may run in any thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -17,6 +17,17 @@ import numpy.typing as npt
 from .sampling import Sampler
 
 TokenArray = npt.NDArray[np.int32]
+# One chat turn for the engine: (role, content), or the template's message dict (role, content
+# and what else the turn has: tool_calls, tool_call_id, name).
+ChatTurn = tuple[str, str] | Mapping[str, Any]
+
+
+def turn_fields(turn: ChatTurn) -> dict[str, Any]:
+    """A chat turn as the template's message dict."""
+    if isinstance(turn, tuple):
+        role, content = turn
+        return {"role": role, "content": content}
+    return dict(turn)
 
 
 @dataclass(slots=True)
@@ -144,9 +155,9 @@ class Engine(Protocol):
         N / max_token_bytes tokens (the server refuses an overlong prompt before tokenizing)."""
         ...
 
-    def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str: ...
+    def apply_chat_template(self, messages: Sequence[ChatTurn]) -> str: ...
 
-    def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
+    def tokenize_chat(self, messages: Sequence[ChatTurn]) -> TokenArray:
         """The chat as tokens, control tokens only where the template put them: a message's
         content is plain text whatever it contains."""
         ...

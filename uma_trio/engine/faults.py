@@ -29,7 +29,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from .base import BatchEntry, Engine, EngineError, Follow, StepResult, TokenArray
+from .base import BatchEntry, ChatTurn, Engine, EngineError, Follow, StepResult, TokenArray
 from .sampling import Sampler
 
 FaultKind = Literal["bad_token", "sampling", "poison", "crash"]
@@ -187,14 +187,14 @@ class FaultyEngine:
     def tokenize(self, text: str) -> TokenArray:
         return self.inner.tokenize(text)
 
-    def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
+    def apply_chat_template(self, messages: Sequence[ChatTurn]) -> str:
         return self.inner.apply_chat_template(messages)
 
     @property
     def max_token_bytes(self) -> int:
         return self.inner.max_token_bytes
 
-    def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
+    def tokenize_chat(self, messages: Sequence[ChatTurn]) -> TokenArray:
         return self.inner.tokenize_chat(messages)
 
     def seq_cells(self, seq_id: int) -> int:

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from ..config import DETERMINISTIC_KV_TYPE, DETERMINISTIC_N_UBATCH, FlashAttn
-from .base import BatchEntry, EngineError, Follow, Sampled, SampleFailure, StepResult, TokenArray
+from .base import BatchEntry, ChatTurn, EngineError, Follow, Sampled, SampleFailure, StepResult, TokenArray
 from .compute_thread import ComputeThread
 from .device_sampling import DeviceGreedy
 from .devices import LlamaLog, devices, flash_attention_resolved, system_info
@@ -243,10 +243,10 @@ class LlamaEngine:
     def tokenize(self, text: str) -> TokenArray:
         return self.model.tokenize(text)
 
-    def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
+    def apply_chat_template(self, messages: Sequence[ChatTurn]) -> str:
         return self.model.apply_chat_template(messages)
 
-    def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
+    def tokenize_chat(self, messages: Sequence[ChatTurn]) -> TokenArray:
         return self.model.tokenize_chat(messages)
 
     @property

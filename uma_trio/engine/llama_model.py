@@ -5,6 +5,7 @@ from the GGUF's metadata without loading weights (:func:`read_shape`)."""
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +15,12 @@ import numpy as np
 
 from ..config import SplitMode
 from ..model_files import sha256_of
-from .base import TokenArray
+from .base import ChatTurn, TokenArray, turn_fields
+from .chat_template import ChatTemplateError, JinjaChatTemplate
 from .devices import LlamaLog, init_backend, offloaded_layers
 from .libllama import llama
+
+log = logging.getLogger(__name__)
 
 _SPLIT_MODE = {
     "none": llama.LLAMA_SPLIT_MODE_NONE,
@@ -146,6 +150,14 @@ class LlamaModel:
         self._pieces: dict[int, bytes] = {}
         template = llama.llama_model_chat_template(self._model, None)
         self.chat_template: bytes | None = template or None
+        # The model's template rendered with Jinja (engine/chat_template.py); llama.cpp's
+        # built-in formatter where Jinja cannot compile it.
+        self.jinja: JinjaChatTemplate | None = None
+        if self.chat_template is not None:
+            try:
+                self.use_chat_template(self.chat_template.decode("utf-8", errors="replace"))
+            except ChatTemplateError as exc:
+                log.warning("%s; llama.cpp's built-in chat formatting is used instead", exc)
         self._fingerprint: str | None = None
         self._max_token_bytes: int | None = None
 
@@ -174,22 +186,27 @@ class LlamaModel:
             self._max_token_bytes = max(1, max(len(self.piece(t)) for t in range(n_vocab)))
         return self._max_token_bytes
 
-    def tokenize_chat(self, messages: Sequence[tuple[str, str]]) -> TokenArray:
+    def tokenize_chat(self, messages: Sequence[ChatTurn]) -> TokenArray:
         """A chat as tokens: the template's own text with its control tokens, each message's
         content as plain text, so a ``<|im_end|>`` typed into a message cannot close its turn
         or open another (tokenizing the rendered chat whole would parse it).  The template is
-        rendered around a marker per content, and the pieces are tokenized apart."""
-        markers = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        text = self.apply_chat_template([(role, m) for (role, _), m in zip(messages, markers, strict=True)])
+        rendered around a marker per content, and the pieces are tokenized apart.  (An empty
+        content, such as an assistant turn that only called tools, has nothing to guard.)"""
+        turns = [turn_fields(m) for m in messages]
+        guarded = [(i, f"\ue000{i}\ue001") for i, t in enumerate(turns) if t.get("content")]
+        marked = [dict(t) for t in turns]
+        for i, marker in guarded:
+            marked[i]["content"] = marker
+        text = self.apply_chat_template(marked)
         pieces, start = [], 0
-        for marker, (_, content) in zip(markers, messages, strict=True):
+        for i, marker in guarded:
             at = text.find(marker, start)
             if at < 0 or text.count(marker) != 1:
                 raise ValueError(
                     "the model's chat template does not keep message contents whole; send `prompt`"
                 )
             pieces.append(self.tokenize(text[start:at], add_bos=start == 0))
-            pieces.append(self.tokenize(content, add_bos=False, special=False))
+            pieces.append(self.tokenize(turns[i]["content"], add_bos=False, special=False))
             start = at + len(marker)
         pieces.append(self.tokenize(text[start:], add_bos=not pieces))
         return np.concatenate(pieces)
@@ -216,10 +233,42 @@ class LlamaModel:
     def is_eog(self, token: int) -> bool:
         return bool(llama.llama_vocab_is_eog(self._vocab, token))
 
-    def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with the Jinja template ``source`` (the model's own, or
+        ``--chat-template``); :class:`ChatTemplateError` if it does not compile."""
+        bos = self._token_text(llama.llama_vocab_bos(self._vocab))
+        eos = self._token_text(llama.llama_vocab_eos(self._vocab))
+        self.jinja = JinjaChatTemplate(source, bos_token=bos, eos_token=eos)
+
+    def chat_template_in_use(self, file: Path | None = None) -> str:
+        """Which chat formatting requests get, in words (the start-up log)."""
+        if self.jinja is not None:
+            return f"Jinja, from {file}" if file is not None else "Jinja, the model's own"
+        if self.chat_template is not None:
+            return "llama.cpp's built-in formatter (the model's template does not compile in Jinja)"
+        return "none (the model has no chat template: send `prompt`)"
+
+    def _token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return bytes(llama.llama_vocab_get_text(self._vocab, token) or b"").decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[ChatTurn]) -> str:
+        turns = [turn_fields(m) for m in messages]
+        if self.jinja is not None:
+            text = self.jinja.render(turns)
+            bos = self.jinja.bos_token
+            # A template that writes the BOS text itself (Llama 3) would get a second one from
+            # the tokenizer, which adds it already.
+            return text[len(bos) :] if self._add_bos and bos and text.startswith(bos) else text
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send `prompt` instead")
-        keep = [(role.encode(), content.encode()) for role, content in messages]
+        if any("tool_calls" in t for t in turns):
+            raise ValueError(
+                "llama.cpp's built-in chat formatter cannot render tool calls; give a Jinja "
+                "template that can (--chat-template)"
+            )
+        keep = [(str(t["role"]).encode(), str(t["content"]).encode()) for t in turns]
         chat = (llama.llama_chat_message * len(keep))(
             *(llama.llama_chat_message(role=r, content=c) for r, c in keep)
         )

@@ -28,11 +28,41 @@ SnapshotName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z"
 StopString = Annotated[str, Meta(min_length=1, max_length=256)]
 
 
-class ChatMessage(Struct, forbid_unknown_fields=True):
-    """One turn of a chat, formatted with the model's own chat template."""
+class ToolCallFunction(Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A tool call an assistant turn made (OpenAI's ``message.tool_calls[i]``)."""
+
+    id: Annotated[str, Meta(max_length=256)] = ""
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
+    """One turn of a chat, formatted with the model's own chat template.  An assistant turn
+    may carry the ``tool_calls`` it made (then ``content`` may be empty); a ``tool`` turn the
+    result of one, with its ``tool_call_id``."""
 
     role: Annotated[str, Meta(min_length=1, max_length=32)]
-    content: str
+    content: str = ""
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=128)] | None = None
+    tool_call_id: Annotated[str, Meta(max_length=256)] | None = None
+    name: Annotated[str, Meta(max_length=256)] | None = None
+
+    def template_fields(self) -> dict[str, Any]:
+        """The turn as a chat template reads it (HF transformers' message dict): only the
+        fields the turn has, tool call arguments as JSON text."""
+        turn: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls is not None:
+            turn["tool_calls"] = [msgspec.to_builtins(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            turn["name"] = self.name
+        return turn
 
 
 class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -88,6 +88,8 @@ class ChatTurn(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # checked as the daemon's ToolCall
+    tool_call_id: str | None = None
 
 
 class ChatBody(_Body, kw_only=True):
@@ -110,7 +112,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
 }
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
@@ -138,7 +140,7 @@ def _check_supported(body: _Body) -> None:
             raise ApiError(400, f"`{name}` is not supported by this server", param=name)
 
 
-def _chat_messages(turns: list[ChatTurn]) -> list[dict[str, str]]:
+def _chat_messages(turns: list[ChatTurn]) -> list[dict[str, Any]]:
     if not turns:
         raise ApiError(400, "`messages` must hold at least one message", param="messages")
     out = []
@@ -146,11 +148,21 @@ def _chat_messages(turns: list[ChatTurn]) -> list[dict[str, str]]:
         role = _ROLES.get(turn.role)
         if role is None:
             raise ApiError(
-                400, f"role {turn.role!r} is not supported; use system, developer, user or assistant",
+                400, f"role {turn.role!r} is not supported; use system, developer, user, assistant or tool",
                 param=f"messages[{i}].role",
             )  # fmt: skip
+        if turn.tool_calls and role != "assistant":
+            raise ApiError(
+                400, "only an assistant message carries tool_calls", param=f"messages[{i}].tool_calls"
+            )
+        if role == "tool" and not turn.tool_call_id:
+            raise ApiError(
+                400, "a tool message needs its `tool_call_id`", param=f"messages[{i}].tool_call_id"
+            )
         if isinstance(turn.content, str):
             text = turn.content
+        elif turn.content is None and turn.tool_calls:
+            text = ""  # an assistant turn that only called tools
         elif turn.content is None:
             raise ApiError(400, "a message needs text `content`", param=f"messages[{i}].content")
         else:
@@ -163,8 +175,30 @@ def _chat_messages(turns: list[ChatTurn]) -> list[dict[str, str]]:
                     )  # fmt: skip
                 parts.append(part.text)
             text = "".join(parts)
-        out.append({"role": role, "content": text})
+        message: dict[str, Any] = {"role": role, "content": text}
+        if turn.tool_calls:
+            message["tool_calls"] = [_tool_call(call, i, j) for j, call in enumerate(turn.tool_calls)]
+        if turn.tool_call_id is not None:
+            message["tool_call_id"] = turn.tool_call_id
+        if turn.name is not None and role == "tool":
+            message["name"] = turn.name
+        out.append(message)
     return out
+
+
+def _tool_call(call: dict[str, Any], i: int, j: int) -> dict[str, Any]:
+    """An assistant turn's tool call as the daemon's ToolCall (OpenAI's shape; arguments as
+    JSON text, which some clients send as an object: kept as its JSON)."""
+    where = f"messages[{i}].tool_calls[{j}]"
+    function = call.get("function")
+    if call.get("type", "function") != "function" or not isinstance(function, dict):
+        raise ApiError(400, "a tool call needs type `function` and a `function` object", param=where)
+    name, arguments = function.get("name"), function.get("arguments", "")
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, "a tool call's function needs a `name`", param=f"{where}.function.name")
+    if not isinstance(arguments, str):
+        arguments = msgspec.json.encode(arguments).decode()
+    return {"id": str(call.get("id") or ""), "function": {"name": name, "arguments": arguments}}
 
 
 def translate(

@@ -172,7 +172,7 @@ class Server:
             )
         text_bytes = (
             len(request.prompt.encode()) if request.prompt is not None
-            else sum(len(m.content.encode()) for m in request.messages or ())
+            else sum(len(msgspec.json.encode(m)) for m in request.messages or ())
         )  # fmt: skip
         if text_bytes > self.config.max_prompt_tokens * self.engine.max_token_bytes:
             # Refused before tokenizing (a megabyte takes a worker thread a while): no token
@@ -222,8 +222,8 @@ class Server:
         """The request's prompt as tokens (chat template applied), off the event loop."""
         try:
             if request.messages is not None:
-                turns = [(m.role, m.content) for m in request.messages]
-                small = sum(len(content) for _, content in turns) <= INLINE_TEXT_CHARS
+                turns = [m.template_fields() for m in request.messages]
+                small = sum(len(msgspec.json.encode(m)) for m in request.messages) <= INLINE_TEXT_CHARS
                 tokens = await off_loop(self.engine, partial(self.engine.tokenize_chat, turns), small=small)
             else:
                 assert request.prompt is not None

@@ -1,0 +1,185 @@
+"""Chat templates rendered with Jinja2 (engine/chat_template.py, issue 20 point 1): the
+model's own ``tokenizer.chat_template``, ``--chat-template FILE``, and clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import openai
+import pytest
+
+from uma_trio.config import ConfigError, ServerConfig
+from uma_trio.daemon import chat_template_file
+from uma_trio.engine.chat_template import ChatTemplateError, JinjaChatTemplate
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.protocol import openai as openai_protocol
+
+from .conftest import running_server
+from .helpers import RawClient
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_the_model_template_is_rendered_as_transformers_renders_it(llama_model: LlamaModel) -> None:
+    """SmolLM2's template adds its default system turn when the chat has none: llama.cpp's
+    built-in ChatML formatter left it out.  The expected text is the template's own output
+    as HF transformers' apply_chat_template gives it for this conversation."""
+    assert llama_model.jinja is not None and "Jinja" in llama_model.chat_template_in_use()
+    text = llama_model.apply_chat_template([("user", "Hi!")])
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    )
+    own = llama_model.apply_chat_template([("system", "Be brief."), ("user", "Hi!")])
+    assert own.startswith("<|im_start|>system\nBe brief.<|im_end|>") and "SmolLM" not in own
+
+
+def test_the_sandbox_keeps_a_template_away_from_python_internals() -> None:
+    for source in ("{{ messages.__class__.__mro__ }}", "{{ messages.append(1) }}"):
+        with pytest.raises(ChatTemplateError, match="unsafe"):
+            JinjaChatTemplate(source).render([{"role": "user", "content": "x"}])
+    # On a str the sandbox answers an unsafe attribute with an undefined value: nothing leaks.
+    assert JinjaChatTemplate("{{ ''.__class__ }}").render([]) == ""
+
+
+def test_helpers_that_templates_use() -> None:
+    template = JinjaChatTemplate(
+        "{{ bos_token }}{{ tools | tojson }}|{{ strftime_now('%Y') | length }}|"
+        "{% if messages[0].role == 'tool' %}{{ raise_exception('tool turns need an id') }}{% endif %}",
+        bos_token="<s>",
+    )
+    text = template.render([{"role": "user", "content": "x"}], tools=[{"name": "a<b>&"}])
+    assert text == '<s>[{"name": "a<b>&"}]|4|'  # tojson as transformers: no HTML escaping
+    with pytest.raises(ChatTemplateError, match="tool turns need an id"):
+        template.render([{"role": "tool", "content": "42"}])
+
+
+def test_a_template_that_does_not_compile_names_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(ChatTemplateError, match=r"does not compile: .*line 1"):
+        JinjaChatTemplate("{% for m in messages %}")
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% if %}")
+    with pytest.raises(ConfigError, match=r"--chat-template .*bad.jinja: the chat template does not compile"):
+        chat_template_file(bad)
+    with pytest.raises(ConfigError, match="cannot read it"):
+        chat_template_file(tmp_path / "missing.jinja")
+    good = tmp_path / "chatml.jinja"
+    good.write_text(CHATML)
+    assert chat_template_file(good) == CHATML
+
+
+def test_serve_refuses_a_bad_template_file_before_loading_the_model(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    command = [sys.executable, "-m", "uma_trio", "serve", "--chat-template", str(bad)]
+    done = subprocess.run(
+        [*command, "--socket", str(tmp_path / "s")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "--chat-template" in done.stderr and "does not compile" in done.stderr
+
+
+async def test_chat_template_file_formats_requests_and_a_failing_template_is_a_clear_error(
+    model_path: Path, server_config: ServerConfig
+) -> None:
+    """``--chat-template``: requests are formatted with the file; a template that raises for
+    a conversation gives that request an error naming the problem, and the daemon goes on."""
+    model = LlamaModel(model_path)  # its own: the template is set on the model
+    try:
+        model.use_chat_template(
+            CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if m.role == 'tool' %}"
+                           "{{ raise_exception('this template has no tool turns') }}{% endif %}")
+        )  # fmt: skip
+        assert model.apply_chat_template([("user", "Hi!")]) == (
+            "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+        )
+        async with running_server(model, server_config) as server:
+            client = await RawClient.connect(server.config.socket_path)
+            tool_turn = [{"role": "tool", "content": "42"}]
+            await client.send({"type": "generate", "id": "t", "messages": tool_turn, "max_tokens": 4})
+            events = await client.until_end("t")
+            assert events[-1]["event"] == "error" and events[-1]["code"] == "E_MODEL_001"
+            assert "this template has no tool turns" in events[-1]["message"]
+            user_turn = [{"role": "user", "content": "Hi!"}]
+            await client.send({"type": "generate", "id": "u", "messages": user_turn, "max_tokens": 4})
+            events = await client.until_end("u")
+            assert events[-1]["event"] == "eos" and events[-1]["reason"] in ("length", "stop")
+            await client.aclose()
+    finally:
+        model.close()
+
+
+# Hermes / Qwen 2.5 style: tool calls as <tool_call> JSON, results as <tool_response>.
+HERMES = (
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content }}"
+    "{% for call in m.tool_calls %}<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 18}'},
+]
+
+
+async def test_tool_turns_reach_the_template_and_the_openai_sdk_gets_an_answer(
+    model_path: Path, server_config: ServerConfig
+) -> None:
+    """Roles ``tool`` (with ``tool_call_id``) and assistant ``tool_calls`` are accepted and
+    rendered by the template; a tool turn without its id, or tool_calls on a user turn, is a
+    400 naming the field."""
+    model = LlamaModel(model_path)
+    try:
+        model.use_chat_template(HERMES)
+        async with (
+            running_server(model, server_config, http="127.0.0.1:0", api_key="k") as server,
+            openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="k", max_retries=0) as sdk,
+        ):
+            reply = await sdk.chat.completions.create(
+                model="SmolLM2-135M-Instruct.Q4_1",
+                messages=TOOL_CHAT,
+                max_tokens=4,  # type: ignore[arg-type]
+            )
+            assert reply.choices[0].finish_reason in ("length", "stop")
+            body = msgspec.json.encode({"model": "m", "messages": TOOL_CHAT})
+            request = openai_protocol.translate(
+                openai_protocol.decode_body(body, openai_protocol.ChatBody),
+                request_id="r", lane_header=None, max_tokens_limit=8,
+            ).request  # fmt: skip
+            assert request.messages is not None
+            turns = [m.template_fields() for m in request.messages]
+            rendered = model.apply_chat_template(turns)
+            call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+            assert call in rendered and '<tool_response>\n{"celsius": 18}\n</tool_response>' in rendered
+            assert reply.usage is not None and reply.usage.prompt_tokens == len(model.tokenize_chat(turns))
+            for bad, field in (
+                ([{"role": "tool", "content": "42"}], "tool_call_id"),
+                ([{"role": "user", "content": "x", "tool_calls": [WEATHER_CALL]}], "tool_calls"),
+            ):
+                with pytest.raises(openai.BadRequestError) as refused:
+                    await sdk.chat.completions.create(
+                        model="SmolLM2-135M-Instruct.Q4_1",
+                        messages=bad,
+                        max_tokens=4,  # type: ignore[arg-type]
+                    )
+                assert field in str(refused.value)
+    finally:
+        model.close()
