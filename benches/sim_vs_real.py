@@ -13,9 +13,6 @@ The simulated machine is this one, calibrated without looking at the mixed run:
 * how the daemon's steps spread around that model under a live load, and the event loop's
   time between two steps: from one real run of the same chats without the background
   prompt (``--tick-trace``; ``engine.sim.StepNoise``);
-* how the steps that carry prompt tokens beside the chats spread (wider: each is another
-  batch shape): from one real run of the same chats with another background prompt, 1,000
-  tokens 0.5 s in (``StepNoise.prompt_ratios``);
 * the time a request spends outside the engine before its first token (connecting,
   framing, tokenizing, delivering): that same run's TTFT p50 less the simulator's for the
   same chats with the step spread above (``StepNoise.request_s``).
@@ -38,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import trio
@@ -50,7 +46,6 @@ from uma_trio.config import ServerConfig
 from uma_trio.engine.calibrate import default_cost_model_path
 from uma_trio.engine.sim import StepNoise
 from uma_trio.loadgen import Scenario, ScenarioResult, lane_stats, load_suite, run_scenario
-from uma_trio.loadgen.scenario import ClientSpec
 from uma_trio.loadgen.simulate import simulate
 from uma_trio.loadgen.targets import UmaTarget
 from uma_trio.sched.cost import CostCoefficients
@@ -73,32 +68,19 @@ def real_run(scenario: Scenario, cost_model: Path, log: Path, trace: Path | None
             return trio.run(run_scenario, UmaTarget(sock, "uma-trio"), scenario)
 
 
-def measured_machine(trace: Path, cost: CostCoefficients, seed: int, prompt_trace: Path) -> StepNoise:
+def measured_machine(trace: Path, cost: CostCoefficients, seed: int) -> StepNoise:
     """Each step's measured time over ``cost``'s prediction, and the median time between
-    two steps, from a ``--tick-trace`` file; the same ratios for the steps that carried
-    prompt tokens beside streaming clients, from ``prompt_trace``."""
+    two steps, from a ``--tick-trace`` file."""
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
-    ratios, between = step_ratios(rows, cost), []
+    ratios, between = [], []
     for before, row in itertools.pairwise(rows):
+        predicted = cost.predict(row["decode"], row["prefill"], row["kv_cells"])
+        if predicted > 0 and not row["ahead"] and row["decode"]:  # steps beside streaming clients
+            ratios.append(row["step_ms"] / 1000.0 / predicted)
         interval = row["t"] - before["t"] - row["step_ms"] / 1000.0
         if 0 <= interval < 0.1:  # not an idle wait for the next request
             between.append(interval)
-    prompt_rows = [json.loads(line) for line in prompt_trace.read_text().splitlines()]
-    prompt_ratios = step_ratios([r for r in prompt_rows if r["prefill"]], cost)
-    return StepNoise(
-        ratios=ratios, prompt_ratios=prompt_ratios, overhead_s=statistics.median(between), seed=seed
-    )
-
-
-def step_ratios(rows: list[dict[str, Any]], cost: CostCoefficients) -> list[float]:
-    """Measured over predicted, for the steps beside streaming clients (run-ahead steps
-    were not planned)."""
-    ratios = []
-    for row in rows:
-        predicted = cost.predict(row["decode"], row["prefill"], row["kv_cells"])
-        if predicted > 0 and not row["ahead"] and row["decode"]:
-            ratios.append(row["step_ms"] / 1000.0 / predicted)
-    return ratios
+    return StepNoise(ratios=ratios, overhead_s=statistics.median(between), seed=seed)
 
 
 def simulated_run(scenario: Scenario, cost: CostCoefficients, machine: StepNoise | None) -> ScenarioResult:
@@ -140,17 +122,11 @@ def main() -> None:
     print("real daemon, the chats alone (the machine's step spread) ...", flush=True)
     alone_run = real_run(alone, args.cost_model, args.out / "uma-alone.log", trace)
     alone_ttft = lane_stats(alone_run, "interactive")
-    other = ClientSpec(name="probe", lane="background", prompt_tokens=1000, max_tokens=16, start_s=0.5)
-    probe = msgspec.structs.replace(scenario, name="mixed-probe", clients=[*alone.clients, other])
-    prompt_trace = args.out / "ticks-probe.jsonl"
-    prompt_trace.unlink(missing_ok=True)
-    print("real daemon, the chats and another background prompt (the prompt steps' spread) ...", flush=True)
-    real_run(probe, args.cost_model, args.out / "uma-probe.log", prompt_trace)
     real, simulated = [], []
     for repeat in range(args.repeats):
         print(f"real daemon, run {repeat + 1} of {args.repeats} ...", flush=True)
         real.append(figures(real_run(scenario, args.cost_model, args.out / f"uma-{repeat}.log")))
-        measured = measured_machine(trace, cost, seed=repeat, prompt_trace=prompt_trace)
+        measured = measured_machine(trace, cost, seed=repeat)
         # Copies: each simulation draws the seeded spread from its start.
         sim_alone = lane_stats(simulated_run(alone, cost, dataclasses.replace(measured)), "interactive")
         outside = max(0.0, alone_ttft.ttft_p50 - sim_alone.ttft_p50)
@@ -158,9 +134,7 @@ def main() -> None:
         simulated.append(figures(simulated_run(scenario, cost, machine)))
     plain = figures(simulated_run(scenario, cost, None))
     spread = statistics.median(machine.ratios)
-    prompt_spread = statistics.median(machine.prompt_ratios) if machine.prompt_ratios else float("nan")
-    print(f"machine: {len(machine.ratios)} steps, measured / predicted p50 {spread:.2f}; "
-          f"{len(machine.prompt_ratios)} steps with prompt tokens, p50 {prompt_spread:.2f}; "
+    print(f"machine: {len(machine.ratios)} steps, measured / predicted p50 {spread:.2f}, "
           f"between steps {machine.overhead_s * 1000:.2f} ms, outside the engine per request "
           f"{machine.request_s * 1000:.1f} ms")  # fmt: skip
 

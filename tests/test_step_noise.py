@@ -29,14 +29,6 @@ def test_measured_ratios_scale_each_step_and_the_overhead_is_added() -> None:
     assert [again.step_seconds(0.01) for _ in range(200)] == drawn  # seeded: repeatable
 
 
-def test_steps_with_prompt_tokens_draw_from_their_own_spread_where_measured() -> None:
-    noise = StepNoise(ratios=[1.0], prompt_ratios=[3.0])
-    assert noise.step_seconds(0.01) == pytest.approx(0.01)
-    assert noise.step_seconds(0.01, prompt=True) == pytest.approx(0.03)
-    assert noise.step_seconds(0.01, streaming=False, prompt=True) == pytest.approx(0.01)
-    assert StepNoise(ratios=[2.0]).step_seconds(0.01, prompt=True) == pytest.approx(0.02)  # none apart
-
-
 async def test_a_requests_time_outside_the_engine_comes_before_its_first_token(
     autojump_clock: trio.abc.Clock,
 ) -> None:

@@ -47,31 +47,27 @@ class StepNoise:
     """How a real daemon's steps differ from the cost model's prediction, as measured on a
     machine (``benches/sim_vs_real.py`` takes them from a real run's ``--tick-trace``):
     ``ratios``, measured over predicted step times, drawn at random (seeded) for each step,
-    ``prompt_ratios`` the same for the steps that carry prompt tokens beside streaming clients
-    where those were measured apart (their spread is wider: another batch shape each time;
-    ``ratios`` otherwise), ``overhead_s``, the event loop's own time between two steps, and
-    ``request_s``, the time a request spends outside the engine before its first token can
-    come (the client's and the daemon's own work: connecting, framing, tokenizing,
-    delivering; the simulated clients wait it out before they send).  The default is none
-    of these: every step takes exactly its prediction, as the simulation tests assume."""
+    ``overhead_s``, the event loop's own time between two steps, and ``request_s``, the time
+    a request spends outside the engine before its first token can come (the client's and the
+    daemon's own work: connecting, framing, tokenizing, delivering; the simulated clients wait
+    it out before they send).  The default is none of these: every step takes exactly its
+    prediction, as the simulation tests assume."""
 
     ratios: Sequence[float] = ()
-    prompt_ratios: Sequence[float] = ()
     overhead_s: float = 0.0
     request_s: float = 0.0
     seed: int = 0
     _rng: np.random.Generator | None = field(default=None, repr=False)
 
-    def step_seconds(self, predicted: float, *, streaming: bool = True, prompt: bool = False) -> float:
+    def step_seconds(self, predicted: float, *, streaming: bool = True) -> float:
         """``streaming``: the step samples tokens for running requests, whose delivery to
         their clients competes with it for the cores; a prompt-only step takes its
-        prediction.  ``prompt``: it also carries prompt tokens."""
-        ratios = self.prompt_ratios if prompt and self.prompt_ratios else self.ratios
-        if not ratios or not streaming:
+        prediction."""
+        if not self.ratios or not streaming:
             return predicted + self.overhead_s
         if self._rng is None:
             self._rng = np.random.default_rng(self.seed)
-        return predicted * ratios[int(self._rng.integers(len(ratios)))] + self.overhead_s
+        return predicted * self.ratios[int(self._rng.integers(len(self.ratios)))] + self.overhead_s
 
 
 class SimEngine:
@@ -189,7 +185,7 @@ class SimEngine:
             raise ValueError(f"batch of {n_tokens} tokens exceeds n_batch={self._n_batch}")
         prefill_tokens = sum(n for _, n in prefill)
         predicted = self.cost.predict(len(decode_ctx), prefill_tokens, kv_cells_read(decode_ctx, prefill))
-        seconds = self.machine.step_seconds(predicted, streaming=bool(decode_ctx), prompt=prefill_tokens > 0)
+        seconds = self.machine.step_seconds(predicted, streaming=bool(decode_ctx))
         with trio.CancelScope(shield=True):  # like the real engine: a started step finishes...
             with trio.CancelScope() as preempt:  # ...unless preempted, which undoes it
                 self._preempt_scope = preempt if preemptible else None
