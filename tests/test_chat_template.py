@@ -3,6 +3,7 @@ model's own ``tokenizer.chat_template``, ``--chat-template FILE``, and clear err
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -123,7 +124,7 @@ HERMES = (
     "</tool_response><|im_end|>\n"
     "{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content }}"
     "{% for call in m.tool_calls %}<tool_call>\n"
-    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments }}}\n</tool_call>'
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>'
     "{% endfor %}<|im_end|>\n"
     "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -183,3 +184,30 @@ async def test_tool_turns_reach_the_template_and_the_openai_sdk_gets_an_answer(
                 assert field in str(refused.value)
     finally:
         model.close()
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-instruct", "llama-3.1-instruct"])
+def test_a_tool_conversation_renders_as_transformers_renders_it(name: str) -> None:
+    """Real templates with tools (from llama.cpp's models/templates) and a conversation with
+    parallel tool calls and their results: the text is the one HF transformers' renderer gave
+    (fixtures/chat_templates/make_expected.py), with the tool calls sent the OpenAI way
+    (arguments as JSON text) through the gateway's translation."""
+    conversation = json.loads((FIXTURES / "conversation.json").read_text())
+    openai_style = json.loads(json.dumps(conversation["messages"]))
+    for turn in openai_style:
+        for call in turn.get("tool_calls", []):
+            call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+    body = msgspec.json.encode({"model": "m", "messages": openai_style})
+    request = openai_protocol.translate(
+        openai_protocol.decode_body(body, openai_protocol.ChatBody),
+        request_id="r", lane_header=None, max_tokens_limit=8,
+    ).request  # fmt: skip
+    assert request.messages is not None
+    template = JinjaChatTemplate(
+        (FIXTURES / f"{name}.jinja").read_text(), bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
+    )
+    rendered = template.render([m.template_fields() for m in request.messages], tools=conversation["tools"])
+    assert rendered == (FIXTURES / f"{name}.expected.txt").read_text()

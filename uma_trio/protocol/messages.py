@@ -54,15 +54,28 @@ class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
 
     def template_fields(self) -> dict[str, Any]:
         """The turn as a chat template reads it (HF transformers' message dict): only the
-        fields the turn has, tool call arguments as JSON text."""
+        fields the turn has; a tool call's arguments as the object its JSON text holds, as
+        transformers' templates expect (``arguments | tojson``), or the text if it holds none."""
         turn: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls is not None:
-            turn["tool_calls"] = [msgspec.to_builtins(call) for call in self.tool_calls]
+            turn["tool_calls"] = [
+                {"id": call.id, "type": call.type,
+                 "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in self.tool_calls
+            ]  # fmt: skip
         if self.tool_call_id is not None:
             turn["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             turn["name"] = self.name
         return turn
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
