@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import openai
@@ -157,16 +158,10 @@ async def test_tool_turns_reach_the_template_and_the_openai_sdk_gets_an_answer(
             reply = await sdk.chat.completions.create(
                 model="SmolLM2-135M-Instruct.Q4_1",
                 messages=TOOL_CHAT,
-                max_tokens=4,  # type: ignore[arg-type]
+                max_tokens=4,
             )
             assert reply.choices[0].finish_reason in ("length", "stop")
-            body = msgspec.json.encode({"model": "m", "messages": TOOL_CHAT})
-            request = openai_protocol.translate(
-                openai_protocol.decode_body(body, openai_protocol.ChatBody),
-                request_id="r", lane_header=None, max_tokens_limit=8,
-            ).request  # fmt: skip
-            assert request.messages is not None
-            turns = [m.template_fields() for m in request.messages]
+            turns = template_turns(TOOL_CHAT)
             rendered = model.apply_chat_template(turns)
             call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
             assert call in rendered and '<tool_response>\n{"celsius": 18}\n</tool_response>' in rendered
@@ -179,7 +174,7 @@ async def test_tool_turns_reach_the_template_and_the_openai_sdk_gets_an_answer(
                     await sdk.chat.completions.create(
                         model="SmolLM2-135M-Instruct.Q4_1",
                         messages=bad,
-                        max_tokens=4,  # type: ignore[arg-type]
+                        max_tokens=4,
                     )
                 assert field in str(refused.value)
     finally:
@@ -189,10 +184,21 @@ async def test_tool_turns_reach_the_template_and_the_openai_sdk_gets_an_answer(
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 
 
+def template_turns(openai_messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages as the gateway hands them to the chat template."""
+    body = msgspec.json.encode({"model": "m", "messages": openai_messages})
+    request = openai_protocol.translate(
+        openai_protocol.decode_body(body, openai_protocol.ChatBody),
+        request_id="r", lane_header=None, max_tokens_limit=8,
+    ).request  # fmt: skip
+    assert request.messages is not None
+    return [m.template_fields() for m in request.messages]
+
+
 @pytest.mark.parametrize("name", ["qwen2.5-instruct", "llama-3.1-instruct"])
 def test_a_tool_conversation_renders_as_transformers_renders_it(name: str) -> None:
     """Real templates with tools (from llama.cpp's models/templates) and a conversation with
-    parallel tool calls and their results: the text is the one HF transformers' renderer gave
+    a tool call and its result: the text is the one HF transformers' renderer gave
     (fixtures/chat_templates/make_expected.py), with the tool calls sent the OpenAI way
     (arguments as JSON text) through the gateway's translation."""
     conversation = json.loads((FIXTURES / "conversation.json").read_text())
@@ -200,14 +206,8 @@ def test_a_tool_conversation_renders_as_transformers_renders_it(name: str) -> No
     for turn in openai_style:
         for call in turn.get("tool_calls", []):
             call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
-    body = msgspec.json.encode({"model": "m", "messages": openai_style})
-    request = openai_protocol.translate(
-        openai_protocol.decode_body(body, openai_protocol.ChatBody),
-        request_id="r", lane_header=None, max_tokens_limit=8,
-    ).request  # fmt: skip
-    assert request.messages is not None
     template = JinjaChatTemplate(
         (FIXTURES / f"{name}.jinja").read_text(), bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
     )
-    rendered = template.render([m.template_fields() for m in request.messages], tools=conversation["tools"])
+    rendered = template.render(template_turns(openai_style), tools=conversation["tools"])
     assert rendered == (FIXTURES / f"{name}.expected.txt").read_text()
