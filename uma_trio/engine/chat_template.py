@@ -51,7 +51,6 @@ class JinjaChatTemplate:
             self._template = env.from_string(source)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template does not compile: {_describe(exc)}") from None
-        self.source = source
         self.bos_token, self.eos_token = bos_token, eos_token
 
     def render(
@@ -63,8 +62,8 @@ class JinjaChatTemplate:
     ) -> str:
         try:
             return self._template.render(
-                messages=[dict(m) for m in messages],
-                tools=[dict(t) for t in tools] if tools else None,
+                messages=messages,  # the sandbox is immutable: the template cannot change them
+                tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

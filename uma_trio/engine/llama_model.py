@@ -194,10 +194,10 @@ class LlamaModel:
         content, such as an assistant turn that only called tools, has nothing to guard.)"""
         turns = [turn_fields(m) for m in messages]
         guarded = [(i, f"\ue000{i}\ue001") for i, t in enumerate(turns) if t.get("content")]
-        marked = [dict(t) for t in turns]
-        for i, marker in guarded:
-            marked[i]["content"] = marker
-        text = self.apply_chat_template(marked)
+        marked = dict(guarded)
+        text = self.apply_chat_template(
+            [{**t, "content": marked.get(i, t["content"])} for i, t in enumerate(turns)]
+        )
         pieces, start = [], 0
         for i, marker in guarded:
             at = text.find(marker, start)

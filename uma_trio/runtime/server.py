@@ -13,7 +13,7 @@ import csv
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from ..observability.process import ProcessSampler
 from ..observability.prometheus import build_registry
 from ..observability.scorecard import CSV_FIELDS, Scorecard, scorecard
 from ..protocol.errors import ErrorCode, UmaError
-from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotRequest
+from ..protocol.messages import ChatMessage, GenerateRequest, SnapshotEvent, SnapshotRequest
 from ..sched.policy import Policy
 from .accept import accept_forever
 from .connection import Connection
@@ -172,7 +172,7 @@ class Server:
             )
         text_bytes = (
             len(request.prompt.encode()) if request.prompt is not None
-            else sum(len(msgspec.json.encode(m)) for m in request.messages or ())
+            else chat_text_bytes(request.messages or ())
         )  # fmt: skip
         if text_bytes > self.config.max_prompt_tokens * self.engine.max_token_bytes:
             # Refused before tokenizing (a megabyte takes a worker thread a while): no token
@@ -223,7 +223,7 @@ class Server:
         try:
             if request.messages is not None:
                 turns = [m.template_fields() for m in request.messages]
-                small = sum(len(msgspec.json.encode(m)) for m in request.messages) <= INLINE_TEXT_CHARS
+                small = chat_text_bytes(request.messages) <= INLINE_TEXT_CHARS
                 tokens = await off_loop(self.engine, partial(self.engine.tokenize_chat, turns), small=small)
             else:
                 assert request.prompt is not None
@@ -353,3 +353,11 @@ def socket_owner(stream: trio.abc.Stream) -> str:
     sock = getattr(stream, "socket", None)
     uid = peer_uid(sock) if sock is not None else None
     return "uid:?" if uid is None else f"uid:{uid}"
+
+
+def chat_text_bytes(messages: Sequence[ChatMessage]) -> int:
+    """The text a chat's turns bring to the template: contents and tool call arguments."""
+    return sum(
+        len(m.content.encode()) + sum(len(c.function.arguments.encode()) for c in m.tool_calls or ())
+        for m in messages
+    )
