@@ -20,6 +20,7 @@ import pytest
 import trio
 
 import uma_trio.client
+import uma_trio.runtime.unix_socket
 from uma_trio import cli
 from uma_trio.client import ConnectionLost, RequestFailed, UmaClient, UntrustedDaemon
 from uma_trio.config import DEFAULT_SOCKET, ServerConfig, default_socket_path
@@ -29,6 +30,7 @@ from uma_trio.runtime.peer import peer_uid
 from uma_trio.runtime.unix_socket import (
     SocketInUseError,
     UnsafeSocketDirError,
+    bind_unix_listener,
     ensure_private_dir,
     remove_stale_socket,
 )
@@ -115,6 +117,23 @@ def test_a_sticky_shared_directory_like_tmp_is_accepted(tmp: Path) -> None:
     sticky.chmod(0o1777)
     ensure_private_dir(sticky)
     ensure_private_dir(Path("/tmp"))  # root's, sticky: what the advice would have broken
+
+
+async def test_the_socket_appears_already_listening(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI once met "connection refused" on a socket that existed: it was bound but not yet
+    listening.  It is now bound under another name and linked into place once it listens."""
+    path = tmp / "d.sock"
+    listener, inode = await bind_unix_listener(path)
+    async with listener:
+        assert os.listdir(tmp) == ["d.sock"] and path.stat().st_ino == inode
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(str(path))  # the backlog takes it before anyone accepts
+        client.close()
+        # A name taken meanwhile (after the stale-socket check) is refused, not replaced.
+        monkeypatch.setattr(uma_trio.runtime.unix_socket, "remove_stale_socket", lambda _: None)
+        with pytest.raises(FileExistsError):
+            await bind_unix_listener(path)
+        assert os.listdir(tmp) == ["d.sock"]
 
 
 @needs_root

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import socket
 import stat
 from pathlib import Path
@@ -106,20 +107,28 @@ def remove_stale_socket(path: Path) -> None:
 
 async def bind_unix_listener(path: Path, backlog: int = 128) -> tuple[trio.SocketListener, int]:
     """Bind and listen with mode 0600 in a private directory (:func:`ensure_private_dir`);
-    return the listener and the file's inode."""
+    return the listener and the file's inode.
+
+    The socket is bound under a temporary name and renamed into place once it listens, so
+    a client that sees ``path`` exist never meets "connection refused" (the window between
+    ``bind`` and ``listen``)."""
     ensure_private_dir(path.parent)
     remove_stale_socket(path)
+    staging = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o177)  # no window in which the socket is world-accessible
     try:
-        await sock.bind(str(path))
+        await sock.bind(str(staging))
+        os.chmod(staging, 0o600)
+        sock.listen(backlog)
+        os.link(staging, path)  # unlike rename, refuses a socket that appeared meanwhile
+        staging.unlink()
     except OSError:
         sock.close()
+        staging.unlink(missing_ok=True)
         raise
     finally:
         os.umask(old_umask)
-    os.chmod(path, 0o600)
-    sock.listen(backlog)
     return trio.SocketListener(sock), os.stat(path).st_ino
 
 
