@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from .constraints import GrammarVocabulary
 from .sampling import Sampler
 
 TokenArray = npt.NDArray[np.int32]
@@ -156,6 +157,12 @@ class Engine(Protocol):
         ...
 
     def apply_chat_template(self, messages: Sequence[ChatTurn]) -> str: ...
+
+    @property
+    def grammar_vocabulary(self) -> GrammarVocabulary | None:
+        """The vocabulary for constrained decoding (engine/constraints.py); None where the
+        engine has no real vocabulary (the simulation)."""
+        ...
 
     def tokenize_chat(self, messages: Sequence[ChatTurn]) -> TokenArray:
         """The chat as tokens, control tokens only where the template put them: a message's

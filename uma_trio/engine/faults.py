@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .base import BatchEntry, ChatTurn, Engine, EngineError, Follow, StepResult, TokenArray
+from .constraints import GrammarVocabulary
 from .sampling import Sampler
 
 FaultKind = Literal["bad_token", "sampling", "poison", "crash"]
@@ -189,6 +190,10 @@ class FaultyEngine:
 
     def apply_chat_template(self, messages: Sequence[ChatTurn]) -> str:
         return self.inner.apply_chat_template(messages)
+
+    @property
+    def grammar_vocabulary(self) -> GrammarVocabulary | None:
+        return self.inner.grammar_vocabulary
 
     @property
     def max_token_bytes(self) -> int:

@@ -50,6 +50,7 @@ import numpy as np
 from ..config import DETERMINISTIC_KV_TYPE, DETERMINISTIC_N_UBATCH, FlashAttn
 from .base import BatchEntry, ChatTurn, EngineError, Follow, Sampled, SampleFailure, StepResult, TokenArray
 from .compute_thread import ComputeThread
+from .constraints import GrammarVocabulary
 from .device_sampling import DeviceGreedy
 from .devices import LlamaLog, devices, flash_attention_resolved, system_info
 from .libllama import llama
@@ -248,6 +249,10 @@ class LlamaEngine:
 
     def tokenize_chat(self, messages: Sequence[ChatTurn]) -> TokenArray:
         return self.model.tokenize_chat(messages)
+
+    @property
+    def grammar_vocabulary(self) -> GrammarVocabulary:
+        return self.model.grammar
 
     @property
     def max_token_bytes(self) -> int:

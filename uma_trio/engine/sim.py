@@ -134,6 +134,10 @@ class SimEngine:
         return " ".join(f"{t['role']}: {t['content']}" for t in turns) + " assistant:"
 
     @property
+    def grammar_vocabulary(self) -> None:
+        return None  # its one-candidate rows have no vocabulary to constrain
+
+    @property
     def max_token_bytes(self) -> int:
         return 1 << 20  # a token per word, and a word may be long: no useful bound
 

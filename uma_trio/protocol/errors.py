@@ -38,6 +38,8 @@ class ErrorCode(enum.StrEnum):
     KV_FULL = "E_RUNTIME_002"
     SAMPLING_FAILED = "E_RUNTIME_003"  # choosing this request's next token raised
     CONTEXT_LOST = "E_RUNTIME_004"  # the context failed beyond repair and was rebuilt
+    # Structured output: the request's JSON schema or grammar cannot be compiled.
+    GRAMMAR = "E_GRAMMAR_001"
     # Access control: the peer may not use this daemon.
     PEER_NOT_ALLOWED = "E_AUTH_001"
     # KV snapshots (the `snapshot` request).

@@ -78,6 +78,34 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
+class JsonSchemaSpec(Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's ``response_format.json_schema``: the schema the output must match."""
+
+    name: Annotated[str, Meta(max_length=256)] = "response"
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextFormat(Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    """Free text: no constraint."""
+
+
+class JsonObjectFormat(Struct, tag_field="type", tag="json_object", forbid_unknown_fields=True):
+    """One JSON object; with ``schema`` (llama-server's extension), one matching it."""
+
+    schema: dict[str, Any] | None = None
+
+
+class JsonSchemaFormat(Struct, tag_field="type", tag="json_schema", forbid_unknown_fields=True):
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+# A GBNF (llama.cpp) or Lark (llguidance) grammar, as text.
+GrammarText = Annotated[str, Meta(min_length=1, max_length=256 * 1024)]
+
+
 class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     """Start a completion.  Exactly one of ``prompt`` and ``messages``."""
 
@@ -95,10 +123,16 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     stop: Annotated[list[StopString], Meta(max_length=16)] = msgspec.field(default_factory=list)
     priority: Lane = "interactive"
+    # Structured output: the completion is one JSON value of the format's schema, or matches
+    # the grammar (docs/PROTOCOL.md "Structured output").  At most one of the two.
+    response_format: ResponseFormat | None = None
+    grammar: GrammarText | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of `prompt` and `messages` is required")
+        if self.grammar is not None and not isinstance(self.response_format, TextFormat | None):
+            raise ValueError("give `response_format` or `grammar`, not both")
 
 
 class CancelRequest(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -60,13 +60,17 @@ class _Body(Struct, kw_only=True):
     # llama.cpp's sampling knobs, which OpenAI lacks but its clients often send.
     top_k: int | None = None
     min_p: float | None = None
+    # Structured output: OpenAI's response_format, and llama-server's grammar (GBNF or Lark)
+    # and json_schema extensions.
+    response_format: dict[str, Any] | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
     # Documented by OpenAI but not supported: refused unless neutral.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -103,7 +107,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -232,9 +235,15 @@ def translate(
         fields["max_tokens"] = max_tokens
     if body.stop is not None:
         fields["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "response_format", "grammar"):
         if (value := getattr(body, name)) is not None:
             fields[name] = value
+    if body.json_schema is not None:
+        if body.response_format is not None or body.grammar is not None:
+            raise ApiError(
+                400, "give one of `response_format`, `json_schema` and `grammar`", param="json_schema"
+            )
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"schema": body.json_schema}}
     try:
         request = msgspec.convert(fields, GenerateRequest)
     except (msgspec.ValidationError, ValueError) as exc:

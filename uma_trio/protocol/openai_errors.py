@@ -57,6 +57,7 @@ _STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.IDLE_TIMEOUT: (408, "invalid_request_error"),
     ErrorCode.SHUTTING_DOWN: (503, "server_error"),
     ErrorCode.MODEL: (400, "invalid_request_error"),
+    ErrorCode.GRAMMAR: (400, "invalid_request_error"),
     ErrorCode.DECODE_FAILED: (500, "server_error"),
     ErrorCode.KV_FULL: (503, "server_error"),
     ErrorCode.SAMPLING_FAILED: (500, "server_error"),

@@ -23,7 +23,6 @@ import trio
 
 from ..config import ServerConfig
 from ..engine.base import Engine, TokenArray
-from ..engine.sampling import Sampler, SamplingParams
 from ..observability.metrics import Metrics
 from ..observability.process import ProcessSampler
 from ..observability.prometheus import build_registry
@@ -36,6 +35,7 @@ from .connection import Connection
 from .decode_loop import DecodeLoop
 from .off_loop import INLINE_TEXT_CHARS, off_loop
 from .peer import peer_uid
+from .samplers import sampler_for
 from .session import END_SLOTS, Session, StreamItem
 from .snapshot_service import SnapshotService
 from .snapshots import SnapshotStore, default_snapshot_dir
@@ -193,12 +193,9 @@ class Server:
         if auto_max_tokens:
             room = max(1, self.engine.n_ctx_seq - len(prompt))
             request = msgspec.structs.replace(request, max_tokens=min(self.config.max_tokens, room))
+        sampler = await sampler_for(self.engine, request)
         send, receive = trio.open_memory_channel[StreamItem](self.config.stream_buffer + END_SLOTS)
-        params = SamplingParams(
-            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-            min_p=request.min_p, seed=request.seed,
-        )  # fmt: skip
-        session = Session(request, prompt, Sampler(params), send, created=arrived, connection=connection)
+        session = Session(request, prompt, sampler, send, created=arrived, connection=connection)
         session.pin_on_finish = pin_on_finish
         session.owner = owner
         try:

@@ -1,0 +1,183 @@
+"""Structured output (issue 20, point 3): JSON schemas, JSON objects and grammars constrain
+what the real model generates, through the openai SDK, raw HTTP and the socket."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+import httpx
+import numpy as np
+import openai
+import pydantic
+import pytest
+
+from uma_trio.client import RequestFailed, UmaClient
+from uma_trio.config import ServerConfig
+from uma_trio.engine.constraints import ConstraintError, grammar_constraint, json_schema_constraint
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.engine.sampling import SamplingParams
+from uma_trio.runtime.server import Server
+
+from .conftest import running_server
+
+pytestmark = pytest.mark.model
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. You answer in JSON."}
+
+
+class City(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")  # additionalProperties: false
+    name: Annotated[str, pydantic.Field(max_length=24)]
+    country: Annotated[str, pydantic.Field(max_length=24)]
+    population_millions: Annotated[int, pydantic.Field(ge=0, le=100)]
+    kind: Literal["capital", "other"]
+
+
+@pytest.fixture
+async def http_server(llama_model: LlamaModel, server_config: ServerConfig) -> AsyncIterator[Server]:
+    async with running_server(llama_model, server_config, http="127.0.0.1:0", api_key="k") as server:
+        yield server
+
+
+def sdk(server: Server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="k", max_retries=0)
+
+
+def ask(question: str) -> list[Any]:
+    return [SYSTEM, {"role": "user", "content": question}]
+
+
+def test_random_logits_under_a_schema_still_give_valid_json(llama_model: LlamaModel) -> None:
+    """Whatever the model would say, the mask keeps every draw inside the schema: random
+    logits, sampled at temperature 1, always assemble to an instance of it."""
+    schema = City.model_json_schema()
+    rng = np.random.default_rng(7)
+    for seed in range(5):
+        sampler = llama_model.grammar.sampler(
+            SamplingParams(temperature=1.0, seed=seed), json_schema_constraint(schema)
+        )
+        text = b""
+        for _ in range(400):
+            token = sampler.sample(rng.standard_normal(llama_model.n_vocab).astype(np.float32) * 4)
+            if llama_model.is_eog(token):
+                break
+            text += llama_model.piece(token)
+        else:
+            pytest.fail(f"no end of generation: {text!r}")
+        City.model_validate_json(text)  # raises if the draw left the schema
+
+
+def test_a_grammar_limits_the_choice_and_ends_the_generation(llama_model: LlamaModel) -> None:
+    sampler = llama_model.grammar.sampler(
+        SamplingParams(temperature=0.0), grammar_constraint('root ::= "yes" | "no"')
+    )
+    allowed = sampler.allowed()
+    words = {llama_model.piece(t) for t in np.flatnonzero(allowed).tolist()}
+    assert words and all(b"yes".startswith(w) or b"no".startswith(w) for w in words)
+    logits = np.zeros(llama_model.n_vocab, dtype=np.float32)
+    logits[llama_model.tokenize("no", add_bos=False)[0]] = 5.0
+    first = sampler.sample(logits)
+    assert llama_model.piece(first) in (b"no", b"n")
+    while not llama_model.is_eog(token := sampler.sample(np.zeros(llama_model.n_vocab, dtype=np.float32))):
+        first = token
+    assert sampler.matcher.is_accepting()
+
+
+@pytest.mark.parametrize(
+    ("make", "text", "problem"),
+    [
+        (json_schema_constraint, {"type": "object", "properties": {"a": {"type": "frob"}}}, "frob"),
+        (grammar_constraint, 'root ::= "a" missing_rule', "missing_rule"),
+        (grammar_constraint, "start: ( ", "grammar"),
+    ],
+)
+def test_an_invalid_schema_or_grammar_names_the_problem(
+    llama_model: LlamaModel, make: Any, text: Any, problem: str
+) -> None:
+    with pytest.raises(ConstraintError, match=problem):
+        llama_model.grammar.sampler(SamplingParams(), make(text))
+
+
+async def test_openai_sdk_parse_returns_a_validated_object(http_server: Server) -> None:
+    async with sdk(http_server) as client:
+        reply = await client.chat.completions.parse(
+            model=MODEL,
+            messages=ask("Describe Paris as JSON."),
+            response_format=City,
+            temperature=0,
+            max_tokens=96,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, City)
+        assert choice.message.parsed.name  # the model filled it in
+
+
+async def test_json_object_and_streamed_schema_over_http(http_server: Server) -> None:
+    async with sdk(http_server) as client:
+        reply = await client.chat.completions.create(
+            model=MODEL, messages=ask("List three fruits as a JSON object."), temperature=0, max_tokens=96,
+            response_format={"type": "json_object"},
+        )  # fmt: skip
+        assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
+        schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": City.model_json_schema()}}
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=ask("Describe Rome."), temperature=0.7, seed=3, max_tokens=96,
+            response_format=schema, stream=True,  # type: ignore[arg-type]
+        )  # fmt: skip
+        text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+        City.model_validate_json(text)
+        # /v1/completions takes it too, and llama-server's `grammar` and `json_schema` fields.
+        done = await client.completions.create(
+            model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=8, temperature=0,
+            extra_body={"grammar": 'root ::= " yes" | " no"'},
+        )  # fmt: skip
+        assert done.choices[0].text in (" yes", " no")
+        done = await client.completions.create(
+            model=MODEL, prompt="A number:", max_tokens=16, temperature=0,
+            extra_body={"json_schema": {"type": "integer", "minimum": 0, "maximum": 999}},
+        )  # fmt: skip
+        assert 0 <= int(done.choices[0].text) <= 999
+
+
+async def test_bad_schemas_and_grammars_are_400s_naming_the_problem(http_server: Server) -> None:
+    async with httpx.AsyncClient(
+        base_url=f"{http_server.http_url}/v1", headers={"Authorization": "Bearer k"}
+    ) as http:
+        cases: list[tuple[dict[str, Any], str]] = [
+            (
+                {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}},
+                "frob",
+            ),
+            ({"grammar": 'root ::= "a" nowhere'}, "nowhere"),
+            ({"response_format": {"type": "xml"}}, "response_format"),
+            ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'}, "not both"),
+            ({"json_schema": {"type": "integer"}, "grammar": 'root ::= "a"'}, "json_schema"),
+        ]
+        for extra, problem in cases:
+            answer = await http.post(
+                "/chat/completions", json={"model": MODEL, "messages": ask("hi"), **extra}
+            )
+            assert answer.status_code == 400, answer.text
+            assert problem in answer.json()["error"]["message"], answer.text
+        answer = await http.post(
+            "/chat/completions", json={"model": MODEL, "messages": ask("hi"), "max_tokens": 2}
+        )
+        assert answer.status_code == 200  # nothing lost for the next request
+
+
+async def test_the_socket_protocol_takes_response_format_and_grammar(server: Server) -> None:
+    async with UmaClient.connect(server.config.socket_path) as client:
+        done = await client.complete(
+            messages=ask("Describe Paris."), temperature=0, max_tokens=96,
+            response_format={"type": "json_schema", "json_schema": {"schema": City.model_json_schema()}},
+        )  # fmt: skip
+        City.model_validate_json(done.text)
+        done = await client.complete(prompt="Colour:", grammar='start: " red" | " green"', max_tokens=8)
+        assert done.text in (" red", " green")
+        with pytest.raises(RequestFailed) as failed:
+            await client.complete(prompt="x", grammar="root ::= (", max_tokens=4)
+        assert failed.value.event.code == "E_GRAMMAR_001" and "grammar" in failed.value.event.message

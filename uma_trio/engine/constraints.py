@@ -1,0 +1,131 @@
+"""Constrained decoding: structured output and grammars, through llguidance.
+
+A request's constraint (a JSON schema, "any JSON object", or a GBNF / Lark grammar) is
+compiled once, off the event loop, into an llguidance matcher over the model's own
+vocabulary (:class:`GrammarVocabulary`, built from llama.cpp's vocab the first time a request
+needs it).  Its :class:`ConstrainedSampler` masks the logits row to the tokens the grammar
+allows, lets the request's ordinary sampler choose among them, and tells the matcher what
+was chosen.  Once the grammar is complete the mask allows only end-of-generation tokens, so
+the request stops as any other does.  Computing a mask takes microseconds (llguidance's
+token trie); it runs on the compute thread beside sampling.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import numpy as np
+import numpy.typing as npt
+
+from .sampling import Sampler, SamplingParams
+
+# The largest grammar or schema text a request may send (a protection, not a format limit).
+MAX_GRAMMAR_BYTES = 256 * 1024
+# JSON as models write it ({"a": 1, "b": 2}), and no free whitespace: with it a small model
+# can fill its whole budget with newlines between two keys.  A schema's own "x-guidance"
+# options override these.
+JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+class ConstraintError(ValueError):
+    """The schema or grammar cannot be compiled; the message names the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutputConstraint:
+    """What a request's output must match, as llguidance grammar text."""
+
+    grammar: str
+    kind: str  # "JSON schema", "JSON object" or "grammar": for messages and logs
+
+
+def json_schema_constraint(schema: dict[str, Any] | None) -> OutputConstraint:
+    """Output that is one JSON value matching ``schema``; ``None``: any JSON object."""
+    text = json.dumps(schema if schema is not None else {"type": "object"})
+    if len(text) > MAX_GRAMMAR_BYTES:
+        raise ConstraintError(f"the JSON schema is over {MAX_GRAMMAR_BYTES} bytes")
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_STYLE)  # type: ignore[arg-type]
+        return OutputConstraint(grammar, "JSON schema" if schema is not None else "JSON object")
+    except ValueError as exc:
+        raise ConstraintError(f"invalid JSON schema: {exc}") from None
+
+
+def grammar_constraint(text: str) -> OutputConstraint:
+    """Output matching a grammar in llama.cpp's GBNF or in Lark (llguidance's syntax)."""
+    if len(text.encode()) > MAX_GRAMMAR_BYTES:
+        raise ConstraintError(f"the grammar is over {MAX_GRAMMAR_BYTES} bytes")
+    try:
+        return OutputConstraint(llguidance.grammar_from("gbnf", text), "grammar")
+    except ValueError as exc:
+        raise ConstraintError(f"invalid grammar: {exc}") from None
+
+
+class GrammarVocabulary:
+    """The model's vocabulary as llguidance sees it.  Building it reads every token (a quarter
+    of a second for 49k tokens, about a second for 128k), so it happens once, on first use,
+    in whichever thread asks first; the others wait for it."""
+
+    def __init__(self, vocab: Any, n_vocab: int, end_tokens: Sequence[int]) -> None:
+        self._vocab = vocab  # llama_vocab_p, owned by the model
+        self.n_vocab = n_vocab
+        self._end_tokens = list(end_tokens)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                from llguidance.llamacpp import lltokenizer_from_vocab  # imports llama_cpp
+
+                with warnings.catch_warnings():  # it calls a deprecated llama_cpp alias per token
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    self._tokenizer = lltokenizer_from_vocab(self._vocab, eos_token=self._end_tokens)
+            return self._tokenizer
+
+    def sampler(self, params: SamplingParams, constraint: OutputConstraint) -> ConstrainedSampler:
+        """A request's sampler under ``constraint``; blocking (milliseconds, more for a huge
+        schema, and the vocabulary's build the first time)."""
+        return ConstrainedSampler(params, self.matcher(constraint), self.n_vocab)
+
+    def matcher(self, constraint: OutputConstraint) -> llguidance.LLMatcher:
+        """A fresh matcher for one request."""
+        tokenizer = self.tokenizer()
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(constraint.grammar, tokenizer)
+        if failed:
+            raise ConstraintError(f"invalid {constraint.kind}: {messages[0]}")
+        matcher = llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0)
+        if matcher.is_error():
+            raise ConstraintError(f"invalid {constraint.kind}: {matcher.get_error()}")
+        return matcher
+
+
+class ConstrainedSampler(Sampler):
+    """A request's sampler restricted to what its grammar allows next."""
+
+    def __init__(self, params: SamplingParams, matcher: llguidance.LLMatcher, n_vocab: int) -> None:
+        super().__init__(params)
+        self.matcher = matcher
+        self._n_vocab = n_vocab
+        self._bitmask = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
+
+    def sample(self, logits: npt.NDArray[np.float32]) -> int:
+        allowed = self.allowed()
+        np.putmask(logits, allowed == 0, np.float32(-np.inf))  # the row is this step's own
+        token = super().sample(logits)
+        if not self.matcher.consume_token(token):
+            raise ConstraintError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        return token
+
+    def allowed(self) -> npt.NDArray[np.uint8]:
+        """1 for each token the grammar allows next, else 0."""
+        self.matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
+        if self.matcher.is_error():
+            raise ConstraintError(f"the grammar failed: {self.matcher.get_error()}")
+        return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little", count=self._n_vocab)
