@@ -4,7 +4,9 @@ what the real model generates, through the openai SDK, raw HTTP and the socket."
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import httpx
@@ -12,6 +14,7 @@ import numpy as np
 import openai
 import pydantic
 import pytest
+import trio
 
 from uma_trio.client import RequestFailed, UmaClient
 from uma_trio.config import ServerConfig
@@ -25,6 +28,7 @@ from .conftest import running_server
 pytestmark = pytest.mark.model
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
+UMA = [sys.executable, "-m", "uma_trio"]
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. You answer in JSON."}
 
 
@@ -181,3 +185,24 @@ async def test_the_socket_protocol_takes_response_format_and_grammar(server: Ser
         with pytest.raises(RequestFailed) as failed:
             await client.complete(prompt="x", grammar="root ::= (", max_tokens=4)
         assert failed.value.event.code == "E_GRAMMAR_001" and "grammar" in failed.value.event.message
+
+
+async def test_the_cli_sends_a_schema_or_a_grammar(server: Server, tmp_path: Path) -> None:
+    schema = tmp_path / "city.json"
+    schema.write_text(json.dumps(City.model_json_schema()))
+    grammar = tmp_path / "answer.gbnf"
+    grammar.write_text('root ::= "yes" | "no"')
+    sock = str(server.config.socket_path)
+    base = [*UMA, "generate", "--prompt", "Describe Paris.", "--temp", "0", "--max-tokens", "96", "--socket", sock]
+    done = await trio.run_process([*base, "--json-schema", str(schema)], capture_stdout=True, check=False)
+    assert done.returncode == 0
+    City.model_validate_json(done.stdout)
+    done = await trio.run_process([*base, "--grammar", str(grammar)], capture_stdout=True, check=False)
+    assert done.returncode == 0 and done.stdout.decode().strip() in ("yes", "no")
+    done = await trio.run_process(
+        [*base, "--grammar", str(tmp_path / "missing.gbnf")], capture_stderr=True, check=False
+    )
+    assert done.returncode == 1 and "missing.gbnf" in done.stderr.decode()
+    grammar.write_text("root ::= (")
+    done = await trio.run_process([*base, "--grammar", str(grammar)], capture_stderr=True, check=False)
+    assert done.returncode == 2 and "E_GRAMMAR_001" in done.stderr.decode()

@@ -17,6 +17,7 @@ from ..protocol.messages import EosEvent, ErrorEvent, TokenEvent
 from .common import (
     EXIT_PROTOCOL_ERROR,
     EXIT_SERVER_ERROR,
+    EXIT_USAGE,
     SocketPath,
     daemon_failure,
 )
@@ -32,11 +33,15 @@ def generate(
     seed: int | None = None,
     no_stream: bool = False,
     raw: bool = False,
+    json_schema: Path | None = None,
+    json_object: bool = False,
+    grammar: Path | None = None,
     socket: SocketPath = DEFAULT_SOCKET,
 ) -> int:
     """Send one request and print the answer to stdout (the seeds' uma-cli).
 
-    Exit status: 0 success, 2 the daemon reported an error, 3 connection or protocol error.
+    Exit status: 0 success, 1 a bad option or file, 2 the daemon reported an error, 3
+    connection or protocol error.
 
     Parameters
     ----------
@@ -56,6 +61,12 @@ def generate(
         Ask for one final event instead of a token stream.
     raw
         Send the prompt as plain text completion instead of a chat message.
+    json_schema
+        A JSON file holding a JSON schema: the answer is one JSON value matching it.
+    json_object
+        The answer is one JSON object (any).
+    grammar
+        A grammar file, llama.cpp's GBNF or Lark: the answer matches it.
     socket
         Unix socket path of the daemon.
     """
@@ -69,7 +80,29 @@ def generate(
         request["messages"] = [*system_turn, {"role": "user", "content": prompt}]
     if seed is not None:
         request["seed"] = seed
+    try:
+        request.update(_constraint(json_schema, json_object, grammar))
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     return anyio.run(_generate, socket, request)
+
+
+def _constraint(json_schema: Path | None, json_object: bool, grammar: Path | None) -> dict[str, object]:
+    """The request fields for --json-schema, --json-object or --grammar (at most one)."""
+    if (json_schema is not None) + json_object + (grammar is not None) > 1:
+        raise ValueError("give one of --json-schema, --json-object and --grammar")
+    if json_schema is not None:
+        try:
+            schema = json.loads(json_schema.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{json_schema} is not JSON: {exc}") from None
+        return {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
+    if json_object:
+        return {"response_format": {"type": "json_object"}}
+    if grammar is not None:
+        return {"grammar": grammar.read_text()}
+    return {}
 
 
 async def _generate(socket: Path, request: dict[str, object]) -> int:

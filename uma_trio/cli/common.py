@@ -16,6 +16,7 @@ from ..config import ServerConfig
 SocketPath = Annotated[Path, Parameter(env_var="UMA_SOCK")]  # UMA_SOCKET comes from the app's Env config
 LogLevel = Literal["debug", "info", "warning", "error"]
 
+EXIT_USAGE = 1  # a bad option or file, as cyclopts exits for a bad flag
 EXIT_SERVER_ERROR = 2
 EXIT_PROTOCOL_ERROR = 3
 
