@@ -37,7 +37,16 @@ from uma_trio.model_files import ensure_default_model
 STREAMS = 8
 MAX_TOKENS = 192
 SETUP = Setup(slots=STREAMS, n_ctx=1024)
-TOPICS = ["a lighthouse", "a desert city", "a clockmaker", "a river", "a winter market", "a robot", "a ship", "a forest"]
+TOPICS = [
+    "a lighthouse",
+    "a desert city",
+    "a clockmaker",
+    "a river",
+    "a winter market",
+    "a robot",
+    "a ship",
+    "a forest",
+]
 SCHEMA = {
     "type": "object",
     "properties": {"notes": {"type": "array", "items": {"type": "string", "maxLength": 60}, "minItems": 40}},
@@ -58,7 +67,10 @@ async def one_run(url: str, schema: bool) -> tuple[int, float]:
             ],
         }  # fmt: skip
         if schema:
-            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "notes", "schema": SCHEMA}}
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "notes", "schema": SCHEMA},
+            }
         answer = await client.post(f"{url}/v1/chat/completions", json=body)
         answer.raise_for_status()
         return int(answer.json()["usage"]["completion_tokens"])
@@ -96,7 +108,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     systems = sorted({r["system"] for r in rows})
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for i, mode in enumerate(("free text", "JSON schema")):
-        values = [statistics.median(r["tok_s"] for r in rows if r["system"] == s and r["mode"] == mode) for s in systems]
+        values = [
+            statistics.median(r["tok_s"] for r in rows if r["system"] == s and r["mode"] == mode)
+            for s in systems
+        ]
         ax.bar([x + 0.4 * i for x in range(len(systems))], values, width=0.4, label=mode)
     ax.set_xticks([x + 0.2 for x in range(len(systems))], systems)
     ax.set_ylabel(f"aggregate tok/s, {STREAMS} streams")
@@ -122,7 +137,9 @@ def main() -> None:
         servers = [("uma-trio", uma_command(SETUP, Path(tmp) / "d.sock", port), port)]
         if (args.peers / "llama-server").is_file():
             peer_port = free_port()
-            servers.append(("llama-server", llama_server_command(args.peers, model, SETUP, peer_port), peer_port))
+            servers.append(
+                ("llama-server", llama_server_command(args.peers, model, SETUP, peer_port), peer_port)
+            )
         else:
             print(f"no llama-server in {args.peers}: uma-trio alone", file=sys.stderr)
         for system, command, p in servers:
@@ -136,11 +153,17 @@ def main() -> None:
                                "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 2)}  # fmt: skip
                         print(row, flush=True)
                         rows.append(row)
-    write_csv(args.out / "structured_output.csv", rows, ["system", "mode", "rep", "tokens", "wall_s", "tok_s"])
+    write_csv(
+        args.out / "structured_output.csv", rows, ["system", "mode", "rep", "tokens", "wall_s", "tok_s"]
+    )
     plot(rows, args.out / "structured_output.png")
     for system in sorted({r["system"] for r in rows}):
-        free = statistics.median(r["tok_s"] for r in rows if r["system"] == system and r["mode"] == "free text")
-        fixed = statistics.median(r["tok_s"] for r in rows if r["system"] == system and r["mode"] == "JSON schema")
+        free = statistics.median(
+            r["tok_s"] for r in rows if r["system"] == system and r["mode"] == "free text"
+        )
+        fixed = statistics.median(
+            r["tok_s"] for r in rows if r["system"] == system and r["mode"] == "JSON schema"
+        )
         print(f"{system}: free text {free:.1f} tok/s, JSON schema {fixed:.1f} tok/s: {fixed / free:.2f}x")
 
 

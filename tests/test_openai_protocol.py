@@ -87,8 +87,10 @@ def test_message_roles_and_text_parts() -> None:
         ({"n": 2}, "n"),
         ({"logprobs": True}, "logprobs"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function"}]}, "tools[0]"),
+        ({"tools": [{"function": {"name": "a b"}}]}, "tools[0].function.name"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
@@ -184,7 +186,7 @@ def test_daemon_errors_map_to_http_statuses() -> None:
 
 def test_chat_stream_chunks_follow_openais_order() -> None:
     stream = openai.ChatStream("c1", 7, MODEL, include_usage=True)
-    chunks = [*stream.head(), stream.token("Hi"), *stream.end(eos("length"))]
+    chunks = [*stream.head(), *stream.token("Hi"), *stream.end(eos("length"))]
     decoded = [msgspec.json.decode(msgspec.json.encode(c)) for c in chunks]
     assert [d["object"] for d in decoded] == ["chat.completion.chunk"] * 4
     assert decoded[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -196,7 +198,7 @@ def test_chat_stream_chunks_follow_openais_order() -> None:
 
 def test_without_include_usage_chunks_carry_no_usage_key() -> None:
     stream = openai.CompletionStream("c1", 7, MODEL, include_usage=False)
-    chunks = [*stream.head(), stream.token("a"), *stream.end(eos())]
+    chunks = [*stream.head(), *stream.token("a"), *stream.end(eos())]
     decoded = [msgspec.json.decode(msgspec.json.encode(c)) for c in chunks]
     assert len(decoded) == 2 and all("usage" not in d for d in decoded)
     assert decoded[1]["choices"][0]["finish_reason"] == "stop" and decoded[1]["object"] == "text_completion"

@@ -193,7 +193,18 @@ async def test_the_cli_sends_a_schema_or_a_grammar(server: Server, tmp_path: Pat
     grammar = tmp_path / "answer.gbnf"
     grammar.write_text('root ::= "yes" | "no"')
     sock = str(server.config.socket_path)
-    base = [*UMA, "generate", "--prompt", "Describe Paris.", "--temp", "0", "--max-tokens", "96", "--socket", sock]
+    base = [
+        *UMA,
+        "generate",
+        "--prompt",
+        "Describe Paris.",
+        "--temp",
+        "0",
+        "--max-tokens",
+        "96",
+        "--socket",
+        sock,
+    ]
     done = await trio.run_process([*base, "--json-schema", str(schema)], capture_stdout=True, check=False)
     assert done.returncode == 0
     City.model_validate_json(done.stdout)

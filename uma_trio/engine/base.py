@@ -21,6 +21,7 @@ TokenArray = npt.NDArray[np.int32]
 # One chat turn for the engine: (role, content), or the template's message dict (role, content
 # and what else the turn has: tool_calls, tool_call_id, name).
 ChatTurn = tuple[str, str] | Mapping[str, Any]
+Tools = Sequence[Mapping[str, Any]] | None  # OpenAI's `tools`, as the chat template reads them
 
 
 def turn_fields(turn: ChatTurn) -> dict[str, Any]:
@@ -156,7 +157,15 @@ class Engine(Protocol):
         N / max_token_bytes tokens (the server refuses an overlong prompt before tokenizing)."""
         ...
 
-    def apply_chat_template(self, messages: Sequence[ChatTurn]) -> str: ...
+    def apply_chat_template(self, messages: Sequence[ChatTurn], tools: Tools = None) -> str:
+        """The chat as text, with ``tools`` (OpenAI's ``tools``) for the template to render."""
+        ...
+
+    @property
+    def chat_template_source(self) -> str | None:
+        """The Jinja chat template in use (None: llama.cpp's built-in formatting or none),
+        from which the runtime tells how the model writes tool calls."""
+        ...
 
     @property
     def grammar_vocabulary(self) -> GrammarVocabulary | None:
@@ -164,7 +173,7 @@ class Engine(Protocol):
         engine has no real vocabulary (the simulation)."""
         ...
 
-    def tokenize_chat(self, messages: Sequence[ChatTurn]) -> TokenArray:
+    def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
         """The chat as tokens, control tokens only where the template put them: a message's
         content is plain text whatever it contains."""
         ...

@@ -67,6 +67,11 @@ def grammar_constraint(text: str) -> OutputConstraint:
         raise ConstraintError(f"invalid grammar: {exc}") from None
 
 
+def lark_constraint(text: str, kind: str) -> OutputConstraint:
+    """A grammar in llguidance's Lark dialect (which may embed JSON schemas with ``%json``)."""
+    return OutputConstraint(llguidance.LLMatcher.grammar_from_lark(text), kind)
+
+
 class GrammarVocabulary:
     """The model's vocabulary as llguidance sees it.  Building it reads every token (a quarter
     of a second for 49k tokens, about a second for 128k), so it happens once, on first use,

@@ -29,7 +29,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from .base import BatchEntry, ChatTurn, Engine, EngineError, Follow, StepResult, TokenArray
+from .base import BatchEntry, ChatTurn, Engine, EngineError, Follow, StepResult, TokenArray, Tools
 from .constraints import GrammarVocabulary
 from .sampling import Sampler
 
@@ -188,8 +188,12 @@ class FaultyEngine:
     def tokenize(self, text: str) -> TokenArray:
         return self.inner.tokenize(text)
 
-    def apply_chat_template(self, messages: Sequence[ChatTurn]) -> str:
-        return self.inner.apply_chat_template(messages)
+    def apply_chat_template(self, messages: Sequence[ChatTurn], tools: Tools = None) -> str:
+        return self.inner.apply_chat_template(messages, tools)
+
+    @property
+    def chat_template_source(self) -> str | None:
+        return self.inner.chat_template_source
 
     @property
     def grammar_vocabulary(self) -> GrammarVocabulary | None:
@@ -199,8 +203,8 @@ class FaultyEngine:
     def max_token_bytes(self) -> int:
         return self.inner.max_token_bytes
 
-    def tokenize_chat(self, messages: Sequence[ChatTurn]) -> TokenArray:
-        return self.inner.tokenize_chat(messages)
+    def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
+        return self.inner.tokenize_chat(messages, tools)
 
     def seq_cells(self, seq_id: int) -> int:
         return self.inner.seq_cells(seq_id)

@@ -48,7 +48,17 @@ from typing import Any
 import numpy as np
 
 from ..config import DETERMINISTIC_KV_TYPE, DETERMINISTIC_N_UBATCH, FlashAttn
-from .base import BatchEntry, ChatTurn, EngineError, Follow, Sampled, SampleFailure, StepResult, TokenArray
+from .base import (
+    BatchEntry,
+    ChatTurn,
+    EngineError,
+    Follow,
+    Sampled,
+    SampleFailure,
+    StepResult,
+    TokenArray,
+    Tools,
+)
 from .compute_thread import ComputeThread
 from .constraints import GrammarVocabulary
 from .device_sampling import DeviceGreedy
@@ -244,11 +254,15 @@ class LlamaEngine:
     def tokenize(self, text: str) -> TokenArray:
         return self.model.tokenize(text)
 
-    def apply_chat_template(self, messages: Sequence[ChatTurn]) -> str:
-        return self.model.apply_chat_template(messages)
+    def apply_chat_template(self, messages: Sequence[ChatTurn], tools: Tools = None) -> str:
+        return self.model.apply_chat_template(messages, tools)
 
-    def tokenize_chat(self, messages: Sequence[ChatTurn]) -> TokenArray:
-        return self.model.tokenize_chat(messages)
+    @property
+    def chat_template_source(self) -> str | None:
+        return self.model.template_source
+
+    def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
+        return self.model.tokenize_chat(messages, tools)
 
     @property
     def grammar_vocabulary(self) -> GrammarVocabulary:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import SplitMode
 from ..model_files import sha256_of
-from .base import ChatTurn, TokenArray, turn_fields
+from .base import ChatTurn, TokenArray, Tools, turn_fields
 from .chat_template import ChatTemplateError, JinjaChatTemplate
 from .constraints import GrammarVocabulary
 from .devices import LlamaLog, init_backend, offloaded_layers
@@ -156,6 +156,7 @@ class LlamaModel:
         # The model's template rendered with Jinja (engine/chat_template.py); llama.cpp's
         # built-in formatter where Jinja cannot compile it.
         self.jinja: JinjaChatTemplate | None = None
+        self.template_source: str | None = None
         if self.chat_template is not None:
             try:
                 self.use_chat_template(self.chat_template.decode("utf-8", errors="replace"))
@@ -189,7 +190,7 @@ class LlamaModel:
             self._max_token_bytes = max(1, max(len(self.piece(t)) for t in range(n_vocab)))
         return self._max_token_bytes
 
-    def tokenize_chat(self, messages: Sequence[ChatTurn]) -> TokenArray:
+    def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
         """A chat as tokens: the template's own text with its control tokens, each message's
         content as plain text, so a ``<|im_end|>`` typed into a message cannot close its turn
         or open another (tokenizing the rendered chat whole would parse it).  The template is
@@ -199,7 +200,7 @@ class LlamaModel:
         guarded = [(i, f"\ue000{i}\ue001") for i, t in enumerate(turns) if t.get("content")]
         marked = dict(guarded)
         text = self.apply_chat_template(
-            [{**t, "content": marked.get(i, t["content"])} for i, t in enumerate(turns)]
+            [{**t, "content": marked.get(i, t["content"])} for i, t in enumerate(turns)], tools
         )
         pieces, start = [], 0
         for i, marker in guarded:
@@ -242,6 +243,7 @@ class LlamaModel:
         bos = self._token_text(llama.llama_vocab_bos(self._vocab))
         eos = self._token_text(llama.llama_vocab_eos(self._vocab))
         self.jinja = JinjaChatTemplate(source, bos_token=bos, eos_token=eos)
+        self.template_source = source
 
     def chat_template_in_use(self, file: Path | None = None) -> str:
         """Which chat formatting requests get, in words (the start-up log)."""
@@ -256,17 +258,17 @@ class LlamaModel:
             return ""
         return bytes(llama.llama_vocab_get_text(self._vocab, token) or b"").decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[ChatTurn]) -> str:
+    def apply_chat_template(self, messages: Sequence[ChatTurn], tools: Tools = None) -> str:
         turns = [turn_fields(m) for m in messages]
         if self.jinja is not None:
-            text = self.jinja.render(turns)
+            text = self.jinja.render(turns, tools=tools)
             bos = self.jinja.bos_token
             # A template that writes the BOS text itself (Llama 3) would get a second one from
             # the tokenizer, which adds it already.
             return text[len(bos) :] if self._add_bos and bos and text.startswith(bos) else text
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send `prompt` instead")
-        if any("tool_calls" in t for t in turns):
+        if any("tool_calls" in t for t in turns) or tools:
             raise ValueError(
                 "llama.cpp's built-in chat formatter cannot render tool calls; give a Jinja "
                 "template that can (--chat-template)"

@@ -33,6 +33,7 @@ from .base import (
     SampleFailure,
     StepResult,
     TokenArray,
+    Tools,
     turn_fields,
 )
 
@@ -129,9 +130,13 @@ class SimEngine:
         words = text.split()
         return np.array([100 + zlib.crc32(w.encode()) % 30000 for w in words], dtype=np.int32)
 
-    def apply_chat_template(self, messages: Sequence[ChatTurn]) -> str:
+    def apply_chat_template(self, messages: Sequence[ChatTurn], tools: Tools = None) -> str:
         turns = [turn_fields(m) for m in messages]
         return " ".join(f"{t['role']}: {t['content']}" for t in turns) + " assistant:"
+
+    @property
+    def chat_template_source(self) -> None:
+        return None
 
     @property
     def grammar_vocabulary(self) -> None:
@@ -141,8 +146,9 @@ class SimEngine:
     def max_token_bytes(self) -> int:
         return 1 << 20  # a token per word, and a word may be long: no useful bound
 
-    def tokenize_chat(self, messages: Sequence[ChatTurn]) -> TokenArray:
-        return self.tokenize(self.apply_chat_template(messages))  # the simulation has no control tokens
+    def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
+        # The simulation has no control tokens.
+        return self.tokenize(self.apply_chat_template(messages, tools))
 
     @property
     def can_preempt(self) -> bool:

@@ -242,8 +242,14 @@ class Gateway:
             make = openai.chat_completion if is_chat else openai.text_completion
             return json_response(make(completion_id, created, self.model, eos), headers=headers)
 
-        stream_kind = openai.ChatStream if is_chat else openai.CompletionStream
-        chunks = stream_kind(completion_id, created, self.model, include_usage)
+        assert flight.stream is not None
+        chunks: openai.ChatStream | openai.CompletionStream
+        if flight.stream.tool_format is not None:
+            fmt = flight.stream.tool_format
+            chunks = openai.ToolChatStream(completion_id, created, self.model, include_usage, fmt)
+        else:
+            stream_kind = openai.ChatStream if is_chat else openai.CompletionStream
+            chunks = stream_kind(completion_id, created, self.model, include_usage)
 
         async def sse() -> AsyncGenerator[bytes, None]:
             async with aclosing(self._events(flight)) as events:
@@ -252,7 +258,8 @@ class Gateway:
                 async for event in events:
                     match event:
                         case TokenEvent(text=text):
-                            yield openai.sse(_json.encode(chunks.token(text)))
+                            for chunk in chunks.token(text):
+                                yield openai.sse(_json.encode(chunk))
                         case EosEvent(reason="stop" | "length"):
                             for chunk in chunks.end(event):
                                 yield openai.sse(_json.encode(chunk))

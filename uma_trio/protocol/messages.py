@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from .tools import NamedToolChoice, Tool, ToolChoice
+
 Lane = Literal["interactive", "background"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 CancelReason = Literal["client", "disconnect", "shutdown", "stalled"]
@@ -127,12 +129,33 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     # the grammar (docs/PROTOCOL.md "Structured output").  At most one of the two.
     response_format: ResponseFormat | None = None
     grammar: GrammarText | None = None
+    # Tools the model may call (docs/PROTOCOL.md "Tool calls"); chat requests only.
+    tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of `prompt` and `messages` is required")
+        constrained = self.grammar is not None or not isinstance(self.response_format, TextFormat | None)
         if self.grammar is not None and not isinstance(self.response_format, TextFormat | None):
             raise ValueError("give `response_format` or `grammar`, not both")
+        names = [t.function.name for t in self.tools or ()]
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in `tools`")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice `required` needs `tools`")
+        if self.uses_tools and self.prompt is not None:
+            raise ValueError("`tools` need `messages` (the chat template renders them)")
+        if self.uses_tools and constrained:
+            raise ValueError("give `tools` or a `response_format` / `grammar`, not both")
+        if len(set(names)) != len(names):
+            raise ValueError("two tools have the same name")
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the model is offered tools (some, and tool_choice is not ``none``)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class CancelRequest(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -227,6 +250,9 @@ class EosEvent(Struct, tag_field="event", tag="eos", omit_defaults=True):
     text: str | None = None
     # Why a request was cancelled: the client asked, hung up, or the daemon stopped.
     cancel_reason: CancelReason | None = None
+    # Requests with tools: the answer's text outside its tool calls, and the calls.
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ErrorEvent(Struct, tag_field="event", tag="error"):

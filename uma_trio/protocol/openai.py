@@ -20,7 +20,7 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from .errors import ErrorCode
-from .messages import EosEvent, FinishReason, GenerateRequest, Lane
+from .messages import EosEvent, GenerateRequest, Lane, ToolCall, ToolCallFunction
 
 # The errors live in openai_errors.py; callers reach every OpenAI shape through this module.
 from .openai_errors import ApiError as ApiError
@@ -28,6 +28,7 @@ from .openai_errors import api_error as api_error
 from .openai_errors import from_uma_error as from_uma_error
 from .openai_errors import stop_param
 from .openai_errors import validation_error as validation_error
+from .tools import ToolFormat, ToolTextFilter
 
 # -- request bodies ----------------------------------------------------------------
 
@@ -65,14 +66,16 @@ class _Body(Struct, kw_only=True):
     response_format: dict[str, Any] | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
+    # Tools (chat only; checked as the daemon's Tool and ToolChoice).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     # Documented by OpenAI but not supported: refused unless neutral.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -107,8 +110,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -235,7 +236,10 @@ def translate(
         fields["max_tokens"] = max_tokens
     if body.stop is not None:
         fields["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "response_format", "grammar"):
+    for name in (
+        "temperature", "top_p", "top_k", "min_p", "seed", "response_format", "grammar",
+        "tools", "tool_choice", "parallel_tool_calls",
+    ):  # fmt: skip
         if (value := getattr(body, name)) is not None:
             fields[name] = value
     if body.json_schema is not None:
@@ -310,8 +314,9 @@ class Completion(Struct):
 
 
 class AssistantMessage(Struct):
-    content: str
+    content: str | None
     role: Literal["assistant"] = "assistant"
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatChoice(Struct):
@@ -330,9 +335,19 @@ class ChatCompletion(Struct):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class ToolCallDelta(Struct):
+    """One whole tool call in a stream (its arguments in one piece, at the end)."""
+
+    index: int
+    id: str
+    function: ToolCallFunction
+    type: Literal["function"] = "function"
+
+
 class Delta(Struct):
     role: Literal["assistant"] | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct):
@@ -356,10 +371,11 @@ def usage_of(eos: EosEvent) -> Usage:
     return Usage(u.prompt_tokens, u.completion_tokens, u.total_tokens, PromptTokensDetails(u.cached_tokens))
 
 
-def finish_reason(reason: FinishReason) -> str:
-    """OpenAI's finish_reason for an eos that completed (stop or length)."""
-    assert reason in ("stop", "length"), reason
-    return reason
+def finish_reason(eos: EosEvent) -> str:
+    """OpenAI's finish_reason for an eos that completed (stop or length; tool_calls when the
+    answer called tools)."""
+    assert eos.reason in ("stop", "length"), eos.reason
+    return "tool_calls" if eos.tool_calls else eos.reason
 
 
 ChunkT = TypeVar("ChunkT", "ChatCompletionChunk", "Completion")
@@ -382,11 +398,11 @@ class _Stream(Generic[ChunkT]):
     def head(self) -> list[ChunkT]:
         return []
 
-    def token(self, text: str) -> ChunkT:
-        return self._chunk(text, None)
+    def token(self, text: str) -> list[ChunkT]:
+        return [self._chunk(text, None)]
 
     def end(self, eos: EosEvent) -> list[ChunkT]:
-        chunks = [self._chunk(None, finish_reason(eos.reason))]
+        chunks = [self._chunk(None, finish_reason(eos))]
         if self._usage is None:
             chunks.append(self._chunk(None, None, usage=usage_of(eos)))
         return chunks
@@ -407,6 +423,31 @@ class ChatStream(_Stream[ChatCompletionChunk]):
         return [ChatCompletionChunk(self.id, self.created, self.model, [choice], usage=self._usage)]
 
 
+class ToolChatStream(ChatStream):
+    """A chat stream whose request offered tools: content is sent until it may be a tool
+    call (protocol/tools.py's ToolTextFilter); at the end the rest of the content, or the
+    calls, each whole in one delta."""
+
+    def __init__(
+        self, completion_id: str, created: int, model: str, include_usage: bool, fmt: ToolFormat
+    ) -> None:
+        super().__init__(completion_id, created, model, include_usage)
+        self._filter = ToolTextFilter(fmt)
+
+    def token(self, text: str) -> list[ChatCompletionChunk]:
+        content = self._filter.feed(text)
+        return [self._chunk(content, None)] if content else []
+
+    def end(self, eos: EosEvent) -> list[ChatCompletionChunk]:
+        rest = self._filter.rest(eos.content or "") if not eos.tool_calls else ""
+        chunks = [self._chunk(rest, None)] if rest else []
+        if eos.tool_calls:
+            calls = [ToolCallDelta(i, c.id, c.function) for i, c in enumerate(eos.tool_calls)]
+            choice = ChatChunkChoice(index=0, delta=Delta(tool_calls=calls), finish_reason=None)
+            chunks.append(ChatCompletionChunk(self.id, self.created, self.model, [choice], usage=self._usage))
+        return chunks + super().end(eos)
+
+
 class CompletionStream(_Stream[Completion]):
     def _chunk(self, text: str | None, finish: str | None, *, usage: Usage | None = None) -> Completion:
         if usage is not None:
@@ -416,13 +457,18 @@ class CompletionStream(_Stream[Completion]):
 
 
 def chat_completion(completion_id: str, created: int, model: str, eos: EosEvent) -> ChatCompletion:
-    message = AssistantMessage(content=eos.text or "")
-    choice = ChatChoice(index=0, message=message, finish_reason=finish_reason(eos.reason))
+    if eos.content is None:  # no tools offered
+        message = AssistantMessage(content=eos.text or "")
+    elif eos.tool_calls:
+        message = AssistantMessage(content=eos.content or None, tool_calls=eos.tool_calls)
+    else:
+        message = AssistantMessage(content=eos.content)
+    choice = ChatChoice(index=0, message=message, finish_reason=finish_reason(eos))
     return ChatCompletion(completion_id, created, model, [choice], usage_of(eos))
 
 
 def text_completion(completion_id: str, created: int, model: str, eos: EosEvent) -> Completion:
-    choice = CompletionChoice(index=0, text=eos.text or "", finish_reason=finish_reason(eos.reason))
+    choice = CompletionChoice(index=0, text=eos.text or "", finish_reason=finish_reason(eos))
     return Completion(completion_id, created, model, [choice], usage=usage_of(eos))
 
 

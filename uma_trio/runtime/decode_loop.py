@@ -535,8 +535,9 @@ class DecodeLoop:
     def _emit(self, session: Session, text: str, token_id: int) -> None:
         if not text:
             return
+        if not session.request.stream or session.tool_format is not None:
+            session.pieces.append(text)  # the whole text: the eos carries it, or its tool calls
         if not session.request.stream:
-            session.pieces.append(text)
             return
         try:
             session.events.send_nowait(TokenEvent(id=session.id, text=text, token_id=token_id))

@@ -34,12 +34,15 @@ def output_constraint(request: GenerateRequest) -> OutputConstraint | None:
     return None
 
 
-async def sampler_for(engine: Engine, request: GenerateRequest) -> Sampler:
-    """The request's sampler; a grammar is compiled off the event loop.  An invalid one is
-    an :class:`UmaError` naming the problem (``E_GRAMMAR_001``)."""
+async def sampler_for(
+    engine: Engine, request: GenerateRequest, tool_grammar: OutputConstraint | None = None
+) -> Sampler:
+    """The request's sampler, under its schema or grammar (or ``tool_grammar``, the one its
+    tools need), compiled off the event loop.  An invalid one is an :class:`UmaError` naming
+    the problem (``E_GRAMMAR_001``)."""
     params = sampling_params(request)
     try:
-        constraint = output_constraint(request)
+        constraint = tool_grammar or output_constraint(request)
         if constraint is None:
             return Sampler(params)
         vocabulary = engine.grammar_vocabulary

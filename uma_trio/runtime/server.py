@@ -29,6 +29,7 @@ from ..observability.prometheus import build_registry
 from ..observability.scorecard import CSV_FIELDS, Scorecard, scorecard
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import ChatMessage, GenerateRequest, SnapshotEvent, SnapshotRequest
+from ..protocol.tools import ToolFormat
 from ..sched.policy import Policy
 from .accept import accept_forever
 from .connection import Connection
@@ -40,6 +41,7 @@ from .session import END_SLOTS, Session, StreamItem
 from .snapshot_service import SnapshotService
 from .snapshots import SnapshotStore, default_snapshot_dir
 from .stream import RequestStream
+from .tool_use import chat_turns, tool_constraint, tool_format
 from .unix_socket import bind_unix_listener, unlink_if_ours
 
 log = logging.getLogger(__name__)
@@ -183,7 +185,8 @@ class Server:
                 f"could hold (the limit; the longest token is {self.engine.max_token_bytes} bytes)",
                 request_id=rid,
             )
-        prompt = await self.tokenize_request(request)
+        fmt = tool_format(self.engine, request)
+        prompt = await self.tokenize_request(request, fmt)
         if len(prompt) > self.config.max_prompt_tokens:
             raise UmaError(
                 ErrorCode.PROMPT_TOO_LARGE,
@@ -193,10 +196,11 @@ class Server:
         if auto_max_tokens:
             room = max(1, self.engine.n_ctx_seq - len(prompt))
             request = msgspec.structs.replace(request, max_tokens=min(self.config.max_tokens, room))
-        sampler = await sampler_for(self.engine, request)
+        sampler = await sampler_for(self.engine, request, tool_constraint(request, fmt))
         send, receive = trio.open_memory_channel[StreamItem](self.config.stream_buffer + END_SLOTS)
         session = Session(request, prompt, sampler, send, created=arrived, connection=connection)
         session.pin_on_finish = pin_on_finish
+        session.tool_format = fmt
         session.owner = owner
         try:
             self.loop.submit(session)  # raises when the daemon is full or stopping
@@ -215,13 +219,15 @@ class Server:
         self._next_number += 1
         return self._next_number
 
-    async def tokenize_request(self, request: GenerateRequest) -> TokenArray:
-        """The request's prompt as tokens (chat template applied), off the event loop."""
+    async def tokenize_request(self, request: GenerateRequest, fmt: ToolFormat | None = None) -> TokenArray:
+        """The request's prompt as tokens (chat template applied, with the tools it offers in
+        the way ``fmt`` says), off the event loop."""
         try:
             if request.messages is not None:
-                turns = [m.template_fields() for m in request.messages]
-                small = chat_text_bytes(request.messages) <= INLINE_TEXT_CHARS
-                tokens = await off_loop(self.engine, partial(self.engine.tokenize_chat, turns), small=small)
+                turns, tools = chat_turns(request, fmt)
+                small = chat_text_bytes(request.messages) <= INLINE_TEXT_CHARS and not tools
+                tokenize = partial(self.engine.tokenize_chat, turns, tools)
+                tokens = await off_loop(self.engine, tokenize, small=small)
             else:
                 assert request.prompt is not None
                 prompt, small = request.prompt, len(request.prompt) <= INLINE_TEXT_CHARS

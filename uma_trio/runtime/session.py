@@ -21,7 +21,9 @@ from ..protocol.messages import (
     Usage,
 )
 from ..protocol.textstream import TextStream
+from ..protocol.tools import ToolFormat
 from .lifecycle import Phase, advance
+from .tool_use import answer_with_tools
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +98,8 @@ class Session:
     abort: CancelReason | None = None
     admitted: float | None = None
     generated_at: TokenTimes = field(default_factory=lambda: TokenTimes())  # when sampled
-    pieces: list[str] = field(default_factory=list)  # whole text, non-stream only
+    pieces: list[str] = field(default_factory=list)  # whole text: non-stream, or with tools
+    tool_format: ToolFormat | None = None  # how the model writes tool calls, when offered tools
     error: ErrorEvent | None = None
     final: EosEvent | None = None
 
@@ -145,7 +148,7 @@ class Session:
     def eos_event(self, reason: FinishReason, cancel_reason: CancelReason | None) -> EosEvent:
         """The last event, without its timings: the front end fills those in as it writes it."""
         usage = Usage(len(self.prompt), self.generated, len(self.prompt) + self.generated, self.cached_tokens)
-        return EosEvent(
+        eos = EosEvent(
             id=self.id,
             reason=reason,
             usage=usage,
@@ -153,6 +156,10 @@ class Session:
             text="".join(self.pieces) if not self.request.stream else None,
             cancel_reason=cancel_reason,
         )
+        if self.tool_format is not None and reason in ("stop", "length"):
+            eos.content, calls = answer_with_tools("".join(self.pieces), self.request, self.tool_format)
+            eos.tool_calls = calls or None
+        return eos
 
 
 @dataclass

@@ -39,6 +39,7 @@ class RequestStream:
         self.created = session.created  # when the request's frame arrived
         self.streamed = session.request.stream
         self.lane: Lane = session.lane  # the lane this front end last asked for
+        self.tool_format = session.tool_format  # how tool calls look in its text, if offered tools
         self.receive = receive
         self.delivered_at = TokenTimes()  # when each token was written to the client
         self._session = session  # the loop's: only handed back to it

@@ -1,0 +1,317 @@
+"""Tool calls (issue 20, point 2): the families' formats read back, the grammars that make a
+model call a tool, and the whole round trip through the openai SDK, LangChain and the socket
+on the default model (whose template cannot render tools: the generic format)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import openai
+import pydantic
+import pytest
+import trio
+
+from uma_trio.client import UmaClient
+from uma_trio.config import ServerConfig
+from uma_trio.engine.constraints import lark_constraint
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.engine.sampling import SamplingParams
+from uma_trio.protocol.tools import (
+    NamedToolChoice,
+    Tool,
+    ToolFormat,
+    ToolTextFilter,
+    parse_tool_calls,
+    tool_call_grammar,
+    tool_format_of,
+)
+from uma_trio.runtime.server import Server
+
+from .conftest import running_server
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+
+
+class WeatherArgs(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    city: str = pydantic.Field(max_length=30)
+    unit: str = pydantic.Field(pattern="^(celsius|fahrenheit)$")
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": WeatherArgs.model_json_schema(),
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The current time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 30}},
+            "required": ["zone"],
+        },
+    },
+}
+TOOLS = [msgspec.convert(WEATHER, Tool), msgspec.convert(TIME, Tool)]
+NAMES = ["get_weather", "get_time"]
+ASK = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the weather in Paris, in celsius?"},
+]
+
+
+# -- reading calls back ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "content", "calls"),
+    [
+        ("hermes",
+         'Let me look.<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+         "Let me look.", [("get_time", {"zone": "CET"})]),
+        ("hermes", '<tool_call>{"name": "get_time", "arguments": {"zone": "A"}}</tool_call>\n'
+                   '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"B\\"}"}</tool_call>',
+         "", [("get_time", {"zone": "A"}), ("get_weather", {"city": "B"})]),
+        ("hermes", '<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call>',
+         '<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call>', []),
+        ("llama3", '{"name": "get_time", "parameters": {"zone": "UTC"}}', "",
+         [("get_time", {"zone": "UTC"})]),
+        ("llama3", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}', "",
+         [("get_time", {"zone": "UTC"})]),
+        ("llama3", "It is sunny.", "It is sunny.", []),
+        ("mistral", '[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "X"}}]', "",
+         [("get_time", {"zone": "X"})]),
+        ("generic", '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}', "",
+         [("get_weather", {"city": "Oslo"})]),
+        ("generic", '{"response": "Hello!"}', "Hello!", []),
+        ("generic", '{"tool_calls": [{"name": "get_weath', '{"tool_calls": [{"name": "get_weath', []),
+        ("generic", '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "A"}}, {"name": "get_t',
+         "", [("get_time", {"zone": "A"})]),
+        ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"na', "", [("get_time", {})]),
+    ],
+)  # fmt: skip
+def test_each_family_s_calls_are_read_back(
+    fmt: ToolFormat, text: str, content: str, calls: list[tuple[str, dict[str, Any]]]
+) -> None:
+    got_content, got = parse_tool_calls(text, fmt, NAMES)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+def test_the_family_comes_from_the_template() -> None:
+    assert tool_format_of((TEMPLATES / "qwen2.5-instruct.jinja").read_text()) == "hermes"
+    assert tool_format_of((TEMPLATES / "llama-3.1-instruct.jinja").read_text()) == "llama3"
+    assert tool_format_of("{{ messages }}") == "generic"
+    assert tool_format_of(None) == "generic"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "pieces", "streamed"),
+    [
+        ("hermes", ["Sure", ". <tool", "_call>\n{", '"name"'], ["Sure", ". "]),
+        ("hermes", ["a <tool", "box> b"], ["a ", "<toolbox> b"]),
+        ("llama3", ['{"name"', ": 1}"], []),
+        ("llama3", ["Hi {", "x}"], ["Hi {", "x}"]),
+        ("generic", ['{"response": ', '"hi"}'], []),
+    ],
+)
+def test_streamed_content_stops_where_a_call_may_start(
+    fmt: ToolFormat, pieces: list[str], streamed: list[str]
+) -> None:
+    text_filter = ToolTextFilter(fmt)
+    assert [out for piece in pieces if (out := text_filter.feed(piece))] == streamed
+
+
+# -- grammars -------------------------------------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "generic"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_under_the_grammar_any_draw_is_a_valid_call(
+    llama_model: LlamaModel, fmt: ToolFormat, choice: str
+) -> None:
+    """Random logits sampled under each family's grammar always read back as calls of the
+    offered tools whose arguments validate.  (One call each: random draws would rarely end a
+    list of them.)"""
+    chosen: Any = choice
+    if choice == "named":
+        chosen = msgspec.convert({"function": {"name": "get_weather"}}, NamedToolChoice)
+    grammar = tool_call_grammar(fmt, TOOLS, chosen, parallel=False)
+    assert grammar is not None
+    assert (tool_call_grammar(fmt, TOOLS, "auto", parallel=True) is None) == (fmt != "generic")
+    rng = np.random.default_rng(1)
+    for seed in range(3):
+        sampler = llama_model.grammar.sampler(
+            SamplingParams(temperature=1.0, seed=seed), lark_constraint(grammar, "tools")
+        )
+        text = b""
+        for _ in range(600):
+            token = sampler.sample(rng.standard_normal(llama_model.n_vocab).astype(np.float32) * 3)
+            if llama_model.is_eog(token):
+                break
+            text += llama_model.piece(token)
+        content, calls = parse_tool_calls(text.decode(), fmt, NAMES)
+        assert len(calls) == 1 and content == "", text
+        for call in calls:
+            assert choice != "named" or call.name == "get_weather"
+            if call.name == "get_weather":
+                WeatherArgs.model_validate_json(call.arguments)
+            else:
+                assert set(json.loads(call.arguments)) == {"zone"}
+
+
+# -- end to end ------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def http_server(llama_model: LlamaModel, server_config: ServerConfig) -> AsyncIterator[Server]:
+    async with running_server(llama_model, server_config, http="127.0.0.1:0", api_key="k") as server:
+        yield server
+
+
+def sdk(server: Server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="k", max_retries=0)
+
+
+@pytest.mark.model
+async def test_openai_sdk_required_tool_call_validates_and_streams_the_same(http_server: Server) -> None:
+    async with sdk(http_server) as client:
+        reply = await client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",  # type: ignore[list-item]
+            temperature=0, max_tokens=80,
+        )  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        calls = choice.message.tool_calls
+        assert calls and calls[0].id.startswith("call_") and calls[0].type == "function"
+        assert calls[0].function.name in NAMES
+        if calls[0].function.name == "get_weather":
+            WeatherArgs.model_validate_json(calls[0].function.arguments)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",  # type: ignore[list-item]
+            temperature=0, max_tokens=80, stream=True,
+        )  # fmt: skip
+        assembled: dict[int, dict[str, str]] = {}
+        finish = None
+        async for chunk in stream:
+            for delta_call in chunk.choices[0].delta.tool_calls or []:
+                entry = assembled.setdefault(delta_call.index, {"name": "", "arguments": ""})
+                entry["name"] += delta_call.function.name or "" if delta_call.function else ""
+                entry["arguments"] += delta_call.function.arguments or "" if delta_call.function else ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        assert [(e["name"], json.loads(e["arguments"])) for e in assembled.values()] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in calls
+        ]
+
+
+@pytest.mark.model
+async def test_named_auto_and_none_tool_choices(http_server: Server) -> None:
+    async with sdk(http_server) as client:
+        named = await client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80,  # type: ignore[list-item]
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+        )  # fmt: skip
+        calls = named.choices[0].message.tool_calls
+        assert calls and {c.function.name for c in calls} == {"get_time"}
+        auto = await client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=80,  # type: ignore[list-item]
+        )  # fmt: skip
+        message = auto.choices[0].message
+        assert message.tool_calls or message.content  # the model chose; either way it parsed
+        assert auto.choices[0].finish_reason == ("tool_calls" if message.tool_calls else "stop")
+        none = await client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=8,  # type: ignore[list-item]
+        )  # fmt: skip
+        assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+        for bad, what in (
+            ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+            ({"tool_choice": "required", "tools": []}, "required"),
+            ({"response_format": {"type": "json_object"}}, "not both"),
+        ):
+            fields: dict[str, Any] = {"tools": [WEATHER], **bad}
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **fields)
+            assert what in str(refused.value)
+
+
+@pytest.mark.model
+async def test_a_hermes_template_renders_the_tools_and_its_calls_are_read(
+    model_path: Path, server_config: ServerConfig
+) -> None:
+    """With a template that renders tools (Qwen 2.5's), the tools reach the prompt and the
+    forced answer is a ``<tool_call>`` block the server reads back."""
+    model = LlamaModel(model_path)
+    try:
+        model.use_chat_template((TEMPLATES / "qwen2.5-instruct.jinja").read_text())
+        rendered = model.apply_chat_template(ASK, [WEATHER])
+        assert "<tools>" in rendered and '"get_weather"' in rendered
+        async with (
+            running_server(model, server_config, http="127.0.0.1:0", api_key="k") as server,
+            sdk(server) as client,
+        ):
+            reply = await client.chat.completions.create(
+                model=MODEL, messages=ASK, tools=[WEATHER],  # type: ignore[list-item]
+                tool_choice="required", temperature=0, max_tokens=80,
+            )  # fmt: skip
+            calls = reply.choices[0].message.tool_calls
+            assert calls and calls[0].function.name == "get_weather"
+            WeatherArgs.model_validate_json(calls[0].function.arguments)
+    finally:
+        model.close()
+
+
+@pytest.mark.model
+async def test_the_socket_eos_carries_the_tool_calls(server: Server) -> None:
+    async with UmaClient.connect(server.config.socket_path) as client:
+        async with client.stream(
+            messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=80
+        ) as events:  # fmt: skip
+            last = [event async for event in events][-1]
+    assert last.event == "eos" if hasattr(last, "event") else True
+    assert getattr(last, "tool_calls", None), last
+    WeatherArgs.model_validate_json(last.tool_calls[0].function.arguments)  # type: ignore[union-attr]
+
+
+@pytest.mark.model
+async def test_langchain_bind_tools_and_structured_output(http_server: Server) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+
+    class GetWeather(pydantic.BaseModel):
+        """The current weather in a city."""
+
+        city: str = pydantic.Field(max_length=30)
+
+    class Answer(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=30)
+        sunny: bool
+
+    llm = langchain_openai.ChatOpenAI(
+        model=MODEL,
+        base_url=f"{http_server.http_url}/v1",
+        api_key="k",
+        temperature=0,
+        max_tokens=80,
+        max_retries=0,
+    )
+    # LangChain's async API needs asyncio: its sync API, in a thread.
+    bound = llm.bind_tools([GetWeather], tool_choice="required")
+    message = await trio.to_thread.run_sync(bound.invoke, "Weather in Paris?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "GetWeather"
+    GetWeather.model_validate(message.tool_calls[0]["args"])
+    parser = llm.with_structured_output(Answer, method="json_schema")
+    structured = await trio.to_thread.run_sync(parser.invoke, "Is it sunny in Rome?")
+    assert isinstance(structured, Answer)

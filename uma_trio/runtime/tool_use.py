@@ -1,0 +1,65 @@
+"""A request's tools on their way through the daemon: into the prompt, into its grammar, and
+back out of the generated text (the families and formats are protocol/tools.py's)."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import msgspec
+
+from ..engine.base import Engine
+from ..engine.constraints import OutputConstraint, lark_constraint
+from ..protocol.messages import GenerateRequest, ToolCall, ToolCallFunction
+from ..protocol.tools import (
+    ToolFormat,
+    generic_instructions,
+    parse_tool_calls,
+    tool_call_grammar,
+    tool_format_of,
+)
+
+
+def tool_format(engine: Engine, request: GenerateRequest) -> ToolFormat | None:
+    """How the model writes tool calls, for a request that offers it tools; else None."""
+    return tool_format_of(engine.chat_template_source) if request.uses_tools else None
+
+
+def chat_turns(
+    request: GenerateRequest, fmt: ToolFormat | None
+) -> tuple[list[dict[str, Any]], list[Any] | None]:
+    """The turns and the tools for the chat template.  A template that cannot render tools
+    (``generic``) gets them described in the system message instead."""
+    assert request.messages is not None
+    turns = [m.template_fields() for m in request.messages]
+    if fmt is None or request.tools is None:
+        return turns, None
+    if fmt != "generic":
+        return turns, msgspec.to_builtins(request.tools)
+    instructions = generic_instructions(request.tools, request.tool_choice)
+    if turns and turns[0]["role"] == "system":
+        turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{instructions}"}
+    else:
+        turns.insert(0, {"role": "system", "content": instructions})
+    return turns, None
+
+
+def tool_constraint(request: GenerateRequest, fmt: ToolFormat | None) -> OutputConstraint | None:
+    """The grammar a tool-calling answer must follow, where it must follow one."""
+    if fmt is None or request.tools is None:
+        return None
+    grammar = tool_call_grammar(fmt, request.tools, request.tool_choice, request.parallel_tool_calls)
+    return lark_constraint(grammar, "tool call grammar") if grammar is not None else None
+
+
+def answer_with_tools(text: str, request: GenerateRequest, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
+    """The answer's content and its tool calls, each with a fresh id."""
+    names = [t.function.name for t in request.tools or ()]
+    content, parsed = parse_tool_calls(text, fmt, names)
+    calls = [
+        ToolCall(
+            id=f"call_{secrets.token_hex(12)}", function=ToolCallFunction(name=c.name, arguments=c.arguments)
+        )
+        for c in parsed
+    ]
+    return content, calls
