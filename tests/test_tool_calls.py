@@ -5,6 +5,7 @@ on the default model (whose template cannot render tools: the generic format).""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -315,3 +316,19 @@ async def test_langchain_bind_tools_and_structured_output(http_server: Server) -
     parser = llm.with_structured_output(Answer, method="json_schema")
     structured = await trio.to_thread.run_sync(parser.invoke, "Is it sunny in Rome?")
     assert isinstance(structured, Answer)
+
+
+@pytest.mark.model
+async def test_the_cli_sends_tools_and_prints_the_calls(server: Server, tmp_path: Path) -> None:
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER, TIME]))
+    done = await trio.run_process(
+        [sys.executable, "-m", "uma_trio", "generate", "--prompt", "Weather in Paris?", "--temp", "0",
+         "--max-tokens", "80", "--tools", str(tools), "--tool-choice", "get_weather",
+         "--socket", str(server.config.socket_path)],
+        capture_stdout=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0
+    calls = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert calls[0]["function"]["name"] == "get_weather"
+    WeatherArgs.model_validate_json(calls[0]["function"]["arguments"])

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import anyio
+import msgspec
 import trio
 from cyclopts import Parameter
 
@@ -36,6 +37,8 @@ def generate(
     json_schema: Path | None = None,
     json_object: bool = False,
     grammar: Path | None = None,
+    tools: Path | None = None,
+    tool_choice: str = "auto",
     socket: SocketPath = DEFAULT_SOCKET,
 ) -> int:
     """Send one request and print the answer to stdout (the seeds' uma-cli).
@@ -67,6 +70,11 @@ def generate(
         The answer is one JSON object (any).
     grammar
         A grammar file, llama.cpp's GBNF or Lark: the answer matches it.
+    tools
+        A JSON file holding OpenAI-style tools (a list of {"type": "function", "function":
+        {...}}); the calls the answer makes are printed as a JSON list after it.
+    tool_choice
+        With --tools: auto, none, required, or the name of the one function to call.
     socket
         Unix socket path of the daemon.
     """
@@ -82,6 +90,12 @@ def generate(
         request["seed"] = seed
     try:
         request.update(_constraint(json_schema, json_object, grammar))
+        if tools is not None:
+            request["tools"] = json.loads(tools.read_text())
+            named = tool_choice not in ("auto", "none", "required")
+            request["tool_choice"] = (
+                {"type": "function", "function": {"name": tool_choice}} if named else tool_choice
+            )
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -119,6 +133,9 @@ async def _generate(socket: Path, request: dict[str, object]) -> int:
                     if event.text is not None:
                         sys.stdout.write(event.text)
                     sys.stdout.write("\n")
+                    if event.tool_calls:
+                        calls = [msgspec.to_builtins(call) for call in event.tool_calls]
+                        sys.stdout.write(json.dumps(calls) + "\n")
                     return EXIT_SERVER_ERROR if event.reason == "error" else 0
     except (ConnectionLost, OSError) as exc:
         return daemon_failure(socket, exc)
