@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from uma_trio.config import ServerConfig
@@ -51,6 +52,21 @@ def server_config(socket_path: Path) -> ServerConfig:
 async def server(llama_model: LlamaModel, server_config: ServerConfig) -> AsyncIterator[Server]:
     async with running_server(llama_model, server_config) as srv:
         yield srv
+
+
+API_KEY = "k"
+
+
+@pytest.fixture
+async def keyed_http_server(llama_model: LlamaModel, server_config: ServerConfig) -> AsyncIterator[Server]:
+    """A daemon on the real model with the HTTP gateway on a free port, key ``API_KEY``."""
+    async with running_server(llama_model, server_config, http="127.0.0.1:0", api_key=API_KEY) as srv:
+        yield srv
+
+
+def openai_sdk(server: Server) -> openai.AsyncOpenAI:
+    """The official SDK pointed at ``server``'s gateway, without retries."""
+    return openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key=API_KEY, max_retries=0)
 
 
 @asynccontextmanager

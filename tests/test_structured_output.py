@@ -5,25 +5,22 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import httpx
 import numpy as np
-import openai
 import pydantic
 import pytest
 import trio
 
 from uma_trio.client import RequestFailed, UmaClient
-from uma_trio.config import ServerConfig
 from uma_trio.engine.constraints import ConstraintError, grammar_constraint, json_schema_constraint
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.engine.sampling import SamplingParams
 from uma_trio.runtime.server import Server
 
-from .conftest import running_server
+from .conftest import openai_sdk
 
 pytestmark = pytest.mark.model
 
@@ -38,16 +35,6 @@ class City(pydantic.BaseModel):
     country: Annotated[str, pydantic.Field(max_length=24)]
     population_millions: Annotated[int, pydantic.Field(ge=0, le=100)]
     kind: Literal["capital", "other"]
-
-
-@pytest.fixture
-async def http_server(llama_model: LlamaModel, server_config: ServerConfig) -> AsyncIterator[Server]:
-    async with running_server(llama_model, server_config, http="127.0.0.1:0", api_key="k") as server:
-        yield server
-
-
-def sdk(server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="k", max_retries=0)
 
 
 def ask(question: str) -> list[Any]:
@@ -105,8 +92,8 @@ def test_an_invalid_schema_or_grammar_names_the_problem(
         llama_model.grammar.sampler(SamplingParams(), make(text))
 
 
-async def test_openai_sdk_parse_returns_a_validated_object(http_server: Server) -> None:
-    async with sdk(http_server) as client:
+async def test_openai_sdk_parse_returns_a_validated_object(keyed_http_server: Server) -> None:
+    async with openai_sdk(keyed_http_server) as client:
         reply = await client.chat.completions.parse(
             model=MODEL,
             messages=ask("Describe Paris as JSON."),
@@ -120,8 +107,8 @@ async def test_openai_sdk_parse_returns_a_validated_object(http_server: Server) 
         assert choice.message.parsed.name  # the model filled it in
 
 
-async def test_json_object_and_streamed_schema_over_http(http_server: Server) -> None:
-    async with sdk(http_server) as client:
+async def test_json_object_and_streamed_schema_over_http(keyed_http_server: Server) -> None:
+    async with openai_sdk(keyed_http_server) as client:
         reply = await client.chat.completions.create(
             model=MODEL, messages=ask("List three fruits as a JSON object."), temperature=0, max_tokens=96,
             response_format={"type": "json_object"},
@@ -147,9 +134,9 @@ async def test_json_object_and_streamed_schema_over_http(http_server: Server) ->
         assert 0 <= int(done.choices[0].text) <= 999
 
 
-async def test_bad_schemas_and_grammars_are_400s_naming_the_problem(http_server: Server) -> None:
+async def test_bad_schemas_and_grammars_are_400s_naming_the_problem(keyed_http_server: Server) -> None:
     async with httpx.AsyncClient(
-        base_url=f"{http_server.http_url}/v1", headers={"Authorization": "Bearer k"}
+        base_url=f"{keyed_http_server.http_url}/v1", headers={"Authorization": "Bearer k"}
     ) as http:
         cases: list[tuple[dict[str, Any], str]] = [
             (

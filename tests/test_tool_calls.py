@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from uma_trio.protocol.tools import (
 )
 from uma_trio.runtime.server import Server
 
-from .conftest import running_server
+from .conftest import openai_sdk, running_server
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
@@ -177,19 +176,11 @@ def test_under_the_grammar_any_draw_is_a_valid_call(
 # -- end to end ------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def http_server(llama_model: LlamaModel, server_config: ServerConfig) -> AsyncIterator[Server]:
-    async with running_server(llama_model, server_config, http="127.0.0.1:0", api_key="k") as server:
-        yield server
-
-
-def sdk(server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="k", max_retries=0)
-
-
 @pytest.mark.model
-async def test_openai_sdk_required_tool_call_validates_and_streams_the_same(http_server: Server) -> None:
-    async with sdk(http_server) as client:
+async def test_openai_sdk_required_tool_call_validates_and_streams_the_same(
+    keyed_http_server: Server,
+) -> None:
+    async with openai_sdk(keyed_http_server) as client:
         reply = await client.chat.completions.create(
             model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",  # type: ignore[list-item]
             temperature=0, max_tokens=80,
@@ -220,8 +211,8 @@ async def test_openai_sdk_required_tool_call_validates_and_streams_the_same(http
 
 
 @pytest.mark.model
-async def test_named_auto_and_none_tool_choices(http_server: Server) -> None:
-    async with sdk(http_server) as client:
+async def test_named_auto_and_none_tool_choices(keyed_http_server: Server) -> None:
+    async with openai_sdk(keyed_http_server) as client:
         named = await client.chat.completions.create(
             model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80,  # type: ignore[list-item]
             tool_choice={"type": "function", "function": {"name": "get_time"}},
@@ -262,7 +253,7 @@ async def test_a_hermes_template_renders_the_tools_and_its_calls_are_read(
         assert "<tools>" in rendered and '"get_weather"' in rendered
         async with (
             running_server(model, server_config, http="127.0.0.1:0", api_key="k") as server,
-            sdk(server) as client,
+            openai_sdk(server) as client,
         ):
             reply = await client.chat.completions.create(
                 model=MODEL, messages=ASK, tools=[WEATHER],  # type: ignore[list-item]
@@ -288,7 +279,7 @@ async def test_the_socket_eos_carries_the_tool_calls(server: Server) -> None:
 
 
 @pytest.mark.model
-async def test_langchain_bind_tools_and_structured_output(http_server: Server) -> None:
+async def test_langchain_bind_tools_and_structured_output(keyed_http_server: Server) -> None:
     langchain_openai = pytest.importorskip("langchain_openai")
 
     class GetWeather(pydantic.BaseModel):
@@ -302,7 +293,7 @@ async def test_langchain_bind_tools_and_structured_output(http_server: Server) -
 
     llm = langchain_openai.ChatOpenAI(
         model=MODEL,
-        base_url=f"{http_server.http_url}/v1",
+        base_url=f"{keyed_http_server.http_url}/v1",
         api_key="k",
         temperature=0,
         max_tokens=80,
