@@ -164,3 +164,18 @@ def assert_lane_percentiles_agree(
                 server[figure],
                 value,
             )
+
+
+def draw_until_end(model: Any, sampler: Any, rng: Any, limit: int, scale: float) -> bytes:
+    """The text ``sampler`` draws from random logits (normal, times ``scale``) until an
+    end-of-generation token; fails the test if none comes within ``limit`` draws."""
+    import numpy as np
+    import pytest
+
+    text = b""
+    for _ in range(limit):
+        token = sampler.sample(rng.standard_normal(model.n_vocab).astype(np.float32) * scale)
+        if model.is_eog(token):
+            return text
+        text += model.piece(token)
+    pytest.fail(f"no end of generation: {text!r}")

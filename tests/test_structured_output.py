@@ -21,6 +21,7 @@ from uma_trio.engine.sampling import SamplingParams
 from uma_trio.runtime.server import Server
 
 from .conftest import openai_sdk
+from .helpers import draw_until_end
 
 pytestmark = pytest.mark.model
 
@@ -50,14 +51,7 @@ def test_random_logits_under_a_schema_still_give_valid_json(llama_model: LlamaMo
         sampler = llama_model.grammar.sampler(
             SamplingParams(temperature=1.0, seed=seed), json_schema_constraint(schema)
         )
-        text = b""
-        for _ in range(400):
-            token = sampler.sample(rng.standard_normal(llama_model.n_vocab).astype(np.float32) * 4)
-            if llama_model.is_eog(token):
-                break
-            text += llama_model.piece(token)
-        else:
-            pytest.fail(f"no end of generation: {text!r}")
+        text = draw_until_end(llama_model, sampler, rng, limit=400, scale=4)
         City.model_validate_json(text)  # raises if the draw left the schema
 
 

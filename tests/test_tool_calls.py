@@ -33,6 +33,7 @@ from uma_trio.protocol.tools import (
 from uma_trio.runtime.server import Server
 
 from .conftest import openai_sdk, running_server
+from .helpers import draw_until_end
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
@@ -157,12 +158,7 @@ def test_under_the_grammar_any_draw_is_a_valid_call(
         sampler = llama_model.grammar.sampler(
             SamplingParams(temperature=1.0, seed=seed), lark_constraint(grammar, "tools")
         )
-        text = b""
-        for _ in range(600):
-            token = sampler.sample(rng.standard_normal(llama_model.n_vocab).astype(np.float32) * 3)
-            if llama_model.is_eog(token):
-                break
-            text += llama_model.piece(token)
+        text = draw_until_end(llama_model, sampler, rng, limit=600, scale=3)
         content, calls = parse_tool_calls(text.decode(), fmt, NAMES)
         assert len(calls) == 1 and content == "", text
         for call in calls:
