@@ -3,7 +3,7 @@
 Pure: no I/O, no clock (callers pass ``created``), so it is tested alone.  The
 request bodies accept what OpenAI's API documents for ``/v1/completions`` and
 ``/v1/chat/completions``; what the daemon cannot honour (``n > 1``, logprobs,
-penalties, tools, ...) is refused by name instead of being silently ignored, and
+penalties, ...) is refused by name instead of being silently ignored, and
 fields it does not know at all are ignored, as OpenAI-compatible servers do.
 Value checks are the socket protocol's own: the translated request goes through
 :class:`~uma_trio.protocol.messages.GenerateRequest`'s validation.
