@@ -86,7 +86,7 @@ def mask_cost_us(model_path: Path, tokens: int = 400) -> float:
     """Median microseconds to mask one logits row under SCHEMA (random logits, greedy)."""
     model = LlamaModel(model_path)
     try:
-        sampler = model.grammar.sampler(SamplingParams(temperature=0.0), json_schema_constraint(SCHEMA))
+        sampler = model.vocabulary.sampler(SamplingParams(temperature=0.0), json_schema_constraint(SCHEMA))
         rng = np.random.default_rng(0)
         times = []
         for _ in range(tokens):

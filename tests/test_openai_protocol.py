@@ -84,9 +84,15 @@ def test_message_roles_and_text_parts() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"n": 17}, "n"),
+        ({"n": 2, "stream": True}, "n"),
+        ({"logprobs": 3}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": -101}}, "logit_bias[...]"),
+        ({"mirostat": 3}, "mirostat"),
         ({"tools": [{"type": "function"}]}, "tools[0]"),
         ({"tools": [{"function": {"name": "a b"}}]}, "tools[0].function.name"),
         ({"tool_choice": "sometimes"}, "tool_choice"),

@@ -48,7 +48,7 @@ def test_random_logits_under_a_schema_still_give_valid_json(llama_model: LlamaMo
     schema = City.model_json_schema()
     rng = np.random.default_rng(7)
     for seed in range(5):
-        sampler = llama_model.grammar.sampler(
+        sampler = llama_model.vocabulary.sampler(
             SamplingParams(temperature=1.0, seed=seed), json_schema_constraint(schema)
         )
         text = draw_until_end(llama_model, sampler, rng, limit=400, scale=4)
@@ -56,7 +56,7 @@ def test_random_logits_under_a_schema_still_give_valid_json(llama_model: LlamaMo
 
 
 def test_a_grammar_limits_the_choice_and_ends_the_generation(llama_model: LlamaModel) -> None:
-    sampler = llama_model.grammar.sampler(
+    sampler = llama_model.vocabulary.sampler(
         SamplingParams(temperature=0.0), grammar_constraint('root ::= "yes" | "no"')
     )
     allowed = sampler.allowed()
@@ -83,7 +83,7 @@ def test_an_invalid_schema_or_grammar_names_the_problem(
     llama_model: LlamaModel, make: Any, text: Any, problem: str
 ) -> None:
     with pytest.raises(ConstraintError, match=problem):
-        llama_model.grammar.sampler(SamplingParams(), make(text))
+        llama_model.vocabulary.sampler(SamplingParams(), make(text))
 
 
 async def test_openai_sdk_parse_returns_a_validated_object(keyed_http_server: Server) -> None:

@@ -155,7 +155,7 @@ def test_under_the_grammar_any_draw_is_a_valid_call(
     assert (tool_call_grammar(fmt, TOOLS, "auto", parallel=True) is None) == (fmt != "generic")
     rng = np.random.default_rng(1)
     for seed in range(3):
-        sampler = llama_model.grammar.sampler(
+        sampler = llama_model.vocabulary.sampler(
             SamplingParams(temperature=1.0, seed=seed), lark_constraint(grammar, "tools")
         )
         text = draw_until_end(llama_model, sampler, rng, limit=600, scale=3)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .constraints import GrammarVocabulary
+from .constraints import ModelVocabulary
 from .sampling import Sampler
 
 TokenArray = npt.NDArray[np.int32]
@@ -168,7 +168,7 @@ class Engine(Protocol):
         ...
 
     @property
-    def grammar_vocabulary(self) -> GrammarVocabulary | None:
+    def vocabulary(self) -> ModelVocabulary | None:
         """The vocabulary for constrained decoding (engine/constraints.py); None where the
         engine has no real vocabulary (the simulation)."""
         ...

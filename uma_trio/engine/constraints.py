@@ -2,7 +2,7 @@
 
 A request's constraint (a JSON schema, "any JSON object", or a GBNF / Lark grammar) is
 compiled once, off the event loop, into an llguidance matcher over the model's own
-vocabulary (:class:`GrammarVocabulary`, built from llama.cpp's vocab the first time a request
+vocabulary (:class:`ModelVocabulary`, built from llama.cpp's vocab the first time a request
 needs it).  Its :class:`ConstrainedSampler` masks the logits row to the tokens the grammar
 allows, lets the request's ordinary sampler choose among them, and tells the matcher what
 was chosen.  Once the grammar is complete the mask allows only end-of-generation tokens, so
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ import llguidance
 import numpy as np
 import numpy.typing as npt
 
+from .logprobs import LogprobSampler
 from .sampling import Sampler, SamplingParams
 
 # The largest grammar or schema text a request may send (a protection, not a format limit).
@@ -72,14 +73,17 @@ def lark_constraint(text: str, kind: str) -> OutputConstraint:
     return OutputConstraint(llguidance.LLMatcher.grammar_from_lark(text), kind)
 
 
-class GrammarVocabulary:
+class ModelVocabulary:
     """The model's vocabulary as llguidance sees it.  Building it reads every token (a quarter
     of a second for 49k tokens, about a second for 128k), so it happens once, on first use,
     in whichever thread asks first; the others wait for it."""
 
-    def __init__(self, vocab: Any, n_vocab: int, end_tokens: Sequence[int]) -> None:
+    def __init__(
+        self, vocab: Any, n_vocab: int, end_tokens: Sequence[int], piece: Callable[[int], bytes]
+    ) -> None:
         self._vocab = vocab  # llama_vocab_p, owned by the model
         self.n_vocab = n_vocab
+        self._piece = piece
         self._end_tokens = list(end_tokens)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
@@ -94,10 +98,23 @@ class GrammarVocabulary:
                     self._tokenizer = lltokenizer_from_vocab(self._vocab, eos_token=self._end_tokens)
             return self._tokenizer
 
-    def sampler(self, params: SamplingParams, constraint: OutputConstraint) -> ConstrainedSampler:
-        """A request's sampler under ``constraint``; blocking (milliseconds, more for a huge
-        schema, and the vocabulary's build the first time)."""
-        return ConstrainedSampler(params, self.matcher(constraint), self.n_vocab)
+    def sampler(
+        self,
+        params: SamplingParams,
+        constraint: OutputConstraint | None = None,
+        top_logprobs: int | None = None,
+    ) -> Sampler:
+        """A request's sampler: numpy's, or llama.cpp's chain where the parameters need it
+        (engine/sampler_chain.py), under ``constraint`` if given.  Blocking: milliseconds,
+        more for a huge schema, and the grammar vocabulary's build the first time."""
+        from .sampler_chain import ChainSampler  # imports llama_cpp
+
+        inner = ChainSampler(params, self._vocab, self.n_vocab) if params.needs_chain else Sampler(params)
+        if constraint is not None:
+            inner = ConstrainedSampler(inner, self.matcher(constraint), self.n_vocab)
+        if top_logprobs is not None:  # outermost: the model's row before any mask or penalty
+            inner = LogprobSampler(inner, top_logprobs, self._piece)
+        return inner
 
     def matcher(self, constraint: OutputConstraint) -> llguidance.LLMatcher:
         """A fresh matcher for one request."""
@@ -114,8 +131,9 @@ class GrammarVocabulary:
 class ConstrainedSampler(Sampler):
     """A request's sampler restricted to what its grammar allows next."""
 
-    def __init__(self, params: SamplingParams, matcher: llguidance.LLMatcher, n_vocab: int) -> None:
-        super().__init__(params)
+    def __init__(self, inner: Sampler, matcher: llguidance.LLMatcher, n_vocab: int) -> None:
+        super().__init__(inner.params)
+        self.inner = inner
         self.matcher = matcher
         self._n_vocab = n_vocab
         self._bitmask = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
@@ -123,7 +141,7 @@ class ConstrainedSampler(Sampler):
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         allowed = self.allowed()
         np.putmask(logits, allowed == 0, np.float32(-np.inf))  # the row is this step's own
-        token = super().sample(logits)
+        token = self.inner.sample(logits)
         if not self.matcher.consume_token(token):
             raise ConstraintError(f"the grammar refused token {token}: {self.matcher.get_error()}")
         return token

@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .base import BatchEntry, ChatTurn, Engine, EngineError, Follow, StepResult, TokenArray, Tools
-from .constraints import GrammarVocabulary
+from .constraints import ModelVocabulary
 from .sampling import Sampler
 
 FaultKind = Literal["bad_token", "sampling", "poison", "crash"]
@@ -196,8 +196,8 @@ class FaultyEngine:
         return self.inner.chat_template_source
 
     @property
-    def grammar_vocabulary(self) -> GrammarVocabulary | None:
-        return self.inner.grammar_vocabulary
+    def vocabulary(self) -> ModelVocabulary | None:
+        return self.inner.vocabulary
 
     @property
     def max_token_bytes(self) -> int:

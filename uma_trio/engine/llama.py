@@ -60,7 +60,7 @@ from .base import (
     Tools,
 )
 from .compute_thread import ComputeThread
-from .constraints import GrammarVocabulary
+from .constraints import ModelVocabulary
 from .device_sampling import DeviceGreedy
 from .devices import LlamaLog, devices, flash_attention_resolved, system_info
 from .libllama import llama
@@ -265,8 +265,8 @@ class LlamaEngine:
         return self.model.tokenize_chat(messages, tools)
 
     @property
-    def grammar_vocabulary(self) -> GrammarVocabulary:
-        return self.model.grammar
+    def vocabulary(self) -> ModelVocabulary:
+        return self.model.vocabulary
 
     @property
     def max_token_bytes(self) -> int:

@@ -17,7 +17,7 @@ from ..config import SplitMode
 from ..model_files import sha256_of
 from .base import ChatTurn, TokenArray, Tools, turn_fields
 from .chat_template import ChatTemplateError, JinjaChatTemplate
-from .constraints import GrammarVocabulary
+from .constraints import ModelVocabulary
 from .devices import LlamaLog, init_backend, offloaded_layers
 from .libllama import llama
 
@@ -150,7 +150,9 @@ class LlamaModel:
         self._add_bos = bool(llama.llama_vocab_get_add_bos(self._vocab))
         self._pieces: dict[int, bytes] = {}
         ends = {int(llama.llama_vocab_eos(self._vocab)), int(llama.llama_vocab_eot(self._vocab))} - {-1}
-        self.grammar = GrammarVocabulary(self._vocab, self.n_vocab, sorted(ends))  # built on first use
+        self.vocabulary = ModelVocabulary(
+            self._vocab, self.n_vocab, sorted(ends), self.piece
+        )  # built on first use
         template = llama.llama_model_chat_template(self._model, None)
         self.chat_template: bytes | None = template or None
         # The model's template rendered with Jinja (engine/chat_template.py); llama.cpp's

@@ -23,6 +23,33 @@ class SamplingParams:
     top_k: int = 40
     min_p: float = 0.05
     seed: int | None = None
+    # The rest run in a llama.cpp sampler chain (engine/sampler_chain.py); these defaults
+    # turn each off, and a request that leaves them so samples here, in numpy.
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64  # generated tokens the three penalties look back over
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    typical_p: float = 1.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    mirostat: int = 0  # 1 or 2: that Mirostat version instead of top-k/top-p/min-p
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias); -inf bans the token
+
+    @property
+    def needs_chain(self) -> bool:
+        """Whether sampling needs more than this module's filters: penalties, biases, typical,
+        DRY, XTC or Mirostat (then llama.cpp's sampler chain runs it)."""
+        return (
+            self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+            or self.typical_p < 1.0 or self.dry_multiplier > 0.0 or self.xtc_probability > 0.0
+            or self.mirostat != 0 or bool(self.logit_bias)
+        )  # fmt: skip
 
     @property
     def greedy(self) -> bool:

@@ -139,7 +139,7 @@ class SimEngine:
         return None
 
     @property
-    def grammar_vocabulary(self) -> None:
+    def vocabulary(self) -> None:
         return None  # its one-candidate rows have no vocabulary to constrain
 
     @property

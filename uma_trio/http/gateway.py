@@ -42,6 +42,7 @@ from ..protocol.codec import decode_client_message
 from ..protocol.errors import ErrorCode, UmaError, shown
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, Lane, ServerEvent, TokenEvent
 from ..protocol.openai import ApiError
+from ..protocol.openai_choices import choice_requests, merged_chat, merged_text, whole_eos
 from ..runtime.delivery import deliver
 from ..runtime.desk import RequestDesk
 from ..runtime.stream import RequestStream
@@ -223,6 +224,8 @@ class Gateway:
             max_tokens_limit=server.config.max_tokens,
         )  # fmt: skip
         owner = request_owner(request)
+        if translated.n > 1:
+            return await self._choices(request, body, translated, arrived, owner, completion_id)
         async with self._in_flight(translated.request, arrived, translated.auto_max_tokens, owner) as flight:
             return await self._openai_response(request, body, flight, completion_id, translated.include_usage)
 
@@ -257,8 +260,8 @@ class Gateway:
                     yield openai.sse(_json.encode(head))
                 async for event in events:
                     match event:
-                        case TokenEvent(text=text):
-                            for chunk in chunks.token(text):
+                        case TokenEvent(text=text, logprobs=logprobs):
+                            for chunk in chunks.token(text, logprobs):
                                 yield openai.sse(_json.encode(chunk))
                         case EosEvent(reason="stop" | "length"):
                             for chunk in chunks.end(event):
@@ -273,6 +276,52 @@ class Gateway:
                             pass
 
         return self._event_stream(sse, flight, headers)
+
+    async def _choices(
+        self,
+        request: Request,
+        body: openai.CompletionBody | openai.ChatBody,
+        translated: openai.Translated,
+        arrived: float,
+        owner: str,
+        completion_id: str,
+    ) -> Response:
+        """``n`` > 1 (not streamed): choice 0 first, the others once its first token shows
+        its prompt is in the KV cache, so they copy it (protocol/openai_choices.py)."""
+        requests = choice_requests(translated.request, translated.n)
+        collected: list[list[ServerEvent]] = [[] for _ in requests]
+        flights: list[Flight] = []
+
+        async def pump(i: int, flight: Flight, first: trio.Event | None) -> None:
+            async with aclosing(self._events(flight)) as events:
+                async for event in events:
+                    collected[i].append(event)
+                    if first is not None:
+                        first.set()
+
+        async def run() -> None:
+            async with trio.open_nursery() as nursery:
+                first = trio.Event()
+                for i, choice in enumerate(requests):
+                    if i == 1:
+                        await first.wait()
+                    flights.append(
+                        await self._begin(
+                            choice, arrived, auto_max_tokens=translated.auto_max_tokens, owner=owner
+                        )
+                    )
+                    nursery.start_soon(pump, i, flights[-1], first if i == 0 else None)
+
+        try:
+            await until_disconnect(request.receive, run)
+        finally:
+            for flight in flights:
+                self._end(flight)
+        for events in collected:
+            _completed(events)  # raises the error to answer instead, if a choice failed
+        eos = [whole_eos(events) for events in collected]
+        created, merge = int(time.time()), merged_chat if isinstance(body, openai.ChatBody) else merged_text
+        return json_response(merge(completion_id, created, self.model, eos))
 
     async def generate(self, request: Request) -> Response:
         """The socket protocol over HTTP: its request body, its events as SSE (or, with

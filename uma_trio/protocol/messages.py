@@ -28,6 +28,8 @@ RequestId = Annotated[str, Meta(pattern=REQUEST_ID_PATTERN)]
 # A file name in the snapshot directory: no path separators, no leading dot.
 SnapshotName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")]
 StopString = Annotated[str, Meta(min_length=1, max_length=256)]
+TokenKey = Annotated[str, Meta(pattern=r"^[0-9]{1,9}\Z")]  # a token id, as a JSON object key
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]  # added to the token's logit; -100 bans it
 
 
 class ToolCallFunction(Struct, forbid_unknown_fields=True):
@@ -124,6 +126,26 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.05
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     stop: Annotated[list[StopString], Meta(max_length=16)] = msgspec.field(default_factory=list)
+    # Penalties, biases and llama.cpp's other samplers (docs/PROTOCOL.md "Sampling"); the
+    # defaults turn each off.
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    repeat_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
+    repeat_last_n: Annotated[int, Meta(ge=0, le=1 << 20)] = 64
+    logit_bias: Annotated[dict[TokenKey, Bias], Meta(max_length=1024)] = msgspec.field(default_factory=dict)
+    typical_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    dry_multiplier: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.0
+    dry_base: Annotated[float, Meta(ge=1.0, le=100.0)] = 1.75
+    dry_allowed_length: Annotated[int, Meta(ge=0, le=1024)] = 2
+    dry_penalty_last_n: Annotated[int, Meta(ge=-1, le=1 << 20)] = -1
+    xtc_probability: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    xtc_threshold: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.1
+    mirostat: Literal[0, 1, 2] = 0
+    mirostat_tau: Annotated[float, Meta(gt=0.0, le=100.0)] = 5.0
+    mirostat_eta: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.1
+    # Each token's log-probability (and the top_logprobs most likely tokens') in its events.
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
     priority: Lane = "interactive"
     # Structured output: the completion is one JSON value of the format's schema, or matches
     # the grammar (docs/PROTOCOL.md "Structured output").  At most one of the two.
@@ -233,10 +255,28 @@ class Timings(Struct, omit_defaults=True):
     tokens_per_s: float | None = None
 
 
-class TokenEvent(Struct, tag_field="event", tag="token"):
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(Struct):
+    """A generated token's log-probability under the model, and the most likely tokens'."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class TokenEvent(Struct, tag_field="event", tag="token", omit_defaults=True):
     id: str
     text: str
     token_id: int
+    # With `logprobs`: the tokens this event's text comes from (a token whose text is held
+    # back, such as the start of a possible stop string, is reported with the text).
+    logprobs: list[TokenLogprob] | None = None
 
 
 class EosEvent(Struct, tag_field="event", tag="eos", omit_defaults=True):
@@ -253,6 +293,8 @@ class EosEvent(Struct, tag_field="event", tag="eos", omit_defaults=True):
     # Requests with tools: the answer's text outside its tool calls, and the calls.
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # With `logprobs` and `"stream": false`: every generated token's.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class ErrorEvent(Struct, tag_field="event", tag="error"):

@@ -20,7 +20,7 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from .errors import ErrorCode
-from .messages import EosEvent, GenerateRequest, Lane, ToolCall, ToolCallFunction
+from .messages import EosEvent, GenerateRequest, Lane, TokenLogprob, ToolCall, ToolCallFunction
 
 # The errors live in openai_errors.py; callers reach every OpenAI shape through this module.
 from .openai_errors import ApiError as ApiError
@@ -28,6 +28,7 @@ from .openai_errors import api_error as api_error
 from .openai_errors import from_uma_error as from_uma_error
 from .openai_errors import stop_param
 from .openai_errors import validation_error as validation_error
+from .openai_logprobs import ChatLogprobs, CompletionLogprobs, chat_logprobs, completion_logprobs
 from .tools import ToolFormat, ToolTextFilter
 
 # -- request bodies ----------------------------------------------------------------
@@ -58,9 +59,25 @@ class _Body(Struct, kw_only=True):
     # "flex" (slower, for background work) maps to the background lane.
     priority: Lane | None = None
     service_tier: str | None = None
-    # llama.cpp's sampling knobs, which OpenAI lacks but its clients often send.
+    # Penalties and biases (OpenAI's), and llama.cpp's sampling knobs, which OpenAI lacks but
+    # its clients often send (llama-server's names).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     top_k: int | None = None
     min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    typical_p: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
     # Structured output: OpenAI's response_format, and llama-server's grammar (GBNF or Lark)
     # and json_schema extensions.
     response_format: dict[str, Any] | None = None
@@ -71,11 +88,9 @@ class _Body(Struct, kw_only=True):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     # Documented by OpenAI but not supported: refused unless neutral.
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    # Chat: logprobs true and top_logprobs 0-20; completions: logprobs N (the top N too).
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
-    logit_bias: dict[str, float] | None = None
     functions: list[Any] | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -105,11 +120,6 @@ class ChatBody(_Body, kw_only=True):
 
 # What a field may be set to and still mean "off".
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "logit_bias": (None, {}),
     "functions": (None, []),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -117,6 +127,13 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+# Passed to the daemon's request as they are (its validation checks them).
+SAMPLING_EXTRAS = (
+    "frequency_penalty", "presence_penalty", "logit_bias", "repeat_penalty", "repeat_last_n",
+    "typical_p", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+    "xtc_probability", "xtc_threshold", "mirostat", "mirostat_tau", "mirostat_eta",
+)  # fmt: skip
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
@@ -134,11 +151,16 @@ class Translated(Struct, kw_only=True):
     request: GenerateRequest
     auto_max_tokens: bool  # no max_tokens given: use what the context has left
     include_usage: bool
+    n: int = 1  # choices (openai_choices.py)
 
 
 def _check_supported(body: _Body) -> None:
-    if body.n not in (None, 1):
-        raise ApiError(400, f"n={body.n} is not supported; only one choice (n=1) per request", param="n")
+    if body.n is not None and not 1 <= body.n <= 16:
+        raise ApiError(400, f"n={body.n}: from 1 to 16 choices per request", param="n")
+    if body.n is not None and body.n > 1 and body.stream:
+        raise ApiError(
+            400, "n > 1 is served without `stream`; stream each choice as its own request", param="n"
+        )
     for name, neutral in _NEUTRAL.items():
         if getattr(body, name) not in neutral:
             raise ApiError(400, f"`{name}` is not supported by this server", param=name)
@@ -234,11 +256,12 @@ def translate(
     auto = max_tokens is None
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
+    fields.update(_logprob_fields(body))
     if body.stop is not None:
         fields["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "response_format", "grammar",
-        "tools", "tool_choice", "parallel_tool_calls",
+        "tools", "tool_choice", "parallel_tool_calls", *SAMPLING_EXTRAS,
     ):  # fmt: skip
         if (value := getattr(body, name)) is not None:
             fields[name] = value
@@ -253,7 +276,22 @@ def translate(
     except (msgspec.ValidationError, ValueError) as exc:
         raise stop_param(validation_error(exc), body.stop) from None
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
-    return Translated(request=request, auto_max_tokens=auto, include_usage=include_usage)
+    return Translated(request=request, auto_max_tokens=auto, include_usage=include_usage, n=body.n or 1)
+
+
+def _logprob_fields(body: _Body) -> dict[str, Any]:
+    """Chat's ``logprobs`` + ``top_logprobs``, or completions' ``logprobs: N``, as the daemon's."""
+    if isinstance(body, ChatBody):
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.logprobs is not None and not isinstance(body.logprobs, bool):
+            raise ApiError(
+                400, "logprobs is true or false for chat; top_logprobs says how many", param="logprobs"
+            )
+        return {"logprobs": True, "top_logprobs": body.top_logprobs or 0} if body.logprobs else {}
+    if body.logprobs is None or body.logprobs is False:
+        return {}
+    return {"logprobs": True, "top_logprobs": int(body.logprobs)}
 
 
 LANE_HEADER = "x-uma-priority"
@@ -300,7 +338,7 @@ class CompletionChoice(Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(Struct):
@@ -323,7 +361,7 @@ class ChatChoice(Struct):
     index: int
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(Struct):
@@ -354,7 +392,7 @@ class ChatChunkChoice(Struct):
     index: int
     delta: Delta
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(Struct):
@@ -391,15 +429,18 @@ class _Stream(Generic[ChunkT]):
         self.id, self.created, self.model = completion_id, created, model
         self._usage: UnsetType | None = None if include_usage else UNSET
 
-    def _chunk(self, text: str | None, finish: str | None, *, usage: Usage | None = None) -> ChunkT:
+    def _chunk(
+        self, text: str | None, finish: str | None, *, usage: Usage | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> ChunkT:  # fmt: skip
         """``text`` None: no content (the finish chunk); with ``usage``: the usage chunk."""
         raise NotImplementedError
 
     def head(self) -> list[ChunkT]:
         return []
 
-    def token(self, text: str) -> list[ChunkT]:
-        return [self._chunk(text, None)]
+    def token(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[ChunkT]:
+        return [self._chunk(text, None, logprobs=logprobs)]
 
     def end(self, eos: EosEvent) -> list[ChunkT]:
         chunks = [self._chunk(None, finish_reason(eos))]
@@ -410,12 +451,13 @@ class _Stream(Generic[ChunkT]):
 
 class ChatStream(_Stream[ChatCompletionChunk]):
     def _chunk(
-        self, text: str | None, finish: str | None, *, usage: Usage | None = None
-    ) -> ChatCompletionChunk:
+        self, text: str | None, finish: str | None, *, usage: Usage | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> ChatCompletionChunk:  # fmt: skip
         if usage is not None:
             return ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage)
         delta = Delta() if text is None else Delta(content=text)
-        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish)
+        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=chat_logprobs(logprobs))
         return ChatCompletionChunk(self.id, self.created, self.model, [choice], usage=self._usage)
 
     def head(self) -> list[ChatCompletionChunk]:
@@ -434,8 +476,8 @@ class ToolChatStream(ChatStream):
         super().__init__(completion_id, created, model, include_usage)
         self._filter = ToolTextFilter(fmt)
 
-    def token(self, text: str) -> list[ChatCompletionChunk]:
-        content = self._filter.feed(text)
+    def token(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[ChatCompletionChunk]:
+        content = self._filter.feed(text)  # (a tool-call answer's logprobs are not sent)
         return [self._chunk(content, None)] if content else []
 
     def end(self, eos: EosEvent) -> list[ChatCompletionChunk]:
@@ -449,10 +491,17 @@ class ToolChatStream(ChatStream):
 
 
 class CompletionStream(_Stream[Completion]):
-    def _chunk(self, text: str | None, finish: str | None, *, usage: Usage | None = None) -> Completion:
+    _sent = 0  # characters of completion text sent so far (the logprobs' text_offset)
+
+    def _chunk(
+        self, text: str | None, finish: str | None, *, usage: Usage | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> Completion:  # fmt: skip
         if usage is not None:
             return Completion(self.id, self.created, self.model, [], usage=usage)
-        choice = CompletionChoice(index=0, text=text or "", finish_reason=finish)
+        described = completion_logprobs(logprobs, self._sent)
+        self._sent += len(text or "")
+        choice = CompletionChoice(index=0, text=text or "", finish_reason=finish, logprobs=described)
         return Completion(self.id, self.created, self.model, [choice], usage=self._usage)
 
 
@@ -463,12 +512,19 @@ def chat_completion(completion_id: str, created: int, model: str, eos: EosEvent)
         message = AssistantMessage(content=eos.content or None, tool_calls=eos.tool_calls)
     else:
         message = AssistantMessage(content=eos.content)
-    choice = ChatChoice(index=0, message=message, finish_reason=finish_reason(eos))
+    choice = ChatChoice(
+        index=0, message=message, finish_reason=finish_reason(eos), logprobs=chat_logprobs(eos.logprobs)
+    )
     return ChatCompletion(completion_id, created, model, [choice], usage_of(eos))
 
 
 def text_completion(completion_id: str, created: int, model: str, eos: EosEvent) -> Completion:
-    choice = CompletionChoice(index=0, text=eos.text or "", finish_reason=finish_reason(eos))
+    choice = CompletionChoice(
+        index=0,
+        text=eos.text or "",
+        finish_reason=finish_reason(eos),
+        logprobs=completion_logprobs(eos.logprobs),
+    )
     return Completion(completion_id, created, model, [choice], usage=usage_of(eos))
 
 

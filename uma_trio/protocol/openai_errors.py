@@ -89,7 +89,7 @@ def from_uma_error(error: UmaError) -> ApiError:
     return api_error(error.code, error.message)
 
 
-_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_PATH = re.compile(r"(?:at|in) `\$\.?([^`]*)`")  # "at `key` in `$.logit_bias`": the field
 
 
 def validation_error(exc: msgspec.ValidationError | msgspec.DecodeError | ValueError) -> ApiError:

@@ -540,7 +540,8 @@ class DecodeLoop:
         if not session.request.stream:
             return
         try:
-            session.events.send_nowait(TokenEvent(id=session.id, text=text, token_id=token_id))
+            event = TokenEvent(id=session.id, text=text, token_id=token_id, logprobs=session.take_logprobs())
+            session.events.send_nowait(event)
         except trio.BrokenResourceError:
             # The connection is gone; its cancel arrives through `cancel()` as well.
             self.cancel(session, "disconnect")

@@ -9,6 +9,7 @@ from ..engine.constraints import (
     grammar_constraint,
     json_schema_constraint,
 )
+from ..engine.sampler_chain import banned
 from ..engine.sampling import Sampler, SamplingParams
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, JsonObjectFormat, JsonSchemaFormat
@@ -16,9 +17,16 @@ from .off_loop import off_loop
 
 
 def sampling_params(request: GenerateRequest) -> SamplingParams:
+    r = request
     return SamplingParams(
-        temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-        min_p=request.min_p, seed=request.seed,
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed,
+        repeat_penalty=r.repeat_penalty, repeat_last_n=r.repeat_last_n,
+        frequency_penalty=r.frequency_penalty, presence_penalty=r.presence_penalty,
+        typical_p=r.typical_p, dry_multiplier=r.dry_multiplier, dry_base=r.dry_base,
+        dry_allowed_length=r.dry_allowed_length, dry_penalty_last_n=r.dry_penalty_last_n,
+        xtc_probability=r.xtc_probability, xtc_threshold=r.xtc_threshold, mirostat=r.mirostat,
+        mirostat_tau=r.mirostat_tau, mirostat_eta=r.mirostat_eta,
+        logit_bias=tuple(sorted((int(token), banned(bias)) for token, bias in r.logit_bias.items())),
     )  # fmt: skip
 
 
@@ -43,15 +51,26 @@ async def sampler_for(
     params = sampling_params(request)
     try:
         constraint = tool_grammar or output_constraint(request)
-        if constraint is None:
+        top = request.top_logprobs if request.logprobs else None
+        if constraint is None and not params.needs_chain and top is None:
             return Sampler(params)
-        vocabulary = engine.grammar_vocabulary
+        vocabulary = engine.vocabulary
         if vocabulary is None:
             raise UmaError(
                 ErrorCode.MODEL,
-                "this engine cannot constrain output (it has no vocabulary)",
+                "this engine has no vocabulary: it cannot constrain output or run llama.cpp's samplers",
                 request_id=request.id,
             )
-        return await off_loop(engine, lambda: vocabulary.sampler(params, constraint))
+        outside = [t for t, _ in params.logit_bias if t >= vocabulary.n_vocab]
+        if outside:
+            raise UmaError(
+                ErrorCode.SCHEMA,
+                f"logit_bias names token {outside[0]}, which is not in the vocabulary "
+                f"(0-{vocabulary.n_vocab - 1})",
+                request_id=request.id,
+            )
+        if constraint is None:
+            return vocabulary.sampler(params, top_logprobs=top)  # microseconds to build
+        return await off_loop(engine, lambda: vocabulary.sampler(params, constraint, top))
     except ConstraintError as exc:
         raise UmaError(ErrorCode.GRAMMAR, str(exc), request_id=request.id) from None

@@ -8,6 +8,7 @@ import numpy as np
 import trio
 
 from ..engine.base import TokenArray
+from ..engine.logprobs import DrawnLogprob, Logprob
 from ..engine.sampling import Sampler
 from ..protocol.messages import (
     CancelReason,
@@ -18,6 +19,8 @@ from ..protocol.messages import (
     Lane,
     Timings,
     TokenEvent,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from ..protocol.textstream import TextStream
@@ -100,6 +103,7 @@ class Session:
     generated_at: TokenTimes = field(default_factory=lambda: TokenTimes())  # when sampled
     pieces: list[str] = field(default_factory=list)  # whole text: non-stream, or with tools
     tool_format: ToolFormat | None = None  # how the model writes tool calls, when offered tools
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # with `logprobs`: not yet sent
     error: ErrorEvent | None = None
     final: EosEvent | None = None
 
@@ -145,6 +149,21 @@ class Session:
     def last_token(self) -> float | None:
         return self.generated_at.last
 
+    def record_logprob(self, record: DrawnLogprob) -> None:
+        """Keep a generated token's log-probabilities until its text is sent."""
+        self.logprobs.append(
+            TokenLogprob(
+                *_described(record.drawn), top_logprobs=[TopLogprob(*_described(t)) for t in record.top]
+            )
+        )
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        """The log-probabilities to send with the next text (None without `logprobs`)."""
+        if not self.request.logprobs:
+            return None
+        taken, self.logprobs = self.logprobs, []
+        return taken
+
     def eos_event(self, reason: FinishReason, cancel_reason: CancelReason | None) -> EosEvent:
         """The last event, without its timings: the front end fills those in as it writes it."""
         usage = Usage(len(self.prompt), self.generated, len(self.prompt) + self.generated, self.cached_tokens)
@@ -155,6 +174,7 @@ class Session:
             timings=Timings(queue_ms=0.0, total_ms=0.0),
             text="".join(self.pieces) if not self.request.stream else None,
             cancel_reason=cancel_reason,
+            logprobs=self.take_logprobs() if not self.request.stream else None,
         )
         if self.tool_format is not None and reason in ("stop", "length"):
             eos.content, calls = answer_with_tools("".join(self.pieces), self.request, self.tool_format)
@@ -181,3 +201,8 @@ class TokenTimes:
             self.gaps.append(gap)
         self.last = now
         return ttft, gap
+
+
+def _described(entry: Logprob) -> tuple[str, float, list[int]]:
+    """A token as OpenAI's logprobs describe it: its text, its log-probability, its bytes."""
+    return entry.piece.decode("utf-8", errors="replace"), entry.logprob, list(entry.piece)

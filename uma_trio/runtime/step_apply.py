@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..engine.base import Sampled, StepResult
+from ..engine.logprobs import LogprobSampler
 from ..protocol.messages import FinishReason
 from ..sched.state import Plan
 from .lifecycle import Phase
@@ -86,8 +87,12 @@ def apply_step(
 
 def _sampled(session: Session, sampled: Sampled, now: float) -> list[StepEvent]:
     session.last_token_id = sampled.token_id
+    # Its sampler's record of this draw, taken in draw order whatever happens to the token.
+    record = session.sampler.take() if isinstance(session.sampler, LogprobSampler) else None
     if sampled.is_eog:
         return [Ended(session, "stop")]
+    if record is not None:
+        session.record_logprob(record)
     session.output_ids.append(sampled.token_id)
     ttft, gap = session.generated_at.record(now, session.created)
     session.generated += 1
