@@ -201,7 +201,7 @@ async def test_errors_have_the_right_status_and_error_object(http_server: Server
     assert missing.value.param == "model"
 
     with pytest.raises(openai.BadRequestError) as many:
-        await client.chat.completions.create(**chat, n=2)
+        await client.chat.completions.create(**chat, n=17)
     assert many.value.param == "n" and many.value.type == "invalid_request_error"
 
     with pytest.raises(openai.BadRequestError) as wrong_type:

@@ -173,6 +173,13 @@ class Engine(Protocol):
         engine has no real vocabulary (the simulation)."""
         ...
 
+    def tokenize_infill(
+        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = ""
+    ) -> TokenArray:
+        """A fill-in-the-middle prompt (engine/infill.py): ``extra`` is (file name, text) of
+        other files; ``NoFimTokens`` (a ValueError) for a model without FIM tokens."""
+        ...
+
     def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
         """The chat as tokens, control tokens only where the template put them: a message's
         content is plain text whatever it contains."""

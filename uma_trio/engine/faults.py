@@ -206,6 +206,11 @@ class FaultyEngine:
     def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
         return self.inner.tokenize_chat(messages, tools)
 
+    def tokenize_infill(
+        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = ""
+    ) -> TokenArray:
+        return self.inner.tokenize_infill(prefix, suffix, extra, middle)
+
     def seq_cells(self, seq_id: int) -> int:
         return self.inner.seq_cells(seq_id)
 

@@ -264,6 +264,11 @@ class LlamaEngine:
     def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
         return self.model.tokenize_chat(messages, tools)
 
+    def tokenize_infill(
+        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = ""
+    ) -> TokenArray:
+        return self.model.tokenize_infill(prefix, suffix, extra, middle)
+
     @property
     def vocabulary(self) -> ModelVocabulary:
         return self.model.vocabulary

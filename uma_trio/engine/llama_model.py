@@ -8,6 +8,7 @@ import ctypes
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from .base import ChatTurn, TokenArray, Tools, turn_fields
 from .chat_template import ChatTemplateError, JinjaChatTemplate
 from .constraints import ModelVocabulary
 from .devices import LlamaLog, init_backend, offloaded_layers
+from .infill import FimTokens, infill_tokens
 from .libllama import llama
 
 log = logging.getLogger(__name__)
@@ -153,6 +155,7 @@ class LlamaModel:
         self.vocabulary = ModelVocabulary(
             self._vocab, self.n_vocab, sorted(ends), self.piece
         )  # built on first use
+        self.fim = _fim_tokens(self._vocab)
         template = llama.llama_model_chat_template(self._model, None)
         self.chat_template: bytes | None = template or None
         # The model's template rendered with Jinja (engine/chat_template.py); llama.cpp's
@@ -229,6 +232,14 @@ class LlamaModel:
             cached = self._pieces[token] = buf.raw[:n]
         return cached
 
+    def tokenize_infill(
+        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = ""
+    ) -> TokenArray:
+        """The fill-in-the-middle prompt (engine/infill.py); :class:`NoFimTokens` without FIM."""
+        bos = int(llama.llama_vocab_bos(self._vocab)) if self._add_bos else None
+        plain = partial(self.tokenize, add_bos=False, special=False)
+        return infill_tokens(self.fim, lambda text: plain(text).tolist(), prefix, suffix, extra, bos, middle)
+
     def fingerprint(self) -> str:
         """The sha256 of the model file: what a KV snapshot must match.  Read once (about
         a third of a second per 100 MB), then remembered."""
@@ -300,3 +311,16 @@ def _model_desc(model: Any) -> str:
     buf = ctypes.create_string_buffer(256)
     n = llama.llama_model_desc(model, buf, len(buf))
     return buf.value.decode(errors="replace") if n > 0 else ""
+
+
+def _fim_tokens(vocab: Any) -> FimTokens | None:
+    """The vocabulary's fill-in-the-middle tokens, if it has the three a prompt needs."""
+
+    def token(name: str) -> int | None:
+        value = int(getattr(llama, f"llama_vocab_fim_{name}")(vocab))
+        return value if value >= 0 else None
+
+    pre, suf, mid = token("pre"), token("suf"), token("mid")
+    if pre is None or suf is None or mid is None:
+        return None
+    return FimTokens(pre, suf, mid, token("rep"), token("sep"))

@@ -36,6 +36,7 @@ from .base import (
     Tools,
     turn_fields,
 )
+from .infill import infill_tokens
 
 GENERATED_TOKEN = 7
 GENERATED_PIECE = b" tok"
@@ -145,6 +146,11 @@ class SimEngine:
     @property
     def max_token_bytes(self) -> int:
         return 1 << 20  # a token per word, and a word may be long: no useful bound
+
+    def tokenize_infill(
+        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = ""
+    ) -> TokenArray:
+        return infill_tokens(None, lambda text: [], prefix, suffix)  # no FIM tokens: refused
 
     def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
         # The simulation has no control tokens.

@@ -40,6 +40,7 @@ from ..observability.prometheus import exposition
 from ..protocol import openai
 from ..protocol.codec import decode_client_message
 from ..protocol.errors import ErrorCode, UmaError, shown
+from ..protocol.llama_server import InfillAnswer, InfillBody, infill_answer, infill_request
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, Lane, ServerEvent, TokenEvent
 from ..protocol.openai import ApiError
 from ..protocol.openai_choices import choice_requests, merged_chat, merged_text, whole_eos
@@ -110,6 +111,7 @@ class Gateway:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/generate", self.generate, methods=["POST"]),
+                Route("/infill", self.infill, methods=["POST"]),
                 Route("/priority", self.priority, methods=["POST"]),
             ],
             # Outermost first: web pages are turned away before anything else, allowed origins'
@@ -322,6 +324,41 @@ class Gateway:
         eos = [whole_eos(events) for events in collected]
         created, merge = int(time.time()), merged_chat if isinstance(body, openai.ChatBody) else merged_text
         return json_response(merge(completion_id, created, self.model, eos))
+
+    async def infill(self, request: Request) -> Response:
+        """llama-server's ``POST /infill`` (protocol/llama_server.py), for editors' code
+        completion: interactive unless asked otherwise, cancelled when the editor hangs up."""
+        server = self._ready()
+        with server.loop.arrivals.mark():  # as in _openai
+            data = await self._body(request)
+        arrived = trio.current_time()
+        rid = f"infill-{secrets.token_hex(12)}"
+        try:
+            body = msgspec.json.decode(data, type=InfillBody)
+            generate_request = infill_request(body, rid, server.config.max_tokens)
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+            raise openai.validation_error(exc) from None
+        async with self._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
+            headers = {"x-request-id": rid}
+            if not generate_request.stream:
+                eos = _completed(await self._collect(request, flight))
+                return json_response(infill_answer(eos, self.model, eos.text or ""), headers=headers)
+
+            async def sse() -> AsyncGenerator[bytes, None]:
+                async with aclosing(self._events(flight)) as events:
+                    async for event in events:
+                        match event:
+                            case TokenEvent(text=text):
+                                yield openai.sse(_json.encode(InfillAnswer(content=text, stop=False)))
+                            case EosEvent(reason="stop" | "length"):
+                                yield openai.sse(_json.encode(infill_answer(event, self.model, "")))
+                            case ErrorEvent(code=code, message=message):
+                                error = openai.api_error(ErrorCode(code), message)
+                                yield openai.sse(_json.encode(error.body()))
+                            case _:
+                                pass
+
+            return self._event_stream(sse, flight, headers)
 
     async def generate(self, request: Request) -> Response:
         """The socket protocol over HTTP: its request body, its events as SSE (or, with

@@ -82,6 +82,13 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
+class ExtraFile(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Another file of the project, as context for an infill (llama-server's input_extra)."""
+
+    filename: Annotated[str, Meta(max_length=1024)] = ""
+    text: str
+
+
 class JsonSchemaSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     """OpenAI's ``response_format.json_schema``: the schema the output must match."""
 
@@ -151,6 +158,11 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     # the grammar (docs/PROTOCOL.md "Structured output").  At most one of the two.
     response_format: ResponseFormat | None = None
     grammar: GrammarText | None = None
+    # Fill-in-the-middle (docs/PROTOCOL.md "Infill"): `prompt` is the text before the cursor,
+    # `suffix` the text after it, `input_extra` other files as context.
+    suffix: Annotated[str, Meta(max_length=1 << 22)] | None = None
+    input_extra: Annotated[list[ExtraFile], Meta(max_length=256)] | None = None
+    middle: Annotated[str, Meta(max_length=1 << 20)] = ""  # the middle's start, already typed
     # Tools the model may call (docs/PROTOCOL.md "Tool calls"); chat requests only.
     tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
     tool_choice: ToolChoice = "auto"
@@ -173,6 +185,10 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("give `tools` or a `response_format` / `grammar`, not both")
         if len(set(names)) != len(names):
             raise ValueError("two tools have the same name")
+        if self.suffix is not None and self.prompt is None:
+            raise ValueError("`suffix` (infill) needs `prompt`, the text before it")
+        if self.input_extra is not None and self.suffix is None:
+            raise ValueError("`input_extra` is context for an infill: it needs `suffix`")
 
     @property
     def uses_tools(self) -> bool:

@@ -122,7 +122,6 @@ class ChatBody(_Body, kw_only=True):
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "echo": (None, False),
-    "suffix": (None, ""),
     "best_of": (None, 1),
 }
 
@@ -251,6 +250,8 @@ def translate(
         if len(prompts) != 1:
             raise ApiError(400, "one prompt per request (batches are not supported)", param="prompt")
         fields["prompt"] = prompts[0]
+        if body.suffix:  # fill-in-the-middle: the prompt is the text before the cursor
+            fields["suffix"] = body.suffix
         if max_tokens is None:
             max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, max_tokens_limit)
     auto = max_tokens is None

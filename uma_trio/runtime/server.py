@@ -173,7 +173,9 @@ class Server:
                 request_id=rid,
             )
         text_bytes = (
-            len(request.prompt.encode()) if request.prompt is not None
+            len(request.prompt.encode()) + len((request.suffix or "").encode())
+            + sum(len(f.text.encode()) for f in request.input_extra or ())
+            if request.prompt is not None
             else chat_text_bytes(request.messages or ())
         )  # fmt: skip
         if text_bytes > self.config.max_prompt_tokens * self.engine.max_token_bytes:
@@ -228,6 +230,13 @@ class Server:
                 small = chat_text_bytes(request.messages) <= INLINE_TEXT_CHARS and not tools
                 tokenize = partial(self.engine.tokenize_chat, turns, tools)
                 tokens = await off_loop(self.engine, tokenize, small=small)
+            elif request.suffix is not None:
+                assert request.prompt is not None
+                extra = [(f.filename, f.text) for f in request.input_extra or ()]
+                infill = partial(
+                    self.engine.tokenize_infill, request.prompt, request.suffix, extra, request.middle
+                )
+                tokens = await off_loop(self.engine, infill)
             else:
                 assert request.prompt is not None
                 prompt, small = request.prompt, len(request.prompt) <= INLINE_TEXT_CHARS
