@@ -213,8 +213,8 @@ async def test_errors_have_the_right_status_and_error_object(http_server: Server
     assert out_of_range.value.param == "max_tokens" and out_of_range.value.code == "E_LIMIT_003"
 
     with pytest.raises(openai.BadRequestError) as unsupported:
-        await client.chat.completions.create(**chat, logprobs=True)
-    assert unsupported.value.param == "logprobs"
+        await client.completions.create(model=MODEL, prompt="hi", echo=True)
+    assert unsupported.value.param == "echo"
 
     with pytest.raises(openai.AuthenticationError) as bad_key:
         await openai.AsyncOpenAI(
