@@ -85,7 +85,6 @@ def test_message_roles_and_text_parts() -> None:
     ("fields", "param"),
     [
         ({"n": 17}, "n"),
-        ({"n": 2, "stream": True}, "n"),
         ({"logprobs": 3}, "logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

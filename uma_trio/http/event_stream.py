@@ -44,8 +44,10 @@ class EventStream(Response):
         stall_timeout_s: float,
         on_stall: Callable[[], None],
         headers: dict[str, str] | None = None,
+        companion: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.status_code = 200
+        self._companion = companion  # runs beside the stream, ended with it (n > 1 choices)
         self.background = None
         self._chunks = chunks
         self._on_close = on_close  # runs however the response ends, even before the first chunk
@@ -84,6 +86,8 @@ class EventStream(Response):
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watchdog)
+                if self._companion is not None:
+                    nursery.start_soon(self._companion)
                 await until_disconnect(receive, stream)
                 nursery.cancel_scope.cancel()
         finally:

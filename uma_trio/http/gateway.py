@@ -19,6 +19,7 @@ modules (responses.py, auth.py, event_stream.py).
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -43,7 +44,7 @@ from ..protocol.errors import ErrorCode, UmaError, shown
 from ..protocol.llama_server import InfillAnswer, InfillBody, infill_answer, infill_request
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, Lane, ServerEvent, TokenEvent
 from ..protocol.openai import ApiError
-from ..protocol.openai_choices import choice_requests, merged_chat, merged_text, whole_eos
+from ..protocol.openai_choices import choice_requests, merged_chat, merged_text, merged_usage, whole_eos
 from ..runtime.delivery import deliver
 from ..runtime.desk import RequestDesk
 from ..runtime.stream import RequestStream
@@ -291,6 +292,8 @@ class Gateway:
         """``n`` > 1 (not streamed): choice 0 first, the others once its first token shows
         its prompt is in the KV cache, so they copy it (protocol/openai_choices.py)."""
         requests = choice_requests(translated.request, translated.n)
+        if body.stream:
+            return await self._streamed_choices(body, translated, requests, arrived, owner, completion_id)
         collected: list[list[ServerEvent]] = [[] for _ in requests]
         flights: list[Flight] = []
 
@@ -324,6 +327,98 @@ class Gateway:
         eos = [whole_eos(events) for events in collected]
         created, merge = int(time.time()), merged_chat if isinstance(body, openai.ChatBody) else merged_text
         return json_response(merge(completion_id, created, self.model, eos))
+
+    async def _streamed_choices(
+        self,
+        body: openai.CompletionBody | openai.ChatBody,
+        translated: openai.Translated,
+        requests: list[GenerateRequest],
+        arrived: float,
+        owner: str,
+        completion_id: str,
+    ) -> Response:
+        """``n`` > 1, streamed: each choice's chunks under its index, as they come.  Choice 0
+        is admitted before the answer starts (a refusal is its HTTP status); the others once
+        its first token is out, beside the stream, a refusal then an error event."""
+        auto, n = translated.auto_max_tokens, len(requests)
+        flights = [await self._begin(requests[0], arrived, auto_max_tokens=auto, owner=owner)]
+        send, receive = trio.open_memory_channel[tuple[int, ServerEvent | ApiError]](math.inf)
+
+        async def pump(i: int, flight: Flight, started: trio.Event | None) -> None:
+            async with aclosing(self._events(flight)) as events:
+                async for event in events:
+                    if started is not None:
+                        started.set()
+                    await send.send((i, event))
+
+        async def companion() -> None:
+            async with send, trio.open_nursery() as nursery:
+                started = trio.Event()
+                nursery.start_soon(pump, 0, flights[0], started)
+                await started.wait()
+                for i in range(1, n):
+                    try:
+                        flights.append(
+                            await self._begin(requests[i], arrived, auto_max_tokens=auto, owner=owner)
+                        )
+                    except ApiError as exc:
+                        await send.send((i, exc))
+                        return
+                    nursery.start_soon(pump, i, flights[-1], None)
+
+        created, is_chat = int(time.time()), isinstance(body, openai.ChatBody)
+        streams: list[openai.ChatStream | openai.CompletionStream] = []
+        for i in range(n):
+            kind = openai.ChatStream if is_chat else openai.CompletionStream
+            streams.append(kind(completion_id, created, self.model, translated.include_usage))
+            streams[-1].index = i
+
+        async def sse() -> AsyncGenerator[bytes, None]:
+            for stream in streams:
+                for head in stream.head():
+                    yield openai.sse(_json.encode(head))
+            ended: list[EosEvent] = []
+            async for i, item in receive:
+                match item:
+                    case TokenEvent(text=text, logprobs=logprobs):
+                        for chunk in streams[i].token(text, logprobs):
+                            yield openai.sse(_json.encode(chunk))
+                    case EosEvent(reason="stop" | "length"):
+                        for chunk in streams[i].end(item, with_usage=False):
+                            yield openai.sse(_json.encode(chunk))
+                        ended.append(item)
+                        if len(ended) == n:
+                            if streams[0].wants_usage:
+                                yield openai.sse(_json.encode(streams[0].usage_chunk(merged_usage(ended))))
+                            yield openai.SSE_DONE
+                            return
+                    case EosEvent(reason="cancelled"):
+                        yield openai.sse(_json.encode(openai.ended_early(item).body()))
+                        return
+                    case ErrorEvent(code=code, message=message):
+                        yield openai.sse(_json.encode(openai.api_error(ErrorCode(code), message).body()))
+                        return
+                    case ApiError():
+                        yield openai.sse(_json.encode(item.body()))
+                        return
+                    case _:
+                        pass
+
+        def close() -> None:
+            for flight in flights:
+                self._end(flight)
+
+        stall = self._ready().config.stall_timeout_s
+
+        def on_stall() -> None:
+            for flight in flights:
+                if flight.stream is not None:
+                    flight.stream.cancel("stalled")
+
+        return EventStream(
+            sse, on_close=close, headers={"x-request-id": completion_id},
+            stall_timeout_s=stall, on_stall=on_stall, companion=companion,
+        )  # fmt: skip
 
     async def infill(self, request: Request) -> Response:
         """llama-server's ``POST /infill`` (protocol/llama_server.py), for editors' code

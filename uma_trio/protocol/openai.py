@@ -156,10 +156,6 @@ class Translated(Struct, kw_only=True):
 def _check_supported(body: _Body) -> None:
     if body.n is not None and not 1 <= body.n <= 16:
         raise ApiError(400, f"n={body.n}: from 1 to 16 choices per request", param="n")
-    if body.n is not None and body.n > 1 and body.stream:
-        raise ApiError(
-            400, "n > 1 is served without `stream`; stream each choice as its own request", param="n"
-        )
     for name, neutral in _NEUTRAL.items():
         if getattr(body, name) not in neutral:
             raise ApiError(400, f"`{name}` is not supported by this server", param=name)
@@ -426,6 +422,8 @@ class _Stream(Generic[ChunkT]):
     last one with no choices and the usage (every other chunk then carries ``usage: null``).
     Subclasses say how one chunk is shaped."""
 
+    index = 0  # the choice these chunks carry (n > 1: protocol/openai_choices.py)
+
     def __init__(self, completion_id: str, created: int, model: str, include_usage: bool) -> None:
         self.id, self.created, self.model = completion_id, created, model
         self._usage: UnsetType | None = None if include_usage else UNSET
@@ -443,11 +441,20 @@ class _Stream(Generic[ChunkT]):
     def token(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[ChunkT]:
         return [self._chunk(text, None, logprobs=logprobs)]
 
-    def end(self, eos: EosEvent) -> list[ChunkT]:
+    def end(self, eos: EosEvent, *, with_usage: bool = True) -> list[ChunkT]:
+        """The finish chunk, and the usage chunk if asked for (``with_usage``: n > 1 sends
+        one for all choices, :meth:`usage_chunk`)."""
         chunks = [self._chunk(None, finish_reason(eos))]
-        if self._usage is None:
-            chunks.append(self._chunk(None, None, usage=usage_of(eos)))
+        if self._usage is None and with_usage:
+            chunks.append(self.usage_chunk(usage_of(eos)))
         return chunks
+
+    def usage_chunk(self, usage: Usage) -> ChunkT:
+        return self._chunk(None, None, usage=usage)
+
+    @property
+    def wants_usage(self) -> bool:
+        return self._usage is None
 
 
 class ChatStream(_Stream[ChatCompletionChunk]):
@@ -458,11 +465,15 @@ class ChatStream(_Stream[ChatCompletionChunk]):
         if usage is not None:
             return ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage)
         delta = Delta() if text is None else Delta(content=text)
-        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=chat_logprobs(logprobs))
+        choice = ChatChunkChoice(
+            index=self.index, delta=delta, finish_reason=finish, logprobs=chat_logprobs(logprobs)
+        )
         return ChatCompletionChunk(self.id, self.created, self.model, [choice], usage=self._usage)
 
     def head(self) -> list[ChatCompletionChunk]:
-        choice = ChatChunkChoice(index=0, delta=Delta(role="assistant", content=""), finish_reason=None)
+        choice = ChatChunkChoice(
+            index=self.index, delta=Delta(role="assistant", content=""), finish_reason=None
+        )
         return [ChatCompletionChunk(self.id, self.created, self.model, [choice], usage=self._usage)]
 
 
@@ -481,14 +492,14 @@ class ToolChatStream(ChatStream):
         content = self._filter.feed(text)  # (a tool-call answer's logprobs are not sent)
         return [self._chunk(content, None)] if content else []
 
-    def end(self, eos: EosEvent) -> list[ChatCompletionChunk]:
+    def end(self, eos: EosEvent, *, with_usage: bool = True) -> list[ChatCompletionChunk]:
         rest = self._filter.rest(eos.content or "") if not eos.tool_calls else ""
         chunks = [self._chunk(rest, None)] if rest else []
         if eos.tool_calls:
             calls = [ToolCallDelta(i, c.id, c.function) for i, c in enumerate(eos.tool_calls)]
-            choice = ChatChunkChoice(index=0, delta=Delta(tool_calls=calls), finish_reason=None)
+            choice = ChatChunkChoice(index=self.index, delta=Delta(tool_calls=calls), finish_reason=None)
             chunks.append(ChatCompletionChunk(self.id, self.created, self.model, [choice], usage=self._usage))
-        return chunks + super().end(eos)
+        return chunks + super().end(eos, with_usage=with_usage)
 
 
 class CompletionStream(_Stream[Completion]):
@@ -502,7 +513,7 @@ class CompletionStream(_Stream[Completion]):
             return Completion(self.id, self.created, self.model, [], usage=usage)
         described = completion_logprobs(logprobs, self._sent)
         self._sent += len(text or "")
-        choice = CompletionChoice(index=0, text=text or "", finish_reason=finish, logprobs=described)
+        choice = CompletionChoice(index=self.index, text=text or "", finish_reason=finish, logprobs=described)
         return Completion(self.id, self.created, self.model, [choice], usage=self._usage)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import msgspec
 
 from .messages import EosEvent, GenerateRequest, ServerEvent, TokenEvent
-from .openai import ChatCompletion, Completion, Usage, chat_completion, text_completion
+from .openai import ChatCompletion, Completion, Usage, chat_completion, text_completion, usage_of
 
 MAX_CHOICES = 16
 
@@ -52,6 +52,10 @@ def merged_text(completion_id: str, created: int, model: str, eos: Sequence[EosE
     choices = [msgspec.structs.replace(a.choices[0], index=i) for i, a in enumerate(answers)]
     usages = [a.usage for a in answers if isinstance(a.usage, Usage)]
     return Completion(completion_id, created, model, choices, usage=_usage(usages))
+
+
+def merged_usage(eos: Sequence[EosEvent]) -> Usage:
+    return _usage([usage_of(e) for e in eos])
 
 
 def _usage(usages: Sequence[Usage]) -> Usage:
