@@ -51,6 +51,7 @@ from ..runtime.stream import RequestStream
 from .auth import BearerAuth, request_owner
 from .event_stream import EventStream, until_disconnect
 from .fresh import FreshConnections, peer_of
+from .ollama import OllamaApi
 from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pattern
 from .responses import error_response, http_error_response, json_response, unexpected_error_response
 
@@ -89,7 +90,7 @@ class Gateway:
         api_keys: Sequence[str] = (),
     ) -> None:
         self.model = model_id(model_file)
-        self._model_names = {self.model, model_file}
+        self.model_names = {self.model, model_file}
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.max_requests = max_requests  # generation requests in flight, tokenizing included
@@ -114,6 +115,7 @@ class Gateway:
                 Route("/generate", self.generate, methods=["POST"]),
                 Route("/infill", self.infill, methods=["POST"]),
                 Route("/priority", self.priority, methods=["POST"]),
+                *OllamaApi(self).routes(),
             ],
             # Outermost first: web pages are turned away before anything else, allowed origins'
             # preflights are answered before the key is asked for (browsers send none there).
@@ -216,7 +218,7 @@ class Gateway:
             data = await self._body(request)
         arrived = trio.current_time()
         body = openai.decode_body(data, kind)
-        if body.model not in self._model_names:
+        if body.model not in self.model_names:
             raise ApiError(
                 404, f"The model `{shown(body.model)}` does not exist; this server has `{self.model}`",
                 param="model", code="model_not_found",

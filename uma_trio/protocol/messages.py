@@ -154,6 +154,9 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
     priority: Lane = "interactive"
+    # The most KV cells this request may use, prompt and answer (Ollama's num_ctx): the answer
+    # is cut to fit; a prompt that does not leave room is E_LIMIT_002.  Never a reload.
+    max_context: Annotated[int, Meta(ge=1)] | None = None
     # Structured output: the completion is one JSON value of the format's schema, or matches
     # the grammar (docs/PROTOCOL.md "Structured output").  At most one of the two.
     response_format: ResponseFormat | None = None

@@ -33,8 +33,11 @@ class ApiError(Exception):
         self.uma_code = uma_code  # the daemon's E_ code, for its error counts (HTTP.md)
         self.counted = False  # already in the daemon's error counts (the decode loop's own errors)
         self.close_connection = False  # answer with `Connection: close` (a body left unread)
+        self.shape = "openai"  # "ollama": Ollama's API answers {"error": "message"}
 
     def body(self) -> dict[str, Any]:
+        if self.shape == "ollama":
+            return {"error": self.message}
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 

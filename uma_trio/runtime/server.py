@@ -198,6 +198,15 @@ class Server:
         if auto_max_tokens:
             room = max(1, self.engine.n_ctx_seq - len(prompt))
             request = msgspec.structs.replace(request, max_tokens=min(self.config.max_tokens, room))
+        if request.max_context is not None:  # the client's own cap (Ollama's num_ctx): never a reload
+            room = request.max_context - len(prompt)
+            if room < 1:
+                raise UmaError(
+                    ErrorCode.CONTEXT_OVERFLOW,
+                    f"prompt has {len(prompt)} tokens; the request's max_context is {request.max_context}",
+                    request_id=rid,
+                )
+            request = msgspec.structs.replace(request, max_tokens=min(request.max_tokens, room))
         sampler = await sampler_for(self.engine, request, tool_constraint(request, fmt))
         send, receive = trio.open_memory_channel[StreamItem](self.config.stream_buffer + END_SLOTS)
         session = Session(request, prompt, sampler, send, created=arrived, connection=connection)

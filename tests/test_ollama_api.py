@@ -1,0 +1,148 @@
+"""Ollama's native API (issue 21, point 1) through the official ``ollama`` Python client,
+unchanged, against the gateway on the default model."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import ollama
+import pydantic
+import pytest
+
+from uma_trio.config import ServerConfig
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.runtime.server import Server
+
+from .conftest import running_server
+
+pytestmark = pytest.mark.model
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+ASK = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+@pytest.fixture
+async def open_server(llama_model: LlamaModel, server_config: ServerConfig) -> AsyncIterator[Server]:
+    """The gateway without a key: Ollama's clients send none."""
+    async with running_server(llama_model, server_config, http="127.0.0.1:0") as server:
+        yield server
+
+
+def client(server: Server) -> ollama.AsyncClient:
+    return ollama.AsyncClient(host=str(server.http_url))
+
+
+async def test_the_model_is_listed_shown_and_running(open_server: Server) -> None:
+    api = client(open_server)
+    listed = await api.list()
+    assert [m.model for m in listed.models] == [MODEL]
+    assert listed.models[0].size and listed.models[0].details and listed.models[0].details.format == "gguf"
+    shown = await api.show(MODEL)
+    assert shown.modelinfo and shown.modelinfo["llama.context_length"] == open_server.loop.engine.n_ctx_seq
+    assert shown.capabilities and "completion" in shown.capabilities and "insert" not in shown.capabilities
+    running = await api.ps()
+    assert running.models[0].model == MODEL and running.models[0].expires_at is not None
+    async with httpx.AsyncClient(base_url=str(open_server.http_url)) as http:
+        assert (await http.get("/")).text == "Ollama is running"
+        assert (await http.get("/api/version")).json()["version"]
+    with pytest.raises(ollama.ResponseError) as missing:
+        await api.show("llama3:8b")
+    assert missing.value.status_code == 404 and "llama3:8b" in missing.value.error
+
+
+async def test_chat_whole_and_streamed(open_server: Server) -> None:
+    api = client(open_server)
+    whole = await api.chat(model=MODEL, messages=ASK, options={"temperature": 0, "num_predict": 24})
+    assert whole.done and whole.done_reason in ("stop", "length") and "Paris" in (whole.message.content or "")
+    assert (
+        whole.prompt_eval_count
+        and whole.eval_count
+        and whole.total_duration
+        and whole.eval_duration is not None
+    )
+    greedy = {"temperature": 0, "num_predict": 24}
+    parts = [part async for part in await api.chat(model=MODEL, messages=ASK, stream=True, options=greedy)]
+    assert parts[-1].done and not any(p.done for p in parts[:-1])
+    assert "".join(p.message.content or "" for p in parts) == whole.message.content
+    # num_ctx caps this request's context; it never reloads the model.
+    capped = await api.chat(
+        model=MODEL, messages=ASK, options={"temperature": 0, "num_ctx": whole.prompt_eval_count + 3}
+    )
+    assert capped.eval_count is not None and capped.eval_count <= 3 and capped.done_reason == "length"
+
+
+async def test_chat_with_a_schema_and_with_tools(open_server: Server) -> None:
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=30)
+        country: str = pydantic.Field(max_length=30)
+
+    api = client(open_server)
+    structured = await api.chat(
+        model=MODEL,
+        messages=ASK,
+        format=City.model_json_schema(),
+        options={"temperature": 0, "num_predict": 64},
+    )
+    City.model_validate_json(structured.message.content or "")
+
+    def get_weather(city: str) -> str:
+        """The current weather in a city.
+
+        Args:
+          city: The city's name
+        """
+        return "sunny"
+
+    called = await api.chat(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[get_weather],
+        options={"temperature": 0, "num_predict": 80},
+    )  # fmt: skip
+    message = called.message
+    assert message.tool_calls or message.content  # the model chose (auto); either way it parsed
+    if message.tool_calls:
+        assert message.tool_calls[0].function.name == "get_weather"
+        assert isinstance(message.tool_calls[0].function.arguments, dict)
+    # The tool's answer goes back as a `tool` message, and the conversation goes on.
+    follow: list[Any] = [{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "content": "", "tool_calls": [
+                             {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                         {"role": "tool", "content": "sunny", "tool_name": "get_weather"}]  # fmt: skip
+    answered = await api.chat(model=MODEL, messages=follow, options={"temperature": 0, "num_predict": 16})
+    assert answered.done
+
+
+async def test_generate_raw_templated_and_errors(open_server: Server) -> None:
+    api = client(open_server)
+    question, system = "What is the capital of France?", "You are a helpful assistant."
+    templated = await api.generate(
+        model=MODEL, prompt=question, system=system, options={"temperature": 0, "num_predict": 24}
+    )
+    assert "Paris" in (templated.response or "") and templated.done
+    raw = await api.generate(model=MODEL, prompt="The capital of France is", raw=True,
+                             options={"temperature": 0, "num_predict": 8})  # fmt: skip
+    assert raw.prompt_eval_count is not None and raw.prompt_eval_count < (templated.prompt_eval_count or 0)
+    pieces = await api.generate(
+        model=MODEL,
+        prompt="The capital of France is",
+        raw=True,
+        stream=True,
+        options={"temperature": 0, "num_predict": 8},
+    )
+    streamed = [p async for p in pieces]
+    assert "".join(p.response or "" for p in streamed) == raw.response
+    with pytest.raises(ollama.ResponseError) as no_fim:
+        await api.generate(model=MODEL, prompt="def f(", suffix="):\n", options={"num_predict": 4})
+    assert no_fim.value.status_code == 400 and "fill-in-the-middle" in no_fim.value.error
+    with pytest.raises(ollama.ResponseError) as images:
+        await api.generate(model=MODEL, prompt="What is this?", images=[b"\x89PNG"])
+    assert images.value.status_code == 400 and "images" in images.value.error
+    loaded = await api.generate(model=MODEL, prompt="")  # Ollama's "load the model" call
+    assert loaded.done and loaded.done_reason == "load"
+    async with httpx.AsyncClient(base_url=str(open_server.http_url)) as http:
+        bad = await http.post("/api/chat", json={"model": MODEL, "messages": "hi"})
+        assert bad.status_code == 400 and isinstance(bad.json()["error"], str)

@@ -1,0 +1,308 @@
+"""Ollama's native API (``/api/chat``, ``/api/generate``, ``/api/tags``, ``/api/show``,
+``/api/ps``, ``/api/version``): its bodies as daemon requests and its answers.  Pure.
+
+Field names follow the official ``ollama`` Python client's types.  ``options.num_ctx`` is
+a per-request cap on the context (prompt plus answer), never a reload: the model and its
+context stay as the daemon loaded them for every app.  Durations are nanoseconds, times
+RFC 3339.  What the daemon cannot honour (images, ``template``, ``context``, thinking) is
+refused by name; load-time options (``num_gpu``, ``use_mmap``, ...) are ignored, as they
+describe a model load that does not happen here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any, Literal, TypeVar
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+from .messages import EosEvent, GenerateRequest, ToolCall
+
+OLLAMA_VERSION = "0.12.0"  # the API level answered at /api/version
+
+
+class OllamaError(Exception):
+    """A request Ollama's API cannot serve here: ``{"error": message}`` with ``status``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Options(Struct, kw_only=True):
+    """The runtime options; unknown (load-time) ones are ignored."""
+
+    num_ctx: int | None = None
+    num_predict: int | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    repeat_last_n: int | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    stop: list[str] | None = None
+
+
+class OllamaMessage(Struct, kw_only=True):
+    role: str
+    content: str | None = ""
+    images: list[Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None
+
+
+class _Common(Struct, kw_only=True):
+    model: str
+    stream: bool | None = None  # Ollama streams unless told not to
+    format: Any = None  # "json", "" or a JSON schema
+    options: Options | None = None
+    keep_alive: Any = None  # accepted and ignored: the model stays loaded for every app
+    think: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class ChatBody(_Common, kw_only=True):
+    messages: list[OllamaMessage] = msgspec.field(default_factory=list)
+    tools: list[Any] | None = None
+
+
+class GenerateBody(_Common, kw_only=True):
+    prompt: str | None = None
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool | None = None
+    images: list[Any] | None = None
+
+
+class ShowBody(Struct, kw_only=True):
+    model: str | None = None
+    name: str | None = None  # the old field name
+
+
+_PASSED = (
+    "seed", "temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_last_n", "repeat_penalty",
+    "presence_penalty", "frequency_penalty", "mirostat", "mirostat_tau", "mirostat_eta", "stop",
+)  # fmt: skip
+
+
+def streams(body: _Common) -> bool:
+    return body.stream is not False
+
+
+def _common_fields(body: _Common, request_id: str) -> dict[str, Any]:
+    if body.think not in (None, False):
+        raise OllamaError(400, "`think` is not supported: this model does not think aloud")
+    fields: dict[str, Any] = {"id": request_id, "stream": True}
+    options = body.options or Options()
+    for name in _PASSED:
+        if (value := getattr(options, name)) is not None:
+            fields[name] = value
+    if options.num_predict is not None and options.num_predict > 0:
+        fields["max_tokens"] = options.num_predict
+    if body.format not in (None, ""):
+        schema = None if body.format == "json" else body.format
+        if schema is not None and not isinstance(schema, dict):
+            raise OllamaError(400, '`format` must be "json" or a JSON schema object')
+        fields["response_format"] = {"type": "json_object"} if schema is None else {
+            "type": "json_schema", "json_schema": {"schema": schema}
+        }  # fmt: skip
+    if options.num_ctx is not None and options.num_ctx > 0:
+        fields["max_context"] = options.num_ctx
+    if body.logprobs:
+        fields["logprobs"] = True
+        fields["top_logprobs"] = body.top_logprobs or 0
+    return fields
+
+
+def chat_request(body: ChatBody, request_id: str) -> GenerateRequest:
+    """The daemon request for ``/api/chat``; :class:`OllamaError` or ``ValueError`` /
+    ``msgspec.ValidationError`` (the socket protocol's checks) for a bad one."""
+    fields = _common_fields(body, request_id)
+    messages = []
+    for i, message in enumerate(body.messages):
+        if message.images:
+            raise OllamaError(400, f"messages[{i}].images: images are not supported by this model")
+        turn: dict[str, Any] = {"role": message.role, "content": message.content or ""}
+        if message.tool_calls:
+            turn["tool_calls"] = [_tool_call(call, i) for call in message.tool_calls]
+        if message.role == "tool":
+            turn["tool_call_id"] = message.tool_name or "tool"
+            if message.tool_name:
+                turn["name"] = message.tool_name
+        messages.append(turn)
+    if not messages:
+        raise OllamaError(400, "`messages` must hold at least one message")
+    fields["messages"] = messages
+    if body.tools:
+        fields["tools"] = body.tools
+    return msgspec.convert(fields, GenerateRequest)
+
+
+def _tool_call(call: dict[str, Any], i: int) -> dict[str, Any]:
+    function = call.get("function") or {}
+    if not isinstance(function, dict) or not function.get("name"):
+        raise OllamaError(400, f"messages[{i}].tool_calls: a call needs function.name")
+    arguments = function.get("arguments", {})
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return {"id": str(call.get("id") or ""), "function": {"name": function["name"], "arguments": text}}
+
+
+def generate_request(body: GenerateBody, request_id: str) -> GenerateRequest:
+    """The daemon request for ``/api/generate``: ``prompt`` with the chat template (and
+    ``system``), or as it is with ``raw``; with ``suffix``, an infill."""
+    for name in ("template", "context", "images"):
+        if getattr(body, name):
+            raise OllamaError(400, f"`{name}` is not supported by this server")
+    fields = _common_fields(body, request_id)
+    prompt = body.prompt or ""
+    if body.suffix is not None:
+        fields.update(prompt=prompt, suffix=body.suffix)
+    elif body.raw:
+        fields["prompt"] = prompt
+    else:
+        system = [{"role": "system", "content": body.system}] if body.system else []
+        fields["messages"] = [*system, {"role": "user", "content": prompt}]
+    return msgspec.convert(fields, GenerateRequest)
+
+
+# -- answers ------------------------------------------------------------------------
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+class AssistantMessage(Struct, omit_defaults=True):
+    content: str
+    role: str = msgspec.field(default_factory=lambda: "assistant")  # always written
+    tool_calls: list[dict[str, Any]] | UnsetType = UNSET
+
+
+class Chunk(Struct, omit_defaults=True):
+    """One NDJSON line of /api/chat (``message``) or /api/generate (``response``)."""
+
+    model: str
+    created_at: str
+    done: bool
+    message: AssistantMessage | UnsetType = UNSET
+    response: str | UnsetType = UNSET
+    done_reason: str | UnsetType = UNSET
+    total_duration: int | UnsetType = UNSET
+    load_duration: int | UnsetType = UNSET
+    prompt_eval_count: int | UnsetType = UNSET
+    prompt_eval_duration: int | UnsetType = UNSET
+    eval_count: int | UnsetType = UNSET
+    eval_duration: int | UnsetType = UNSET
+    logprobs: list[dict[str, Any]] | UnsetType = UNSET
+
+
+def text_chunk(model: str, text: str, chat: bool, logprobs: list[dict[str, Any]] | None = None) -> Chunk:
+    chunk = Chunk(model=model, created_at=now_rfc3339(), done=False)
+    if chat:
+        chunk.message = AssistantMessage(content=text)
+    else:
+        chunk.response = text
+    if logprobs:
+        chunk.logprobs = logprobs
+    return chunk
+
+
+def final_chunk(model: str, eos: EosEvent, chat: bool, text: str = "") -> Chunk:
+    """The last line (``done: true``), with the counts and durations, the tool calls, and
+    the whole text for an answer that was not streamed."""
+    timings, usage = eos.timings, eos.usage
+    ttft = timings.ttft_ms if timings.ttft_ms is not None else timings.total_ms
+    chunk = Chunk(
+        model=model, created_at=now_rfc3339(), done=True, done_reason=eos.reason,
+        total_duration=_ns(timings.total_ms), load_duration=0,
+        prompt_eval_count=usage.prompt_tokens, prompt_eval_duration=_ns(ttft - timings.queue_ms),
+        eval_count=usage.completion_tokens, eval_duration=_ns(timings.total_ms - ttft),
+    )  # fmt: skip
+    if chat:
+        content = eos.content if eos.content is not None else text
+        chunk.message = AssistantMessage(content=content or "")
+        if eos.tool_calls:
+            chunk.message.tool_calls = [_ollama_call(c) for c in eos.tool_calls]
+    else:
+        chunk.response = text
+    return chunk
+
+
+def _ollama_call(call: ToolCall) -> dict[str, Any]:
+    """Ollama's tool call: the arguments as an object, not JSON text."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = {}
+    return {"function": {"name": call.function.name, "arguments": arguments}}
+
+
+def _ns(ms: float) -> int:
+    return max(0, int(ms * 1e6))
+
+
+def logprobs_of(entries: list[Any] | None) -> list[dict[str, Any]] | None:
+    if not entries:
+        return None
+    return [
+        {"token": e.token, "logprob": e.logprob,
+         "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in e.top_logprobs]}
+        for e in entries
+    ]  # fmt: skip
+
+
+class ModelDetails(Struct):
+    format: str
+    family: str
+    families: list[str]
+    parameter_size: str
+    quantization_level: str
+    parent_model: str = ""
+
+
+class ModelEntry(Struct, omit_defaults=True):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: ModelDetails
+    expires_at: str | UnsetType = UNSET
+    size_vram: int | UnsetType = UNSET
+    context_length: int | UnsetType = UNSET
+
+
+class ModelList(Struct):
+    models: list[ModelEntry]
+
+
+class ShowAnswer(Struct):
+    modelfile: str
+    parameters: str
+    template: str
+    details: ModelDetails
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    modified_at: str
+
+
+class Version(Struct):
+    version: str = OLLAMA_VERSION
+
+
+Kind = Literal["chat", "generate"]
+BodyT = TypeVar("BodyT", ChatBody, GenerateBody, ShowBody)
