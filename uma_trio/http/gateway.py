@@ -48,6 +48,7 @@ from ..protocol.openai_choices import choice_requests, merged_chat, merged_text,
 from ..runtime.delivery import deliver
 from ..runtime.desk import RequestDesk
 from ..runtime.stream import RequestStream
+from .anthropic import AnthropicApi
 from .auth import BearerAuth, request_owner
 from .event_stream import EventStream, until_disconnect
 from .fresh import FreshConnections, peer_of
@@ -116,6 +117,7 @@ class Gateway:
                 Route("/infill", self.infill, methods=["POST"]),
                 Route("/priority", self.priority, methods=["POST"]),
                 *OllamaApi(self).routes(),
+                *AnthropicApi(self).routes(),
             ],
             # Outermost first: web pages are turned away before anything else, allowed origins'
             # preflights are answered before the key is asked for (browsers send none there).

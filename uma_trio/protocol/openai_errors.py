@@ -38,6 +38,10 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         if self.shape == "ollama":
             return {"error": self.message}
+        if self.shape == "anthropic":
+            kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    429: "rate_limit_error", 503: "overloaded_error"}.get(self.status, self.type)  # fmt: skip
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 

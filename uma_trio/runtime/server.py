@@ -225,6 +225,10 @@ class Server:
         """Carry out a snapshot request (docs/PROTOCOL.md); :class:`UmaError` on failure."""
         return await self.snapshots.handle(request, connection, owner)
 
+    async def count_tokens(self, request: GenerateRequest) -> int:
+        """The request's prompt in tokens, as it would be prefilled (template, tools)."""
+        return len(await self.tokenize_request(request, tool_format(self.engine, request)))
+
     def next_connection_number(self) -> int:
         """Numbers socket connections and HTTP requests alike, for logs and the live view."""
         self._next_number += 1

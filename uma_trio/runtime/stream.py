@@ -40,6 +40,7 @@ class RequestStream:
         self.streamed = session.request.stream
         self.lane: Lane = session.lane  # the lane this front end last asked for
         self.tool_format = session.tool_format  # how tool calls look in its text, if offered tools
+        self.prompt_tokens = len(session.prompt)
         self.receive = receive
         self.delivered_at = TokenTimes()  # when each token was written to the client
         self._session = session  # the loop's: only handed back to it

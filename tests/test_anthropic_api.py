@@ -1,0 +1,113 @@
+"""Anthropic's Messages API (issue 21, point 2) through the official ``anthropic`` SDK,
+unchanged, against the gateway on the default model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anthropic
+import pydantic
+import pytest
+
+from uma_trio.config import ServerConfig
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.runtime.server import Server
+
+from .conftest import API_KEY, running_server
+
+pytestmark = pytest.mark.model
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+SYSTEM = "You are a helpful assistant."
+GREEDY = {"temperature": 0}  # the SDK has no sampling arguments any more; the API still takes them
+ASK: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class WeatherInput(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    city: str = pydantic.Field(max_length=30)
+
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": WeatherInput.model_json_schema(),
+}
+
+
+@pytest.fixture
+async def server(llama_model: LlamaModel, server_config: ServerConfig) -> AsyncIterator[Server]:
+    async with running_server(llama_model, server_config, http="127.0.0.1:0", api_key=API_KEY) as srv:
+        yield srv
+
+
+def sdk(server: Server) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=str(server.http_url), api_key=API_KEY, max_retries=0)
+
+
+async def test_messages_whole_and_streamed(server: Server) -> None:
+    async with sdk(server) as client:
+        whole = await client.messages.create(
+            model=MODEL, system=SYSTEM, messages=ASK, max_tokens=24, extra_body=GREEDY
+        )
+        assert whole.role == "assistant" and whole.stop_reason in ("end_turn", "max_tokens")
+        assert whole.content[0].type == "text" and "Paris" in whole.content[0].text
+        assert whole.usage.input_tokens > 0 and whole.usage.output_tokens > 0
+        async with client.messages.stream(
+            model=MODEL, system=SYSTEM, messages=ASK, max_tokens=24, extra_body=GREEDY
+        ) as stream:
+            text = "".join([piece async for piece in stream.text_stream])
+            final = await stream.get_final_message()
+        assert text == whole.content[0].text and final.usage.input_tokens == whole.usage.input_tokens
+        counted = await client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=ASK)
+        assert counted.input_tokens == whole.usage.input_tokens
+
+
+async def test_a_forced_tool_use_whole_and_streamed(server: Server) -> None:
+    ask: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    async with sdk(server) as client:
+        used = await client.messages.create(
+            model=MODEL, system=SYSTEM, messages=ask, max_tokens=80, extra_body=GREEDY,
+            tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"},  # type: ignore[list-item]
+        )  # fmt: skip
+        assert used.stop_reason == "tool_use"
+        block = next(b for b in used.content if b.type == "tool_use")
+        assert block.name == "get_weather" and block.id.startswith("toolu_")
+        WeatherInput.model_validate(block.input)
+        async with client.messages.stream(
+            model=MODEL, system=SYSTEM, messages=ask, max_tokens=80, extra_body=GREEDY,
+            tools=[WEATHER], tool_choice={"type": "any"},  # type: ignore[list-item]
+        ) as stream:  # fmt: skip
+            final = await stream.get_final_message()
+        streamed = next(b for b in final.content if b.type == "tool_use")
+        assert final.stop_reason == "tool_use" and streamed.input == block.input
+        # The result goes back as a tool_result block, and the conversation goes on.
+        result = {"type": "tool_result", "tool_use_id": block.id, "content": "sunny"}
+        follow: list[Any] = [
+            *ask,
+            {"role": "assistant", "content": used.content},
+            {"role": "user", "content": [result]},
+        ]
+        answered = await client.messages.create(
+            model=MODEL, system=SYSTEM, messages=follow, max_tokens=16, tools=[WEATHER]
+        )  # type: ignore[list-item]
+        assert answered.content
+
+
+async def test_errors_come_in_anthropic_s_shape(server: Server) -> None:
+    async with sdk(server) as client:
+        with pytest.raises(anthropic.BadRequestError) as missing:
+            await client.messages.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}],
+                max_tokens=4,
+            )  # type: ignore[list-item]
+        assert missing.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+        assert "image" in json.dumps(missing.value.body)
+        with pytest.raises(anthropic.NotFoundError):
+            await client.messages.create(model="claude-opus-4", messages=ASK, max_tokens=4)
+    async with anthropic.AsyncAnthropic(base_url=str(server.http_url), api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(anthropic.AuthenticationError):
+            await bad.messages.create(model=MODEL, messages=ASK, max_tokens=4)

@@ -1,0 +1,184 @@
+"""Anthropic's Messages API on the gateway (protocol/anthropic.py has the shapes), on the
+same request path as the other routes; errors in Anthropic's error shape."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ..protocol import anthropic
+from ..protocol.errors import ErrorCode, UmaError
+from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
+from ..protocol.openai import ApiError, api_error, ended_early, from_uma_error, validation_error
+from ..protocol.tools import ToolTextFilter
+from .auth import request_owner
+from .responses import json_response
+
+if TYPE_CHECKING:
+    from .gateway import Flight, Gateway
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class AnthropicApi:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/messages", _anthropic_errors(self.messages), methods=["POST"]),
+            Route("/v1/messages/count_tokens", _anthropic_errors(self.count_tokens), methods=["POST"]),
+        ]
+
+    async def count_tokens(self, request: Request) -> Response:
+        body = self._body(await self.gateway._body(request))
+        generate_request = self._translate(body, "count", count_only=True)
+        try:
+            tokens = await self.gateway._ready().count_tokens(generate_request)
+        except UmaError as exc:
+            raise from_uma_error(exc) from None
+        return json_response({"input_tokens": tokens})
+
+    async def messages(self, request: Request) -> Response:
+        gateway = self.gateway
+        server = gateway._ready()
+        with server.loop.arrivals.mark():
+            data = await gateway._body(request)
+        arrived = trio.current_time()
+        body = self._body(data)
+        msg_id = anthropic.message_id()
+        generate_request = self._translate(body, f"anthropic-{secrets.token_hex(12)}")
+        async with gateway._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
+            headers = {"x-request-id": msg_id}
+            if not body.stream:
+                events = await gateway._collect(request, flight)
+                eos = _finished(events)
+                text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+                return json_response(anthropic.message(msg_id, body.model, eos, text), headers=headers)
+            return gateway._event_stream(lambda: self._events(flight, msg_id, body.model), flight, headers)
+
+    async def _events(self, flight: Flight, msg_id: str, model: str) -> AsyncGenerator[bytes, None]:
+        assert flight.stream is not None
+        fmt = flight.stream.tool_format
+        text_filter = ToolTextFilter(fmt) if fmt is not None else None
+        start: dict[str, Any] = {
+            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": flight.stream.prompt_tokens, "output_tokens": 0},
+        }  # fmt: skip
+        yield anthropic.event("message_start", {"message": start})
+        index, text_open = 0, False
+        async with aclosing(self.gateway._events(flight)) as events:
+            async for event in events:
+                match event:
+                    case TokenEvent(text=text):
+                        shown = text_filter.feed(text) if text_filter is not None else text
+                        if not shown:
+                            continue
+                        if not text_open:
+                            yield anthropic.event(
+                                "content_block_start",
+                                {"index": index, "content_block": {"type": "text", "text": ""}},
+                            )
+                            text_open = True
+                        yield anthropic.event(
+                            "content_block_delta",
+                            {"index": index, "delta": {"type": "text_delta", "text": shown}},
+                        )
+                    case EosEvent(reason="stop" | "length"):
+                        rest = (
+                            text_filter.rest(event.content or "")
+                            if text_filter and not event.tool_calls
+                            else ""
+                        )
+                        if rest:
+                            if not text_open:
+                                yield anthropic.event(
+                                    "content_block_start",
+                                    {"index": index, "content_block": {"type": "text", "text": ""}},
+                                )
+                                text_open = True
+                            yield anthropic.event(
+                                "content_block_delta",
+                                {"index": index, "delta": {"type": "text_delta", "text": rest}},
+                            )
+                        if text_open:
+                            yield anthropic.event("content_block_stop", {"index": index})
+                            index += 1
+                        for block in anthropic.content_blocks(event, ""):
+                            if block["type"] != "tool_use":
+                                continue
+                            opened: dict[str, Any] = {**block, "input": {}}
+                            yield anthropic.event(
+                                "content_block_start", {"index": index, "content_block": opened}
+                            )
+                            delta = {
+                                "type": "input_json_delta",
+                                "partial_json": msgspec.json.encode(block["input"]).decode(),
+                            }
+                            yield anthropic.event("content_block_delta", {"index": index, "delta": delta})
+                            yield anthropic.event("content_block_stop", {"index": index})
+                            index += 1
+                        delta_end = {"stop_reason": anthropic.stop_reason(event), "stop_sequence": None}
+                        yield anthropic.event(
+                            "message_delta",
+                            {"delta": delta_end, "usage": {"output_tokens": event.usage.completion_tokens}},
+                        )
+                        yield anthropic.event("message_stop", {})
+                    case EosEvent(reason="cancelled"):
+                        yield anthropic.event(
+                            "error", anthropic.error_body(ended_early(event).message, "overloaded_error")
+                        )
+                    case ErrorEvent(code=code, message=message):
+                        error = api_error(ErrorCode(code), message)
+                        yield anthropic.event("error", anthropic.error_body(error.message, "api_error"))
+                    case _:
+                        pass
+
+    def _body(self, data: bytes) -> anthropic.MessagesBody:
+        try:
+            body = msgspec.json.decode(data, type=anthropic.MessagesBody)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise validation_error(exc) from None
+        if body.model not in self.gateway.model_names:
+            raise ApiError(404, f"model: {body.model} (this server has {self.gateway.model})")
+        return body
+
+    def _translate(
+        self, body: anthropic.MessagesBody, rid: str, *, count_only: bool = False
+    ) -> GenerateRequest:
+        try:
+            return anthropic.messages_request(body, rid, count_only=count_only)
+        except anthropic.AnthropicError as exc:
+            raise ApiError(400, exc.message, param=exc.param) from None
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise validation_error(exc) from None
+
+
+def _finished(events: list[Any]) -> EosEvent:
+    for event in events:
+        if isinstance(event, ErrorEvent):
+            raise api_error(ErrorCode(event.code), event.message)
+    last = events[-1] if events else None
+    if not isinstance(last, EosEvent) or last.reason not in ("stop", "length"):
+        raise ApiError(503 if last is not None else 499, "the request ended before it completed")
+    return last
+
+
+def _anthropic_errors(handler: Handler) -> Handler:
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            exc.shape = "anthropic"
+            raise
+
+    return wrapped

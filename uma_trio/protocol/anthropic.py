@@ -1,0 +1,203 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``): its bodies
+as daemon requests, its answers and its stream events.  Pure.
+
+Content blocks map onto the daemon's chat turns: ``text`` blocks are a turn's text, an
+assistant's ``tool_use`` blocks its tool calls (``input`` as JSON text), a user's
+``tool_result`` blocks ``tool`` turns with their ``tool_use_id``.  ``tool_choice`` ``auto``,
+``any`` (any tool: ``required``), ``tool`` (a named one) and ``none``.  Images, documents
+and extended thinking are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any, Literal
+
+import msgspec
+from msgspec import Struct
+
+from .messages import EosEvent, GenerateRequest
+
+
+class AnthropicError(Exception):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+class MessagesBody(Struct, kw_only=True):
+    model: str
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A string, or text blocks joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise AnthropicError(f"{where} must be a string or a list of content blocks", where)
+    parts = []
+    for i, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise AnthropicError(f"{where}[{i}]: a {kind!r} block is not supported here; only text", where)
+        parts.append(str(block.get("text", "")))
+    return "".join(parts)
+
+
+def _turns(body: MessagesBody) -> list[dict[str, Any]]:
+    turns: list[dict[str, Any]] = []
+    if body.system:
+        turns.append({"role": "system", "content": _text_of(body.system, "system")})
+    for i, message in enumerate(body.messages):
+        role, content, where = message.get("role"), message.get("content", ""), f"messages[{i}]"
+        if role not in ("user", "assistant"):
+            raise AnthropicError(f"{where}.role must be user or assistant", f"{where}.role")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise AnthropicError(f"{where}.content must be a string or a list of blocks", f"{where}.content")
+        text, calls = [], []
+        for j, block in enumerate(blocks):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text":
+                text.append(str(block.get("text", "")))
+            elif kind == "tool_use" and role == "assistant":
+                arguments = json.dumps(block.get("input", {}))
+                calls.append(
+                    {
+                        "id": str(block.get("id", "")),
+                        "function": {"name": block.get("name", ""), "arguments": arguments},
+                    }
+                )
+            elif kind == "tool_result" and role == "user":
+                result = block.get("content", "")
+                turns.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
+                              "content": _text_of(result, f"{where}.content[{j}].content")})  # fmt: skip
+            else:
+                raise AnthropicError(
+                    f"{where}.content[{j}]: a {kind!r} block is not supported", f"{where}.content"
+                )
+        if text or calls or isinstance(content, str):
+            turn: dict[str, Any] = {"role": role, "content": "".join(text)}
+            if calls:
+                turn["tool_calls"] = calls
+            turns.append(turn)
+    return turns
+
+
+def _tool_fields(body: MessagesBody) -> dict[str, Any]:
+    if not body.tools:
+        return {}
+    tools = [
+        {"type": "function", "function": {
+            "name": t.get("name"), "description": t.get("description"), "parameters": t.get("input_schema"),
+        }}
+        for t in body.tools
+    ]  # fmt: skip
+    fields: dict[str, Any] = {"tools": tools}
+    choice = body.tool_choice or {"type": "auto"}
+    kind = choice.get("type")
+    if kind == "any":
+        fields["tool_choice"] = "required"
+    elif kind == "tool":
+        fields["tool_choice"] = {"type": "function", "function": {"name": choice.get("name", "")}}
+    elif kind in ("auto", "none"):
+        fields["tool_choice"] = kind
+    else:
+        raise AnthropicError(f"tool_choice.type {kind!r}: auto, any, tool or none", "tool_choice")
+    if choice.get("disable_parallel_tool_use"):
+        fields["parallel_tool_calls"] = False
+    return fields
+
+
+def messages_request(body: MessagesBody, request_id: str, *, count_only: bool = False) -> GenerateRequest:
+    """The daemon request; :class:`AnthropicError`, or ``msgspec.ValidationError`` /
+    ``ValueError`` from the socket protocol's own checks."""
+    if body.thinking and body.thinking.get("type") != "disabled":
+        raise AnthropicError("extended thinking is not supported by this model", "thinking")
+    if body.max_tokens is None and not count_only:
+        raise AnthropicError("max_tokens: Field required", "max_tokens")
+    fields: dict[str, Any] = {
+        "id": request_id,
+        "stream": True,
+        "messages": _turns(body),
+        **_tool_fields(body),
+    }
+    if body.max_tokens is not None:
+        fields["max_tokens"] = body.max_tokens
+    for name, field in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k")):
+        if (value := getattr(body, name)) is not None:
+            fields[field] = value
+    if body.stop_sequences:
+        fields["stop"] = body.stop_sequences
+    return msgspec.convert(fields, GenerateRequest)
+
+
+# -- answers ------------------------------------------------------------------------
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+def stop_reason(eos: EosEvent) -> StopReason:
+    if eos.tool_calls:
+        return "tool_use"
+    return "max_tokens" if eos.reason == "length" else "end_turn"
+
+
+def message_id() -> str:
+    return f"msg_{secrets.token_hex(12)}"
+
+
+def content_blocks(eos: EosEvent, text: str) -> list[dict[str, Any]]:
+    """The answer's blocks: its text (if any), then one ``tool_use`` per call."""
+    words = eos.content if eos.content is not None else text
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": words}] if words or not eos.tool_calls else []
+    for call in eos.tool_calls or ():
+        blocks.append({"type": "tool_use", "id": _tool_id(call.id), "name": call.function.name,
+                       "input": _input(call.function.arguments)})  # fmt: skip
+    return blocks
+
+
+def _tool_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _input(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return {}
+
+
+def usage_of(eos: EosEvent) -> dict[str, int]:
+    return {"input_tokens": eos.usage.prompt_tokens, "output_tokens": eos.usage.completion_tokens,
+            "cache_read_input_tokens": eos.usage.cached_tokens, "cache_creation_input_tokens": 0}  # fmt: skip
+
+
+def message(msg_id: str, model: str, eos: EosEvent, text: str) -> dict[str, Any]:
+    return {
+        "id": msg_id, "type": "message", "role": "assistant", "model": model,
+        "content": content_blocks(eos, text), "stop_reason": stop_reason(eos), "stop_sequence": None,
+        "usage": usage_of(eos),
+    }  # fmt: skip
+
+
+def event(name: str, data: dict[str, Any]) -> bytes:
+    """One server-sent event, Anthropic's way: its name, and the type again in the data."""
+    return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode({"type": name, **data}) + b"\n\n"
+
+
+def error_body(message_text: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"type": "error", "error": {"type": kind, "message": message_text}}
