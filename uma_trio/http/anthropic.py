@@ -6,7 +6,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import trio
@@ -20,16 +20,14 @@ from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEven
 from ..protocol.openai import ApiError, api_error, ended_early, from_uma_error, validation_error
 from ..protocol.tools import ToolTextFilter
 from .auth import request_owner
+from .flight import Flight, GatewayCore, completed
 from .responses import json_response
-
-if TYPE_CHECKING:
-    from .gateway import Flight, Gateway
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 
 class AnthropicApi:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: GatewayCore) -> None:
         self.gateway = gateway
 
     def routes(self) -> list[Route]:
@@ -60,7 +58,7 @@ class AnthropicApi:
             headers = {"x-request-id": msg_id}
             if not body.stream:
                 events = await gateway._collect(request, flight)
-                eos = _finished(events)
+                eos = completed(events)
                 text = "".join(e.text for e in events if isinstance(e, TokenEvent))
                 return json_response(anthropic.message(msg_id, body.model, eos, text), headers=headers)
             return gateway._event_stream(lambda: self._events(flight, msg_id, body.model), flight, headers)
@@ -161,16 +159,6 @@ class AnthropicApi:
             raise ApiError(400, exc.message, param=exc.param) from None
         except (msgspec.ValidationError, ValueError) as exc:
             raise validation_error(exc) from None
-
-
-def _finished(events: list[Any]) -> EosEvent:
-    for event in events:
-        if isinstance(event, ErrorEvent):
-            raise api_error(ErrorCode(event.code), event.message)
-    last = events[-1] if events else None
-    if not isinstance(last, EosEvent) or last.reason not in ("stop", "length"):
-        raise ApiError(503 if last is not None else 499, "the request ended before it completed")
-    return last
 
 
 def _anthropic_errors(handler: Handler) -> Handler:

@@ -24,7 +24,6 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
 
 import msgspec
 import trio
@@ -47,14 +46,15 @@ from ..protocol.openai import ApiError
 from ..protocol.openai_choices import choice_requests, merged_chat, merged_text, merged_usage, whole_eos
 from ..runtime.delivery import deliver
 from ..runtime.desk import RequestDesk
-from ..runtime.stream import RequestStream
 from .anthropic import AnthropicApi
 from .auth import BearerAuth, request_owner
 from .event_stream import EventStream, until_disconnect
+from .flight import Flight, client_gone, completed, last_word
 from .fresh import FreshConnections, peer_of
 from .ollama import OllamaApi
 from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pattern
 from .responses import error_response, http_error_response, json_response, unexpected_error_response
+from .responses_api import ResponsesApi
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class Gateway:
                 Route("/priority", self.priority, methods=["POST"]),
                 *OllamaApi(self).routes(),
                 *AnthropicApi(self).routes(),
+                *ResponsesApi(self).routes(),
             ],
             # Outermost first: web pages are turned away before anything else, allowed origins'
             # preflights are answered before the key is asked for (browsers send none there).
@@ -248,7 +249,7 @@ class Gateway:
         is_chat = isinstance(body, openai.ChatBody)
         headers = {"x-request-id": completion_id}
         if not body.stream:
-            eos = _completed(await self._collect(request, flight))
+            eos = completed(await self._collect(request, flight))
             make = openai.chat_completion if is_chat else openai.text_completion
             return json_response(make(completion_id, created, self.model, eos), headers=headers)
 
@@ -327,7 +328,7 @@ class Gateway:
             for flight in flights:
                 self._end(flight)
         for events in collected:
-            _completed(events)  # raises the error to answer instead, if a choice failed
+            completed(events)  # raises the error to answer instead, if a choice failed
         eos = [whole_eos(events) for events in collected]
         created, merge = int(time.time()), merged_chat if isinstance(body, openai.ChatBody) else merged_text
         return json_response(merge(completion_id, created, self.model, eos))
@@ -440,7 +441,7 @@ class Gateway:
         async with self._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
             headers = {"x-request-id": rid}
             if not generate_request.stream:
-                eos = _completed(await self._collect(request, flight))
+                eos = completed(await self._collect(request, flight))
                 return json_response(infill_answer(eos, self.model, eos.text or ""), headers=headers)
 
             async def sse() -> AsyncGenerator[bytes, None]:
@@ -471,7 +472,7 @@ class Gateway:
             generate_request = msgspec.structs.replace(generate_request, priority=lane)
         async with self._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
             if not generate_request.stream:
-                return json_response(_last_word(await self._collect(request, flight)))
+                return json_response(last_word(await self._collect(request, flight)))
 
             async def sse() -> AsyncGenerator[bytes, None]:
                 async with aclosing(self._events(flight)) as events:
@@ -506,7 +507,7 @@ class Gateway:
                         raise self._too_large()
                     chunks.append(chunk)
             except ClientDisconnect:
-                raise _client_gone() from None
+                raise client_gone() from None
         if deadline.cancelled_caught:
             error = openai.api_error(
                 ErrorCode.FRAME_TIMEOUT,
@@ -606,44 +607,6 @@ class Gateway:
         finally:
             self._end(flight)
         return collected
-
-
-@dataclass(eq=False)
-class Flight:
-    """One HTTP generation request, from admission to its last event."""
-
-    id: str
-    stream: RequestStream | None = None  # None while it is being tokenized
-
-
-def _last_word(events: list[ServerEvent]) -> EosEvent:
-    """The eos of a whole (non-streamed) request, or the error to answer instead."""
-    for event in events:
-        if isinstance(event, ErrorEvent):
-            raise _counted(openai.api_error(ErrorCode(event.code), event.message))
-    last = events[-1] if events else None
-    if not isinstance(last, EosEvent):
-        raise _client_gone()
-    return last
-
-
-def _completed(events: list[ServerEvent]) -> EosEvent:
-    """The eos of a request that completed (stop or length), or the error to answer instead."""
-    last = _last_word(events)
-    if last.reason not in ("stop", "length"):
-        raise _counted(openai.ended_early(last))  # a cancel, not a refusal
-    return last
-
-
-def _counted(error: ApiError) -> ApiError:
-    """Mark an error the daemon's counts already hold (or that is not a refusal)."""
-    error.counted = True
-    return error
-
-
-def _client_gone() -> ApiError:
-    """The client went away: nobody reads this answer, and it is a hang-up, not an error."""
-    return _counted(ApiError(499, "client closed the request"))
 
 
 def _generate_request(data: bytes) -> GenerateRequest:

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import datetime
 import secrets
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
-from typing import TYPE_CHECKING
 
 import msgspec
 import trio
@@ -21,10 +20,8 @@ from ..protocol.errors import ErrorCode
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
 from ..protocol.openai import ApiError, api_error, ended_early, validation_error
 from .auth import request_owner
+from .flight import GatewayCore, completed
 from .responses import json_response
-
-if TYPE_CHECKING:
-    from .gateway import Gateway
 
 _json = msgspec.json.Encoder()
 Handler = Callable[[Request], Awaitable[Response]]
@@ -34,7 +31,7 @@ class OllamaApi:
     """The routes; they run requests through the gateway's lifecycle (admit, stream or
     collect, end)."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: GatewayCore) -> None:
         self.gateway = gateway
 
     def routes(self) -> list[Route]:
@@ -128,7 +125,7 @@ class OllamaApi:
         async with gateway._in_flight(generate_request, arrived, auto, request_owner(request)) as flight:
             if not ollama.streams(body):
                 events = await gateway._collect(request, flight)
-                eos = _finished(events)
+                eos = completed(events)
                 text = "".join(e.text for e in events if isinstance(e, TokenEvent))
                 final = ollama.final_chunk(model, eos, chat, text)
                 if not chat:
@@ -205,16 +202,6 @@ class OllamaApi:
 
 def _line(value: object) -> bytes:
     return _json.encode(value) + b"\n"
-
-
-def _finished(events: Sequence[object]) -> EosEvent:
-    for event in events:
-        if isinstance(event, ErrorEvent):
-            raise api_error(ErrorCode(event.code), event.message)
-    last = events[-1] if events else None
-    if not isinstance(last, EosEvent) or last.reason not in ("stop", "length"):
-        raise ApiError(499 if last is None else 503, "the request ended before it completed")
-    return last
 
 
 def _ollama_errors(handler: Handler) -> Handler:

@@ -1,0 +1,81 @@
+"""One HTTP generation request on its way through the gateway (:class:`Flight`), how its
+events end (an eos, or the error to answer instead), and what the API modules beside the
+gateway (ollama, anthropic, responses_api) use of it (:class:`GatewayCore`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+from starlette.requests import Request
+
+from ..protocol import openai
+from ..protocol.errors import ErrorCode
+from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, ServerEvent
+from ..protocol.openai import ApiError
+from ..runtime.desk import RequestDesk
+from ..runtime.stream import RequestStream
+from .event_stream import EventStream
+
+
+@dataclass(eq=False)
+class Flight:
+    """One HTTP generation request, from admission to its last event."""
+
+    id: str
+    stream: RequestStream | None = None  # None while it is being tokenized
+
+
+def last_word(events: Sequence[ServerEvent]) -> EosEvent:
+    """The eos of a whole (non-streamed) request, or the error to answer instead."""
+    for event in events:
+        if isinstance(event, ErrorEvent):
+            raise counted(openai.api_error(ErrorCode(event.code), event.message))
+    last = events[-1] if events else None
+    if not isinstance(last, EosEvent):
+        raise client_gone()
+    return last
+
+
+def completed(events: Sequence[ServerEvent]) -> EosEvent:
+    """The eos of a request that completed (stop or length), or the error to answer instead."""
+    last = last_word(events)
+    if last.reason not in ("stop", "length"):
+        raise counted(openai.ended_early(last))  # a cancel, not a refusal
+    return last
+
+
+def counted(error: ApiError) -> ApiError:
+    """Mark an error the daemon's counts already hold (or that is not a refusal)."""
+    error.counted = True
+    return error
+
+
+def client_gone() -> ApiError:
+    """The client went away: nobody reads this answer, and it is a hang-up, not an error."""
+    return counted(ApiError(499, "client closed the request"))
+
+
+class GatewayCore(Protocol):
+    """The gateway's request lifecycle, as its API modules use it."""
+
+    model: str
+    model_names: set[str]
+
+    def _ready(self) -> RequestDesk: ...
+
+    async def _body(self, request: Request) -> bytes: ...
+
+    def _in_flight(
+        self, generate_request: GenerateRequest, arrived: float, auto_max_tokens: bool, owner: str
+    ) -> AbstractAsyncContextManager[Flight]: ...
+
+    async def _collect(self, request: Request, flight: Flight) -> list[ServerEvent]: ...
+
+    def _events(self, flight: Flight) -> AsyncGenerator[ServerEvent, None]: ...
+
+    def _event_stream(
+        self, sse: Callable[[], AsyncGenerator[bytes, None]], flight: Flight, headers: dict[str, str]
+    ) -> EventStream: ...

@@ -1,0 +1,185 @@
+"""OpenAI's Responses API on the gateway, stateless (protocol/responses_api.py has the shapes),
+on the same request path as the other routes."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+import msgspec
+import trio
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ..protocol import responses_api as api
+from ..protocol.errors import ErrorCode
+from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
+from ..protocol.openai import ApiError, api_error, ended_early, validation_error
+from ..protocol.tools import ToolTextFilter
+from .auth import request_owner
+from .flight import Flight, GatewayCore, completed
+from .responses import json_response
+
+
+class ResponsesApi:
+    def __init__(self, gateway: GatewayCore) -> None:
+        self.gateway = gateway
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/responses", self.create, methods=["POST"])]
+
+    async def create(self, request: Request) -> Response:
+        gateway = self.gateway
+        server = gateway._ready()
+        with server.loop.arrivals.mark():
+            data = await gateway._body(request)
+        arrived = trio.current_time()
+        body = self._body(data)
+        response_id, created = api.new_id("resp"), api.now()
+        generate_request = self._translate(body, f"responses-{secrets.token_hex(12)}")
+        auto = body.max_output_tokens is None
+        async with gateway._in_flight(generate_request, arrived, auto, request_owner(request)) as flight:
+            headers = {"x-request-id": response_id}
+            if not body.stream:
+                events = await gateway._collect(request, flight)
+                eos = completed(events)
+                text = (
+                    eos.content
+                    if eos.content is not None
+                    else "".join(e.text for e in events if isinstance(e, TokenEvent))
+                )
+                output = [api.message_item(api.new_id("msg"), text)] if text or not eos.tool_calls else []
+                output += api.call_items(eos)
+                return json_response(
+                    api.response_object(response_id, created, body, output, eos), headers=headers
+                )
+            return gateway._event_stream(
+                lambda: self._events(flight, body, response_id, created), flight, headers
+            )
+
+    async def _events(
+        self, flight: Flight, body: api.ResponsesBody, response_id: str, created: int
+    ) -> AsyncGenerator[bytes, None]:
+        assert flight.stream is not None
+        fmt = flight.stream.tool_format
+        text_filter = ToolTextFilter(fmt) if fmt is not None else None
+        sequence = 0
+
+        def event(name: str, data: dict[str, Any]) -> bytes:
+            nonlocal sequence
+            sequence += 1
+            payload = msgspec.json.encode({"type": name, "sequence_number": sequence - 1, **data})
+            return b"event: " + name.encode() + b"\ndata: " + payload + b"\n\n"
+
+        yield event(
+            "response.created", {"response": api.response_object(response_id, created, body, [], None)}
+        )
+        msg_id, text, opened, output = api.new_id("msg"), "", False, []
+        where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+
+        def open_text() -> list[bytes]:
+            return [
+                event(
+                    "response.output_item.added",
+                    {"output_index": 0, "item": api.message_item(msg_id, "", "in_progress")},
+                ),
+                event("response.content_part.added", {**where, "part": api.output_text("")}),
+            ]
+
+        async with aclosing(self.gateway._events(flight)) as events:
+            async for item in events:
+                match item:
+                    case TokenEvent(text=piece):
+                        shown = text_filter.feed(piece) if text_filter is not None else piece
+                        if not shown:
+                            continue
+                        if not opened:
+                            for chunk in open_text():
+                                yield chunk
+                            opened = True
+                        text += shown
+                        yield event("response.output_text.delta", {**where, "delta": shown, "logprobs": []})
+                    case EosEvent(reason="stop" | "length"):
+                        rest = (
+                            text_filter.rest(item.content or "")
+                            if text_filter and not item.tool_calls
+                            else ""
+                        )
+                        if rest and not opened:
+                            for chunk in open_text():
+                                yield chunk
+                            opened = True
+                        if rest:
+                            text += rest
+                            yield event(
+                                "response.output_text.delta", {**where, "delta": rest, "logprobs": []}
+                            )
+                        if opened:
+                            yield event("response.output_text.done", {**where, "text": text, "logprobs": []})
+                            yield event(
+                                "response.content_part.done", {**where, "part": api.output_text(text)}
+                            )
+                            output.append(api.message_item(msg_id, text))
+                            yield event("response.output_item.done", {"output_index": 0, "item": output[-1]})
+                        for call in api.call_items(item):
+                            index = len(output)
+                            yield event(
+                                "response.output_item.added",
+                                {
+                                    "output_index": index,
+                                    "item": {**call, "arguments": "", "status": "in_progress"},
+                                },
+                            )
+                            ids = {"item_id": call["id"], "output_index": index}
+                            yield event(
+                                "response.function_call_arguments.delta", {**ids, "delta": call["arguments"]}
+                            )
+                            yield event(
+                                "response.function_call_arguments.done",
+                                {**ids, "arguments": call["arguments"], "name": call["name"]},
+                            )
+                            output.append(call)
+                            yield event("response.output_item.done", {"output_index": index, "item": call})
+                        final = api.response_object(response_id, created, body, output, item)
+                        yield event("response.completed", {"response": final})
+                    case EosEvent(reason="cancelled"):
+                        yield event(
+                            "error",
+                            {"code": "cancelled", "message": ended_early(item).message, "param": None},
+                        )
+                    case ErrorEvent(code=code, message=message):
+                        yield event(
+                            "error",
+                            {
+                                "code": code,
+                                "message": api_error(ErrorCode(code), message).message,
+                                "param": None,
+                            },
+                        )
+                    case _:
+                        pass
+
+    def _body(self, data: bytes) -> api.ResponsesBody:
+        try:
+            body = msgspec.json.decode(data, type=api.ResponsesBody)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise validation_error(exc) from None
+        if body.model not in self.gateway.model_names:
+            raise ApiError(
+                404,
+                f"The model `{body.model}` does not exist; this server has `{self.gateway.model}`",
+                param="model",
+                code="model_not_found",
+            )
+        return body
+
+    def _translate(self, body: api.ResponsesBody, rid: str) -> GenerateRequest:
+        try:
+            return api.responses_request(body, rid)
+        except api.ResponsesError as exc:
+            raise ApiError(400, exc.message, param=exc.param) from None
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise validation_error(exc) from None
