@@ -3,14 +3,18 @@ unchanged, against the gateway on the default model."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import ollama
+import openai
 import pydantic
 import pytest
+import trio
 
+from uma_trio.client import UmaClient
 from uma_trio.config import ServerConfig
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.runtime.server import Server
@@ -146,3 +150,48 @@ async def test_generate_raw_templated_and_errors(open_server: Server) -> None:
     async with httpx.AsyncClient(base_url=str(open_server.http_url)) as http:
         bad = await http.post("/api/chat", json={"model": MODEL, "messages": "hi"})
         assert bad.status_code == 400 and isinstance(bad.json()["error"], str)
+
+
+async def test_ollama_openai_and_socket_clients_share_the_daemon_under_the_guard(open_server: Server) -> None:
+    """Issue 21: under a background socket request prefilling a long prompt, an Ollama
+    /api/chat client and an OpenAI client stream beside it.  They start before it ends, and
+    the guard keeps their token gaps far under the stall the prefill would be in one piece
+    (seconds here: 1,500 tokens on this CPU)."""
+    long_prompt = "Summarize this text. " + "The quick brown fox jumps over the lazy dog. " * 150
+    story = [ASK[0], {"role": "user", "content": "Write a long story about a dragon."}]
+    times: dict[str, list[float]] = {"ollama": [], "openai": [], "background": []}
+
+    async def background() -> None:
+        async with UmaClient.connect(open_server.config.socket_path) as socket_client:
+            async with socket_client.stream(prompt=long_prompt, max_tokens=48, temperature=0.0,
+                                            priority="background") as events:  # fmt: skip
+                async for _event in events:
+                    times["background"].append(trio.current_time())
+
+    async def ollama_chat() -> None:
+        async for _ in await client(open_server).chat(
+            model=MODEL, messages=story, stream=True, options={"temperature": 0, "num_predict": 48}
+        ):
+            times["ollama"].append(trio.current_time())
+
+    async def openai_chat() -> None:
+        sdk = openai.AsyncOpenAI(base_url=f"{open_server.http_url}/v1", api_key="none", max_retries=0)
+        async with sdk:
+            stream = await sdk.chat.completions.create(
+                model=MODEL, messages=story, stream=True, max_tokens=48, temperature=0
+            )  # type: ignore[arg-type]
+            async for _ in stream:
+                times["openai"].append(trio.current_time())
+
+    with trio.fail_after(180):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(background)
+            await trio.sleep(0.3)  # the long prompt is being prefilled by now
+            nursery.start_soon(ollama_chat)
+            nursery.start_soon(openai_chat)
+    for name in ("ollama", "openai"):
+        stamps = times[name]
+        gaps = sorted(b - a for a, b in itertools.pairwise(stamps[1:-1]))  # token chunks only
+        assert stamps[0] < times["background"][0], name  # not queued behind the background's prefill
+        assert len(gaps) >= 30, (name, len(gaps))
+        assert gaps and gaps[int(0.95 * (len(gaps) - 1))] < 0.25, (name, gaps[-5:])
