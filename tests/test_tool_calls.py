@@ -319,3 +319,31 @@ async def test_the_cli_sends_tools_and_prints_the_calls(server: Server, tmp_path
     calls = json.loads(done.stdout.decode().strip().splitlines()[-1])
     assert calls[0]["function"]["name"] == "get_weather"
     WeatherArgs.model_validate_json(calls[0]["function"]["arguments"])
+
+
+@pytest.mark.model
+async def test_n_choices_each_call_tools_whole_and_streamed(keyed_http_server: Server) -> None:
+    async with openai_sdk(keyed_http_server) as client:
+        fields: dict[str, Any] = dict(
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER],
+            tool_choice="required",
+            n=2,
+            temperature=0.8,
+            seed=3,
+            max_tokens=80,
+        )
+        whole = await client.chat.completions.create(**fields)
+        assert [c.finish_reason for c in whole.choices] == ["tool_calls", "tool_calls"]
+        stream = await client.chat.completions.create(**fields, stream=True)
+        calls: dict[int, list[str]] = {0: [], 1: []}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                assert not choice.delta.content  # the call's text is never sent as content
+                calls[choice.index] += [
+                    c.function.name or "" for c in choice.delta.tool_calls or [] if c.function
+                ]
+        assert calls == {
+            i: [c.function.name for c in whole.choices[i].message.tool_calls or []] for i in (0, 1)
+        }

@@ -372,10 +372,16 @@ class Gateway:
                     nursery.start_soon(pump, i, flights[-1], None)
 
         created, is_chat = int(time.time()), isinstance(body, openai.ChatBody)
+        fmt = flights[0].stream.tool_format if flights[0].stream is not None else None
         streams: list[openai.ChatStream | openai.CompletionStream] = []
         for i in range(n):
-            kind = openai.ChatStream if is_chat else openai.CompletionStream
-            streams.append(kind(completion_id, created, self.model, translated.include_usage))
+            if fmt is not None:  # every choice offers the same tools
+                streams.append(
+                    openai.ToolChatStream(completion_id, created, self.model, translated.include_usage, fmt)
+                )
+            else:
+                kind = openai.ChatStream if is_chat else openai.CompletionStream
+                streams.append(kind(completion_id, created, self.model, translated.include_usage))
             streams[-1].index = i
 
         async def sse() -> AsyncGenerator[bytes, None]:
