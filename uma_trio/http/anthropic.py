@@ -9,7 +9,6 @@ from contextlib import aclosing
 from typing import Any
 
 import msgspec
-import trio
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -20,7 +19,7 @@ from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEven
 from ..protocol.openai import ApiError, api_error, ended_early, from_uma_error, validation_error
 from ..protocol.tools import ToolTextFilter
 from .auth import request_owner
-from .flight import Flight, GatewayCore, completed
+from .flight import Flight, GatewayCore, answering_as, completed, decode_body
 from .responses import json_response
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -32,8 +31,10 @@ class AnthropicApi:
 
     def routes(self) -> list[Route]:
         return [
-            Route("/v1/messages", _anthropic_errors(self.messages), methods=["POST"]),
-            Route("/v1/messages/count_tokens", _anthropic_errors(self.count_tokens), methods=["POST"]),
+            Route("/v1/messages", answering_as("anthropic", self.messages), methods=["POST"]),
+            Route(
+                "/v1/messages/count_tokens", answering_as("anthropic", self.count_tokens), methods=["POST"]
+            ),
         ]
 
     async def count_tokens(self, request: Request) -> Response:
@@ -47,10 +48,7 @@ class AnthropicApi:
 
     async def messages(self, request: Request) -> Response:
         gateway = self.gateway
-        server = gateway._ready()
-        with server.loop.arrivals.mark():
-            data = await gateway._body(request)
-        arrived = trio.current_time()
+        data, arrived = await gateway._arriving(request)
         body = self._body(data)
         msg_id = anthropic.message_id()
         generate_request = self._translate(body, f"anthropic-{secrets.token_hex(12)}")
@@ -74,40 +72,35 @@ class AnthropicApi:
         }  # fmt: skip
         yield anthropic.event("message_start", {"message": start})
         index, text_open = 0, False
+
+        def text_events(piece: str) -> list[bytes]:
+            """A text delta, after the text block's start the first time."""
+            nonlocal text_open
+            if not piece:
+                return []
+            chunks = []
+            if not text_open:
+                block = {"index": index, "content_block": {"type": "text", "text": ""}}
+                chunks.append(anthropic.event("content_block_start", block))
+                text_open = True
+            delta = {"index": index, "delta": {"type": "text_delta", "text": piece}}
+            return [*chunks, anthropic.event("content_block_delta", delta)]
+
         async with aclosing(self.gateway._events(flight)) as events:
             async for event in events:
                 match event:
                     case TokenEvent(text=text):
                         shown = text_filter.feed(text) if text_filter is not None else text
-                        if not shown:
-                            continue
-                        if not text_open:
-                            yield anthropic.event(
-                                "content_block_start",
-                                {"index": index, "content_block": {"type": "text", "text": ""}},
-                            )
-                            text_open = True
-                        yield anthropic.event(
-                            "content_block_delta",
-                            {"index": index, "delta": {"type": "text_delta", "text": shown}},
-                        )
+                        for chunk in text_events(shown):
+                            yield chunk
                     case EosEvent(reason="stop" | "length"):
                         rest = (
                             text_filter.rest(event.content or "")
                             if text_filter and not event.tool_calls
                             else ""
                         )
-                        if rest:
-                            if not text_open:
-                                yield anthropic.event(
-                                    "content_block_start",
-                                    {"index": index, "content_block": {"type": "text", "text": ""}},
-                                )
-                                text_open = True
-                            yield anthropic.event(
-                                "content_block_delta",
-                                {"index": index, "delta": {"type": "text_delta", "text": rest}},
-                            )
+                        for chunk in text_events(rest):
+                            yield chunk
                         if text_open:
                             yield anthropic.event("content_block_stop", {"index": index})
                             index += 1
@@ -142,10 +135,7 @@ class AnthropicApi:
                         pass
 
     def _body(self, data: bytes) -> anthropic.MessagesBody:
-        try:
-            body = msgspec.json.decode(data, type=anthropic.MessagesBody)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise validation_error(exc) from None
+        body = decode_body(data, anthropic.MessagesBody)
         if body.model not in self.gateway.model_names:
             raise ApiError(404, f"model: {body.model} (this server has {self.gateway.model})")
         return body
@@ -159,14 +149,3 @@ class AnthropicApi:
             raise ApiError(400, exc.message, param=exc.param) from None
         except (msgspec.ValidationError, ValueError) as exc:
             raise validation_error(exc) from None
-
-
-def _anthropic_errors(handler: Handler) -> Handler:
-    async def wrapped(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except ApiError as exc:
-            exc.shape = "anthropic"
-            raise
-
-    return wrapped

@@ -4,12 +4,14 @@ gateway (ollama, anthropic, responses_api) use of it (:class:`GatewayCore`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
+import msgspec
 from starlette.requests import Request
+from starlette.responses import Response
 
 from ..protocol import openai
 from ..protocol.errors import ErrorCode
@@ -68,6 +70,8 @@ class GatewayCore(Protocol):
 
     async def _body(self, request: Request) -> bytes: ...
 
+    async def _arriving(self, request: Request) -> tuple[bytes, float]: ...
+
     def _in_flight(
         self, generate_request: GenerateRequest, arrived: float, auto_max_tokens: bool, owner: str
     ) -> AbstractAsyncContextManager[Flight]: ...
@@ -79,3 +83,28 @@ class GatewayCore(Protocol):
     def _event_stream(
         self, sse: Callable[[], AsyncGenerator[bytes, None]], flight: Flight, headers: dict[str, str]
     ) -> EventStream: ...
+
+
+BodyT = TypeVar("BodyT")
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def decode_body(data: bytes, kind: type[BodyT]) -> BodyT:
+    """A request body as ``kind``; a 400 naming the field when it is not."""
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise openai.validation_error(exc) from None
+
+
+def answering_as(shape: str, handler: Handler) -> Handler:
+    """``handler``, its errors answered in another API's shape (``ApiError.shape``)."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            exc.shape = shape
+            raise
+
+    return wrapped

@@ -497,6 +497,13 @@ class Gateway:
             raise ApiError(503, message, type="server_error", code="loading")
         return server
 
+    async def _arriving(self, request: Request) -> tuple[bytes, float]:
+        """A generation request's body and when it was in: while it is read it counts as on
+        its way in, so an idle decode task gathering a burst waits for it."""
+        with self._ready().loop.arrivals.mark():
+            data = await self._body(request)
+        return data, trio.current_time()
+
     async def _body(self, request: Request) -> bytes:
         """The request body, refused (413) past ``max_body_bytes`` without reading it all."""
         declared = request.headers.get("content-length")

@@ -10,7 +10,6 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 
 import msgspec
-import trio
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
@@ -20,7 +19,7 @@ from ..protocol.errors import ErrorCode
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
 from ..protocol.openai import ApiError, api_error, ended_early, validation_error
 from .auth import request_owner
-from .flight import GatewayCore, completed
+from .flight import GatewayCore, answering_as, completed, decode_body
 from .responses import json_response
 
 _json = msgspec.json.Encoder()
@@ -36,13 +35,13 @@ class OllamaApi:
 
     def routes(self) -> list[Route]:
         return [
-            Route("/", _ollama_errors(self.root), methods=["GET", "HEAD"]),
-            Route("/api/version", _ollama_errors(self.version), methods=["GET"]),
-            Route("/api/tags", _ollama_errors(self.tags), methods=["GET", "HEAD"]),
-            Route("/api/ps", _ollama_errors(self.ps), methods=["GET"]),
-            Route("/api/show", _ollama_errors(self.show), methods=["POST"]),
-            Route("/api/chat", _ollama_errors(self.chat), methods=["POST"]),
-            Route("/api/generate", _ollama_errors(self.generate), methods=["POST"]),
+            Route("/", answering_as("ollama", self.root), methods=["GET", "HEAD"]),
+            Route("/api/version", answering_as("ollama", self.version), methods=["GET"]),
+            Route("/api/tags", answering_as("ollama", self.tags), methods=["GET", "HEAD"]),
+            Route("/api/ps", answering_as("ollama", self.ps), methods=["GET"]),
+            Route("/api/show", answering_as("ollama", self.show), methods=["POST"]),
+            Route("/api/chat", answering_as("ollama", self.chat), methods=["POST"]),
+            Route("/api/generate", answering_as("ollama", self.generate), methods=["POST"]),
         ]
 
     async def root(self, request: Request) -> Response:
@@ -103,10 +102,7 @@ class OllamaApi:
 
     async def _run(self, request: Request, kind: ollama.Kind) -> Response:
         gateway = self.gateway
-        server = gateway._ready()
-        with server.loop.arrivals.mark():  # as the OpenAI routes: a burst waits for it
-            data = await gateway._body(request)
-        arrived = trio.current_time()
+        data, arrived = await gateway._arriving(request)
         rid = f"ollama-{secrets.token_hex(12)}"
         body: ollama.ChatBody | ollama.GenerateBody
         if kind == "chat":
@@ -172,10 +168,7 @@ class OllamaApi:
         return request
 
     def _decode(self, data: bytes, kind: type[ollama.BodyT]) -> ollama.BodyT:
-        try:
-            return msgspec.json.decode(data or b"{}", type=kind)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise validation_error(exc) from None
+        return decode_body(data or b"{}", kind)
 
     def _check_model(self, name: str) -> None:
         if name.removesuffix(":latest") in self.gateway.model_names:
@@ -202,16 +195,3 @@ class OllamaApi:
 
 def _line(value: object) -> bytes:
     return _json.encode(value) + b"\n"
-
-
-def _ollama_errors(handler: Handler) -> Handler:
-    """Answer errors as Ollama does, ``{"error": "..."}``, whatever raised them."""
-
-    async def wrapped(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except ApiError as exc:
-            exc.shape = "ollama"
-            raise
-
-    return wrapped

@@ -9,7 +9,6 @@ from contextlib import aclosing
 from typing import Any
 
 import msgspec
-import trio
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -20,7 +19,7 @@ from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEven
 from ..protocol.openai import ApiError, api_error, ended_early, validation_error
 from ..protocol.tools import ToolTextFilter
 from .auth import request_owner
-from .flight import Flight, GatewayCore, completed
+from .flight import Flight, GatewayCore, completed, decode_body
 from .responses import json_response
 
 
@@ -33,10 +32,7 @@ class ResponsesApi:
 
     async def create(self, request: Request) -> Response:
         gateway = self.gateway
-        server = gateway._ready()
-        with server.loop.arrivals.mark():
-            data = await gateway._body(request)
-        arrived = trio.current_time()
+        data, arrived = await gateway._arriving(request)
         body = self._body(data)
         response_id, created = api.new_id("resp"), api.now()
         generate_request = self._translate(body, f"responses-{secrets.token_hex(12)}")
@@ -163,10 +159,7 @@ class ResponsesApi:
                         pass
 
     def _body(self, data: bytes) -> api.ResponsesBody:
-        try:
-            body = msgspec.json.decode(data, type=api.ResponsesBody)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise validation_error(exc) from None
+        body = decode_body(data, api.ResponsesBody)
         if body.model not in self.gateway.model_names:
             raise ApiError(
                 404,
