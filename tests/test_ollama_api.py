@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from uma_trio.client import UmaClient
-from uma_trio.config import ServerConfig
+from uma_trio.config import ConfigError, ServerConfig
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.runtime.server import Server
 
@@ -195,3 +195,17 @@ async def test_ollama_openai_and_socket_clients_share_the_daemon_under_the_guard
         assert stamps[0] < times["background"][0], name  # not queued behind the background's prefill
         assert len(gaps) >= 30, (name, len(gaps))
         assert gaps and gaps[int(0.95 * (len(gaps) - 1))] < 0.25, (name, gaps[-5:])
+
+
+async def test_ollama_on_a_port_of_its_own(llama_model: LlamaModel, server_config: ServerConfig) -> None:
+    """``--ollama PORT`` serves the same API on a second address (Ollama's own port, for apps
+    that look there); alone it starts the gateway too; a bad value is a start-up error."""
+    async with running_server(llama_model, server_config, http="127.0.0.1:0", ollama="127.0.0.1:0") as both:
+        assert len(both.http_urls) == 2 and both.http_urls[0] == both.http_url
+        listed = await ollama.AsyncClient(host=both.http_urls[1]).list()
+        assert [m.model for m in listed.models] == [MODEL]
+    async with running_server(llama_model, server_config, ollama="127.0.0.1:0") as alone:
+        assert alone.http_url is not None
+        assert (await ollama.AsyncClient(host=alone.http_url).list()).models
+    with pytest.raises(ConfigError, match="--ollama"):
+        ServerConfig(ollama="localhost:eleven")

@@ -272,6 +272,10 @@ class ServerConfig:
     """Serve the OpenAI-compatible HTTP API (HTTP.md) on HOST:PORT, e.g. 127.0.0.1:8080; a
     bare PORT binds 127.0.0.1, [::1]:PORT for IPv6, port 0 picks a free one (logged). Bound
     before the model loads, so /health answers 503 "loading" meanwhile."""
+    ollama: Annotated[str | None, Parameter(show_default="off")] = None
+    """Also serve the HTTP API on HOST:PORT as --http does, for apps that look for Ollama at
+    its own address: 11434 (Ollama's port) lets them find uma-trio unchanged. The same app,
+    keys and limits as --http; either flag alone starts it."""
     api_key: Annotated[str | None, Parameter(show_default="none")] = field(default=None, repr=False)
     """With it, every HTTP path but /health needs "Authorization: Bearer KEY"; set it through
     UMA_API_KEY rather than the command line, which other users can see."""
@@ -351,6 +355,8 @@ class ServerConfig:
             raise ConfigError("--threads must be positive")
         if self.http is not None:
             self.http_address  # noqa: B018 - validates
+        if self.ollama is not None:
+            self.ollama_address  # noqa: B018 - validates
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -418,16 +424,23 @@ class ServerConfig:
     @property
     def http_address(self) -> tuple[str, int] | None:
         """``http`` as (host, port): "8080" and ":8080" mean 127.0.0.1:8080; IPv6 in brackets."""
-        if self.http is None:
-            return None
-        host, sep, port = self.http.rpartition(":")
-        if not sep:
-            host, port = "", self.http
-        bracketed = host.startswith("[") and host.endswith("]")
-        host = (host[1:-1] if bracketed else host) or "127.0.0.1"
-        if not port.isdigit() or not 0 <= int(port) <= 65535 or (":" in host and not bracketed):
-            raise ConfigError(f"--http must be HOST:PORT with a TCP port (0: any free one): {self.http!r}")
-        return host, int(port)
+        return None if self.http is None else _host_port(self.http, "--http")
+
+    @property
+    def ollama_address(self) -> tuple[str, int] | None:
+        """``ollama`` as (host, port), read as ``http`` is."""
+        return None if self.ollama is None else _host_port(self.ollama, "--ollama")
+
+
+def _host_port(value: str, flag: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep:
+        host, port = "", value
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = (host[1:-1] if bracketed else host) or "127.0.0.1"
+    if not port.isdigit() or not 0 <= int(port) <= 65535 or (":" in host and not bracketed):
+        raise ConfigError(f"{flag} must be HOST:PORT with a TCP port (0: any free one): {value!r}")
+    return host, int(port)
 
 
 def read_api_keys(path: Path) -> tuple[str, ...]:

@@ -170,21 +170,27 @@ def _is_loopback(host: str) -> bool:
 async def http_gateway(config: ServerConfig, model_file: str) -> AsyncIterator[Gateway | None]:
     """With ``--http``: the port bound and the gateway serving (503 until a server is
     attached) for the duration of the block; without it, None."""
-    address = config.http_address
-    if address is None:
+    addresses = [
+        (flag, a) for flag, a in (("http", config.http_address), ("ollama", config.ollama_address)) if a
+    ]
+    if not addresses:
         yield None
         return
-    host, port = address
     try:
         file_keys = read_api_keys(config.api_key_file) if config.api_key_file is not None else ()
     except ValueError as exc:
         raise DaemonStartError(str(exc)) from None
-    sock = bind_tcp(host, port, "the HTTP API")
-    if not _is_loopback(host) and config.api_key is None and not file_keys:
-        log.warning("the HTTP API on %s is reachable from other hosts and has no --api-key", host)
+    socks = [
+        (flag, bind_tcp(h, p, "the HTTP API" if flag == "http" else "the Ollama port"))
+        for flag, (h, p) in addresses
+    ]
+    for _, (h, _p) in addresses:
+        if not _is_loopback(h) and config.api_key is None and not file_keys:
+            log.warning("the HTTP API on %s is reachable from other hosts and has no --api-key", h)
+    hosts = frozenset().union(*(allowed_hosts(h, config.allowed_hosts) for _, (h, _p) in addresses))
     gateway = Gateway(
         model_file, api_key=config.api_key, api_keys=file_keys, max_body_bytes=config.max_frame_bytes,
-        max_requests=config.max_connections, hosts=allowed_hosts(host, config.allowed_hosts),
+        max_requests=config.max_connections, hosts=hosts,
         cors_origins=DEFAULT_CORS_ORIGINS if config.cors_origins is None else config.cors_origins,
         body_timeout_s=config.frame_timeout_s,
     )  # fmt: skip
@@ -194,17 +200,21 @@ async def http_gateway(config: ServerConfig, model_file: str) -> AsyncIterator[G
             if config.tls_cert is not None and config.tls_key is not None
             else None
         )
-        serve = partial(
-            serve_asgi,
-            gateway.app,
-            sock,
-            name="http",
-            tls=tls,
-            max_connections=config.http_max_connections,
-            on_connection=gateway.watch_connection,
-        )
-        gateway.url = await nursery.start(serve)
-        log.info("OpenAI-compatible API on %s/v1", gateway.url)
+        urls = []
+        for flag, sock in socks:
+            serve = partial(
+                serve_asgi,
+                gateway.app,
+                sock,
+                name=flag,
+                tls=tls,
+                max_connections=config.http_max_connections,
+                on_connection=gateway.watch_connection,
+            )
+            urls.append(await nursery.start(serve))
+            log.info("HTTP API (OpenAI, Ollama, Anthropic) on %s (--%s)", urls[-1], flag)
+        gateway.url = urls[0]
+        gateway.urls = urls
         yield gateway
         nursery.cancel_scope.cancel()
 
@@ -238,6 +248,7 @@ async def _serve(
             log.info("Prometheus metrics on %s", server.metrics_url)
         if gateway is not None:
             server.http_url = gateway.url
+            server.http_urls = gateway.urls
             gateway.attach(server)
         task_status.started(server)
 

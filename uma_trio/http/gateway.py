@@ -100,6 +100,7 @@ class Gateway:
         self.created = int(time.time())
         self._flights: dict[str, Flight] = {}  # by request id, for POST /priority and the limit
         self.url: str | None = None
+        self.urls: list[str] = []  # every address it serves: --http's, then --ollama's
         self.fresh = FreshConnections()  # connections whose first request is still to come
         self.app = self.fresh.wrap(self._starlette(hosts, cors_origins, api_key, api_keys))
 

@@ -66,6 +66,7 @@ class Server:
         self.registry = build_registry(self.metrics.registry, self.metrics_snapshot)
         self.metrics_url: str | None = None  # set by the daemon once --metrics-port serves
         self.http_url: str | None = None  # set by the daemon once the --http gateway serves this server
+        self.http_urls: list[str] = []  # every address it serves: --http's, then --ollama's
         self.open_deliveries = 0  # requests whose client has not yet been handed its last event
         store = SnapshotStore(config.snapshot_dir or default_snapshot_dir())
         self.snapshots = SnapshotService(engine, self.loop, store, self)
