@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-TokenArray = np.ndarray  # int32 token ids (engine/base.py's TokenArray; no import cycle)
+from .base import TokenArray
 
 
 class NoFimTokens(ValueError):

@@ -11,7 +11,6 @@ then accepted into the chain's history, so the penalties and DRY see the generat
 from __future__ import annotations
 
 import ctypes
-import math
 from typing import Any
 
 import numpy as np
@@ -113,8 +112,3 @@ class ChainSampler(Sampler):
 
     def __del__(self) -> None:
         self.close()
-
-
-def banned(bias: float) -> float:
-    """OpenAI's -100 bans a token: as -inf, whatever the logits' scale."""
-    return -math.inf if bias <= -100 else bias

@@ -8,6 +8,7 @@ request behaves as it would under llama-server with the same parameters.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,3 +102,8 @@ def _softmax(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     shifted = np.exp(values - values.max())
     result: npt.NDArray[np.float64] = shifted / shifted.sum()
     return result
+
+
+def banned(bias: float) -> float:
+    """OpenAI's -100 bans a token: as -inf, whatever the logits' scale."""
+    return -math.inf if bias <= -100 else bias

@@ -145,7 +145,5 @@ class AnthropicApi:
     ) -> GenerateRequest:
         try:
             return anthropic.messages_request(body, rid, count_only=count_only)
-        except anthropic.AnthropicError as exc:
-            raise ApiError(400, exc.message, param=exc.param) from None
         except (msgspec.ValidationError, ValueError) as exc:
             raise validation_error(exc) from None

@@ -161,8 +161,6 @@ class OllamaApi:
                 request = ollama.chat_request(body, rid)
             else:
                 request = ollama.generate_request(body, rid)
-        except ollama.OllamaError as exc:
-            raise ApiError(exc.status, exc.message) from None
         except (msgspec.ValidationError, ValueError) as exc:
             raise validation_error(exc) from None
         return request

@@ -172,7 +172,5 @@ class ResponsesApi:
     def _translate(self, body: api.ResponsesBody, rid: str) -> GenerateRequest:
         try:
             return api.responses_request(body, rid)
-        except api.ResponsesError as exc:
-            raise ApiError(400, exc.message, param=exc.param) from None
         except (msgspec.ValidationError, ValueError) as exc:
             raise validation_error(exc) from None

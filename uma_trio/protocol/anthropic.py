@@ -18,12 +18,7 @@ import msgspec
 from msgspec import Struct
 
 from .messages import EosEvent, GenerateRequest
-
-
-class AnthropicError(Exception):
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param = message, param
+from .openai_errors import bad_request
 
 
 class MessagesBody(Struct, kw_only=True):
@@ -47,12 +42,12 @@ def _text_of(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise AnthropicError(f"{where} must be a string or a list of content blocks", where)
+        raise bad_request(f"{where} must be a string or a list of content blocks", where)
     parts = []
     for i, block in enumerate(content):
         if not isinstance(block, dict) or block.get("type") != "text":
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise AnthropicError(f"{where}[{i}]: a {kind!r} block is not supported here; only text", where)
+            raise bad_request(f"{where}[{i}]: a {kind!r} block is not supported here; only text", where)
         parts.append(str(block.get("text", "")))
     return "".join(parts)
 
@@ -64,10 +59,10 @@ def _turns(body: MessagesBody) -> list[dict[str, Any]]:
     for i, message in enumerate(body.messages):
         role, content, where = message.get("role"), message.get("content", ""), f"messages[{i}]"
         if role not in ("user", "assistant"):
-            raise AnthropicError(f"{where}.role must be user or assistant", f"{where}.role")
+            raise bad_request(f"{where}.role must be user or assistant", f"{where}.role")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
-            raise AnthropicError(f"{where}.content must be a string or a list of blocks", f"{where}.content")
+            raise bad_request(f"{where}.content must be a string or a list of blocks", f"{where}.content")
         text, calls = [], []
         for j, block in enumerate(blocks):
             kind = block.get("type") if isinstance(block, dict) else None
@@ -86,7 +81,7 @@ def _turns(body: MessagesBody) -> list[dict[str, Any]]:
                 turns.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
                               "content": _text_of(result, f"{where}.content[{j}].content")})  # fmt: skip
             else:
-                raise AnthropicError(
+                raise bad_request(
                     f"{where}.content[{j}]: a {kind!r} block is not supported", f"{where}.content"
                 )
         if text or calls or isinstance(content, str):
@@ -116,19 +111,19 @@ def _tool_fields(body: MessagesBody) -> dict[str, Any]:
     elif kind in ("auto", "none"):
         fields["tool_choice"] = kind
     else:
-        raise AnthropicError(f"tool_choice.type {kind!r}: auto, any, tool or none", "tool_choice")
+        raise bad_request(f"tool_choice.type {kind!r}: auto, any, tool or none", "tool_choice")
     if choice.get("disable_parallel_tool_use"):
         fields["parallel_tool_calls"] = False
     return fields
 
 
 def messages_request(body: MessagesBody, request_id: str, *, count_only: bool = False) -> GenerateRequest:
-    """The daemon request; :class:`AnthropicError`, or ``msgspec.ValidationError`` /
+    """The daemon request; a 400 :class:`ApiError` naming the field, or ``msgspec.ValidationError`` /
     ``ValueError`` from the socket protocol's own checks."""
     if body.thinking and body.thinking.get("type") != "disabled":
-        raise AnthropicError("extended thinking is not supported by this model", "thinking")
+        raise bad_request("extended thinking is not supported by this model", "thinking")
     if body.max_tokens is None and not count_only:
-        raise AnthropicError("max_tokens: Field required", "max_tokens")
+        raise bad_request("max_tokens: Field required", "max_tokens")
     fields: dict[str, Any] = {
         "id": request_id,
         "stream": True,

@@ -19,17 +19,9 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from .messages import EosEvent, GenerateRequest, ToolCall
+from .openai_errors import ApiError
 
 OLLAMA_VERSION = "0.12.0"  # the API level answered at /api/version
-
-
-class OllamaError(Exception):
-    """A request Ollama's API cannot serve here: ``{"error": message}`` with ``status``."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class Options(Struct, kw_only=True):
@@ -105,7 +97,7 @@ def streams(body: _Common) -> bool:
 
 def _common_fields(body: _Common, request_id: str) -> dict[str, Any]:
     if body.think not in (None, False):
-        raise OllamaError(400, "`think` is not supported: this model does not think aloud")
+        raise ApiError(400, "`think` is not supported: this model does not think aloud")
     fields: dict[str, Any] = {"id": request_id, "stream": True}
     options = body.options or Options()
     for name in _PASSED:
@@ -116,7 +108,7 @@ def _common_fields(body: _Common, request_id: str) -> dict[str, Any]:
     if body.format not in (None, ""):
         schema = None if body.format == "json" else body.format
         if schema is not None and not isinstance(schema, dict):
-            raise OllamaError(400, '`format` must be "json" or a JSON schema object')
+            raise ApiError(400, '`format` must be "json" or a JSON schema object')
         fields["response_format"] = {"type": "json_object"} if schema is None else {
             "type": "json_schema", "json_schema": {"schema": schema}
         }  # fmt: skip
@@ -129,13 +121,13 @@ def _common_fields(body: _Common, request_id: str) -> dict[str, Any]:
 
 
 def chat_request(body: ChatBody, request_id: str) -> GenerateRequest:
-    """The daemon request for ``/api/chat``; :class:`OllamaError` or ``ValueError`` /
+    """The daemon request for ``/api/chat``; :class:`ApiError` or ``ValueError`` /
     ``msgspec.ValidationError`` (the socket protocol's checks) for a bad one."""
     fields = _common_fields(body, request_id)
     messages = []
     for i, message in enumerate(body.messages):
         if message.images:
-            raise OllamaError(400, f"messages[{i}].images: images are not supported by this model")
+            raise ApiError(400, f"messages[{i}].images: images are not supported by this model")
         turn: dict[str, Any] = {"role": message.role, "content": message.content or ""}
         if message.tool_calls:
             turn["tool_calls"] = [_tool_call(call, i) for call in message.tool_calls]
@@ -145,7 +137,7 @@ def chat_request(body: ChatBody, request_id: str) -> GenerateRequest:
                 turn["name"] = message.tool_name
         messages.append(turn)
     if not messages:
-        raise OllamaError(400, "`messages` must hold at least one message")
+        raise ApiError(400, "`messages` must hold at least one message")
     fields["messages"] = messages
     if body.tools:
         fields["tools"] = body.tools
@@ -155,7 +147,7 @@ def chat_request(body: ChatBody, request_id: str) -> GenerateRequest:
 def _tool_call(call: dict[str, Any], i: int) -> dict[str, Any]:
     function = call.get("function") or {}
     if not isinstance(function, dict) or not function.get("name"):
-        raise OllamaError(400, f"messages[{i}].tool_calls: a call needs function.name")
+        raise ApiError(400, f"messages[{i}].tool_calls: a call needs function.name")
     arguments = function.get("arguments", {})
     text = arguments if isinstance(arguments, str) else json.dumps(arguments)
     return {"id": str(call.get("id") or ""), "function": {"name": function["name"], "arguments": text}}
@@ -166,7 +158,7 @@ def generate_request(body: GenerateBody, request_id: str) -> GenerateRequest:
     ``system``), or as it is with ``raw``; with ``suffix``, an infill."""
     for name in ("template", "context", "images"):
         if getattr(body, name):
-            raise OllamaError(400, f"`{name}` is not supported by this server")
+            raise ApiError(400, f"`{name}` is not supported by this server")
     fields = _common_fields(body, request_id)
     prompt = body.prompt or ""
     if body.suffix is not None:

@@ -61,5 +61,4 @@ def merged_usage(eos: Sequence[EosEvent]) -> Usage:
 def _usage(usages: Sequence[Usage]) -> Usage:
     """The prompt counted once, as OpenAI counts it; every choice's completion tokens."""
     prompt, completion = usages[0].prompt_tokens, sum(u.completion_tokens for u in usages)
-    cached = msgspec.structs.replace(usages[0].prompt_tokens_details)
-    return Usage(prompt, completion, prompt + completion, cached)
+    return Usage(prompt, completion, prompt + completion, usages[0].prompt_tokens_details)

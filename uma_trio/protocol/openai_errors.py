@@ -99,6 +99,11 @@ def from_uma_error(error: UmaError) -> ApiError:
 _PATH = re.compile(r"(?:at|in) `\$\.?([^`]*)`")  # "at `key` in `$.logit_bias`": the field
 
 
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    """A 400 naming the field the body got wrong (the translated APIs' refusals)."""
+    return ApiError(400, message, param=param)
+
+
 def validation_error(exc: msgspec.ValidationError | msgspec.DecodeError | ValueError) -> ApiError:
     """A bad body, naming the offending field as ``param`` where msgspec says which."""
     message = str(exc)

@@ -17,12 +17,7 @@ import msgspec
 from msgspec import Struct
 
 from .messages import EosEvent, GenerateRequest
-
-
-class ResponsesError(Exception):
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param = message, param
+from .openai_errors import bad_request
 
 
 class ResponsesBody(Struct, kw_only=True):
@@ -48,12 +43,12 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ResponsesError(f"{where} must be a string or a list of parts", where)
+        raise bad_request(f"{where} must be a string or a list of parts", where)
     parts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text"):
-            raise ResponsesError(f"{where}[{i}]: a {kind!r} part is not supported; only text", where)
+            raise bad_request(f"{where}[{i}]: a {kind!r} part is not supported; only text", where)
         parts.append(str(part.get("text", "")))
     return "".join(parts)
 
@@ -68,7 +63,7 @@ def _turns(body: ResponsesBody) -> list[dict[str, Any]]:
         if kind == "message":
             role = {"developer": "system"}.get(item.get("role", ""), item.get("role", ""))
             if role not in ("system", "user", "assistant"):
-                raise ResponsesError(
+                raise bad_request(
                     f"{where}.role must be user, assistant, system or developer", f"{where}.role"
                 )
             turns.append({"role": role, "content": _text(item.get("content", ""), f"{where}.content")})
@@ -90,24 +85,24 @@ def _turns(body: ResponsesBody) -> list[dict[str, Any]]:
                 }
             )
         else:
-            raise ResponsesError(f"{where}: an item of type {kind!r} is not supported", where)
+            raise bad_request(f"{where}: an item of type {kind!r} is not supported", where)
     return turns
 
 
 def responses_request(body: ResponsesBody, request_id: str) -> GenerateRequest:
     if body.previous_response_id is not None:
-        raise ResponsesError(
+        raise bad_request(
             "previous_response_id: responses are not stored here; send the whole input",
             "previous_response_id",
         )
     if body.store:
-        raise ResponsesError("store: responses are not stored here (send store: false)", "store")
+        raise bad_request("store: responses are not stored here (send store: false)", "store")
     fields: dict[str, Any] = {"id": request_id, "stream": True, "messages": _turns(body)}
     if body.tools:
         tools = []
         for i, tool in enumerate(body.tools):
             if tool.get("type") != "function":
-                raise ResponsesError(f"tools[{i}]: only function tools are supported", f"tools[{i}].type")
+                raise bad_request(f"tools[{i}]: only function tools are supported", f"tools[{i}].type")
             tools.append(
                 {
                     "type": "function",

@@ -9,8 +9,7 @@ from ..engine.constraints import (
     grammar_constraint,
     json_schema_constraint,
 )
-from ..engine.sampler_chain import banned
-from ..engine.sampling import Sampler, SamplingParams
+from ..engine.sampling import Sampler, SamplingParams, banned
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, JsonObjectFormat, JsonSchemaFormat
 from .off_loop import off_loop
