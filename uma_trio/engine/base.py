@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .constraints import ModelVocabulary
+from .pooling import PooledPart
 from .sampling import Sampler
 
 TokenArray = npt.NDArray[np.int32]
@@ -45,6 +46,9 @@ class BatchEntry:
     tokens: TokenArray
     pos0: int
     sampler: Sampler | None
+    # An embedding request's chunk: every token's hidden state is pooled (engine/pooling.py)
+    # into the step result's ``pooled``; it is never sampled.
+    embed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +73,13 @@ class StepResult:
     n_tokens: int
     decode_s: float  # wall time of the decode call (plus sampling)
     failed: list[SampleFailure] = field(default_factory=list)
+    pooled: list[PooledPart] = field(default_factory=list)  # one per embedding entry
 
     def __add__(self, other: StepResult) -> StepResult:
         """Two steps' results as one (a batch decoded in parts)."""
         return StepResult(
             self.sampled + other.sampled, self.n_tokens + other.n_tokens,
-            self.decode_s + other.decode_s, self.failed + other.failed,
+            self.decode_s + other.decode_s, self.failed + other.failed, self.pooled + other.pooled,
         )  # fmt: skip
 
 

@@ -65,6 +65,7 @@ from .device_sampling import DeviceGreedy
 from .devices import LlamaLog, devices, flash_attention_resolved, system_info
 from .libllama import llama
 from .llama_model import LlamaModel, ModelLoadError, ModelShape, Placement, read_shape
+from .pooling import PooledPart, pool_rows
 from .step_gaps import StepGaps
 from .summary import engine_summary
 
@@ -170,6 +171,10 @@ class LlamaEngine:
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
+        # Hidden states per token, pooled by engine/pooling.py across a prompt's chunks; llama.cpp
+        # resolves a GGUF that names no pooling to that already (and warns when overridden).
+        if model.gguf_pooling not in (None, llama.LLAMA_POOLING_TYPE_NONE):
+            params.pooling_type = llama.LLAMA_POOLING_TYPE_NONE
         params.flash_attn_type = _FLASH_ATTN[config.flash_attn]
         if config.flash_attn == "off" and config.kv_type != "f16":
             raise ModelLoadError(
@@ -193,6 +198,7 @@ class LlamaEngine:
         self._abort = ctypes.create_string_buffer(2)  # b"": go on; b"x": stop (preempt)
         self._preemptible = False  # the step in flight may be preempted
         self._install_abort()
+        self._embedding = False  # the context outputs hidden states (a tick with an embedding)
         self.rebuilds = 0
         self._n_ctx = int(llama.llama_n_ctx(self._ctx))
         # llama.cpp pads a stream to 256 cells; the request limit stays what was asked.  One
@@ -326,6 +332,7 @@ class LlamaEngine:
         self._memory = llama.llama_get_memory(self._ctx)
         self._device_greedy = DeviceGreedy(self._ctx, self.config.device_greedy)
         self._install_abort()
+        self._embedding = False
         self.rebuilds += 1
 
     def _install_abort(self) -> None:
@@ -404,6 +411,11 @@ class LlamaEngine:
         n = 0
         outputs: list[BatchEntry] = []
         on_device: list[int] = []  # batch index of each output the device samples, else -1
+        # With an embedding in the batch llama.cpp outputs every token (hidden states and
+        # logits): a sampled entry's row is then its last token's batch index.
+        embedding = self._embedding_mode(any(entry.embed for entry in entries))
+        rows: list[int] = []  # each output's row among those llama.cpp returns
+        embeds: list[tuple[BatchEntry, int]] = []  # each embedding entry and its first row
         for entry in entries:
             k = len(entry.tokens)
             if n + k > buf.capacity:
@@ -419,11 +431,18 @@ class LlamaEngine:
             buf.logits[n : n + k] = 0
             if entry.sampler is not None:
                 buf.logits[n + k - 1] = 1
+                rows.append(n + k - 1 if embedding else len(outputs))
                 outputs.append(entry)
-                device = self._device_greedy.route(entry.seq_id, entry.sampler.is_argmax)
+                # A device chain takes one output per sequence: none while every token is one.
+                device = self._device_greedy.route(entry.seq_id, entry.sampler.is_argmax and not embedding)
                 on_device.append(n + k - 1 if device else -1)
+            elif entry.embed:
+                self._device_greedy.route(entry.seq_id, False)
+                embeds.append((entry, n))
             n += k
         buf.batch.n_tokens = n
+        if embedding:  # llama.cpp outputs every token then; marked so, it has nothing to say
+            buf.logits[:n] = 1
         started = time.perf_counter()
         self.step_gaps.on_start(began, started)
         if decode_started is not None:
@@ -441,13 +460,33 @@ class LlamaEngine:
             sampled: list[Sampled] = []
             failed: list[SampleFailure] = []
         else:
-            sampled, failed = self._sample(outputs, on_device)
+            sampled, failed = self._sample(outputs, on_device, rows, n if embedding else len(outputs))
+        pooled = self._pool(embeds, n) if embeds else []
         ended = time.perf_counter()
         self.step_gaps.on_end(ended)
-        return StepResult(sampled, n, ended - started, failed)
+        return StepResult(sampled, n, ended - started, failed, pooled)
+
+    def _embedding_mode(self, on: bool) -> bool:
+        """Switch the context's hidden-state output on or off (kept between steps alike)."""
+        if on != self._embedding:
+            llama.llama_set_embeddings(self._ctx, on)
+            self._embedding = on
+        return on
+
+    def _pool(self, embeds: list[tuple[BatchEntry, int]], n_rows: int) -> list[PooledPart]:
+        """Each embedding entry's part of its pooled vector (engine/pooling.py), copied out
+        of llama.cpp's output buffer before the next step reuses it."""
+        states = llama.llama_get_embeddings(self._ctx)  # waits for the device
+        hidden = np.ctypeslib.as_array(states, shape=(n_rows, self.model.n_embd))
+        parts = []
+        for entry, first in embeds:
+            rows = hidden[first : first + len(entry.tokens)]
+            if (part := pool_rows(entry.seq_id, self.model.pooling, rows, entry.pos0)) is not None:
+                parts.append(part)
+        return parts
 
     def _sample(
-        self, outputs: list[BatchEntry], on_device: list[int]
+        self, outputs: list[BatchEntry], on_device: list[int], out_rows: list[int], n_rows: int
     ) -> tuple[list[Sampled], list[SampleFailure]]:
         """The next token of each output, in order: read back where the device picked it,
         argmax-ed together where greedy on the host, else drawn by the request's sampler."""
@@ -463,13 +502,14 @@ class LlamaEngine:
         if len(tokens) + len(failed) < len(outputs):
             # Every output row in batch order, one view (llama_get_logits waits for the device).
             logits = llama.llama_get_logits(self._ctx)
-            rows = np.ctypeslib.as_array(logits, shape=(len(outputs), self._n_vocab))
+            rows = np.ctypeslib.as_array(logits, shape=(n_rows, self._n_vocab))
             greedy = [
                 i for i, e in enumerate(outputs) if on_device[i] < 0 and e.sampler and e.sampler.is_argmax
             ]
             # All greedy (the usual case on a CPU): argmax the view itself; picking rows would
             # copy them (16 rows of a 128k vocabulary: 8 MB, 0.4 ms a step).
-            picked = rows if len(greedy) == len(outputs) else rows[greedy]
+            whole = len(greedy) == len(outputs) == n_rows
+            picked = rows if whole else rows[[out_rows[i] for i in greedy]]
             if greedy:
                 tokens.update(zip(greedy, picked.argmax(axis=1).tolist(), strict=True))
             for i, entry in enumerate(outputs):
@@ -477,7 +517,7 @@ class LlamaEngine:
                     continue
                 assert entry.sampler is not None
                 try:
-                    tokens[i] = entry.sampler.sample(rows[i])
+                    tokens[i] = entry.sampler.sample(rows[out_rows[i]])
                 except Exception as exc:  # one request's sampler must not cost the others their tokens
                     failed.append(SampleFailure(entry.seq_id, f"sampling failed: {exc}"))
         piece, is_eog = self.model.piece, self.model.is_eog
@@ -505,7 +545,7 @@ class LlamaEngine:
                 "tensor_split": list(m.placement.tensor_split) if m.placement.tensor_split else None,
             },
             model={"file": m.path.name, "description": m.description, "weight_bytes": m.weight_bytes,
-                   "n_layer": m.shape.n_layer},
+                   "n_layer": m.shape.n_layer, "n_embd": m.n_embd, "pooling": m.pooling},
             step_overhead=self.step_gaps.snapshot(),
         )  # fmt: skip
 

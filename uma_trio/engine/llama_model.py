@@ -22,6 +22,7 @@ from .constraints import ModelVocabulary
 from .devices import LlamaLog, init_backend, offloaded_layers
 from .infill import FimTokens, infill_tokens
 from .libllama import llama
+from .pooling import pooling_mode
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,11 @@ class LlamaModel:
         self._vocab = llama.llama_model_get_vocab(self._model)
         self.n_vocab = int(llama.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_train = int(llama.llama_model_n_ctx_train(self._model))
+        # An embedding's size and how its tokens pool (engine/pooling.py).
+        self.n_embd = int(llama.llama_model_n_embd_out(self._model))
+        arch = _meta_str(self._model, "general.architecture") or ""
+        self.gguf_pooling = _meta_int(self._model, f"{arch}.pooling_type")  # None: it names none
+        self.pooling = pooling_mode(self.gguf_pooling)
         self._add_bos = bool(llama.llama_vocab_get_add_bos(self._vocab))
         self._pieces: dict[int, bytes] = {}
         ends = {int(llama.llama_vocab_eos(self._vocab)), int(llama.llama_vocab_eot(self._vocab))} - {-1}

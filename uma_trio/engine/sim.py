@@ -37,10 +37,12 @@ from .base import (
     turn_fields,
 )
 from .infill import infill_tokens
+from .pooling import PooledPart
 
 GENERATED_TOKEN = 7
 GENERATED_PIECE = b" tok"
 SIM_VOCAB = 30100  # tokenize() yields ids 100 .. 30099
+SIM_EMBD = 8  # an embedding's size
 _ONE_LOGIT = np.zeros(1, dtype=np.float32)  # the samplers still run: their failures must show
 
 
@@ -210,9 +212,12 @@ class SimEngine:
         if preempt.cancelled_caught:
             self.preempted += 1
             raise EngineError(2, f"preempted: a batch of {n_tokens} tokens stopped early and was undone")
-        sampled, failed = [], []
+        sampled, failed, pooled = [], [], []
         for entry in entries:
             self._cells[entry.seq_id] = entry.pos0 + len(entry.tokens)
+            if entry.embed:  # a made-up hidden state per token: the mechanics, not the meaning
+                hidden = np.outer(entry.tokens + 1, np.arange(1, SIM_EMBD + 1, dtype=np.float64))
+                pooled.append(PooledPart(entry.seq_id, "mean", hidden.sum(axis=0), len(hidden)))
             if entry.sampler is not None:
                 self._sampled_once.add(entry.seq_id)
                 try:
@@ -222,7 +227,7 @@ class SimEngine:
                     continue
                 sampled.append(Sampled(entry.seq_id, GENERATED_TOKEN, GENERATED_PIECE, False))
         self.steps.append((len(decode_ctx), prefill_tokens, seconds))
-        return StepResult(sampled, n_tokens, seconds, failed)
+        return StepResult(sampled, n_tokens, seconds, failed, pooled)
 
     async def rebuild(self) -> None:
         await trio.lowlevel.checkpoint()

@@ -48,6 +48,7 @@ from ..runtime.delivery import deliver
 from ..runtime.desk import RequestDesk
 from .anthropic import AnthropicApi
 from .auth import BearerAuth, request_owner
+from .embeddings import EmbeddingsApi
 from .event_stream import EventStream, until_disconnect
 from .flight import Flight, client_gone, completed, last_word
 from .fresh import FreshConnections, peer_of
@@ -118,6 +119,7 @@ class Gateway:
                 Route("/infill", self.infill, methods=["POST"]),
                 Route("/priority", self.priority, methods=["POST"]),
                 *OllamaApi(self).routes(),
+                *EmbeddingsApi(self).routes(),
                 *AnthropicApi(self).routes(),
                 *ResponsesApi(self).routes(),
             ],

@@ -170,10 +170,18 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
+    # Embeddings (docs/PROTOCOL.md "Embeddings"): nothing is generated; the eos carries the
+    # prompt's pooled hidden state, scaled to unit length with `normalize`.  `truncate` cuts
+    # a prompt longer than the context to fit instead of refusing it.
+    embed: bool = False
+    normalize: bool = True
+    truncate: bool = False
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of `prompt` and `messages` is required")
+        if self.embed:
+            self._check_embedding()
         constrained = self.grammar is not None or not isinstance(self.response_format, TextFormat | None)
         if self.grammar is not None and not isinstance(self.response_format, TextFormat | None):
             raise ValueError("give `response_format` or `grammar`, not both")
@@ -192,6 +200,18 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("`suffix` (infill) needs `prompt`, the text before it")
         if self.input_extra is not None and self.suffix is None:
             raise ValueError("`input_extra` is context for an infill: it needs `suffix`")
+
+    def _check_embedding(self) -> None:
+        if self.prompt is None:
+            raise ValueError("`embed` takes a `prompt`, the text to embed")
+        if not self.prompt:
+            raise ValueError("`prompt` must not be empty: an empty text has no embedding")
+        generating = {
+            "tools": self.tools, "response_format": self.response_format, "grammar": self.grammar,
+            "suffix": self.suffix, "logprobs": self.logprobs or None,
+        }  # fmt: skip
+        if given := [name for name, value in generating.items() if value is not None]:
+            raise ValueError(f"`embed` generates nothing: drop {', '.join(f'`{n}`' for n in given)}")
 
     @property
     def uses_tools(self) -> bool:
@@ -314,6 +334,8 @@ class EosEvent(Struct, tag_field="event", tag="eos", omit_defaults=True):
     tool_calls: list[ToolCall] | None = None
     # With `logprobs` and `"stream": false`: every generated token's.
     logprobs: list[TokenLogprob] | None = None
+    # An `embed` request's embedding.
+    embedding: list[float] | None = None
 
 
 class ErrorEvent(Struct, tag_field="event", tag="error"):

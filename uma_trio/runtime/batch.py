@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def batch_entries(plan: Plan, active: Mapping[int, Session]) -> list[BatchEntry]:
     """The engine batch for ``plan``: one fed-back token per decoder, then each prefill
-    chunk (sampled only when it is the prompt's last)."""
+    chunk (sampled only when it is the prompt's last; an embedding's is pooled instead)."""
     entries = []
     for seq_id in plan.decode:
         session = active[seq_id]
@@ -34,7 +34,10 @@ def batch_entries(plan: Plan, active: Mapping[int, Session]) -> list[BatchEntry]
         start = session.n_past
         last_chunk = start + n == len(session.prompt)
         chunk = session.prompt[start : start + n]
-        entries.append(BatchEntry(seq_id, chunk, start, session.sampler if last_chunk else None))
+        if session.pool is not None:
+            entries.append(BatchEntry(seq_id, chunk, start, None, embed=True))
+        else:
+            entries.append(BatchEntry(seq_id, chunk, start, session.sampler if last_chunk else None))
     return entries
 
 

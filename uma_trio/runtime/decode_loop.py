@@ -60,7 +60,7 @@ from .lifecycle import Phase
 from .loop_gauges import kv_gauges, session_gauges
 from .run_ahead import AheadChain, RunAhead, ahead_budget
 from .session import END_SLOTS, PinnedSequence, Session, StreamEnd, parks
-from .step_apply import Ended, Failed, Overran, Token, apply_step
+from .step_apply import Embedded, Ended, Failed, Overran, Token, apply_step
 from .tick_trace import TickTrace
 
 log = logging.getLogger(__name__)
@@ -118,11 +118,14 @@ class DecodeLoop:
         if not self._accepting:
             raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=session.id)
         if session.reserved_cells > self.engine.n_ctx_seq:
+            needs = (
+                f"the input to embed ({len(session.prompt)} tokens; truncate cuts it to fit)"
+                if session.request.embed
+                else f"prompt ({len(session.prompt)} tokens) + max_tokens ({session.request.max_tokens})"
+            )
             raise UmaError(
                 ErrorCode.CONTEXT_OVERFLOW,
-                f"prompt ({len(session.prompt)} tokens) + max_tokens "
-                f"({session.request.max_tokens}) exceeds the per-request context of "
-                f"{self.engine.n_ctx_seq} tokens",
+                f"{needs} exceeds the per-request context of {self.engine.n_ctx_seq} tokens",
                 request_id=session.id,
             )
         if self._queue_full(session):
@@ -357,6 +360,8 @@ class DecodeLoop:
                     self._emit(session, event.text, event.token_id)
                 case Ended(session=session, reason=reason):
                     self._finish(session, reason)
+                case Embedded(session=session):  # its cells hold no answer worth caching
+                    self._finish(session, "stop", keep_kv=False)
                 case Failed(session=session, message=message):
                     self._fail(session, ErrorCode.SAMPLING_FAILED, message)
                 case Overran(seq_id=seq_id):  # ended while the step ran ahead: trim its cell
@@ -472,8 +477,9 @@ class DecodeLoop:
             needed, reserved = session.reserved_cells, self._reserved_cells
             mine = {seq: tokens for seq, (owner, tokens) in running.items() if owner == session.owner}
             claim = self.kv.claim(
-                session.prompt, mine, cells_needed=needed, cells_reserved=reserved, owner=session.owner
-            )
+                session.prompt, mine, cells_needed=needed, cells_reserved=reserved, owner=session.owner,
+                reuse=session.pool is None,
+            )  # fmt: skip
             if claim is None:  # pragma: no cover - admission said there was room
                 break
             self._waiting.remove(session)

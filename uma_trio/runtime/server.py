@@ -23,6 +23,7 @@ import trio
 
 from ..config import ServerConfig
 from ..engine.base import Engine, TokenArray
+from ..engine.sampling import Sampler, SamplingParams
 from ..observability.metrics import Metrics
 from ..observability.process import ProcessSampler
 from ..observability.prometheus import build_registry
@@ -190,16 +191,19 @@ class Server:
             )
         fmt = tool_format(self.engine, request)
         prompt = await self.tokenize_request(request, fmt)
+        if request.embed and request.truncate:  # cut to fit instead of refused (decode_loop.submit)
+            prompt = prompt[: min(self.engine.n_ctx_seq, self.config.max_prompt_tokens)]
         if len(prompt) > self.config.max_prompt_tokens:
             raise UmaError(
                 ErrorCode.PROMPT_TOO_LARGE,
                 f"prompt has {len(prompt)} tokens; the limit is {self.config.max_prompt_tokens}",
                 request_id=rid,
             )
-        if auto_max_tokens:
+        if auto_max_tokens and not request.embed:
             room = max(1, self.engine.n_ctx_seq - len(prompt))
             request = msgspec.structs.replace(request, max_tokens=min(self.config.max_tokens, room))
-        if request.max_context is not None:  # the client's own cap (Ollama's num_ctx): never a reload
+        # The client's own cap (Ollama's num_ctx): never a reload.
+        if request.max_context is not None and not request.embed:
             room = request.max_context - len(prompt)
             if room < 1:
                 raise UmaError(
@@ -208,7 +212,11 @@ class Server:
                     request_id=rid,
                 )
             request = msgspec.structs.replace(request, max_tokens=min(request.max_tokens, room))
-        sampler = await sampler_for(self.engine, request, tool_constraint(request, fmt))
+        # An embedding samples nothing: its sampler is never asked.
+        if request.embed:
+            sampler = Sampler(SamplingParams(temperature=0.0))
+        else:
+            sampler = await sampler_for(self.engine, request, tool_constraint(request, fmt))
         send, receive = trio.open_memory_channel[StreamItem](self.config.stream_buffer + END_SLOTS)
         session = Session(request, prompt, sampler, send, created=arrived, connection=connection)
         session.pin_on_finish = pin_on_finish

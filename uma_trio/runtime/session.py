@@ -9,6 +9,7 @@ import trio
 
 from ..engine.base import TokenArray
 from ..engine.logprobs import DrawnLogprob, Logprob
+from ..engine.pooling import EmbeddingPool
 from ..engine.sampling import Sampler
 from ..protocol.messages import (
     CancelReason,
@@ -104,12 +105,15 @@ class Session:
     pieces: list[str] = field(default_factory=list)  # whole text: non-stream, or with tools
     tool_format: ToolFormat | None = None  # how the model writes tool calls, when offered tools
     logprobs: list[TokenLogprob] = field(default_factory=list)  # with `logprobs`: not yet sent
+    pool: EmbeddingPool | None = None  # an embedding request's pooled hidden states so far
     error: ErrorEvent | None = None
     final: EosEvent | None = None
 
     def __post_init__(self) -> None:
         self.text = TextStream(self.request.stop)
         self.lane = self.request.priority
+        if self.request.embed:
+            self.pool = EmbeddingPool()
 
     def move_to(self, phase: Phase) -> None:
         """The one way ``phase`` changes (:mod:`.lifecycle` lists the allowed moves)."""
@@ -121,8 +125,9 @@ class Session:
 
     @property
     def reserved_cells(self) -> int:
-        """KV cells this request may come to need: its prompt plus max_tokens."""
-        return len(self.prompt) + self.request.max_tokens
+        """KV cells this request may come to need: its prompt plus max_tokens (an
+        embedding generates nothing)."""
+        return len(self.prompt) + (0 if self.request.embed else self.request.max_tokens)
 
     def pins_on(self, reason: FinishReason) -> bool:
         """Whether ending with ``reason`` leaves its sequence cached and pinned: a snapshot
@@ -176,6 +181,8 @@ class Session:
             cancel_reason=cancel_reason,
             logprobs=self.take_logprobs() if not self.request.stream else None,
         )
+        if self.pool is not None and reason == "stop":
+            eos.embedding = self.pool.result(normalize=self.request.normalize)
         if self.tool_format is not None and reason in ("stop", "length"):
             eos.content, calls = answer_with_tools("".join(self.pieces), self.request, self.tool_format)
             eos.tool_calls = calls or None

@@ -39,6 +39,13 @@ class Ended:
 
 
 @dataclass(frozen=True, slots=True)
+class Embedded:
+    """An embedding request's whole input is pooled: it ends (its eos carries the vector)."""
+
+    session: Session
+
+
+@dataclass(frozen=True, slots=True)
 class Failed:
     session: Session
     message: str  # its sampler raised
@@ -51,19 +58,27 @@ class Overran:
     seq_id: int
 
 
-StepEvent = Token | Ended | Failed | Overran
+StepEvent = Token | Ended | Embedded | Failed | Overran
 
 
 def apply_step(
     plan: Plan, result: StepResult, active: Mapping[int, Session], *, tick: int, now: float
 ) -> list[StepEvent]:
     """Advance the sessions ``plan`` ran by ``result``; return what follows, in order."""
+    pooled = {part.seq_id: part for part in result.pooled}
+    embedded: list[StepEvent] = []
     for seq_id, n in plan.prefill:
         if (session := active.get(seq_id)) is not None:
             session.last_served_tick = tick
             session.n_past += n
             session.computed_tokens += n
-            if session.n_past == len(session.prompt):
+            if session.pool is not None and (part := pooled.get(seq_id)) is not None:
+                session.pool.add(part)
+            if session.n_past < len(session.prompt):
+                continue
+            if session.pool is not None:
+                embedded.append(Embedded(session))
+            else:
                 session.move_to(Phase.DECODE)
     for seq_id in plan.decode:
         if (session := active.get(seq_id)) is not None:
@@ -76,6 +91,7 @@ def apply_step(
         for failure in result.failed
         if (session := active.get(failure.seq_id)) is not None
     ]
+    events += embedded
     for sampled in result.sampled:
         session = active.get(sampled.seq_id)
         if session is None:

@@ -185,11 +185,16 @@ class KvManager:
         cells_needed: int,
         cells_reserved: int,
         owner: str = "",
+        reuse: bool = True,
     ) -> Claim | None:
         """A sequence for a request with ``prompt`` that reserves ``cells_needed`` cells
         (running requests reserve ``cells_reserved``), reusing the longest shared prefix
         of any cached sequence of the same ``owner`` or ``running`` one (the caller passes
-        only the owner's own); None when no id or cells can be had."""
+        only the owner's own); None when no id or cells can be had.  Without ``reuse`` (an
+        embedding, which needs every token's hidden state) it starts empty, uncounted."""
+        if not reuse:
+            claim = self._claim(prompt[:0], {}, cells_needed, cells_reserved, owner)
+            return self._pack(claim) if claim is not None and self.pack_ids else claim
         claim = self._claim(prompt, running, cells_needed, cells_reserved, owner)
         if claim is not None:
             if claim.reused:

@@ -1,0 +1,132 @@
+"""The embedding endpoints: OpenAI's ``POST /v1/embeddings`` and Ollama's ``POST /api/embed``
+and ``POST /api/embeddings`` (protocol/embeddings.py has the shapes).
+
+Each input is one ``embed`` request through the gateway's lifecycle; a request's inputs run
+side by side, at most as many at a time as the engine has sequences, so a long list takes
+turns with everybody else instead of filling the queue.  The first input that fails ends
+the others and is the answer; a client that hangs up cancels them all.
+"""
+
+from __future__ import annotations
+
+import secrets
+from contextlib import aclosing
+
+import trio
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ..protocol import embeddings
+from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, ServerEvent
+from ..protocol.openai import LANE_HEADER, ApiError, lane_from_header
+from .auth import request_owner
+from .event_stream import until_disconnect
+from .flight import GatewayCore, answering_as, completed, decode_body
+from .responses import json_response
+
+
+class EmbeddingsApi:
+    """The routes; the model names and limits are the gateway's."""
+
+    def __init__(self, gateway: GatewayCore) -> None:
+        self.gateway = gateway
+        self._dimensions: int | None = None  # the model's embedding size, read once
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/embeddings", self.openai, methods=["POST"]),
+            Route("/api/embed", answering_as("ollama", self.ollama_embed), methods=["POST"]),
+            Route("/api/embeddings", answering_as("ollama", self.ollama_embeddings), methods=["POST"]),
+        ]
+
+    async def openai(self, request: Request) -> Response:
+        data, arrived = await self.gateway._arriving(request)
+        body = decode_body(data, embeddings.OpenAIBody)
+        if body.model not in self.gateway.model_names:
+            raise ApiError(
+                404, f"The model `{body.model}` does not exist; this server has `{self.gateway.model}`",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        texts = embeddings.texts_of(body.input)
+        if not texts:
+            raise ApiError(400, "`input` is empty: give a text or a list of texts", param="input")
+        embeddings.check_dimensions(body.dimensions, self._n_embd())
+        ends = await self._embed(request, texts, arrived)
+        return json_response(embeddings.openai_answer(self.gateway.model, ends, body.encoding_format))
+
+    async def ollama_embed(self, request: Request) -> Response:
+        data, arrived = await self.gateway._arriving(request)
+        body = decode_body(data or b"{}", embeddings.OllamaEmbedBody)
+        self._check_ollama_model(body.model)
+        texts = embeddings.texts_of(body.input)
+        if texts:  # no input: Ollama's way to load a model, answered at once
+            embeddings.check_dimensions(body.dimensions, self._n_embd())
+        ends = await self._embed(request, texts, arrived, truncate=body.truncate) if texts else []
+        answer = embeddings.ollama_embed_answer(body.model, ends, trio.current_time() - arrived)
+        return json_response(answer)
+
+    async def ollama_embeddings(self, request: Request) -> Response:
+        data, arrived = await self.gateway._arriving(request)
+        body = decode_body(data or b"{}", embeddings.OllamaEmbeddingsBody)
+        self._check_ollama_model(body.model)
+        if not body.prompt:  # as Ollama: an empty prompt has an empty embedding
+            return json_response({"embedding": []})
+        # Ollama's older endpoint gives the vector as pooled, not scaled to unit length.
+        (end,) = await self._embed(request, [body.prompt], arrived, normalize=False, truncate=True)
+        return json_response({"embedding": end.embedding})
+
+    # -- the request path -----------------------------------------------------------
+
+    async def _embed(
+        self,
+        request: Request,
+        texts: list[str],
+        arrived: float,
+        *,
+        normalize: bool = True,
+        truncate: bool = False,
+    ) -> list[EosEvent]:
+        """Each text's eos (its embedding), in order; the first failure is raised."""
+        gateway, owner = self.gateway, request_owner(request)
+        lane = lane_from_header(request.headers.get(LANE_HEADER)) or "background"
+        rid = f"embd-{secrets.token_hex(12)}"
+        requests = embeddings.embed_requests(texts, rid, lane, normalize=normalize, truncate=truncate)
+        collected: list[list[ServerEvent]] = [[] for _ in requests]
+        refusal: list[ApiError] = []  # raised while being admitted (busy, shutting down, too long)
+        limiter = trio.CapacityLimiter(max(1, gateway._ready().loop.engine.n_seq_max))
+
+        async def one(i: int, embed: GenerateRequest, nursery: trio.Nursery) -> None:
+            async with limiter:
+                try:
+                    async with gateway._in_flight(embed, arrived, False, owner) as flight:
+                        async with aclosing(gateway._events(flight)) as events:
+                            async for event in events:
+                                collected[i].append(event)
+                except ApiError as exc:
+                    refusal.append(exc)
+            if refusal or any(isinstance(e, ErrorEvent) for e in collected[i]):
+                nursery.cancel_scope.cancel()  # one failed: the answer is its error
+
+        async def run() -> None:
+            async with trio.open_nursery() as nursery:
+                for i, embed in enumerate(requests):
+                    nursery.start_soon(one, i, embed, nursery)
+
+        await until_disconnect(request.receive, run)
+        if refusal:
+            raise refusal[0]
+        for events in collected:  # the failure, not the inputs it cut short
+            if any(isinstance(e, ErrorEvent) for e in events):
+                completed(events)
+        return [completed(events) for events in collected]
+
+    def _n_embd(self) -> int:
+        if self._dimensions is None:
+            model = self.gateway._ready().describe_engine().get("model", {})
+            self._dimensions = int(model.get("n_embd", 0))
+        return self._dimensions
+
+    def _check_ollama_model(self, name: str) -> None:
+        if name.removesuffix(":latest") not in self.gateway.model_names:
+            raise ApiError(404, f"model '{name}' not found; this server has '{self.gateway.model}'")

@@ -1,0 +1,130 @@
+"""Embedding requests in OpenAI's shape (``POST /v1/embeddings``) and Ollama's (``POST
+/api/embed``, the older ``POST /api/embeddings``), as the daemon's own ``embed`` requests
+(one per input), and their answers.  Pure: no I/O.
+
+Every input is a :class:`~.messages.GenerateRequest` with ``embed``: it runs on the one
+request path (lanes, the latency guard, cancel on disconnect), in the background lane unless
+the ``X-Uma-Priority`` header says otherwise (docs/HTTP.md "Embeddings").
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import numpy as np
+from msgspec import Struct
+
+from .messages import EosEvent, GenerateRequest, Lane
+from .openai_errors import bad_request
+
+MAX_INPUTS = 2048  # inputs in one request: OpenAI's limit
+
+
+class OpenAIBody(Struct, kw_only=True):
+    """``POST /v1/embeddings``; unknown fields are ignored."""
+
+    model: str
+    input: str | list[Any]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class OllamaEmbedBody(Struct, kw_only=True):
+    """``POST /api/embed``; ``keep_alive`` and ``options`` are accepted and have nothing to
+    change (the model stays loaded; no sampling)."""
+
+    model: str
+    input: str | list[str] | None = None
+    truncate: bool = True
+    dimensions: int | None = None
+    options: Any = None
+    keep_alive: Any = None
+
+
+class OllamaEmbeddingsBody(Struct, kw_only=True):
+    """``POST /api/embeddings``, the older endpoint: one prompt, an unnormalized vector."""
+
+    model: str
+    prompt: str = ""
+    options: Any = None
+    keep_alive: Any = None
+
+
+def texts_of(value: str | list[Any] | None) -> list[str]:
+    """The inputs as texts: a string is one; token ids (OpenAI allows them, in another
+    model's vocabulary) are refused by name."""
+    items = [value] if isinstance(value, str) else list(value or [])
+    if len(items) > MAX_INPUTS:
+        raise bad_request(f"`input` has {len(items)} items; at most {MAX_INPUTS} fit in one request", "input")
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise bad_request(
+                f"`input[{i}]` is not a text: token ids are not accepted (they would be another "
+                "model's); send the text itself",
+                "input",
+            )
+        if not item:
+            raise bad_request(f"`input[{i}]` is empty: an empty text has no embedding", "input")
+    return items
+
+
+def check_dimensions(dimensions: int | None, n_embd: int) -> None:
+    """``dimensions`` is honoured only where it asks for what the model gives."""
+    if dimensions is not None and dimensions != n_embd:
+        raise bad_request(
+            f"this model's embeddings have {n_embd} dimensions; `dimensions` {dimensions} cannot be "
+            "served (it does not support shortened embeddings)",
+            "dimensions",
+        )
+
+
+def as_base64(embedding: list[float]) -> str:
+    """OpenAI's ``encoding_format: base64``: the float32 values, little-endian, in base64."""
+    return base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode()
+
+
+def embed_requests(
+    texts: list[str], request_id: str, lane: Lane, *, normalize: bool = True, truncate: bool = False
+) -> list[GenerateRequest]:
+    """One daemon request per input, ids ``<request_id>-<i>``."""
+    return [
+        GenerateRequest(
+            id=f"{request_id}-{i}",
+            prompt=text,
+            embed=True,
+            stream=False,
+            normalize=normalize,
+            truncate=truncate,
+            priority=lane,
+        )
+        for i, text in enumerate(texts)
+    ]
+
+
+def openai_answer(model: str, ends: list[EosEvent], encoding: Literal["float", "base64"]) -> dict[str, Any]:
+    """``/v1/embeddings``'s body, the inputs' order kept."""
+    tokens = sum(e.usage.prompt_tokens for e in ends)
+    data = [
+        {
+            "object": "embedding",
+            "index": i,
+            "embedding": as_base64(vector) if encoding == "base64" else vector,
+        }
+        for i, e in enumerate(ends)
+        if (vector := e.embedding) is not None
+    ]
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}
+
+
+def ollama_embed_answer(model: str, ends: list[EosEvent], total_s: float) -> dict[str, Any]:
+    """``/api/embed``'s body (durations in nanoseconds, as Ollama's)."""
+    return {
+        "model": model,
+        "embeddings": [e.embedding for e in ends],
+        "total_duration": int(total_s * 1e9),
+        "load_duration": 0,
+        "prompt_eval_count": sum(e.usage.prompt_tokens for e in ends),
+    }
