@@ -8,9 +8,8 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import openai
 import pytest
 
 from uma_trio.config import ServerConfig
@@ -18,6 +17,9 @@ from uma_trio.daemon import serving
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.model_files import ensure_default_model
 from uma_trio.runtime.server import Server
+
+if TYPE_CHECKING:  # the GPU machine runs tests/test_gpu.py without the SDK installed
+    import openai
 
 _socket_numbers = itertools.count()
 
@@ -66,6 +68,8 @@ async def keyed_http_server(llama_model: LlamaModel, server_config: ServerConfig
 
 def openai_sdk(server: Server) -> openai.AsyncOpenAI:
     """The official SDK pointed at ``server``'s gateway, without retries."""
+    import openai
+
     return openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key=API_KEY, max_retries=0)
 
 

@@ -29,6 +29,7 @@ import pytest
 from uma_trio.engine.base import BatchEntry
 from uma_trio.engine.devices import devices, supports_gpu_offload
 from uma_trio.engine.llama import ContextConfig, LlamaEngine, LlamaModel, Placement
+from uma_trio.engine.pooling import EmbeddingPool
 from uma_trio.engine.sampling import Sampler, SamplingParams
 
 HAS_GPU = supports_gpu_offload() and any(d.offloads for d in devices())
@@ -36,6 +37,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no GPU ba
 PROMPT = "The capital of France is"
 STEPS = 8
 Rows = list[npt.NDArray[np.float32]]
+Vector = npt.NDArray[np.float64]
 
 
 class Recorder(Sampler):
@@ -96,12 +98,12 @@ def test_every_layer_is_offloaded_and_the_gpu_computes_the_cpus_logits(model_pat
         gpu_rows = forced(gpu, prompt, path)
 
     clear = 0
-    for step, (c, g) in enumerate(zip(cpu_rows, gpu_rows, strict=True)):
-        assert np.linalg.norm(g - c) / np.linalg.norm(c) < 0.05, f"logits differ at step {step}"
+    for i, (c, g) in enumerate(zip(cpu_rows, gpu_rows, strict=True)):
+        assert np.linalg.norm(g - c) / np.linalg.norm(c) < 0.05, f"logits differ at step {i}"
         top2 = np.sort(c)[-2:]
         if top2[1] - top2[0] > 4 * float(np.max(np.abs(g - c))):  # the CPU's choice is clear
             clear += 1
-            assert int(np.argmax(g)) == int(np.argmax(c)), f"greedy choice differs at step {step}"
+            assert int(np.argmax(g)) == int(np.argmax(c)), f"greedy choice differs at step {i}"
     print(f"{clear} of {len(cpu_rows)} steps had a clear greedy choice")
 
 
@@ -114,3 +116,30 @@ def test_batched_and_alone_agree_on_the_gpu(model_path: Path) -> None:
         entries += [BatchEntry(i + 1, t, 0, Recorder()) for i, t in enumerate(others)]
         engine.step_sync(entries)
     assert np.linalg.norm(rec.rows[0] - alone) / np.linalg.norm(alone) < 0.05
+
+
+def embedding(engine: LlamaEngine, tokens: npt.NDArray[np.int32], chunks: list[int]) -> Vector:
+    """``tokens``' embedding, prefilled in ``chunks`` (beside a decoding sequence in the last)."""
+    pool, pos = EmbeddingPool(), 0
+    for i, size in enumerate(chunks):
+        entries = [BatchEntry(0, tokens[pos : pos + size], pos, None, embed=True)]
+        if i == len(chunks) - 1:
+            entries.append(BatchEntry(1, engine.tokenize(PROMPT), 0, Recorder()))
+        for part in engine.step_sync(entries).pooled:
+            pool.add(part)
+        pos += size
+    engine.free_seq(0)
+    engine.free_seq(1)
+    return np.asarray(pool.result(normalize=True))
+
+
+def test_the_gpu_embeds_as_the_cpu_does(model_path: Path) -> None:
+    """Hidden states come back from the device whole, in batch order, however they are chunked."""
+    with engine_on(model_path, 0) as cpu:
+        tokens = cpu.tokenize(PROMPT * 20)[:200]
+        on_cpu = embedding(cpu, tokens, [len(tokens)])
+    with engine_on(model_path, 999) as gpu:
+        whole = embedding(gpu, tokens, [len(tokens)])
+        chunked = embedding(gpu, tokens, [13, 60, len(tokens) - 73])
+    print(f"cosine gpu/cpu {whole @ on_cpu:.6f}, chunked/whole {chunked @ whole:.6f}")
+    assert whole @ on_cpu > 0.999 and chunked @ whole > 0.999

@@ -7,7 +7,7 @@ set -euo pipefail
 out=${1:-.gpu}/whl
 mkdir -p "$out"
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$out" \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$out" \
     trio outcome sniffio msgspec cyclopts docstring_parser rich_rst docutils platformdirs ddsketch \
-    hypercorn h2 hpack hyperframe priority wsproto starlette pytest-trio diskcache
+    hypercorn h2 hpack hyperframe priority wsproto starlette pytest-trio diskcache jinja2 markupsafe llguidance
 ls "$out"
