@@ -114,6 +114,20 @@ class ServerConfig:
     an absolute path to a directory the user owns (SECURITY.md). Also read from the seeds'
     UMA_SOCK."""
 
+    # Models (docs/MODELS.md)
+    models_dir: Annotated[Path | None, Parameter(show_default="~/.local/share/uma-trio/models")] = None
+    """A directory of GGUF files besides --model: a request may name any of them (by file name
+    without .gguf, or an --alias), and it is loaded for that request and unloaded when idle."""
+    alias: Annotated[tuple[str, ...], _COMMA_LIST, Parameter(show_default="none")] = ()
+    """Comma-separated NAME=FILE: more names for a model (FILE a file of --models-dir, or a
+    path, which joins the store), e.g. chat=SmolLM2-135M-Instruct.Q4_1.gguf."""
+    max_loaded: int = 3
+    """Models loaded at once, --model's included: loading one more first unloads the least
+    recently used idle one; a model with requests in flight is never unloaded."""
+    keep_alive_s: Annotated[float, Parameter(name="--keep-alive")] = 300.0
+    """Seconds a model other than --model stays loaded once idle (a request's Ollama
+    keep_alive overrides it for its model: 0 unloads after the request, negative never)."""
+
     # Engine
     n_ctx: int = 4096
     """KV cells one request may use (prompt + max_tokens); the KV cache holds n_ctx ×
@@ -323,15 +337,15 @@ class ServerConfig:
             "--max-prompt-tokens": self.max_prompt_tokens, "--max-tokens": self.max_tokens,
             "--idle-timeout": self.idle_timeout_s, "--stall-timeout": self.stall_timeout_s,
             "--frame-timeout": self.frame_timeout_s, "--metrics-interval": self.metrics_interval_s,
-            "--metrics-window": self.metrics_window_s,
+            "--metrics-window": self.metrics_window_s, "--max-loaded": self.max_loaded,
         }  # fmt: skip
         bad = [name for name, value in positive.items() if value <= 0]
         if bad:
             raise ConfigError(f"must be positive: {', '.join(bad)}")
         if self.stream_buffer < 2:
             raise ConfigError("stream_buffer must be at least 2")
-        if self.max_queue < 0 or self.shutdown_grace_s < 0:
-            raise ConfigError("--max-queue and --shutdown-grace must not be negative")
+        if self.max_queue < 0 or self.shutdown_grace_s < 0 or self.keep_alive_s < 0:
+            raise ConfigError("--max-queue, --shutdown-grace and --keep-alive must not be negative")
         if self.latency_cap < 1.0:
             raise ConfigError("--latency-cap must be at least 1.0")
         if not 0 <= self.burst_quiet_ms <= self.burst_max_ms:

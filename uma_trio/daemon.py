@@ -31,6 +31,8 @@ from .http.gateway import Gateway
 from .http.metrics import bind_metrics_port, metrics_app
 from .http.origin import DEFAULT_CORS_ORIGINS, allowed_hosts
 from .http.serve import BindError, bind_tcp, serve_asgi
+from .model_store import ModelStore, StoreEntry, StoreError
+from .runtime.models import LoadedModel
 from .runtime.server import Server
 from .runtime.unix_socket import SocketInUseError
 from .sched.bmt import BmtGuard
@@ -153,10 +155,32 @@ def policy_for(engine: LlamaEngine, config: ServerConfig) -> Policy:
 
 
 def server_for(engine: LlamaEngine, config: ServerConfig, policy: Policy) -> Server:
-    """The server over ``engine``, which describes its devices and settings to the metrics."""
+    """The server over ``engine`` (the primary model, which describes its devices and
+    settings to the metrics), with the store's other models loaded on demand."""
+    try:
+        store = ModelStore.scan(engine.model.path, config.models_dir, config.alias)
+    except StoreError as exc:
+        raise DaemonStartError(str(exc)) from None
+    if len(store.entries()) > 1:
+        names = [f"{e.id}{' (loaded)' if e.primary else ''}" for e in store.entries()]
+        log.info("models: %s", ", ".join(names))
     return Server(
-        engine, config, policy, describe=partial(engine.describe, deterministic=config.deterministic)
-    )
+        engine, config, policy, describe=partial(engine.describe, deterministic=config.deterministic),
+        store=store, loader=partial(load_other_model, config=config),
+    )  # fmt: skip
+
+
+def load_other_model(entry: StoreEntry, config: ServerConfig) -> LoadedModel:
+    """A model of the store other than --model, loaded as --model is (runtime/models.py calls
+    it in a worker thread when a request names the model)."""
+    engine = engine_for(load_model(entry.path, config), config)
+    policy = policy_for(engine, config)
+
+    def close() -> None:
+        engine.close()
+        engine.model.close()
+
+    return LoadedModel(engine, policy, close, partial(engine.describe, deterministic=config.deterministic))
 
 
 def _is_loopback(host: str) -> bool:

@@ -16,7 +16,7 @@ from starlette.routing import Route
 from ..protocol import anthropic
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
-from ..protocol.openai import ApiError, api_error, ended_early, from_uma_error, validation_error
+from ..protocol.openai import api_error, ended_early, from_uma_error, validation_error
 from ..protocol.tools import ToolTextFilter
 from .auth import request_owner
 from .flight import Flight, GatewayCore, answering_as, completed, decode_body
@@ -136,14 +136,13 @@ class AnthropicApi:
 
     def _body(self, data: bytes) -> anthropic.MessagesBody:
         body = decode_body(data, anthropic.MessagesBody)
-        if body.model not in self.gateway.model_names:
-            raise ApiError(404, f"model: {body.model} (this server has {self.gateway.model})")
-        return body
+        return msgspec.structs.replace(body, model=self.gateway.model_for(body.model))
 
     def _translate(
         self, body: anthropic.MessagesBody, rid: str, *, count_only: bool = False
     ) -> GenerateRequest:
         try:
-            return anthropic.messages_request(body, rid, count_only=count_only)
+            translated = anthropic.messages_request(body, rid, count_only=count_only)
+            return msgspec.structs.replace(translated, model=body.model)
         except (msgspec.ValidationError, ValueError) as exc:
             raise validation_error(exc) from None

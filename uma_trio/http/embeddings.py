@@ -31,7 +31,6 @@ class EmbeddingsApi:
 
     def __init__(self, gateway: GatewayCore) -> None:
         self.gateway = gateway
-        self._dimensions: int | None = None  # the model's embedding size, read once
 
     def routes(self) -> list[Route]:
         return [
@@ -43,37 +42,33 @@ class EmbeddingsApi:
     async def openai(self, request: Request) -> Response:
         data, arrived = await self.gateway._arriving(request)
         body = decode_body(data, embeddings.OpenAIBody)
-        if body.model not in self.gateway.model_names:
-            raise ApiError(
-                404, f"The model `{body.model}` does not exist; this server has `{self.gateway.model}`",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+        model = self.gateway.model_for(body.model)
         texts = embeddings.texts_of(body.input)
         if not texts:
             raise ApiError(400, "`input` is empty: give a text or a list of texts", param="input")
-        embeddings.check_dimensions(body.dimensions, self._n_embd())
-        ends = await self._embed(request, texts, arrived)
-        return json_response(embeddings.openai_answer(self.gateway.model, ends, body.encoding_format))
+        ends = await self._embed(request, texts, arrived, model, dimensions=body.dimensions)
+        return json_response(embeddings.openai_answer(model, ends, body.encoding_format))
 
     async def ollama_embed(self, request: Request) -> Response:
         data, arrived = await self.gateway._arriving(request)
         body = decode_body(data or b"{}", embeddings.OllamaEmbedBody)
-        self._check_ollama_model(body.model)
+        model = self.gateway.model_for(body.model)
         texts = embeddings.texts_of(body.input)
-        if texts:  # no input: Ollama's way to load a model, answered at once
-            embeddings.check_dimensions(body.dimensions, self._n_embd())
-        ends = await self._embed(request, texts, arrived, truncate=body.truncate) if texts else []
+        ends = []  # no input: Ollama's way to load a model, answered at once
+        if texts:
+            dims, cut = body.dimensions, body.truncate
+            ends = await self._embed(request, texts, arrived, model, dimensions=dims, truncate=cut)
         answer = embeddings.ollama_embed_answer(body.model, ends, trio.current_time() - arrived)
         return json_response(answer)
 
     async def ollama_embeddings(self, request: Request) -> Response:
         data, arrived = await self.gateway._arriving(request)
         body = decode_body(data or b"{}", embeddings.OllamaEmbeddingsBody)
-        self._check_ollama_model(body.model)
+        model = self.gateway.model_for(body.model)
         if not body.prompt:  # as Ollama: an empty prompt has an empty embedding
             return json_response({"embedding": []})
         # Ollama's older endpoint gives the vector as pooled, not scaled to unit length.
-        (end,) = await self._embed(request, [body.prompt], arrived, normalize=False, truncate=True)
+        (end,) = await self._embed(request, [body.prompt], arrived, model, normalize=False, truncate=True)
         return json_response({"embedding": end.embedding})
 
     # -- the request path -----------------------------------------------------------
@@ -83,15 +78,18 @@ class EmbeddingsApi:
         request: Request,
         texts: list[str],
         arrived: float,
+        model: str,
         *,
+        dimensions: int | None = None,
         normalize: bool = True,
         truncate: bool = False,
     ) -> list[EosEvent]:
-        """Each text's eos (its embedding), in order; the first failure is raised."""
+        """Each text's eos (its embedding) from ``model``, in order; the first failure is
+        raised, and a ``dimensions`` the model's vectors do not have."""
         gateway, owner = self.gateway, request_owner(request)
         lane = lane_from_header(request.headers.get(LANE_HEADER)) or "background"
         rid = f"embd-{secrets.token_hex(12)}"
-        requests = embeddings.embed_requests(texts, rid, lane, normalize=normalize, truncate=truncate)
+        requests = embeddings.embed_requests(texts, rid, lane, model, normalize=normalize, truncate=truncate)
         collected: list[list[ServerEvent]] = [[] for _ in requests]
         refusal: list[ApiError] = []  # raised while being admitted (busy, shutting down, too long)
         limiter = trio.CapacityLimiter(max(1, gateway._ready().loop.engine.n_seq_max))
@@ -119,14 +117,6 @@ class EmbeddingsApi:
         for events in collected:  # the failure, not the inputs it cut short
             if any(isinstance(e, ErrorEvent) for e in events):
                 completed(events)
-        return [completed(events) for events in collected]
-
-    def _n_embd(self) -> int:
-        if self._dimensions is None:
-            model = self.gateway._ready().describe_engine().get("model", {})
-            self._dimensions = int(model.get("n_embd", 0))
-        return self._dimensions
-
-    def _check_ollama_model(self, name: str) -> None:
-        if name.removesuffix(":latest") not in self.gateway.model_names:
-            raise ApiError(404, f"model '{name}' not found; this server has '{self.gateway.model}'")
+        ends = [completed(events) for events in collected]
+        embeddings.check_dimensions(dimensions, len(ends[0].embedding or ()))
+        return ends

@@ -64,7 +64,8 @@ class GatewayCore(Protocol):
     """The gateway's request lifecycle, as its API modules use it."""
 
     model: str
-    model_names: set[str]
+
+    def model_for(self, name: str) -> str: ...
 
     def _ready(self) -> RequestDesk: ...
 

@@ -190,9 +190,23 @@ class Gateway:
         return Response(exposition(self._ready().registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
-        self._ready()
-        listing = openai.ModelList([openai.Model(id=self.model, created=self.created)])
-        return json_response(listing)
+        """Every model of the store, with its state (docs/MODELS.md); OpenAI's fields first."""
+        described = self._ready().models.describe()
+        listed = [openai.Model(id=m["id"], created=self.created, uma=m) for m in described]
+        return json_response(openai.ModelList(listed))
+
+    def model_for(self, name: str) -> str:
+        """The id of the model ``name`` names (an id, a file name or an alias); 404 listing
+        the daemon's models when it names none."""
+        models = self._ready().models
+        found = models.store.resolve(name)
+        if found is None:
+            available = ", ".join(f"`{n}`" for n in models.store.names())
+            raise ApiError(
+                404, f"The model `{shown(name)}` does not exist; this server has {available}",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        return found
 
     async def priority(self, request: Request) -> Response:
         self._ready()
@@ -224,16 +238,13 @@ class Gateway:
             data = await self._body(request)
         arrived = trio.current_time()
         body = openai.decode_body(data, kind)
-        if body.model not in self.model_names:
-            raise ApiError(
-                404, f"The model `{shown(body.model)}` does not exist; this server has `{self.model}`",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+        body = msgspec.structs.replace(body, model=self.model_for(body.model))  # answers name the id
         completion_id = f"{prefix}-{secrets.token_hex(12)}"
         translated = openai.translate(
             body, request_id=completion_id, lane_header=request.headers.get(openai.LANE_HEADER),
             max_tokens_limit=server.config.max_tokens,
         )  # fmt: skip
+        translated.request = msgspec.structs.replace(translated.request, model=body.model)
         owner = request_owner(request)
         if translated.n > 1:
             return await self._choices(request, body, translated, arrived, owner, completion_id)
@@ -254,16 +265,16 @@ class Gateway:
         if not body.stream:
             eos = completed(await self._collect(request, flight))
             make = openai.chat_completion if is_chat else openai.text_completion
-            return json_response(make(completion_id, created, self.model, eos), headers=headers)
+            return json_response(make(completion_id, created, body.model, eos), headers=headers)
 
         assert flight.stream is not None
         chunks: openai.ChatStream | openai.CompletionStream
         if flight.stream.tool_format is not None:
             fmt = flight.stream.tool_format
-            chunks = openai.ToolChatStream(completion_id, created, self.model, include_usage, fmt)
+            chunks = openai.ToolChatStream(completion_id, created, body.model, include_usage, fmt)
         else:
             stream_kind = openai.ChatStream if is_chat else openai.CompletionStream
-            chunks = stream_kind(completion_id, created, self.model, include_usage)
+            chunks = stream_kind(completion_id, created, body.model, include_usage)
 
         async def sse() -> AsyncGenerator[bytes, None]:
             async with aclosing(self._events(flight)) as events:
@@ -334,7 +345,7 @@ class Gateway:
             completed(events)  # raises the error to answer instead, if a choice failed
         eos = [whole_eos(events) for events in collected]
         created, merge = int(time.time()), merged_chat if isinstance(body, openai.ChatBody) else merged_text
-        return json_response(merge(completion_id, created, self.model, eos))
+        return json_response(merge(completion_id, created, body.model, eos))
 
     async def _streamed_choices(
         self,
@@ -380,11 +391,11 @@ class Gateway:
         for i in range(n):
             if fmt is not None:  # every choice offers the same tools
                 streams.append(
-                    openai.ToolChatStream(completion_id, created, self.model, translated.include_usage, fmt)
+                    openai.ToolChatStream(completion_id, created, body.model, translated.include_usage, fmt)
                 )
             else:
                 kind = openai.ChatStream if is_chat else openai.CompletionStream
-                streams.append(kind(completion_id, created, self.model, translated.include_usage))
+                streams.append(kind(completion_id, created, body.model, translated.include_usage))
             streams[-1].index = i
 
         async def sse() -> AsyncGenerator[bytes, None]:

@@ -8,6 +8,7 @@ import datetime
 import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -15,9 +16,9 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..protocol import ollama
-from ..protocol.errors import ErrorCode
+from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
-from ..protocol.openai import ApiError, api_error, ended_early, validation_error
+from ..protocol.openai import api_error, ended_early, validation_error
 from .auth import request_owner
 from .flight import GatewayCore, answering_as, completed, decode_body
 from .responses import json_response
@@ -51,7 +52,8 @@ class OllamaApi:
         return json_response(ollama.Version())
 
     async def tags(self, request: Request) -> Response:
-        return json_response(ollama.ModelList([self._entry()]))
+        others = [self._other_entry(m) for m in self.gateway._ready().models.describe() if not m["primary"]]
+        return json_response(ollama.ModelList([self._entry(), *others]))
 
     async def ps(self, request: Request) -> Response:
         # Loaded for good: it expires when the daemon stops, a year from now as far as a
@@ -63,11 +65,21 @@ class OllamaApi:
         entry.expires_at = later.isoformat().replace("+00:00", "Z")
         entry.size_vram = entry.size * layers["offloaded"] // max(1, layers["total"])
         entry.context_length = self.gateway._ready().loop.engine.n_ctx_seq
-        return json_response(ollama.ModelList([entry]))
+        loaded = []  # the store's other models while loaded: they expire after their keep-alive
+        for model in self.gateway._ready().models.describe():
+            if model["state"] == "loaded" and not model["primary"]:
+                other = self._other_entry(model)
+                keep = model.get("keep_alive_s")
+                left = 365 * 86400 if keep is None else max(0.0, keep - model.get("idle_s", 0.0))
+                expires = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=left)
+                other.expires_at = expires.isoformat().replace("+00:00", "Z")
+                loaded.append(other)
+        return json_response(ollama.ModelList([entry, *loaded]))
 
     async def show(self, request: Request) -> Response:
         body = self._decode(await self.gateway._body(request), ollama.ShowBody)
-        self._check_model(body.model or body.name or "")
+        if (model := self.gateway.model_for(body.model or body.name or "")) != self.gateway.model:
+            return json_response(self._other_show(model))
         engine = self.gateway._ready().loop.engine
         template = engine.chat_template_source or ""
         capabilities = ["completion", "tools"]  # tools: through the template or the generic format
@@ -109,12 +121,15 @@ class OllamaApi:
             body = self._decode(data, ollama.ChatBody)
         else:
             body = self._decode(data, ollama.GenerateBody)
-        self._check_model(body.model)
+        model = gateway.model_for(body.model)
+        keep_alive = ollama.keep_alive_seconds(body.keep_alive)
         if isinstance(body, ollama.GenerateBody) and not (body.prompt or body.suffix):
-            # Ollama loads the model on an empty prompt and answers done at once.
+            # Ollama's load call (an empty prompt), or with keep_alive 0 its unload call.
+            done = await self._load_or_unload(model, keep_alive)
             return json_response(ollama.Chunk(model=body.model, created_at=ollama.now_rfc3339(), done=True,
-                                              response="", done_reason="load"))  # fmt: skip
-        generate_request = self._translate(body, rid)
+                                              response="", done_reason=done))  # fmt: skip
+        translated = self._translate(body, rid)
+        generate_request = msgspec.structs.replace(translated, model=model, keep_alive=keep_alive)
         # Without num_predict Ollama generates until the context is full (or the model ends).
         auto = not (body.options and body.options.num_predict and body.options.num_predict > 0)
         chat, model = kind == "chat", body.model
@@ -168,10 +183,20 @@ class OllamaApi:
     def _decode(self, data: bytes, kind: type[ollama.BodyT]) -> ollama.BodyT:
         return decode_body(data or b"{}", kind)
 
-    def _check_model(self, name: str) -> None:
-        if name.removesuffix(":latest") in self.gateway.model_names:
-            return
-        raise ApiError(404, f"model '{name}' not found; this server has '{self.gateway.model}'")
+    async def _load_or_unload(self, model: str, keep_alive: float | None) -> str:
+        """Load ``model`` (``"load"``), or unload it with ``keep_alive`` 0 (``"unload"``; the
+        primary model stays)."""
+        models = self.gateway._ready().models
+        if models.store.entry(model).primary:
+            return "unload" if keep_alive == 0 else "load"
+        if keep_alive == 0:
+            await models.unload_when_idle(model)
+            return "unload"
+        try:
+            models.release(await models.acquire(model, keep_alive))
+        except UmaError as exc:
+            raise api_error(exc.code, exc.message) from None
+        return "load"
 
     def _details(self) -> ollama.ModelDetails:
         # llama.cpp's description: "llama 135M Q4_1" (architecture, size, quantization).
@@ -181,6 +206,22 @@ class OllamaApi:
             format="gguf", family=family, families=[family],
             parameter_size=words[1] if len(words) > 1 else "",
             quantization_level=words[-1] if len(words) > 2 else "",
+        )  # fmt: skip
+
+    def _other_entry(self, model: dict[str, Any]) -> ollama.ModelEntry:
+        """A model of the store other than the primary, from its file alone."""
+        details = ollama.ModelDetails("gguf", "", [], parameter_size="", quantization_level="")
+        return ollama.ModelEntry(
+            name=model["id"], model=model["id"], modified_at=ollama.now_rfc3339(), size=model["bytes"],
+            digest="", details=details,
+        )  # fmt: skip
+
+    def _other_show(self, model_id: str) -> ollama.ShowAnswer:
+        entry = self._other_entry({"id": model_id, "bytes": 0})
+        return ollama.ShowAnswer(
+            modelfile=f"FROM {model_id}", parameters="", template="", details=entry.details,
+            model_info={"general.name": model_id}, capabilities=["completion"],
+            modified_at=ollama.now_rfc3339(),
         )  # fmt: skip
 
     def _entry(self) -> ollama.ModelEntry:

@@ -16,7 +16,7 @@ from starlette.routing import Route
 from ..protocol import responses_api as api
 from ..protocol.errors import ErrorCode
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
-from ..protocol.openai import ApiError, api_error, ended_early, validation_error
+from ..protocol.openai import api_error, ended_early, validation_error
 from ..protocol.tools import ToolTextFilter
 from .auth import request_owner
 from .flight import Flight, GatewayCore, completed, decode_body
@@ -160,17 +160,10 @@ class ResponsesApi:
 
     def _body(self, data: bytes) -> api.ResponsesBody:
         body = decode_body(data, api.ResponsesBody)
-        if body.model not in self.gateway.model_names:
-            raise ApiError(
-                404,
-                f"The model `{body.model}` does not exist; this server has `{self.gateway.model}`",
-                param="model",
-                code="model_not_found",
-            )
-        return body
+        return msgspec.structs.replace(body, model=self.gateway.model_for(body.model))
 
     def _translate(self, body: api.ResponsesBody, rid: str) -> GenerateRequest:
         try:
-            return api.responses_request(body, rid)
+            return msgspec.structs.replace(api.responses_request(body, rid), model=body.model)
         except (msgspec.ValidationError, ValueError) as exc:
             raise validation_error(exc) from None

@@ -86,7 +86,13 @@ def as_base64(embedding: list[float]) -> str:
 
 
 def embed_requests(
-    texts: list[str], request_id: str, lane: Lane, *, normalize: bool = True, truncate: bool = False
+    texts: list[str],
+    request_id: str,
+    lane: Lane,
+    model: str,
+    *,
+    normalize: bool = True,
+    truncate: bool = False,
 ) -> list[GenerateRequest]:
     """One daemon request per input, ids ``<request_id>-<i>``."""
     return [
@@ -98,6 +104,7 @@ def embed_requests(
             normalize=normalize,
             truncate=truncate,
             priority=lane,
+            model=model,
         )
         for i, text in enumerate(texts)
     ]

@@ -33,6 +33,8 @@ class ErrorCode(enum.StrEnum):
     SHUTTING_DOWN = "E_LIMIT_008"
     # Model: the loaded model cannot serve this request (no chat template, ...).
     MODEL = "E_MODEL_001"
+    MODEL_NOT_FOUND = "E_MODEL_002"  # the request names a model the daemon does not have
+    MODEL_LOAD = "E_MODEL_003"  # the model could not be loaded (a corrupt file, no memory)
     # Runtime: the engine failed while serving an accepted request.
     DECODE_FAILED = "E_RUNTIME_001"
     KV_FULL = "E_RUNTIME_002"

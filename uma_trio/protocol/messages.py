@@ -176,6 +176,10 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     embed: bool = False
     normalize: bool = True
     truncate: bool = False
+    # Which of the daemon's models (docs/MODELS.md; None: --model's), and how long it stays
+    # loaded once idle (seconds; negative: for good; Ollama's keep_alive).
+    model: Annotated[str, Meta(max_length=256)] | None = None
+    keep_alive: float | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

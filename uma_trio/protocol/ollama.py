@@ -13,15 +13,40 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from typing import Any, Literal, TypeVar
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from .messages import EosEvent, GenerateRequest, ToolCall
-from .openai_errors import ApiError
+from .openai_errors import ApiError, bad_request
 
 OLLAMA_VERSION = "0.12.0"  # the API level answered at /api/version
+
+
+_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)?")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def keep_alive_seconds(value: Any) -> float | None:
+    """Ollama's ``keep_alive`` in seconds: a number of seconds or a duration (``"5m"``,
+    ``"1h30m"``, ``"-1"``); negative keeps the model for good, 0 unloads it after the request;
+    None when not given.  Anything else is a 400 naming the field."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise bad_request(f"keep_alive must be a duration or seconds, not {value!r}", "keep_alive")
+    if isinstance(value, int | float):
+        return float(value)
+    total, rest = 0.0, value.strip()
+    while rest:
+        found = _DURATION.match(rest)
+        if found is None or not found.group(0):
+            raise bad_request(f"keep_alive {value!r} is not a duration such as 5m, 1h or -1", "keep_alive")
+        total += float(found.group(1)) * _UNIT_S[found.group(2)]
+        rest = rest[found.end() :]
+    return total
 
 
 class Options(Struct, kw_only=True):
@@ -59,7 +84,7 @@ class _Common(Struct, kw_only=True):
     stream: bool | None = None  # Ollama streams unless told not to
     format: Any = None  # "json", "" or a JSON schema
     options: Options | None = None
-    keep_alive: Any = None  # accepted and ignored: the model stays loaded for every app
+    keep_alive: Any = None  # how long the model stays loaded once idle (keep_alive_seconds)
     think: Any = None
     logprobs: bool | None = None
     top_logprobs: int | None = None

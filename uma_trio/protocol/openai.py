@@ -551,6 +551,7 @@ class Model(Struct):
     created: int
     owned_by: str = "uma-trio"
     object: Literal["model"] = "model"
+    uma: dict[str, Any] | None = None  # the daemon's own view: state, file, size (docs/MODELS.md)
 
 
 class ModelList(Struct):

@@ -64,6 +64,8 @@ _STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.IDLE_TIMEOUT: (408, "invalid_request_error"),
     ErrorCode.SHUTTING_DOWN: (503, "server_error"),
     ErrorCode.MODEL: (400, "invalid_request_error"),
+    ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error"),
+    ErrorCode.MODEL_LOAD: (500, "server_error"),
     ErrorCode.GRAMMAR: (400, "invalid_request_error"),
     ErrorCode.DECODE_FAILED: (500, "server_error"),
     ErrorCode.KV_FULL: (503, "server_error"),
@@ -80,8 +82,9 @@ _STATUS: dict[ErrorCode, tuple[int, str]] = {
 _OPENAI_CODE = {
     ErrorCode.PROMPT_TOO_LARGE: "context_length_exceeded",
     ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded",
+    ErrorCode.MODEL_NOT_FOUND: "model_not_found",
 }
-_PARAM = {ErrorCode.MAX_TOKENS: "max_tokens"}
+_PARAM = {ErrorCode.MAX_TOKENS: "max_tokens", ErrorCode.MODEL_NOT_FOUND: "model"}
 
 
 def api_error(code: ErrorCode, message: str) -> ApiError:

@@ -94,6 +94,7 @@ class DecodeLoop:
         self._wakeup = trio.Event()
         self._idle = trio.Event()
         self._idle.set()
+        self.idle_since = clock()  # when it last became idle (a model's keep-alive counts from it)
         self._accepting = True
         self._tick = 0
         self.policy = policy or default_policy(config)
@@ -640,8 +641,14 @@ class DecodeLoop:
         )
 
     def _update_idle(self) -> None:
-        if not self._waiting and not self._active:
+        if not self._waiting and not self._active and not self._idle.is_set():
             self._idle.set()
+            self.idle_since = self._clock()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting or running (since :attr:`idle_since`)."""
+        return self._idle.is_set()
 
     # -- observability -----------------------------------------------------------
 

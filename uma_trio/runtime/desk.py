@@ -17,12 +17,14 @@ from ..config import ServerConfig
 from ..observability.metrics import Metrics
 from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotRequest
 from .decode_loop import DecodeLoop
+from .models import ModelHost
 from .stream import RequestStream
 
 
 class RequestDesk(Protocol):
     config: ServerConfig
-    loop: DecodeLoop
+    loop: DecodeLoop  # the primary model's
+    models: ModelHost  # every model of the store (runtime/models.py)
     metrics: Metrics
     open_deliveries: int  # requests whose client has not yet been handed its last event
     registry: CollectorRegistry  # the Prometheus exposition (GET /metrics)

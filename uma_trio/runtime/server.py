@@ -13,7 +13,7 @@ import csv
 import logging
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,27 +22,25 @@ import msgspec
 import trio
 
 from ..config import ServerConfig
-from ..engine.base import Engine, TokenArray
-from ..engine.sampling import Sampler, SamplingParams
+from ..engine.base import Engine
+from ..model_store import ModelStore, StoreEntry, model_id
 from ..observability.metrics import Metrics
 from ..observability.process import ProcessSampler
 from ..observability.prometheus import build_registry
 from ..observability.scorecard import CSV_FIELDS, Scorecard, scorecard
 from ..protocol.errors import ErrorCode, UmaError
-from ..protocol.messages import ChatMessage, GenerateRequest, SnapshotEvent, SnapshotRequest
-from ..protocol.tools import ToolFormat
+from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotRequest
 from ..sched.policy import Policy
 from .accept import accept_forever
 from .connection import Connection
 from .decode_loop import DecodeLoop
-from .off_loop import INLINE_TEXT_CHARS, off_loop
+from .intake import open_on, tokenize_request
+from .models import ModelHost, ModelLoader, ModelUnit
 from .peer import peer_uid
-from .samplers import sampler_for
-from .session import END_SLOTS, Session, StreamItem
 from .snapshot_service import SnapshotService
 from .snapshots import SnapshotStore, default_snapshot_dir
 from .stream import RequestStream
-from .tool_use import chat_turns, tool_constraint, tool_format
+from .tool_use import tool_format
 from .unix_socket import bind_unix_listener, unlink_if_ours
 
 log = logging.getLogger(__name__)
@@ -57,20 +55,27 @@ class Server:
         config: ServerConfig,
         policy: Policy | None = None,
         describe: Callable[[], dict[str, Any]] | None = None,
+        *,
+        store: ModelStore | None = None,
+        loader: ModelLoader | None = None,
     ) -> None:
+        """``engine`` is the primary model's; ``store`` names the others, which ``loader``
+        loads when a request asks for one (runtime/models.py)."""
         self.engine = engine
         self._describe = describe  # the engine's devices and settings (engine/summary.py)
         self.config = config
         self.metrics = Metrics(config.metrics_window_s)
         self.loop = DecodeLoop(engine, config, self.metrics, policy=policy)
+        primary = StoreEntry(model_id(engine.model_name), Path(engine.model_name), 0, primary=True)
+        self.models = ModelHost(store or ModelStore([primary]), loader, config, self.metrics)
         self.process = ProcessSampler()
         self.registry = build_registry(self.metrics.registry, self.metrics_snapshot)
         self.metrics_url: str | None = None  # set by the daemon once --metrics-port serves
         self.http_url: str | None = None  # set by the daemon once the --http gateway serves this server
         self.http_urls: list[str] = []  # every address it serves: --http's, then --ollama's
         self.open_deliveries = 0  # requests whose client has not yet been handed its last event
-        store = SnapshotStore(config.snapshot_dir or default_snapshot_dir())
-        self.snapshots = SnapshotService(engine, self.loop, store, self)
+        saved = SnapshotStore(config.snapshot_dir or default_snapshot_dir())
+        self.snapshots = SnapshotService(engine, self.loop, saved, self)
         self._connections: set[Connection] = set()
         self._shutdown = trio.Event()
         self._force = trio.Event()
@@ -91,6 +96,7 @@ class Server:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.loop.run)
+                await nursery.start(self.models.run)
                 nursery.start_soon(self._metrics_task)
                 if handle_signals:
                     nursery.start_soon(self._signal_task)
@@ -122,6 +128,7 @@ class Server:
         snapshot["model"] = self.engine.model_name
         snapshot["engine"] = self.describe_engine()
         snapshot.update(self.loop.gauges())
+        snapshot["models"] = self.models.describe()
         snapshot["process"] = msgspec.to_builtins(process)
         snapshot["scorecard"] = msgspec.to_builtins(self.scorecard(now, process.rss_bytes))
         return snapshot
@@ -150,124 +157,54 @@ class Server:
         events come out of the returned stream (hand it to
         :func:`~uma_trio.runtime.delivery.deliver`).  ``auto_max_tokens``: the request named
         no max_tokens, so it may use what is left of its context, up to ``--max-tokens``.
-        Raises :class:`UmaError` for anything that cannot be served."""
-        with self.loop.arrivals.mark():  # an idle decode task waits for it (burst gathering)
-            return await self._open_request(
-                request, arrived, connection, owner, auto_max_tokens, pin_on_finish
-            )
-
-    async def _open_request(
-        self,
-        request: GenerateRequest,
-        arrived: float,
-        connection: int,
-        owner: str,
-        auto_max_tokens: bool,
-        pin_on_finish: bool,
-    ) -> RequestStream:
-        rid = request.id
-        if not self.loop.accepting:  # before tokenizing: the engine may be closing
-            raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=rid)
-        if not auto_max_tokens and request.max_tokens > self.config.max_tokens:
-            raise UmaError(
-                ErrorCode.MAX_TOKENS,
-                f"max_tokens {request.max_tokens} exceeds the limit of {self.config.max_tokens}",
-                request_id=rid,
-            )
-        text_bytes = (
-            len(request.prompt.encode()) + len((request.suffix or "").encode())
-            + sum(len(f.text.encode()) for f in request.input_extra or ())
-            if request.prompt is not None
-            else chat_text_bytes(request.messages or ())
+        Raises :class:`UmaError` for anything that cannot be served.  A request for a model
+        other than --model's waits for it to load (runtime/models.py); nobody else does."""
+        opened = partial(
+            open_on, config=self.config, request=request, arrived=arrived, connection=connection,
+            owner=owner, auto_max_tokens=auto_max_tokens, pin_on_finish=pin_on_finish,
         )  # fmt: skip
-        if text_bytes > self.config.max_prompt_tokens * self.engine.max_token_bytes:
-            # Refused before tokenizing (a megabyte takes a worker thread a while): no token
-            # is longer than max_token_bytes, so this text has more tokens than the limit.
-            raise UmaError(
-                ErrorCode.PROMPT_TOO_LARGE,
-                f"prompt has {text_bytes} bytes, more than {self.config.max_prompt_tokens} tokens "
-                f"could hold (the limit; the longest token is {self.engine.max_token_bytes} bytes)",
-                request_id=rid,
-            )
-        fmt = tool_format(self.engine, request)
-        prompt = await self.tokenize_request(request, fmt)
-        if request.embed and request.truncate:  # cut to fit instead of refused (decode_loop.submit)
-            prompt = prompt[: min(self.engine.n_ctx_seq, self.config.max_prompt_tokens)]
-        if len(prompt) > self.config.max_prompt_tokens:
-            raise UmaError(
-                ErrorCode.PROMPT_TOO_LARGE,
-                f"prompt has {len(prompt)} tokens; the limit is {self.config.max_prompt_tokens}",
-                request_id=rid,
-            )
-        if auto_max_tokens and not request.embed:
-            room = max(1, self.engine.n_ctx_seq - len(prompt))
-            request = msgspec.structs.replace(request, max_tokens=min(self.config.max_tokens, room))
-        # The client's own cap (Ollama's num_ctx): never a reload.
-        if request.max_context is not None and not request.embed:
-            room = request.max_context - len(prompt)
-            if room < 1:
-                raise UmaError(
-                    ErrorCode.CONTEXT_OVERFLOW,
-                    f"prompt has {len(prompt)} tokens; the request's max_context is {request.max_context}",
-                    request_id=rid,
-                )
-            request = msgspec.structs.replace(request, max_tokens=min(request.max_tokens, room))
-        # An embedding samples nothing: its sampler is never asked.
-        if request.embed:
-            sampler = Sampler(SamplingParams(temperature=0.0))
-        else:
-            sampler = await sampler_for(self.engine, request, tool_constraint(request, fmt))
-        send, receive = trio.open_memory_channel[StreamItem](self.config.stream_buffer + END_SLOTS)
-        session = Session(request, prompt, sampler, send, created=arrived, connection=connection)
-        session.pin_on_finish = pin_on_finish
-        session.tool_format = fmt
-        session.owner = owner
+        with self.loop.arrivals.mark():  # an idle decode task waits for it (burst gathering)
+            if not self.loop.accepting:
+                raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=request.id)
+            unit = await self._unit_for(request)
+            if unit is None:
+                return await opened(self.engine, self.loop)
         try:
-            self.loop.submit(session)  # raises when the daemon is full or stopping
-        except BaseException:
-            send.close()
-            receive.close()
+            with unit.loop.arrivals.mark():
+                return await opened(unit.engine, unit.loop)
+        finally:
+            self.models.release(unit)
+
+    async def _unit_for(self, request: GenerateRequest) -> ModelUnit | None:
+        """The loaded model ``request`` names (None: --model's), loaded now if need be."""
+        try:
+            model_id = self.models.resolve(request.model)
+            if self.models.store.entry(model_id).primary:
+                return None
+            return await self.models.acquire(model_id, request.keep_alive)
+        except UmaError as exc:
+            exc.request_id = request.id
             raise
-        return RequestStream(session, receive, self.loop)
 
     async def snapshot(self, request: SnapshotRequest, connection: int, owner: str = "") -> SnapshotEvent:
         """Carry out a snapshot request (docs/PROTOCOL.md); :class:`UmaError` on failure."""
         return await self.snapshots.handle(request, connection, owner)
 
     async def count_tokens(self, request: GenerateRequest) -> int:
-        """The request's prompt in tokens, as it would be prefilled (template, tools)."""
-        return len(await self.tokenize_request(request, tool_format(self.engine, request)))
+        """The request's prompt in tokens, as it would be prefilled (template, tools), by the
+        tokenizer of the model it names."""
+        unit = await self._unit_for(request)
+        engine = self.engine if unit is None else unit.engine
+        try:
+            return len(await tokenize_request(engine, request, tool_format(engine, request)))
+        finally:
+            if unit is not None:
+                self.models.release(unit)
 
     def next_connection_number(self) -> int:
         """Numbers socket connections and HTTP requests alike, for logs and the live view."""
         self._next_number += 1
         return self._next_number
-
-    async def tokenize_request(self, request: GenerateRequest, fmt: ToolFormat | None = None) -> TokenArray:
-        """The request's prompt as tokens (chat template applied, with the tools it offers in
-        the way ``fmt`` says), off the event loop."""
-        try:
-            if request.messages is not None:
-                turns, tools = chat_turns(request, fmt)
-                small = chat_text_bytes(request.messages) <= INLINE_TEXT_CHARS and not tools
-                tokenize = partial(self.engine.tokenize_chat, turns, tools)
-                tokens = await off_loop(self.engine, tokenize, small=small)
-            elif request.suffix is not None:
-                assert request.prompt is not None
-                extra = [(f.filename, f.text) for f in request.input_extra or ()]
-                infill = partial(
-                    self.engine.tokenize_infill, request.prompt, request.suffix, extra, request.middle
-                )
-                tokens = await off_loop(self.engine, infill)
-            else:
-                assert request.prompt is not None
-                prompt, small = request.prompt, len(request.prompt) <= INLINE_TEXT_CHARS
-                tokens = await off_loop(self.engine, partial(self.engine.tokenize, prompt), small=small)
-        except ValueError as exc:
-            raise UmaError(ErrorCode.MODEL, str(exc), request_id=request.id) from None
-        if len(tokens) == 0:
-            raise UmaError(ErrorCode.SCHEMA, "the prompt is empty", request_id=request.id)
-        return tokens
 
     # -- tasks -------------------------------------------------------------------
 
@@ -320,18 +257,23 @@ class Server:
         self.metrics.connections_open = len(self._connections)
 
     async def _drain(self) -> None:
-        self.loop.stop_accepting()
+        loops = [self.loop, *self.models.loops()]  # every loaded model's
+        for loop in loops:
+            loop.stop_accepting()
         with trio.move_on_after(0 if self._force.is_set() else self.config.shutdown_grace_s) as grace:
             with trio.CancelScope() as forced:
                 async with trio.open_nursery() as watch:
                     watch.start_soon(self._cancel_on_force, forced)
-                    await self.loop.wait_idle()
+                    for loop in loops:
+                        await loop.wait_idle()
                     watch.cancel_scope.cancel()
         if grace.cancelled_caught or forced.cancelled_caught:
             log.info("grace period over; cancelling the requests still running")
-        self.loop.cancel_all("shutdown")
+        for loop in loops:
+            loop.cancel_all("shutdown")
         with trio.move_on_after(_FLUSH_TIMEOUT_S):
-            await self.loop.wait_idle()
+            for loop in loops:
+                await loop.wait_idle()
             # Let every front end (socket or HTTP) write each request's final event before the
             # connections are cancelled.
             while self.open_deliveries or any(c.requests for c in self._connections):  # noqa: ASYNC110
@@ -387,11 +329,3 @@ def socket_owner(stream: trio.abc.Stream) -> str:
     sock = getattr(stream, "socket", None)
     uid = peer_uid(sock) if sock is not None else None
     return "uid:?" if uid is None else f"uid:{uid}"
-
-
-def chat_text_bytes(messages: Sequence[ChatMessage]) -> int:
-    """The text a chat's turns bring to the template: contents and tool call arguments."""
-    return sum(
-        len(m.content.encode()) + sum(len(c.function.arguments.encode()) for c in m.tool_calls or ())
-        for m in messages
-    )

@@ -1,0 +1,250 @@
+"""Several models in one daemon (issue 22): the store's names, loading on demand, keep-alive,
+room made by unloading the least recently used idle model, and refusals that leave the others
+serving.  The policy is checked on the simulated engine with trio's test clock (nothing
+sleeps), and once on the real engine: the default model beside a tiny random-weight one."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+
+from uma_trio.client import RequestFailed, UmaClient
+from uma_trio.config import ServerConfig
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.engine.sim import SimEngine
+from uma_trio.loadgen.simulate import SIM_CONFIG
+from uma_trio.model_store import ModelStore, StoreEntry, StoreError
+from uma_trio.protocol.ollama import keep_alive_seconds
+from uma_trio.protocol.openai_errors import ApiError
+from uma_trio.runtime.models import REAP_EVERY_S, LoadedModel
+from uma_trio.runtime.server import Server
+from uma_trio.sched.cost import CostCoefficients
+
+from .conftest import running_server
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# -- the store ------------------------------------------------------------------------------
+
+
+def test_the_store_names_every_file_and_alias(tmp_path: Path) -> None:
+    primary = tmp_path / "main.gguf"
+    primary.write_bytes(b"GGUF")
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    for file in ("coder.gguf", "embed.gguf", "notes.txt"):
+        (shelf / file).write_bytes(b"GGUF....")
+    elsewhere = tmp_path / "far" / "big.gguf"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"GGUF")
+    store = ModelStore.scan(primary, shelf, ["chat=main.gguf", "code=coder.gguf", f"far={elsewhere}"])
+    assert sorted(store.names()) == ["big", "coder", "embed", "main"]
+    assert store.primary.id == "main" and store.entry("coder").size == 8
+    names: dict[str | None, str | None] = {
+        "main": "main", "main.gguf": "main", "chat": "main", "code": "coder", "coder:latest": "coder",
+        "far": "big", None: "main", "": "main", "nope": None,
+    }  # fmt: skip
+    for name, expected in names.items():
+        assert store.resolve(name) == expected, name
+    assert store.entry("main").aliases == ("chat",)
+    with pytest.raises(StoreError, match="NAME=FILE"):
+        ModelStore.scan(primary, shelf, ["chat"])
+    with pytest.raises(StoreError, match="no model file"):
+        ModelStore.scan(primary, shelf, ["x=missing.gguf"])
+    with pytest.raises(StoreError, match="--models-dir"):
+        ModelStore.scan(primary, tmp_path / "absent")
+
+
+def test_ollama_keep_alive_is_read_as_ollama_reads_it() -> None:
+    cases = {None: None, 0: 0.0, 30: 30.0, -1: -1.0, "5m": 300.0, "1h30m": 5400.0, "-1": -1.0, "250ms": 0.25}
+    for value, seconds in cases.items():
+        assert keep_alive_seconds(value) == seconds, value
+    for bad in ("soon", "5x", True, [1]):
+        with pytest.raises(ApiError) as refused:
+            keep_alive_seconds(bad)
+        assert refused.value.param == "keep_alive"
+
+
+# -- loading, keep-alive and eviction, on the simulated engine ------------------------------
+
+
+class Shelf:
+    """A loader of simulated models that remembers what it loaded and closed."""
+
+    def __init__(self, fail: set[str] | None = None, cost: CostCoefficients | None = None) -> None:
+        self.engines: dict[str, SimEngine] = {}
+        self.closed: list[str] = []
+        self.fail = fail or set()
+        self.cost = cost or CostCoefficients()
+
+    def load(self, entry: StoreEntry) -> LoadedModel:
+        if entry.id in self.fail:
+            raise ValueError(f"{entry.path}: not a GGUF file")
+        engine = SimEngine(self.cost, n_ctx_seq=SIM_CONFIG.n_ctx, n_seq_max=SIM_CONFIG.max_sessions)
+        self.engines[entry.id] = engine
+        return LoadedModel(engine, close=lambda: self.closed.append(entry.id))
+
+
+@asynccontextmanager
+async def daemon(shelf: Shelf, **overrides: Any) -> AsyncIterator[tuple[Server, SimEngine]]:
+    with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
+        config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock", **overrides)
+        store = ModelStore([StoreEntry("sim", Path("sim.gguf"), 1, primary=True)] + [
+            StoreEntry(name, Path(f"{name}.gguf"), 2) for name in ("b", "c", "bad")
+        ])  # fmt: skip
+        primary = SimEngine(shelf.cost, n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
+        server = Server(primary, config, store=store, loader=shelf.load)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            yield server, primary
+            server.request_shutdown(force=True)
+
+
+def socket_of(server: Server) -> Path:
+    return server.config.socket_path
+
+
+def states(server: Server) -> dict[str, str]:
+    return {m["id"]: m["state"] for m in server.models.describe()}
+
+
+async def test_requests_to_two_models_run_each_on_its_own(autojump_clock: trio.abc.Clock) -> None:
+    shelf = Shelf()
+    async with daemon(shelf) as (server, primary), UmaClient.connect(server.config.socket_path) as client:
+        assert states(server) == {"sim": "loaded", "b": "unloaded", "c": "unloaded", "bad": "unloaded"}
+        async with trio.open_nursery() as nursery:
+            for model in ("b", None, "b", "sim"):
+                nursery.start_soon(partial(client.complete, prompt="word " * 20, max_tokens=6, model=model))
+        assert list(shelf.engines) == ["b"] and len(shelf.engines["b"].steps) >= 6
+        assert states(server)["b"] == "loaded" and server.models.loads == 1  # loaded once, for both
+        primary_steps = len(primary.steps)
+        await client.complete(prompt="word " * 20, max_tokens=6, model="b.gguf")  # its file name too
+        assert len(primary.steps) == primary_steps
+
+
+async def test_an_idle_model_unloads_after_its_keep_alive(autojump_clock: trio.abc.Clock) -> None:
+    shelf = Shelf()
+    async with (
+        daemon(shelf, keep_alive_s=10.0) as (server, _),
+        UmaClient.connect(server.config.socket_path) as c,
+    ):
+        await c.complete(prompt="hi", max_tokens=4, model="b")
+        done = trio.current_time()
+        await trio.sleep(9.0)
+        assert states(server)["b"] == "loaded" and not shelf.closed
+        await trio.sleep(1.0 + 2 * REAP_EVERY_S)
+        assert states(server)["b"] == "unloaded"
+        assert trio.current_time() - done < 10.0 + 3 * REAP_EVERY_S
+        # keep_alive 0: gone right after its request; negative: for good.
+        await c.complete(prompt="hi", max_tokens=4, model="c", keep_alive=0)
+        await trio.sleep(2 * REAP_EVERY_S)
+        assert states(server)["c"] == "unloaded"
+        await c.complete(prompt="hi", max_tokens=4, model="b", keep_alive=-1)
+        await trio.sleep(3600)
+        assert states(server)["b"] == "loaded"
+    assert shelf.closed == ["b", "c", "b"]  # freed in a worker thread: the last at shutdown
+
+
+async def test_the_least_recently_used_idle_model_makes_room(autojump_clock: trio.abc.Clock) -> None:
+    slow = CostCoefficients(fixed_s=0.5, source="test: half a second a step")
+    shelf = Shelf(cost=slow)
+    async with daemon(shelf, max_loaded=2) as (server, _), UmaClient.connect(server.config.socket_path) as c:
+        await c.complete(prompt="hi", max_tokens=2, model="b")
+        await c.complete(prompt="hi", max_tokens=2, model="c")  # only two fit, --model's included
+        assert states(server) == {"sim": "loaded", "b": "unloaded", "c": "loaded", "bad": "unloaded"}
+        async with trio.open_nursery() as nursery:  # c is busy: it is not unloaded for b
+            nursery.start_soon(lambda: c.complete(prompt="hi", max_tokens=40, model="c"))
+            await trio.sleep(2.0)
+            with pytest.raises(RequestFailed) as busy:
+                await c.complete(prompt="hi", max_tokens=2, model="b")
+            assert busy.value.event.code == "E_LIMIT_004" and "busy" in busy.value.event.message
+        await c.complete(prompt="hi", max_tokens=2, model="b")  # c is idle again: it makes room
+        assert states(server)["b"] == "loaded" and states(server)["c"] == "unloaded"
+    assert shelf.closed == ["b", "c", "b"]
+
+
+async def test_an_unknown_or_broken_model_is_refused_and_the_others_serve(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    shelf = Shelf(fail={"bad"})
+    async with daemon(shelf) as (server, _), UmaClient.connect(server.config.socket_path) as c:
+        with pytest.raises(RequestFailed) as unknown:
+            await c.complete(prompt="hi", max_tokens=2, model="llama3:70b")
+        assert unknown.value.event.code == "E_MODEL_002"
+        assert all(name in unknown.value.event.message for name in ("sim", "b", "c"))
+        with pytest.raises(RequestFailed) as broken:
+            await c.complete(prompt="hi", max_tokens=2, model="bad")
+        assert broken.value.event.code == "E_MODEL_003" and "not a GGUF" in broken.value.event.message
+        assert states(server)["bad"] == "unloaded"
+        done = await c.complete(prompt="hi", max_tokens=3)
+        assert done.eos.reason == "length"
+        assert (await c.complete(prompt="hi", max_tokens=3, model="b")).eos.reason == "length"
+
+
+# -- the real engine: the default model and a tiny random one --------------------------------
+
+
+@pytest.fixture(scope="module")
+def shelf_dir(model_path: Path) -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="uma-shelf-") as tmp:
+        out = Path(tmp) / "tiny-random.gguf"  # its id: tiny-random
+        shape = shlex.split("--layers 2 --embd 64 --heads 4 --kv-heads 2 --ffn 128 --ctx 2048 --name tiny")
+        generator = str(ROOT / "benches/gpu/gen_model.py")
+        command = [sys.executable, generator, "--vocab", str(model_path), "--out", str(out), *shape]
+        subprocess.run(command, check=True, capture_output=True)
+        yield Path(tmp)
+
+
+async def greedy(server: Server, model: str, prompt: str) -> str:
+    api = openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0)
+    answer = await api.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    return answer.choices[0].text
+
+
+@pytest.mark.model
+async def test_two_real_models_answer_as_each_does_alone(
+    llama_model: LlamaModel, server_config: ServerConfig, shelf_dir: Path
+) -> None:
+    prompt, tiny = "The capital of France is", "tiny-random"
+    tiny_model = LlamaModel(shelf_dir / f"{tiny}.gguf")
+    try:
+        async with running_server(tiny_model, server_config, http="127.0.0.1:0") as alone:
+            tiny_alone = await greedy(alone, tiny, prompt)
+    finally:
+        tiny_model.close()
+    async with running_server(llama_model, server_config, http="127.0.0.1:0", models_dir=shelf_dir) as server:
+        default = server.models.store.primary.id
+        async with trio.open_nursery() as nursery:  # interleaved: the tiny one loads meanwhile
+            answers: dict[str, str] = {}
+
+            async def ask(model: str) -> None:
+                answers[model] = await greedy(server, model, prompt)
+
+            nursery.start_soon(ask, tiny)
+            nursery.start_soon(ask, default)
+        assert answers[tiny] == tiny_alone and answers[default] != answers[tiny]
+        assert "Paris" in answers[default]
+        async with httpx.AsyncClient(base_url=str(server.http_url)) as http:
+            listed = (await http.get("/v1/models")).json()["data"]
+            assert {m["id"]: m["uma"]["state"] for m in listed} == {default: "loaded", tiny: "loaded"}
+            running = (await http.get("/api/ps")).json()["models"]
+            assert [m["name"] for m in running] == [default, tiny]
+            assert {m["name"] for m in (await http.get("/api/tags")).json()["models"]} == {default, tiny}
+            gone = await http.post("/api/generate", json={"model": tiny, "keep_alive": 0})
+            assert gone.json()["done_reason"] == "unload"
+            assert [m["name"] for m in (await http.get("/api/ps")).json()["models"]] == [default]
+            missing = await http.post("/v1/completions", json={"model": "gpt-5", "prompt": "x"})
+            assert missing.status_code == 404 and tiny in missing.json()["error"]["message"]

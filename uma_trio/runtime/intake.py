@@ -1,0 +1,140 @@
+"""A request's way in: checked against the limits, tokenized for its model's engine (off
+the event loop where it takes real time), given its sampler, and queued on that model's
+decode loop.  The server calls it once it knows which model the request names
+(runtime/models.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import msgspec
+import trio
+
+from ..config import ServerConfig
+from ..engine.base import Engine, TokenArray
+from ..engine.sampling import Sampler, SamplingParams
+from ..protocol.errors import ErrorCode, UmaError
+from ..protocol.messages import ChatMessage, GenerateRequest
+from ..protocol.tools import ToolFormat
+from .decode_loop import DecodeLoop
+from .off_loop import INLINE_TEXT_CHARS, off_loop
+from .samplers import sampler_for
+from .session import END_SLOTS, Session, StreamItem
+from .stream import RequestStream
+from .tool_use import chat_turns, tool_constraint, tool_format
+
+
+async def open_on(
+    engine: Engine,
+    loop: DecodeLoop,
+    config: ServerConfig,
+    request: GenerateRequest,
+    arrived: float,
+    *,
+    connection: int,
+    owner: str,
+    auto_max_tokens: bool,
+    pin_on_finish: bool,
+) -> RequestStream:
+    """Check ``request`` against the limits, tokenize it for ``engine`` and queue it on
+    ``loop`` (the decode loop of the model it names); :class:`UmaError` if it cannot be served."""
+    rid = request.id
+    if not loop.accepting:  # before tokenizing: the engine may be closing
+        raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=rid)
+    if not auto_max_tokens and request.max_tokens > config.max_tokens:
+        raise UmaError(
+            ErrorCode.MAX_TOKENS,
+            f"max_tokens {request.max_tokens} exceeds the limit of {config.max_tokens}",
+            request_id=rid,
+        )
+    text_bytes = (
+        len(request.prompt.encode()) + len((request.suffix or "").encode())
+        + sum(len(f.text.encode()) for f in request.input_extra or ())
+        if request.prompt is not None
+        else chat_text_bytes(request.messages or ())
+    )  # fmt: skip
+    if text_bytes > config.max_prompt_tokens * engine.max_token_bytes:
+        # Refused before tokenizing (a megabyte takes a worker thread a while): no token
+        # is longer than max_token_bytes, so this text has more tokens than the limit.
+        raise UmaError(
+            ErrorCode.PROMPT_TOO_LARGE,
+            f"prompt has {text_bytes} bytes, more than {config.max_prompt_tokens} tokens "
+            f"could hold (the limit; the longest token is {engine.max_token_bytes} bytes)",
+            request_id=rid,
+        )
+    fmt = tool_format(engine, request)
+    prompt = await tokenize_request(engine, request, fmt)
+    if request.embed and request.truncate:  # cut to fit instead of refused (decode_loop.submit)
+        prompt = prompt[: min(engine.n_ctx_seq, config.max_prompt_tokens)]
+    if len(prompt) > config.max_prompt_tokens:
+        raise UmaError(
+            ErrorCode.PROMPT_TOO_LARGE,
+            f"prompt has {len(prompt)} tokens; the limit is {config.max_prompt_tokens}",
+            request_id=rid,
+        )
+    if auto_max_tokens and not request.embed:
+        room = max(1, engine.n_ctx_seq - len(prompt))
+        request = msgspec.structs.replace(request, max_tokens=min(config.max_tokens, room))
+    # The client's own cap (Ollama's num_ctx): never a reload.
+    if request.max_context is not None and not request.embed:
+        room = request.max_context - len(prompt)
+        if room < 1:
+            raise UmaError(
+                ErrorCode.CONTEXT_OVERFLOW,
+                f"prompt has {len(prompt)} tokens; the request's max_context is {request.max_context}",
+                request_id=rid,
+            )
+        request = msgspec.structs.replace(request, max_tokens=min(request.max_tokens, room))
+    # An embedding samples nothing: its sampler is never asked.
+    if request.embed:
+        sampler = Sampler(SamplingParams(temperature=0.0))
+    else:
+        sampler = await sampler_for(engine, request, tool_constraint(request, fmt))
+    send, receive = trio.open_memory_channel[StreamItem](config.stream_buffer + END_SLOTS)
+    session = Session(request, prompt, sampler, send, created=arrived, connection=connection)
+    session.pin_on_finish = pin_on_finish
+    session.tool_format = fmt
+    session.owner = owner
+    try:
+        loop.submit(session)  # raises when the daemon is full or stopping
+    except BaseException:
+        send.close()
+        receive.close()
+        raise
+    return RequestStream(session, receive, loop)
+
+
+async def tokenize_request(
+    engine: Engine, request: GenerateRequest, fmt: ToolFormat | None = None
+) -> TokenArray:
+    """The request's prompt as tokens (chat template applied, with the tools it offers in
+    the way ``fmt`` says), off the event loop."""
+    try:
+        if request.messages is not None:
+            turns, tools = chat_turns(request, fmt)
+            small = chat_text_bytes(request.messages) <= INLINE_TEXT_CHARS and not tools
+            tokenize = partial(engine.tokenize_chat, turns, tools)
+            tokens = await off_loop(engine, tokenize, small=small)
+        elif request.suffix is not None:
+            assert request.prompt is not None
+            extra = [(f.filename, f.text) for f in request.input_extra or ()]
+            infill = partial(engine.tokenize_infill, request.prompt, request.suffix, extra, request.middle)
+            tokens = await off_loop(engine, infill)
+        else:
+            assert request.prompt is not None
+            prompt, small = request.prompt, len(request.prompt) <= INLINE_TEXT_CHARS
+            tokens = await off_loop(engine, partial(engine.tokenize, prompt), small=small)
+    except ValueError as exc:
+        raise UmaError(ErrorCode.MODEL, str(exc), request_id=request.id) from None
+    if len(tokens) == 0:
+        raise UmaError(ErrorCode.SCHEMA, "the prompt is empty", request_id=request.id)
+    return tokens
+
+
+def chat_text_bytes(messages: Sequence[ChatMessage]) -> int:
+    """The text a chat's turns bring to the template: contents and tool call arguments."""
+    return sum(
+        len(m.content.encode()) + sum(len(c.function.arguments.encode()) for c in m.tool_calls or ())
+        for m in messages
+    )

@@ -1,0 +1,234 @@
+"""The models a daemon serves, loaded and unloaded while it runs.
+
+The primary model (``--model``) is the server's own: loaded at start-up, decoded by the
+server's decode loop, never unloaded.  Every other model of the store (model_store.py) is a
+:class:`ModelUnit` loaded when a request first names it: its own engine (a context over its
+own weights) and its own :class:`~.decode_loop.DecodeLoop`, run in this host's nursery under
+a cancel scope of its own, so unloading it is cancelling that scope and freeing the engine.
+Only the request that needs a model waits for it to load; everybody else goes on.
+
+A unit goes when it has been idle (nothing waiting or running) for its keep-alive (Ollama's
+semantics: ``keep_alive`` seconds of the last request that named it, ``--keep-alive`` by
+default, 0 for "unload after this request", negative for "never"), or when a request needs
+room for another model and at most ``--max-loaded`` may be loaded: the least recently used
+idle unit goes first, and a unit with requests in flight never goes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from ..config import ServerConfig
+from ..engine.base import Engine
+from ..model_store import ModelStore, StoreEntry
+from ..observability.metrics import Metrics
+from ..protocol.errors import ErrorCode, UmaError
+from ..sched.policy import Policy
+from .decode_loop import DecodeLoop
+
+log = logging.getLogger(__name__)
+
+REAP_EVERY_S = 0.5  # how often idle units are checked against their keep-alive
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What a loader hands back: the engine, its policy and how to free it all."""
+
+    engine: Engine
+    policy: Policy | None = None
+    close: Callable[[], None] = lambda: None
+    describe: Callable[[], dict[str, Any]] | None = None
+
+
+# Loads a store entry; blocking (it runs in a worker thread); raises on a bad file.
+ModelLoader = Callable[[StoreEntry], LoadedModel]
+
+
+@dataclass(eq=False)
+class ModelUnit:
+    """A loaded model other than the primary one."""
+
+    id: str
+    loaded: LoadedModel
+    loop: DecodeLoop
+    keep_alive_s: float
+    last_used: float
+    pending: int = 0  # requests handed this unit and not yet in its loop's queue
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    @property
+    def engine(self) -> Engine:
+        return self.loaded.engine
+
+    def expired(self, now: float) -> bool:
+        """Idle for its whole keep-alive."""
+        idle = self.loop.idle and not self.pending
+        return idle and now >= max(self.loop.idle_since, self.last_used) + self.keep_alive_s
+
+
+class ModelHost:
+    """The store's models other than the primary one, loaded on demand (module doc)."""
+
+    def __init__(
+        self,
+        store: ModelStore,
+        loader: ModelLoader | None,
+        config: ServerConfig,
+        metrics: Metrics,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.store = store
+        self._loader = loader
+        self._config = config
+        self._metrics = metrics
+        self._clock = clock
+        self.units: dict[str, ModelUnit] = {}
+        self._loading: dict[str, trio.Lock] = {}
+        self._nursery: trio.Nursery | None = None
+        self.loads = self.unloads = 0
+
+    # -- the request path --------------------------------------------------------------
+
+    def resolve(self, name: str | None) -> str:
+        """The id a request's ``model`` names; E_MODEL_002 naming the store's ids if none."""
+        model_id = self.store.resolve(name)
+        if model_id is None:
+            available = ", ".join(self.store.names())
+            message = f"model {name!r} is not here; this daemon has {available}"
+            raise UmaError(ErrorCode.MODEL_NOT_FOUND, message)
+        return model_id
+
+    async def acquire(self, model_id: str, keep_alive_s: float | None = None) -> ModelUnit:
+        """The unit of ``model_id`` (not the primary), loaded first if need be; marks it used
+        and sets its keep-alive (``keep_alive_s``, negative: for good).  The unit stays
+        until :meth:`release`, which the caller owes once the request is in its loop."""
+        lock = self._loading.setdefault(model_id, trio.Lock())
+        async with lock:  # a second request for a model being loaded waits for that load
+            unit = self.units.get(model_id) or await self._load(model_id)
+        unit.pending += 1
+        unit.last_used = self._clock()
+        if keep_alive_s is not None:
+            unit.keep_alive_s = math.inf if keep_alive_s < 0 else keep_alive_s
+        return unit
+
+    def release(self, unit: ModelUnit) -> None:
+        unit.pending -= 1
+        unit.last_used = self._clock()
+
+    def state(self, model_id: str) -> str:
+        """``loaded``, ``loading`` or ``unloaded`` (the primary is always loaded)."""
+        if self.store.entry(model_id).primary or model_id in self.units:
+            return "loaded"
+        lock = self._loading.get(model_id)
+        return "loading" if lock is not None and lock.locked() else "unloaded"
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Every model of the store and its state (metrics, /v1/models, /api/ps)."""
+        now, described = self._clock(), []
+        for entry in self.store.entries():
+            unit = self.units.get(entry.id)
+            item: dict[str, Any] = {
+                "id": entry.id, "state": self.state(entry.id), "primary": entry.primary,
+                "file": entry.path.name, "bytes": entry.size, "aliases": list(entry.aliases),
+            }  # fmt: skip
+            if unit is not None:
+                item["keep_alive_s"] = None if math.isinf(unit.keep_alive_s) else unit.keep_alive_s
+                item["busy"] = not unit.loop.idle or unit.pending > 0
+                item["idle_s"] = round(now - max(unit.loop.idle_since, unit.last_used), 3)
+            described.append(item)
+        return described
+
+    def loops(self) -> Iterator[DecodeLoop]:
+        return (unit.loop for unit in list(self.units.values()))
+
+    # -- tasks -------------------------------------------------------------------------
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Host the units' decode loops and unload the expired ones, until cancelled; then
+        free every unit's engine."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                while True:
+                    await trio.sleep(REAP_EVERY_S)
+                    now = self._clock()
+                    for unit in [u for u in self.units.values() if u.expired(now)]:
+                        await self.unload(unit.id, reason=f"idle for {unit.keep_alive_s:g} s, its keep-alive")
+        finally:
+            self._nursery = None
+            for unit in list(self.units.values()):  # shutting down: the loops are idle by now
+                self._forget(unit)
+                unit.loaded.close()
+
+    async def unload_when_idle(self, model_id: str) -> None:
+        """Unload ``model_id`` now if idle, else as soon as it is (Ollama's keep_alive 0)."""
+        unit = self.units.get(model_id)
+        if unit is None:
+            return
+        unit.keep_alive_s = 0.0
+        if unit.loop.idle and not unit.pending:
+            await self.unload(model_id, reason="asked to")
+
+    async def unload(self, model_id: str, reason: str) -> None:
+        """Stop an idle unit's loop and free its engine."""
+        unit = self.units.get(model_id)
+        if unit is None:
+            return
+        unit.loop.stop_accepting()
+        self._forget(unit)
+        log.info("unloaded %s (%s)", model_id, reason)
+        await trio.to_thread.run_sync(unit.loaded.close)
+
+    # -- loading -----------------------------------------------------------------------
+
+    async def _load(self, model_id: str) -> ModelUnit:
+        if self._loader is None or self._nursery is None:
+            raise UmaError(ErrorCode.MODEL_LOAD, f"model {model_id!r} cannot be loaded by this daemon")
+        await self._make_room(model_id)
+        entry = self.store.entry(model_id)
+        began = self._clock()
+        log.info("loading %s (%s, %d MiB)", model_id, entry.path, entry.size >> 20)
+        try:
+            loaded = await trio.to_thread.run_sync(self._loader, entry)
+        except Exception as exc:  # a corrupt or unloadable file: this request fails, the rest go on
+            log.warning("cannot load %s: %s", model_id, exc)
+            raise UmaError(ErrorCode.MODEL_LOAD, f"cannot load model {model_id!r}: {exc}") from None
+        loop = DecodeLoop(loaded.engine, self._config, self._metrics, clock=self._clock, policy=loaded.policy)
+        unit = ModelUnit(model_id, loaded, loop, self._config.keep_alive_s, last_used=self._clock())
+        self.units[model_id] = unit
+        self.loads += 1
+        self._nursery.start_soon(self._run_unit, unit)
+        log.info("loaded %s in %.1f s", model_id, self._clock() - began)
+        return unit
+
+    async def _make_room(self, model_id: str) -> None:
+        """Unload least recently used idle units until one more fits ``--max-loaded`` (the
+        primary counts); E_LIMIT_004 when every loaded one is busy."""
+        while len(self.units) + 1 >= self._config.max_loaded:
+            idle = [u for u in self.units.values() if u.loop.idle and not u.pending]
+            if not idle:
+                raise UmaError(
+                    ErrorCode.SERVER_BUSY,
+                    f"{len(self.units) + 1} models are loaded (--max-loaded {self._config.max_loaded}) and "
+                    f"all are busy; {model_id!r} cannot be loaded now, try again later",
+                )
+            victim = min(idle, key=lambda u: u.last_used)
+            await self.unload(victim.id, reason=f"room for {model_id}")
+
+    async def _run_unit(self, unit: ModelUnit) -> None:
+        with unit.scope:
+            await unit.loop.run()
+
+    def _forget(self, unit: ModelUnit) -> None:
+        if self.units.get(unit.id) is unit:
+            del self.units[unit.id]
+            self.unloads += 1
+        unit.scope.cancel()
