@@ -194,6 +194,31 @@ async def test_an_unknown_or_broken_model_is_refused_and_the_others_serve(
         assert (await c.complete(prompt="hi", max_tokens=3, model="b")).eos.reason == "length"
 
 
+async def test_models_are_listed_loaded_and_unloaded_on_request(autojump_clock: trio.abc.Clock) -> None:
+    shelf = Shelf(fail={"bad"})
+    async with daemon(shelf, idle_timeout_s=1e5) as (server, _), UmaClient.connect(socket_of(server)) as c:
+        listed = await c.models()
+        assert [(m["id"], m["state"], m["primary"]) for m in listed.models] == [
+            ("sim", "loaded", True), ("b", "unloaded", False),
+            ("c", "unloaded", False), ("bad", "unloaded", False),
+        ]  # fmt: skip
+        loaded = await c.models("load", "c.gguf", keep_alive=-1)  # any of its names
+        assert {m["id"]: m["state"] for m in loaded.models}["c"] == "loaded" and shelf.engines.keys() == {"c"}
+        assert next(m for m in loaded.models if m["id"] == "c")["keep_alive_s"] is None  # for good
+        await trio.sleep(3600)
+        unloaded = await c.models("unload", "c")
+        assert {m["id"]: m["state"] for m in unloaded.models}["c"] == "unloaded"
+        with pytest.raises(RequestFailed) as primary:
+            await c.models("unload", "sim")
+        assert primary.value.event.code == "E_MODEL_001"
+        with pytest.raises(RequestFailed) as unknown:
+            await c.models("load", "nope")
+        assert unknown.value.event.code == "E_MODEL_002"
+        with pytest.raises(RequestFailed) as broken:
+            await c.models("load", "bad")
+        assert broken.value.event.code == "E_MODEL_003"
+
+
 # -- the real engine: the default model and a tiny random one --------------------------------
 
 
@@ -246,5 +271,14 @@ async def test_two_real_models_answer_as_each_does_alone(
             gone = await http.post("/api/generate", json={"model": tiny, "keep_alive": 0})
             assert gone.json()["done_reason"] == "unload"
             assert [m["name"] for m in (await http.get("/api/ps")).json()["models"]] == [default]
+            back = (await http.post("/load", json={"model": f"{tiny}.gguf"})).json()
+            assert back["model"] == tiny and {m["id"]: m["state"] for m in back["models"]}[tiny] == "loaded"
+            cli = [sys.executable, "-m", "uma_trio", "ps", "--socket", str(server.config.socket_path)]
+            run_cli = partial(subprocess.run, cli, capture_output=True, text=True)
+            shown = await trio.to_thread.run_sync(run_cli)
+            assert shown.returncode == 0 and tiny in shown.stdout and "loaded" in shown.stdout
+            assert (await http.post("/unload", json={"model": tiny})).status_code == 200
+            refused = await http.post("/unload", json={"model": default})
+            assert refused.status_code == 400 and "stays loaded" in refused.json()["error"]["message"]
             missing = await http.post("/v1/completions", json={"model": "gpt-5", "prompt": "x"})
             assert missing.status_code == 404 and tiny in missing.json()["error"]["message"]

@@ -35,11 +35,19 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .protocol.codec import decode_server_event, encode_message
 from .protocol.errors import UmaError
 from .protocol.framing import FrameDecoder
-from .protocol.messages import EosEvent, ErrorEvent, MetricsEvent, ServerEvent, SnapshotEvent, TokenEvent
+from .protocol.messages import (
+    EosEvent,
+    ErrorEvent,
+    MetricsEvent,
+    ModelsEvent,
+    ServerEvent,
+    SnapshotEvent,
+    TokenEvent,
+)
 from .runtime.peer import peer_uid
 
 _ids = itertools.count(1)
-E = TypeVar("E", MetricsEvent, SnapshotEvent)
+E = TypeVar("E", MetricsEvent, SnapshotEvent, ModelsEvent)
 
 
 class ConnectionLost(Exception):
@@ -157,6 +165,13 @@ class UmaClient:
         if name is not None:
             message["name"] = name
         return await self._ask(message, SnapshotEvent)
+
+    async def models(self, op: str = "list", model: str | None = None, **fields: Any) -> ModelsEvent:
+        """List the daemon's models, or load or unload one (docs/MODELS.md)."""
+        message: dict[str, Any] = {"type": "models", "op": op, **fields}
+        if model is not None:
+            message["model"] = model
+        return await self._ask(message, ModelsEvent)
 
     async def _ask(self, message: dict[str, Any], answer: type[E]) -> E:
         """Send a request that is answered by one event of type ``answer``, or an error."""

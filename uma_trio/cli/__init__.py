@@ -1,4 +1,5 @@
-"""``uma-trio``: serve, info, generate, metrics, top, bench, snapshot, fetch-model, calibrate.
+"""``uma-trio``: serve, info, generate, metrics, top, bench, snapshot, calibrate, ps, load, unload
+and fetch-model.
 
 Every ``serve`` flag also reads an environment variable: ``--n-ctx`` ⇄ ``UMA_N_CTX`` and so
 on (``--socket`` also honours the seeds' ``UMA_SOCK``); the flags are ServerConfig's fields
@@ -14,6 +15,7 @@ import cyclopts
 from ..config import ConfigError
 from .client_commands import bench, generate, metrics, top
 from .common import EXIT_PROTOCOL_ERROR, EXIT_SERVER_ERROR
+from .models import load, ps, unload
 from .serve import info, serve
 from .snapshot import snapshot_app
 from .tools import calibrate, fetch_model
@@ -25,7 +27,7 @@ app = cyclopts.App(
     help="A local multi-tenant LLM daemon with token-level scheduling, on trio.",
     config=cyclopts.config.Env("UMA_", command=False),
 )
-for command in (serve, info, generate, metrics, top, bench, snapshot_app, calibrate):
+for command in (serve, info, generate, metrics, top, bench, snapshot_app, calibrate, ps, load, unload):
     app.command(command)
 app.command(fetch_model, name="fetch-model")
 

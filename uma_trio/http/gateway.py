@@ -24,6 +24,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
+from typing import Literal
 
 import msgspec
 import trio
@@ -41,7 +42,15 @@ from ..protocol import openai
 from ..protocol.codec import decode_client_message
 from ..protocol.errors import ErrorCode, UmaError, shown
 from ..protocol.llama_server import InfillAnswer, InfillBody, infill_answer, infill_request
-from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, Lane, ServerEvent, TokenEvent
+from ..protocol.messages import (
+    EosEvent,
+    ErrorEvent,
+    GenerateRequest,
+    Lane,
+    ModelsRequest,
+    ServerEvent,
+    TokenEvent,
+)
 from ..protocol.openai import ApiError
 from ..protocol.openai_choices import choice_requests, merged_chat, merged_text, merged_usage, whole_eos
 from ..runtime.delivery import deliver
@@ -50,7 +59,7 @@ from .anthropic import AnthropicApi
 from .auth import BearerAuth, request_owner
 from .embeddings import EmbeddingsApi
 from .event_stream import EventStream, until_disconnect
-from .flight import Flight, client_gone, completed, last_word
+from .flight import Flight, client_gone, completed, decode_body, last_word
 from .fresh import FreshConnections, peer_of
 from .ollama import OllamaApi
 from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pattern
@@ -118,6 +127,8 @@ class Gateway:
                 Route("/generate", self.generate, methods=["POST"]),
                 Route("/infill", self.infill, methods=["POST"]),
                 Route("/priority", self.priority, methods=["POST"]),
+                Route("/load", self.load_or_unload, methods=["POST"]),
+                Route("/unload", self.load_or_unload, methods=["POST"]),
                 *OllamaApi(self).routes(),
                 *EmbeddingsApi(self).routes(),
                 *AnthropicApi(self).routes(),
@@ -207,6 +218,21 @@ class Gateway:
                 param="model", code="model_not_found",
             )  # fmt: skip
         return found
+
+    async def load_or_unload(self, request: Request) -> Response:
+        """The seeds' ``POST /load`` and ``POST /unload``: ``{"model", "keep_alive"?}`` →
+        ``{"model": ID, "models": [...]}`` (docs/MODELS.md)."""
+        server = self._ready()
+        body = decode_body(await self._body(request) or b"{}", _ModelBody)
+        op: Literal["load", "unload"] = "load" if request.url.path == "/load" else "unload"
+        model = self.model_for(body.model)
+        try:
+            event = await server.models_op(
+                ModelsRequest(type="models", op=op, model=model, keep_alive=body.keep_alive)
+            )
+        except UmaError as exc:
+            raise openai.from_uma_error(exc) from None
+        return json_response({"model": model, "models": event.models})
 
     async def priority(self, request: Request) -> Response:
         self._ready()
@@ -634,6 +660,11 @@ class Gateway:
         finally:
             self._end(flight)
         return collected
+
+
+class _ModelBody(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    keep_alive: float | None = None
 
 
 def _generate_request(data: bytes) -> GenerateRequest:

@@ -268,7 +268,24 @@ class SnapshotRequest(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("list takes no `name`" if self.op == "list" else f"{self.op} needs a `name`")
 
 
-ClientMessage = GenerateRequest | CancelRequest | MetricsRequest | PriorityRequest | SnapshotRequest
+class ModelsRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """List the daemon's models, or load or unload one (docs/MODELS.md); answered by one
+    ``models`` event.  ``load`` and ``unload`` need ``model``."""
+
+    type: Literal["models"]
+    op: Literal["list", "load", "unload"] = "list"
+    id: RequestId | None = None
+    model: Annotated[str, Meta(max_length=256)] | None = None
+    keep_alive: float | None = None  # load: seconds it stays once idle (negative: for good)
+
+    def __post_init__(self) -> None:
+        if (self.op == "list") != (self.model is None):
+            raise ValueError("list takes no `model`" if self.op == "list" else f"{self.op} needs a `model`")
+
+
+ClientMessage = (
+    GenerateRequest | CancelRequest | MetricsRequest | PriorityRequest | SnapshotRequest | ModelsRequest
+)
 
 MESSAGE_TYPES: dict[str, type[ClientMessage]] = {
     "generate": GenerateRequest,
@@ -276,6 +293,7 @@ MESSAGE_TYPES: dict[str, type[ClientMessage]] = {
     "metrics": MetricsRequest,
     "priority": PriorityRequest,
     "snapshot": SnapshotRequest,
+    "models": ModelsRequest,
 }
 
 
@@ -370,4 +388,13 @@ class SnapshotEvent(Struct, tag_field="event", tag="snapshot", omit_defaults=Tru
     id: str | None = None
 
 
-ServerEvent = TokenEvent | EosEvent | ErrorEvent | MetricsEvent | SnapshotEvent
+class ModelsEvent(Struct, tag_field="event", tag="models", omit_defaults=True):
+    """The answer to a models request: every model of the store with its state, after the
+    load or unload (docs/MODELS.md)."""
+
+    op: Literal["list", "load", "unload"]
+    models: list[dict[str, Any]]
+    id: str | None = None
+
+
+ServerEvent = TokenEvent | EosEvent | ErrorEvent | MetricsEvent | SnapshotEvent | ModelsEvent

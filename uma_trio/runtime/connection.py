@@ -33,6 +33,7 @@ from ..protocol.messages import (
     GenerateRequest,
     MetricsEvent,
     MetricsRequest,
+    ModelsRequest,
     PriorityRequest,
     ServerEvent,
     SnapshotRequest,
@@ -120,15 +121,15 @@ class Connection:
                 self._in_flight(request_id).set_lane(lane)
             case MetricsRequest(id=request_id):
                 await self._send(MetricsEvent(metrics=self.server.metrics_snapshot(), id=request_id))
-            case SnapshotRequest():
-                # Saving prefills a whole prompt: answer in its own task, so the reader goes on.
-                # It counts as in flight: against --max-in-flight, and the connection is not
-                # idle while it waits for the answer.
+            case SnapshotRequest() | ModelsRequest():
+                # Saving prefills a whole prompt, loading reads a model: answer in its own task,
+                # so the reader goes on.  It counts as in flight: against --max-in-flight, and
+                # the connection is not idle while it waits for the answer.
                 self._check_room(message.id)
                 self._snapshots += 1
                 self._set_idle_deadline()
                 assert self._nursery is not None
-                self._nursery.start_soon(self._snapshot, message)
+                self._nursery.start_soon(self._answer, message)
 
     def _read_deadline(self) -> float:
         return min(self._idle_deadline, self._frame_deadline)
@@ -171,16 +172,21 @@ class Connection:
                 request_id=request_id,
             )
 
-    async def _snapshot(self, request: SnapshotRequest) -> None:
+    async def _answer(self, request: SnapshotRequest | ModelsRequest) -> None:
         """One answer, whatever happens: the event, or an error with the request's id."""
         try:
-            await self._send(await self.server.snapshot(request, self.number, self.owner))
+            if isinstance(request, SnapshotRequest):
+                await self._send(await self.server.snapshot(request, self.number, self.owner))
+            else:
+                await self._send(await self.server.models_op(request))
         except UmaError as exc:
             await self._send_error(exc)
         except Exception as exc:  # a bug must not take the connection down unanswered
-            log.exception("snapshot %s failed", request.op)
-            failed = f"snapshot {request.op} failed: {exc}"
-            await self._send_error(UmaError(ErrorCode.SNAPSHOT_INVALID, failed, request_id=request.id))
+            log.exception("%s %s failed", request.type, request.op)
+            failed = f"{request.type} {request.op} failed: {exc}"
+            snapshot = isinstance(request, SnapshotRequest)
+            code = ErrorCode.SNAPSHOT_INVALID if snapshot else ErrorCode.MODEL_LOAD
+            await self._send_error(UmaError(code, failed, request_id=request.id))
         finally:
             self._snapshots -= 1
             self._set_idle_deadline()

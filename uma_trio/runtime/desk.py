@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from ..config import ServerConfig
 from ..observability.metrics import Metrics
-from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotRequest
+from ..protocol.messages import GenerateRequest, ModelsEvent, ModelsRequest, SnapshotEvent, SnapshotRequest
 from .decode_loop import DecodeLoop
 from .models import ModelHost
 from .stream import RequestStream
@@ -47,5 +47,7 @@ class RequestDesk(Protocol):
     ) -> RequestStream: ...
 
     async def snapshot(self, request: SnapshotRequest, connection: int, owner: str = "") -> SnapshotEvent: ...
+
+    async def models_op(self, request: ModelsRequest) -> ModelsEvent: ...
 
     async def count_tokens(self, request: GenerateRequest) -> int: ...

@@ -168,6 +168,11 @@ class ModelHost:
                 self._forget(unit)
                 unit.loaded.close()
 
+    async def load(self, model_id: str, keep_alive_s: float | None = None) -> None:
+        """Load ``model_id`` now, if it is not (``POST /load``, a ``models`` load request)."""
+        if not self.store.entry(model_id).primary:
+            self.release(await self.acquire(model_id, keep_alive_s))
+
     async def unload_when_idle(self, model_id: str) -> None:
         """Unload ``model_id`` now if idle, else as soon as it is (Ollama's keep_alive 0)."""
         unit = self.units.get(model_id)

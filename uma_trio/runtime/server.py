@@ -29,7 +29,7 @@ from ..observability.process import ProcessSampler
 from ..observability.prometheus import build_registry
 from ..observability.scorecard import CSV_FIELDS, Scorecard, scorecard
 from ..protocol.errors import ErrorCode, UmaError
-from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotRequest
+from ..protocol.messages import GenerateRequest, ModelsEvent, ModelsRequest, SnapshotEvent, SnapshotRequest
 from ..sched.policy import Policy
 from .accept import accept_forever
 from .connection import Connection
@@ -189,6 +189,22 @@ class Server:
     async def snapshot(self, request: SnapshotRequest, connection: int, owner: str = "") -> SnapshotEvent:
         """Carry out a snapshot request (docs/PROTOCOL.md); :class:`UmaError` on failure."""
         return await self.snapshots.handle(request, connection, owner)
+
+    async def models_op(self, request: ModelsRequest) -> ModelsEvent:
+        """List, load or unload models (docs/MODELS.md); :class:`UmaError` on failure."""
+        if request.model is not None:
+            try:
+                model = self.models.resolve(request.model)
+                if request.op == "load":
+                    await self.models.load(model, request.keep_alive)
+                elif self.models.store.entry(model).primary:
+                    raise UmaError(ErrorCode.MODEL, f"{model} is --model's model: it stays loaded")
+                else:
+                    await self.models.unload_when_idle(model)
+            except UmaError as exc:
+                exc.request_id = request.id
+                raise
+        return ModelsEvent(op=request.op, models=self.models.describe(), id=request.id)
 
     async def count_tokens(self, request: GenerateRequest) -> int:
         """The request's prompt in tokens, as it would be prefilled (template, tools), by the
