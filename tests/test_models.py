@@ -29,7 +29,7 @@ from uma_trio.loadgen.simulate import SIM_CONFIG
 from uma_trio.model_store import ModelStore, StoreEntry, StoreError
 from uma_trio.protocol.ollama import keep_alive_seconds
 from uma_trio.protocol.openai_errors import ApiError
-from uma_trio.runtime.models import REAP_EVERY_S, LoadedModel
+from uma_trio.runtime.models import REAP_EVERY_S, LoadedModel, Loading
 from uma_trio.runtime.server import Server
 from uma_trio.sched.cost import CostCoefficients
 
@@ -84,7 +84,10 @@ def test_ollama_keep_alive_is_read_as_ollama_reads_it() -> None:
 class Shelf:
     """A loader of simulated models that remembers what it loaded and closed."""
 
-    def __init__(self, fail: set[str] | None = None, cost: CostCoefficients | None = None) -> None:
+    def __init__(
+        self, fail: set[str] | None = None, cost: CostCoefficients | None = None, budget: int | None = None
+    ) -> None:
+        self.budget = budget  # bytes; each model's footprint is its file's size (StoreEntry.size)
         self.engines: dict[str, SimEngine] = {}
         self.closed: list[str] = []
         self.fail = fail or set()
@@ -102,11 +105,11 @@ class Shelf:
 async def daemon(shelf: Shelf, **overrides: Any) -> AsyncIterator[tuple[Server, SimEngine]]:
     with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
         config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock", **overrides)
-        store = ModelStore([StoreEntry("sim", Path("sim.gguf"), 1, primary=True)] + [
-            StoreEntry(name, Path(f"{name}.gguf"), 2) for name in ("b", "c", "bad")
-        ])  # fmt: skip
+        sizes = {"b": 2, "c": 2, "bad": 2, "huge": 10}  # each model's footprint, in bytes
+        others = [StoreEntry(name, Path(f"{name}.gguf"), size) for name, size in sizes.items()]
+        store = ModelStore([StoreEntry("sim", Path("sim.gguf"), 1, primary=True), *others])
         primary = SimEngine(shelf.cost, n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
-        server = Server(primary, config, store=store, loader=shelf.load)
+        server = Server(primary, config, store=store, loading=Loading(shelf.load, budget_bytes=shelf.budget))
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
             yield server, primary
@@ -124,7 +127,13 @@ def states(server: Server) -> dict[str, str]:
 async def test_requests_to_two_models_run_each_on_its_own(autojump_clock: trio.abc.Clock) -> None:
     shelf = Shelf()
     async with daemon(shelf) as (server, primary), UmaClient.connect(server.config.socket_path) as client:
-        assert states(server) == {"sim": "loaded", "b": "unloaded", "c": "unloaded", "bad": "unloaded"}
+        assert states(server) == {
+            "sim": "loaded",
+            "b": "unloaded",
+            "c": "unloaded",
+            "bad": "unloaded",
+            "huge": "unloaded",
+        }
         async with trio.open_nursery() as nursery:
             for model in ("b", None, "b", "sim"):
                 nursery.start_soon(partial(client.complete, prompt="word " * 20, max_tokens=6, model=model))
@@ -162,11 +171,19 @@ async def test_the_least_recently_used_idle_model_makes_room(autojump_clock: tri
     slow = CostCoefficients(fixed_s=0.5, source="test: half a second a step")
     shelf = Shelf(cost=slow)
     async with daemon(shelf, max_loaded=2) as (server, _), UmaClient.connect(server.config.socket_path) as c:
-        await c.complete(prompt="hi", max_tokens=2, model="b")
-        await c.complete(prompt="hi", max_tokens=2, model="c")  # only two fit, --model's included
-        assert states(server) == {"sim": "loaded", "b": "unloaded", "c": "loaded", "bad": "unloaded"}
+        await c.complete(prompt="hi", max_tokens=2, model="b", keep_alive=-1)
+        await c.complete(
+            prompt="hi", max_tokens=2, model="c", keep_alive=-1
+        )  # only two fit, --model's included
+        assert states(server) == {
+            "sim": "loaded",
+            "b": "unloaded",
+            "c": "loaded",
+            "bad": "unloaded",
+            "huge": "unloaded",
+        }
         async with trio.open_nursery() as nursery:  # c is busy: it is not unloaded for b
-            nursery.start_soon(lambda: c.complete(prompt="hi", max_tokens=40, model="c"))
+            nursery.start_soon(lambda: c.complete(prompt="hi", max_tokens=40, model="c", keep_alive=-1))
             await trio.sleep(2.0)
             with pytest.raises(RequestFailed) as busy:
                 await c.complete(prompt="hi", max_tokens=2, model="b")
@@ -174,6 +191,25 @@ async def test_the_least_recently_used_idle_model_makes_room(autojump_clock: tri
         await c.complete(prompt="hi", max_tokens=2, model="b")  # c is idle again: it makes room
         assert states(server)["b"] == "loaded" and states(server)["c"] == "unloaded"
     assert shelf.closed == ["b", "c", "b"]
+
+
+async def test_models_share_the_memory_budget(autojump_clock: trio.abc.Clock) -> None:
+    shelf = Shelf(budget=5)  # bytes: --model's takes 0 here, b and c 2 each, huge 10
+    async with daemon(shelf) as (server, _), UmaClient.connect(socket_of(server)) as c:
+        # Kept for good: worker threads (loading) let the test clock leap past any keep-alive.
+        await c.complete(prompt="hi", max_tokens=2, model="b", keep_alive=-1)
+        await c.complete(prompt="hi", max_tokens=2, model="c", keep_alive=-1)
+        assert server.models.used_bytes() == 4 and states(server)["b"] == "loaded"
+        with pytest.raises(RequestFailed) as too_big:
+            await c.complete(prompt="hi", max_tokens=2, model="huge")
+        message = too_big.value.event.message
+        assert too_big.value.event.code == "E_MODEL_003" and "does not fit even alone" in message
+        assert states(server)["b"] == "loaded"  # nothing was unloaded for a model that cannot fit
+    shelf = Shelf(budget=3)
+    async with daemon(shelf) as (server, _), UmaClient.connect(socket_of(server)) as c:
+        await c.complete(prompt="hi", max_tokens=2, model="b", keep_alive=-1)
+        await c.complete(prompt="hi", max_tokens=2, model="c", keep_alive=-1)  # 2 + 2 > 3: b makes room
+        assert states(server)["b"] == "unloaded" and server.models.used_bytes() == 2
 
 
 async def test_an_unknown_or_broken_model_is_refused_and_the_others_serve(
@@ -200,7 +236,7 @@ async def test_models_are_listed_loaded_and_unloaded_on_request(autojump_clock: 
         listed = await c.models()
         assert [(m["id"], m["state"], m["primary"]) for m in listed.models] == [
             ("sim", "loaded", True), ("b", "unloaded", False),
-            ("c", "unloaded", False), ("bad", "unloaded", False),
+            ("c", "unloaded", False), ("bad", "unloaded", False), ("huge", "unloaded", False),
         ]  # fmt: skip
         loaded = await c.models("load", "c.gguf", keep_alive=-1)  # any of its names
         assert {m["id"]: m["state"] for m in loaded.models}["c"] == "loaded" and shelf.engines.keys() == {"c"}

@@ -66,6 +66,25 @@ def parse_gpu_layers(value: str) -> GpuLayersMode | int:
     raise ConfigError(f"--gpu-layers must be auto, all or a number of layers (0 or more), not {value!r}")
 
 
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_memory_budget(value: str, total_bytes: int) -> int:
+    """``--memory-budget``: bytes (``24G``, ``512M``, ``8000000000``) or a fraction of
+    ``total_bytes`` (``0.8``); a ConfigError naming the flag otherwise."""
+    text = value.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        number = float(text.rstrip("kmgt"))
+    except ValueError:
+        number = -1.0
+    unit = text[len(text.rstrip("kmgt")) :]
+    if number <= 0 or unit not in _SIZE_UNITS or (not unit and "." in text and number > 1):
+        raise ConfigError(f"--memory-budget must be a size (24G, 512M) or a fraction (0.8), not {value!r}")
+    if not unit and number <= 1:
+        return int(number * total_bytes)
+    return int(number * _SIZE_UNITS[unit])
+
+
 def _comma_separated(_type: object, tokens: Sequence[Token]) -> tuple[str, ...]:
     return tuple(part.strip() for token in tokens for part in token.value.split(",") if part.strip())
 
@@ -124,6 +143,10 @@ class ServerConfig:
     max_loaded: int = 3
     """Models loaded at once, --model's included: loading one more first unloads the least
     recently used idle one; a model with requests in flight is never unloaded."""
+    memory_budget: Annotated[str | None, Parameter(show_default="--model's + 90 % of free memory")] = None
+    """Bytes the loaded models' weights and KV caches may take together (24G, 512M), or a
+    fraction of the machine's memory (0.8): loading one more first unloads idle ones until it
+    fits; a model too big even alone is refused with the numbers."""
     keep_alive_s: Annotated[float, Parameter(name="--keep-alive")] = 300.0
     """Seconds a model other than --model stays loaded once idle (a request's Ollama
     keep_alive overrides it for its model: 0 unloads after the request, negative never)."""
@@ -357,6 +380,8 @@ class ServerConfig:
         if self.kv_type is not None and self.kv_type not in KV_TYPE_NAMES:
             raise ConfigError(f"--kv-type must be one of {', '.join(KV_TYPE_NAMES)}")
         self._check_placement()
+        if self.memory_budget is not None:
+            parse_memory_budget(self.memory_budget, 1)  # refused at start-up, not at the first load
         if self.deterministic:
             self._check_deterministic()
         if self.prefix_cache_cells is not None and self.prefix_cache_cells < 0:

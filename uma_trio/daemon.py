@@ -11,9 +11,10 @@ from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 
+import psutil
 import trio
 
-from .config import ConfigError, ServerConfig, read_api_keys
+from .config import ConfigError, ServerConfig, parse_memory_budget, read_api_keys
 from .engine.chat_template import ChatTemplateError, JinjaChatTemplate
 from .engine.llama import (
     KV_TYPES,
@@ -24,7 +25,7 @@ from .engine.llama import (
     read_shape,
 )
 from .engine.memory_profile import memory_profile, probe_bandwidth_gbps, probe_step_bandwidth_gbps
-from .engine.planned import offload_plan, placement_for
+from .engine.planned import memory_footprint, offload_plan, placement_for
 from .engine.summary import one_line
 from .exception_groups import first_leaf
 from .http.gateway import Gateway
@@ -32,7 +33,7 @@ from .http.metrics import bind_metrics_port, metrics_app
 from .http.origin import DEFAULT_CORS_ORIGINS, allowed_hosts
 from .http.serve import BindError, bind_tcp, serve_asgi
 from .model_store import ModelStore, StoreEntry, StoreError
-from .runtime.models import LoadedModel
+from .runtime.models import LoadedModel, Loading
 from .runtime.server import Server
 from .runtime.unix_socket import SocketInUseError
 from .sched.bmt import BmtGuard
@@ -166,7 +167,23 @@ def server_for(engine: LlamaEngine, config: ServerConfig, policy: Policy) -> Ser
         log.info("models: %s", ", ".join(names))
     return Server(
         engine, config, policy, describe=partial(engine.describe, deterministic=config.deterministic),
-        store=store, loader=partial(load_other_model, config=config),
+        store=store, loading=loading_for(engine, config),
+    )  # fmt: skip
+
+
+def loading_for(engine: LlamaEngine, config: ServerConfig) -> Loading:
+    """How the store's other models load, and the memory budget they share with --model's:
+    ``--memory-budget``, or by default --model's footprint plus 90 % of the memory free now."""
+    memory = psutil.virtual_memory()
+    primary = memory_footprint(engine.model.shape, config)
+    if config.memory_budget is not None:
+        budget = parse_memory_budget(config.memory_budget, memory.total)
+    else:
+        budget = primary + int(0.9 * memory.available)
+    return Loading(
+        load=partial(load_other_model, config=config),
+        footprint=lambda entry: memory_footprint(read_shape(entry.path), config),
+        budget_bytes=budget, primary_bytes=primary,
     )  # fmt: skip
 
 

@@ -35,6 +35,13 @@ def offload_plan(shape: ModelShape, config: ServerConfig) -> OffloadPlan:
     )
 
 
+def memory_footprint(shape: ModelShape, config: ServerConfig) -> int:
+    """Bytes a model takes once loaded with ``config``: its weights (the file) and its KV
+    cache (``--n-ctx`` × ``--max-sessions`` cells), on whichever devices hold them."""
+    cells = config.n_ctx * config.max_sessions
+    return shape.file_bytes + cells * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1])
+
+
 def placement_for(plan: OffloadPlan, config: ServerConfig) -> Placement:
     return Placement(
         n_gpu_layers=plan.n_gpu_layers, main_gpu=config.main_gpu, split_mode=config.split_mode,

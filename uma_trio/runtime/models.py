@@ -47,8 +47,15 @@ class LoadedModel:
     describe: Callable[[], dict[str, Any]] | None = None
 
 
-# Loads a store entry; blocking (it runs in a worker thread); raises on a bad file.
-ModelLoader = Callable[[StoreEntry], LoadedModel]
+@dataclass(frozen=True)
+class Loading:
+    """How models are loaded and how much memory they may take.  ``load`` and ``footprint``
+    block (they run in a worker thread); ``load`` raises on a bad file."""
+
+    load: Callable[[StoreEntry], LoadedModel]
+    footprint: Callable[[StoreEntry], int] = lambda entry: entry.size  # weights + KV cache bytes
+    budget_bytes: int | None = None  # what the loaded models may take together (None: no limit)
+    primary_bytes: int = 0  # what --model's model takes of it
 
 
 @dataclass(eq=False)
@@ -60,6 +67,7 @@ class ModelUnit:
     loop: DecodeLoop
     keep_alive_s: float
     last_used: float
+    footprint: int = 0  # bytes of weights and KV cache, counted against --memory-budget
     pending: int = 0  # requests handed this unit and not yet in its loop's queue
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
@@ -79,13 +87,13 @@ class ModelHost:
     def __init__(
         self,
         store: ModelStore,
-        loader: ModelLoader | None,
+        loading: Loading | None,
         config: ServerConfig,
         metrics: Metrics,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.store = store
-        self._loader = loader
+        self.loading = loading
         self._config = config
         self._metrics = metrics
         self._clock = clock
@@ -139,6 +147,7 @@ class ModelHost:
                 "file": entry.path.name, "bytes": entry.size, "aliases": list(entry.aliases),
             }  # fmt: skip
             if unit is not None:
+                item["footprint_bytes"] = unit.footprint
                 item["keep_alive_s"] = None if math.isinf(unit.keep_alive_s) else unit.keep_alive_s
                 item["busy"] = not unit.loop.idle or unit.pending > 0
                 item["idle_s"] = round(now - max(unit.loop.idle_since, unit.last_used), 3)
@@ -195,35 +204,64 @@ class ModelHost:
     # -- loading -----------------------------------------------------------------------
 
     async def _load(self, model_id: str) -> ModelUnit:
-        if self._loader is None or self._nursery is None:
+        loading = self.loading
+        if loading is None or self._nursery is None:
             raise UmaError(ErrorCode.MODEL_LOAD, f"model {model_id!r} cannot be loaded by this daemon")
-        await self._make_room(model_id)
         entry = self.store.entry(model_id)
-        began = self._clock()
-        log.info("loading %s (%s, %d MiB)", model_id, entry.path, entry.size >> 20)
         try:
-            loaded = await trio.to_thread.run_sync(self._loader, entry)
+            need = await trio.to_thread.run_sync(loading.footprint, entry)
+        except Exception as exc:  # not a GGUF llama.cpp can read: refused before making room
+            log.warning("cannot read %s: %s", model_id, exc)
+            raise UmaError(ErrorCode.MODEL_LOAD, f"cannot load model {model_id!r}: {exc}") from None
+        await self._make_room(model_id, need)
+        began = self._clock()
+        log.info("loading %s (%s, %d MiB with its KV cache)", model_id, entry.path, need >> 20)
+        try:
+            loaded = await trio.to_thread.run_sync(loading.load, entry)
         except Exception as exc:  # a corrupt or unloadable file: this request fails, the rest go on
             log.warning("cannot load %s: %s", model_id, exc)
             raise UmaError(ErrorCode.MODEL_LOAD, f"cannot load model {model_id!r}: {exc}") from None
         loop = DecodeLoop(loaded.engine, self._config, self._metrics, clock=self._clock, policy=loaded.policy)
-        unit = ModelUnit(model_id, loaded, loop, self._config.keep_alive_s, last_used=self._clock())
+        unit = ModelUnit(model_id, loaded, loop, self._config.keep_alive_s, self._clock(), footprint=need)
         self.units[model_id] = unit
         self.loads += 1
         self._nursery.start_soon(self._run_unit, unit)
         log.info("loaded %s in %.1f s", model_id, self._clock() - began)
         return unit
 
-    async def _make_room(self, model_id: str) -> None:
-        """Unload least recently used idle units until one more fits ``--max-loaded`` (the
-        primary counts); E_LIMIT_004 when every loaded one is busy."""
-        while len(self.units) + 1 >= self._config.max_loaded:
+    def used_bytes(self) -> int:
+        """What the loaded models take of ``--memory-budget``."""
+        primary = self.loading.primary_bytes if self.loading is not None else 0
+        return primary + sum(u.footprint for u in self.units.values())
+
+    async def _make_room(self, model_id: str, need: int) -> None:
+        """Unload least recently used idle units until one more model of ``need`` bytes fits
+        ``--max-loaded`` (the primary counts) and the memory budget; E_LIMIT_004 when every
+        loaded one is busy, E_MODEL_003 when it cannot fit even alone."""
+        budget = self.loading.budget_bytes if self.loading is not None else None
+        primary = self.loading.primary_bytes if self.loading is not None else 0
+        if budget is not None and primary + need > budget:
+            raise UmaError(
+                ErrorCode.MODEL_LOAD,
+                f"model {model_id!r} needs {_gib(need)} (weights and KV cache) and the memory budget is "
+                f"{_gib(budget)}, of which --model's model takes {_gib(primary)}: it does not fit even "
+                "alone (--memory-budget, or a smaller --n-ctx / --max-sessions)",
+            )
+        while True:
+            too_many = len(self.units) + 1 >= self._config.max_loaded
+            too_big = budget is not None and self.used_bytes() + need > budget
+            if not (too_many or too_big):
+                return
             idle = [u for u in self.units.values() if u.loop.idle and not u.pending]
             if not idle:
+                limit = (
+                    f"{len(self.units) + 1} models are loaded (--max-loaded {self._config.max_loaded})"
+                    if too_many
+                    else f"{_gib(self.used_bytes())} of the {_gib(budget or 0)} memory budget is in use"
+                )
                 raise UmaError(
                     ErrorCode.SERVER_BUSY,
-                    f"{len(self.units) + 1} models are loaded (--max-loaded {self._config.max_loaded}) and "
-                    f"all are busy; {model_id!r} cannot be loaded now, try again later",
+                    f"{limit} and every loaded model is busy; {model_id!r} cannot load now, try again later",
                 )
             victim = min(idle, key=lambda u: u.last_used)
             await self.unload(victim.id, reason=f"room for {model_id}")
@@ -237,3 +275,7 @@ class ModelHost:
             del self.units[unit.id]
             self.unloads += 1
         unit.scope.cancel()
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"

@@ -35,7 +35,7 @@ from .accept import accept_forever
 from .connection import Connection
 from .decode_loop import DecodeLoop
 from .intake import open_on, tokenize_request
-from .models import ModelHost, ModelLoader, ModelUnit
+from .models import Loading, ModelHost, ModelUnit
 from .peer import peer_uid
 from .snapshot_service import SnapshotService
 from .snapshots import SnapshotStore, default_snapshot_dir
@@ -57,9 +57,9 @@ class Server:
         describe: Callable[[], dict[str, Any]] | None = None,
         *,
         store: ModelStore | None = None,
-        loader: ModelLoader | None = None,
+        loading: Loading | None = None,
     ) -> None:
-        """``engine`` is the primary model's; ``store`` names the others, which ``loader``
+        """``engine`` is the primary model's; ``store`` names the others, which ``loading``
         loads when a request asks for one (runtime/models.py)."""
         self.engine = engine
         self._describe = describe  # the engine's devices and settings (engine/summary.py)
@@ -67,7 +67,7 @@ class Server:
         self.metrics = Metrics(config.metrics_window_s)
         self.loop = DecodeLoop(engine, config, self.metrics, policy=policy)
         primary = StoreEntry(model_id(engine.model_name), Path(engine.model_name), 0, primary=True)
-        self.models = ModelHost(store or ModelStore([primary]), loader, config, self.metrics)
+        self.models = ModelHost(store or ModelStore([primary]), loading, config, self.metrics)
         self.process = ProcessSampler()
         self.registry = build_registry(self.metrics.registry, self.metrics_snapshot)
         self.metrics_url: str | None = None  # set by the daemon once --metrics-port serves
