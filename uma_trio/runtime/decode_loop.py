@@ -58,6 +58,7 @@ from .arrivals import Arrivals
 from .batch import batch_entries, set_up_sequence
 from .lifecycle import Phase
 from .loop_gauges import kv_gauges, session_gauges
+from .machine import MachineShare
 from .run_ahead import AheadChain, RunAhead, ahead_budget
 from .session import END_SLOTS, PinnedSequence, Session, StreamEnd, parks
 from .step_apply import Embedded, Ended, Failed, Overran, Token, apply_step
@@ -76,10 +77,16 @@ class DecodeLoop:
         metrics: Metrics,
         clock: Callable[[], float] = trio.current_time,
         policy: Policy | None = None,
+        sharing: MachineShare | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
+        # With several models loaded: the machine they take turns on (sched/arbiter.py).
+        self._sharing = sharing
+        self._limited = False  # the tick in flight was granted inside another model's stream gap
+        if sharing is not None:
+            sharing.arbiter.join(sharing.name, self._nudge, self._preempt)
         self._clock = clock
         self.kv = KvManager(
             engine.n_seq_max, engine.n_ctx, config.prefix_cache_cells, pack_ids=engine.splits_at_seq_gaps
@@ -138,6 +145,8 @@ class DecodeLoop:
         self._waiting.append(session)
         if session.lane == "interactive":
             self._preempt()
+            if self._sharing is not None:  # the other models' background work makes way too
+                self._sharing.arbiter.wants(self._sharing.name)
         self.metrics.on_submitted(session.lane, len(session.prompt))
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self.wake()
@@ -169,6 +178,8 @@ class DecodeLoop:
             self.metrics.lane_changes += 1
             if lane == "interactive":
                 self._preempt()
+                if self._sharing is not None:
+                    self._sharing.arbiter.wants(self._sharing.name)
             self.wake()
 
     def _preempt(self) -> None:
@@ -265,8 +276,15 @@ class DecodeLoop:
             self._apply_aborts()
             await self._run_jobs()
             self._admit()
-            plan = self._plan()
+            cap = self._turn()
+            if cap == 0.0:  # another model's streams decode: wait for a turn, or new work here
+                await self._wakeup.wait()
+                self._wakeup = trio.Event()
+                continue
+            plan = self._plan(cap)
             if not plan:
+                if self._sharing is not None:
+                    self._sharing.arbiter.quiet(self._sharing.name)
                 self._update_idle()
                 self._last_step_end = None
                 await self._wakeup.wait()
@@ -302,7 +320,35 @@ class DecodeLoop:
                 return
             seen = len(self._waiting)
 
+    def _turn(self) -> float | None:
+        """The longest tick this model may take now, beside the other models' streams (None:
+        no limit; 0.0: wait for a turn)."""
+        if self._sharing is None or not self._active:
+            return None
+        interactive = any(s.lane == "interactive" for s in (*self._active.values(), *self._waiting))
+        if not interactive:
+            self._sharing.arbiter.quiet(self._sharing.name)
+        cap = self._sharing.arbiter.grant(self._sharing.name, interactive=interactive)
+        self._limited = cap is not None and cap > 0
+        return cap
+
+    def _nudge(self) -> None:
+        """Another model's tick ended: this loop's turn may have come."""
+        self._wakeup.set()
+
+    def leave(self) -> None:
+        """This model is being unloaded: the others no longer wait for its streams."""
+        if self._sharing is not None:
+            self._sharing.arbiter.leave(self._sharing.name)
+
     async def _run_plan(self, plan: Plan) -> None:
+        if self._sharing is None:
+            await self._run_plan_alone(plan)
+            return
+        async with self._sharing.machine:  # the models' steps take turns
+            await self._run_plan_alone(plan)
+
+    async def _run_plan_alone(self, plan: Plan) -> None:
         entries = batch_entries(plan, self._active)
         whole = True
         try:
@@ -369,6 +415,11 @@ class DecodeLoop:
                     self._chain.overran(seq_id)
         # Overhead: wall time since the previous step ended, less this step's own time.
         since = now - self._last_step_end if self._last_step_end is not None else result.decode_s
+        if self._sharing is not None:
+            limited, self._limited = self._limited and not ahead, False
+            self._sharing.arbiter.ran(
+                self._sharing.name, streams=plan.cap_s > 0, seconds=result.decode_s, limited=limited
+            )
         self.metrics.on_tick(
             now, step_s=result.decode_s, overhead_s=max(0.0, since - result.decode_s),
             decode_tokens=len(plan.decode), prefill_tokens=plan.prefill_tokens, generated=generated,
@@ -500,7 +551,7 @@ class DecodeLoop:
         self._free_cells(evicted)
         return reused
 
-    def _plan(self) -> Plan:
+    def _plan(self, cap_s: float | None = None) -> Plan:
         now = self._clock()
         views = []
         for seq_id, session in self._active.items():
@@ -519,7 +570,7 @@ class DecodeLoop:
             )
         self._state = SchedulerState(
             tuple(views), tick=self._tick, max_batch=self.max_batch, micro_batch=self.config.engine_n_ubatch,
-            preemptible=self.engine.can_preempt,
+            preemptible=self.engine.can_preempt, foreign_cap_s=cap_s,
         )  # fmt: skip
         return self.policy.plan(self._state)
 

@@ -31,6 +31,7 @@ from ..observability.metrics import Metrics
 from ..protocol.errors import ErrorCode, UmaError
 from ..sched.policy import Policy
 from .decode_loop import DecodeLoop
+from .machine import Machine
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,10 @@ class ModelHost:
         config: ServerConfig,
         metrics: Metrics,
         clock: Callable[[], float] = trio.current_time,
+        machine: Machine | None = None,
     ) -> None:
         self.store = store
+        self._machine = machine  # the turns every model's steps take (runtime/machine.py)
         self.loading = loading
         self._config = config
         self._metrics = metrics
@@ -221,7 +224,10 @@ class ModelHost:
         except Exception as exc:  # a corrupt or unloadable file: this request fails, the rest go on
             log.warning("cannot load %s: %s", model_id, exc)
             raise UmaError(ErrorCode.MODEL_LOAD, f"cannot load model {model_id!r}: {exc}") from None
-        loop = DecodeLoop(loaded.engine, self._config, self._metrics, clock=self._clock, policy=loaded.policy)
+        share = self._machine.share(model_id) if self._machine is not None else None
+        loop = DecodeLoop(
+            loaded.engine, self._config, self._metrics, clock=self._clock, policy=loaded.policy, sharing=share
+        )
         unit = ModelUnit(model_id, loaded, loop, self._config.keep_alive_s, self._clock(), footprint=need)
         self.units[model_id] = unit
         self.loads += 1
@@ -271,6 +277,7 @@ class ModelHost:
             await unit.loop.run()
 
     def _forget(self, unit: ModelUnit) -> None:
+        unit.loop.leave()
         if self.units.get(unit.id) is unit:
             del self.units[unit.id]
             self.unloads += 1

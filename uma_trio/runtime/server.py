@@ -30,11 +30,13 @@ from ..observability.prometheus import build_registry
 from ..observability.scorecard import CSV_FIELDS, Scorecard, scorecard
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, ModelsEvent, ModelsRequest, SnapshotEvent, SnapshotRequest
+from ..sched.arbiter import Arbiter
 from ..sched.policy import Policy
 from .accept import accept_forever
 from .connection import Connection
 from .decode_loop import DecodeLoop
 from .intake import open_on, tokenize_request
+from .machine import Machine
 from .models import Loading, ModelHost, ModelUnit
 from .peer import peer_uid
 from .snapshot_service import SnapshotService
@@ -65,9 +67,14 @@ class Server:
         self._describe = describe  # the engine's devices and settings (engine/summary.py)
         self.config = config
         self.metrics = Metrics(config.metrics_window_s)
-        self.loop = DecodeLoop(engine, config, self.metrics, policy=policy)
-        primary = StoreEntry(model_id(engine.model_name), Path(engine.model_name), 0, primary=True)
-        self.models = ModelHost(store or ModelStore([primary]), loading, config, self.metrics)
+        if store is None:  # the one model: the engine's
+            name = engine.model_name
+            store = ModelStore([StoreEntry(model_id(name), Path(name), 0, primary=True)])
+        # With other models to load, every loop's steps take turns under one arbiter.
+        machine = Machine(Arbiter(latency_cap=config.latency_cap)) if len(store.entries()) > 1 else None
+        share = machine.share(store.primary.id) if machine is not None else None
+        self.loop = DecodeLoop(engine, config, self.metrics, policy=policy, sharing=share)
+        self.models = ModelHost(store, loading, config, self.metrics, machine=machine)
         self.process = ProcessSampler()
         self.registry = build_registry(self.metrics.registry, self.metrics_snapshot)
         self.metrics_url: str | None = None  # set by the daemon once --metrics-port serves

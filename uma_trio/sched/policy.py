@@ -235,6 +235,8 @@ def plan_tick(
     if quiet_tick(state):
         growth = 2 ** min(controls.quiet_ticks, config.background_growth) if growing_tick(state) else 1
         budget = baseline = config.tick_background_s * growth
+    if state.foreign_cap_s is not None:  # inside another model's stream gap (sched/arbiter.py)
+        budget = min(budget, state.foreign_cap_s)
     batch = _Batch(cost, state.max_batch)
 
     interactive_decoders = [s for s in runnable if s.interactive and s.decoding]

@@ -42,6 +42,9 @@ class SchedulerState:
     max_batch: int = 512  # hard cap on tokens in one batch
     micro_batch: int = 512  # llama.cpp's n_ubatch: the prompt tokens one tick takes when nobody decodes
     preemptible: bool = False  # the engine can stop a step midway (Engine.can_preempt)
+    # Another model's streams decode and this model has only background work: the longest
+    # tick the machine's arbiter allows it (sched/arbiter.py); None: no such limit.
+    foreign_cap_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

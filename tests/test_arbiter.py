@@ -1,0 +1,130 @@
+"""One machine, several models (issue 22, point 4): the arbiter keeps one model's interactive
+streams under the guard while another model has background work, on the simulated engine with
+trio's test clock."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from uma_trio.client import UmaClient
+from uma_trio.engine.sim import SimEngine
+from uma_trio.loadgen.simulate import SIM_CONFIG
+from uma_trio.model_store import ModelStore, StoreEntry
+from uma_trio.protocol.messages import TokenEvent
+from uma_trio.runtime.models import LoadedModel, Loading
+from uma_trio.runtime.server import Server
+from uma_trio.sched.arbiter import Arbiter
+from uma_trio.sched.cost import CostCoefficients
+
+# -- the arbiter, pure ---------------------------------------------------------------------
+
+
+def test_a_background_model_gets_a_bounded_tick_inside_another_models_gap() -> None:
+    arbiter = Arbiter(latency_cap=1.2, max_pause=1.8, share=0.05, window=100)
+    woken: list[str] = []
+    stopped: list[str] = []
+    arbiter.join("chat", lambda: woken.append("chat"), lambda: stopped.append("chat"))
+    arbiter.join("bulk", lambda: woken.append("bulk"), lambda: stopped.append("bulk"))
+    assert arbiter.grant("bulk", interactive=False) is None  # nobody streams: no limit
+    arbiter.wants("chat")  # a chat arrived: the bulk model's step in flight stops...
+    assert stopped == ["bulk"] and arbiter.grant("bulk", interactive=False) == 0.0  # ...and waits
+    arbiter.ran("chat", streams=True, seconds=0.010, limited=False)
+    assert woken == ["bulk"]
+    assert arbiter.grant("bulk", interactive=True) is None  # its own chats pay like any other
+    assert arbiter.grant("bulk", interactive=False) == 0.0  # one gap seen: 5 % of it is none
+    for _ in range(19):  # one gap in twenty may be stretched
+        arbiter.ran("chat", streams=True, seconds=0.010, limited=False)
+    assert arbiter.grant("bulk", interactive=False) == pytest.approx(0.008)  # (1.8 - 1) × 10 ms
+    arbiter.ran("bulk", streams=False, seconds=0.008, limited=True)  # stretched one gap
+    assert sum(arbiter.gaps) == 1 and arbiter.grant("bulk", interactive=False) == 0.0
+    arbiter.ran("bulk", streams=False, seconds=0.001, limited=True)  # within the cap: not stretched
+    assert sum(arbiter.gaps) == 1
+    for _ in range(18):
+        arbiter.ran("chat", streams=True, seconds=0.010, limited=False)
+    assert arbiter.grant("bulk", interactive=False) == 0.0  # 19 gaps since the stretched one
+    arbiter.ran("chat", streams=True, seconds=0.010, limited=False)
+    assert arbiter.grant("bulk", interactive=False) == pytest.approx(0.008)
+    arbiter.quiet("chat")  # its streams ended: the bulk model runs freely again
+    assert arbiter.grant("bulk", interactive=False) is None
+    arbiter.leave("chat")
+    assert arbiter.grant("bulk", interactive=False) is None
+
+
+# -- a daemon with two simulated models ---------------------------------------------------
+
+
+COST = CostCoefficients(fixed_s=0.010, decode_s=0.0005, prefill_s=0.0002, source="test")
+
+
+async def chat_gaps(client: UmaClient, n: int, model: str | None) -> list[float]:
+    """Gaps between the token events of ``n`` streams, as the client sees them."""
+    gaps: list[float] = []
+
+    async def one(i: int) -> None:
+        last = None
+        async with client.stream(prompt=f"chat {i} " * 20, max_tokens=120, model=model) as events:
+            async for event in events:
+                if isinstance(event, TokenEvent):
+                    now = trio.current_time()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+    return gaps
+
+
+async def test_chats_on_one_model_keep_the_guard_beside_bulk_work_on_another(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engines: dict[str, SimEngine] = {}
+
+    def load(entry: StoreEntry) -> LoadedModel:
+        engines[entry.id] = SimEngine(COST, n_ctx_seq=SIM_CONFIG.n_ctx, n_seq_max=SIM_CONFIG.max_sessions)
+        return LoadedModel(engines[entry.id])
+
+    with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
+        config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock", keep_alive_s=1e6)
+        store = ModelStore(
+            [StoreEntry("chat", Path("chat.gguf"), 1, primary=True), StoreEntry("bulk", Path("b"), 1)]
+        )
+        primary = SimEngine(COST, n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
+        server = Server(primary, config, store=store, loading=Loading(load))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            async with UmaClient.connect(config.socket_path) as client:
+                alone = await chat_gaps(client, 3, None)
+                await client.models("load", "bulk")
+                finished: list[float] = []
+
+                async def bulk() -> None:
+                    prompt = "long document text " * 900  # a few thousand prompt tokens
+                    done = await client.complete(
+                        prompt=prompt, max_tokens=4, model="bulk", priority="background"
+                    )
+                    finished.append(trio.current_time())
+                    assert done.eos.reason == "length"
+
+                async with trio.open_nursery() as load_nursery:
+                    load_nursery.start_soon(bulk)
+                    await trio.sleep(0.05)
+                    started = trio.current_time()
+                    mixed = await chat_gaps(client, 3, None)
+                    chats_done = trio.current_time()
+            server.request_shutdown(force=True)
+    alone_p95 = float(np.percentile(alone, 95))
+    assert float(np.percentile(mixed, 95)) <= 1.25 * alone_p95
+    assert max(mixed) <= 2.0 * alone_p95
+    arbiter = server.loop._sharing.arbiter if server.loop._sharing else None
+    assert arbiter is not None and arbiter.granted > 0 and arbiter.refused > 0
+    assert engines["bulk"].steps and finished and finished[0] > started  # the bulk prompt did finish
+    bulk_during_chats = [s for s in engines["bulk"].steps if s[2] > 0]
+    assert bulk_during_chats and chats_done > started

@@ -1,0 +1,106 @@
+"""One machine, several models: when a model with only background work may take a tick while
+another model's interactive streams decode (issue 22, point 4; docs/SCHEDULER.md "Several
+models").
+
+Each loaded model has its own decode loop, and their steps take turns on the machine (one
+lock: on unified memory the models share the bandwidth and the cores, and two steps at once
+only slow each other).  A model's own policy keeps its own streams' gaps under the guard; this
+arbiter keeps them there across models.  While model A streams, a tick of model B lands in the
+middle of A's gap: the guard allows such a stretched gap in at most ``share`` of A's ticks
+(the p95 slack) and never longer than
+``max_pause`` × A's tick, so B's tick is given ``(max_pause - 1)`` × A's tick at most.  With
+no interactive stream elsewhere, or with interactive work of its own (then both models' chats
+pay for each other, as two chats of one model do), a model runs unconstrained.  Pure: fed the
+measured ticks, no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class _Standing:
+    streams: bool = False  # interactive sessions waiting or decoding
+    tick_s: float = 0.0  # its last such tick's time: its streams' gap with nobody else (0: none yet)
+
+
+class Arbiter:
+    def __init__(
+        self, latency_cap: float = 1.2, max_pause: float = 1.8, share: float = 0.04, window: int = 100
+    ) -> None:
+        if latency_cap < 1.0 or max_pause < latency_cap:
+            raise ValueError("need 1 <= latency_cap <= max_pause")
+        self.latency_cap, self.max_pause, self.share = latency_cap, max_pause, share
+        # The last `window` stream gaps, True where another model's tick stretched one past the
+        # cap; and how many gaps since the last stretched one.  A gap is stretched at most once
+        # in 1 / share: spread out so, even a short run keeps its p95 (a burst spent at once
+        # would not, as the first 100 ticks of a run are all there is to its p95).
+        self.gaps: deque[bool] = deque(maxlen=window)
+        self._since_stretched = 0
+        self._standing: dict[str, _Standing] = {}
+        self._listeners: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {}
+        self.granted = self.refused = 0  # foreign ticks allowed, and turns waited
+
+    def join(self, model: str, wake: Callable[[], None], preempt: Callable[[], None]) -> None:
+        """``model``'s loop takes part: ``wake`` is called whenever another model's tick ends
+        (its turn may have come), ``preempt`` when another model's interactive work arrives
+        (a background step in flight that can stop midway should)."""
+        self._standing[model] = _Standing()
+        self._listeners[model] = (wake, preempt)
+
+    def leave(self, model: str) -> None:
+        self._standing.pop(model, None)
+        self._listeners.pop(model, None)
+
+    def wants(self, model: str) -> None:
+        """An interactive request arrived for ``model``: from now the others' background
+        ticks wait for its first tick, then fit its gaps."""
+        standing = self._standing.setdefault(model, _Standing())
+        if not standing.streams:
+            standing.streams, standing.tick_s = True, 0.0
+        for name, (_, preempt) in list(self._listeners.items()):
+            if name != model:
+                preempt()
+
+    def grant(self, model: str, *, interactive: bool) -> float | None:
+        """The longest tick ``model`` may take now: None for no limit, 0.0 to wait for its
+        turn (the next tick of another model wakes it)."""
+        streaming = [s.tick_s for name, s in self._standing.items() if name != model and s.streams]
+        if interactive or not streaming:
+            return None
+        if min(streaming) <= 0.0 or self._since_stretched * self.share < 1.0:
+            self.refused += 1  # its first tick is not done yet, or the slack is spent
+            return 0.0
+        self.granted += 1
+        return (self.max_pause - 1.0) * min(streaming)
+
+    def ran(self, model: str, *, streams: bool, seconds: float, limited: bool) -> None:
+        """A tick of ``model`` ended: ``streams``, whether interactive sessions decoded in it;
+        ``limited``, whether it was a granted tick inside another model's stream gap."""
+        standing = self._standing.setdefault(model, _Standing())
+        if streams:
+            standing.streams, standing.tick_s = True, seconds
+        if limited:
+            others = [s.tick_s for name, s in self._standing.items() if name != model and s.streams]
+            free = (self.latency_cap - 1.0) * min(others, default=0.0)
+            stretched = seconds > free  # the gap it landed in went past the cap
+            self.gaps.append(stretched)
+            self._since_stretched = 0 if stretched else self._since_stretched + 1
+        elif streams:
+            self.gaps.append(False)
+            self._since_stretched += 1
+        self._wake_others(model)
+
+    def quiet(self, model: str) -> None:
+        """``model`` has no interactive session left (or nothing to run at all)."""
+        if (standing := self._standing.get(model)) is not None and standing.streams:
+            standing.streams = False
+            self._wake_others(model)
+
+    def _wake_others(self, model: str) -> None:
+        for name, (wake, _) in list(self._listeners.items()):
+            if name != model:
+                wake()
