@@ -46,6 +46,7 @@ class ClientSpec(Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     think_s: Seconds = 0.0
     copies: PositiveInt = 1
     stagger_s: Seconds = 0.0
+    model: str | None = None  # which of the daemon's models (docs/MODELS.md); None: its default
 
     def request_id(self, index: int) -> str:
         return f"{self.name}-{index}"
@@ -65,6 +66,7 @@ class ClientSpec(Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
             "temperature": 0.0,
             "stop": [],
             "priority": self.lane,
+            **({"model": self.model} if self.model is not None else {}),
         }
 
 

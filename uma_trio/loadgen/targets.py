@@ -99,7 +99,7 @@ def completion_body(spec: ClientSpec, index: int, model: str) -> dict[str, Any]:
     streamed, usage asked for."""
     request = spec.request(index)
     return {
-        "model": model, "prompt": request["prompt"], "max_tokens": request["max_tokens"],
+        "model": spec.model or model, "prompt": request["prompt"], "max_tokens": request["max_tokens"],
         "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
 

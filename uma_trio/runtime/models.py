@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -225,8 +225,11 @@ class ModelHost:
             log.warning("cannot load %s: %s", model_id, exc)
             raise UmaError(ErrorCode.MODEL_LOAD, f"cannot load model {model_id!r}: {exc}") from None
         share = self._machine.share(model_id) if self._machine is not None else None
+        config = self._config
+        if (trace := config.tick_trace) is not None:  # each model's steps in a file of their own
+            config = replace(config, tick_trace=trace.with_name(f"{trace.stem}.{model_id}{trace.suffix}"))
         loop = DecodeLoop(
-            loaded.engine, self._config, self._metrics, clock=self._clock, policy=loaded.policy, sharing=share
+            loaded.engine, config, self._metrics, clock=self._clock, policy=loaded.policy, sharing=share
         )
         unit = ModelUnit(model_id, loaded, loop, self._config.keep_alive_s, self._clock(), footprint=need)
         self.units[model_id] = unit

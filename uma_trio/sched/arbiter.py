@@ -81,8 +81,9 @@ class Arbiter:
         """A tick of ``model`` ended: ``streams``, whether interactive sessions decoded in it;
         ``limited``, whether it was a granted tick inside another model's stream gap."""
         standing = self._standing.setdefault(model, _Standing())
-        if streams:
-            standing.streams, standing.tick_s = True, seconds
+        if streams:  # its pace: a tick slowed by something else (a tokenizer beside it) counts less
+            pace = seconds if standing.tick_s <= 0.0 else 0.8 * standing.tick_s + 0.2 * seconds
+            standing.streams, standing.tick_s = True, min(seconds, pace)
         if limited:
             others = [s.tick_s for name, s in self._standing.items() if name != model and s.streams]
             free = (self.latency_cap - 1.0) * min(others, default=0.0)
