@@ -6,6 +6,7 @@ sleeps), and once on the real engine: the default model beside a tiny random-wei
 from __future__ import annotations
 
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -318,3 +319,27 @@ async def test_two_real_models_answer_as_each_does_alone(
             assert refused.status_code == 400 and "stays loaded" in refused.json()["error"]["message"]
             missing = await http.post("/v1/completions", json={"model": "gpt-5", "prompt": "x"})
             assert missing.status_code == 404 and tiny in missing.json()["error"]["message"]
+
+
+@pytest.mark.model
+async def test_on_the_real_engine_a_model_makes_room_and_expires(
+    llama_model: LlamaModel, server_config: ServerConfig, shelf_dir: Path, tmp_path: Path
+) -> None:
+    for name in ("tiny-a", "tiny-b"):  # two models of the tiny shape (the same weights)
+        shutil.copyfile(shelf_dir / "tiny-random.gguf", tmp_path / f"{name}.gguf")
+    prompt = "Once upon a time"
+    async with running_server(
+        llama_model, server_config, http="127.0.0.1:0", models_dir=tmp_path, max_loaded=2
+    ) as server:
+        first = await greedy(server, "tiny-a", prompt)
+        assert server.models.state("tiny-a") == "loaded"
+        assert await greedy(server, "tiny-b", prompt) == first  # --model's and one more fit
+        assert server.models.state("tiny-a") == "unloaded" and server.models.state("tiny-b") == "loaded"
+        async with httpx.AsyncClient(base_url=str(server.http_url), timeout=60) as http:
+            body = {"model": "tiny-b", "prompt": prompt, "raw": True, "stream": False, "keep_alive": "1s",
+                    "options": {"num_predict": 2}}  # fmt: skip
+            assert (await http.post("/api/generate", json=body)).status_code == 200
+        with trio.fail_after(10):
+            while server.models.state("tiny-b") == "loaded":
+                await trio.sleep(0.1)
+        assert server.models.unloads == 2 and server.models.units == {}

@@ -336,11 +336,6 @@ class DecodeLoop:
         """Another model's tick ended: this loop's turn may have come."""
         self._wakeup.set()
 
-    def leave(self) -> None:
-        """This model is being unloaded: the others no longer wait for its streams."""
-        if self._sharing is not None:
-            self._sharing.arbiter.leave(self._sharing.name)
-
     async def _run_plan(self, plan: Plan) -> None:
         if self._sharing is None:
             await self._run_plan_alone(plan)

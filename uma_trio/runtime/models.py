@@ -280,7 +280,8 @@ class ModelHost:
             await unit.loop.run()
 
     def _forget(self, unit: ModelUnit) -> None:
-        unit.loop.leave()
+        if self._machine is not None:  # the others no longer wait for its streams
+            self._machine.arbiter.leave(unit.id)
         if self.units.get(unit.id) is unit:
             del self.units[unit.id]
             self.unloads += 1
