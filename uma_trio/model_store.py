@@ -39,7 +39,8 @@ class StoreEntry:
 class ModelStore:
     """The daemon's models by id, and every name a request may use for one."""
 
-    def __init__(self, entries: Iterable[StoreEntry]) -> None:
+    def __init__(self, entries: Iterable[StoreEntry], directory: Path | None = None) -> None:
+        self.directory = directory  # where pulled models go and new files are looked for
         self._entries = {e.id: e for e in entries}
         self._names: dict[str, str] = {}
         for entry in self._entries.values():
@@ -72,9 +73,23 @@ class ModelStore:
             named.setdefault(key, []).append(name)
         primary_id = model_id(primary.name)
         return cls(
-            StoreEntry(key, path, _size(path), tuple(named.get(key, ())), primary=key == primary_id)
-            for key, path in files.items()
+            (
+                StoreEntry(key, path, _size(path), tuple(named.get(key, ())), primary=key == primary_id)
+                for key, path in files.items()
+            ),
+            directory,
         )
+
+    def rescanned(self) -> ModelStore:
+        """This store with the directory's new ``*.gguf`` files (pulled, or copied in since)."""
+        if self.directory is None or not self.directory.is_dir():
+            return self
+        new = [
+            StoreEntry(model_id(path.name), path, _size(path))
+            for path in sorted(self.directory.glob("*.gguf"))
+            if path.is_file() and model_id(path.name) not in self._entries
+        ]
+        return ModelStore([*self._entries.values(), *new], self.directory) if new else self
 
     @property
     def primary(self) -> StoreEntry:

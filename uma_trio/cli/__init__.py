@@ -15,7 +15,7 @@ import cyclopts
 from ..config import ConfigError
 from .client_commands import bench, generate, metrics, top
 from .common import EXIT_PROTOCOL_ERROR, EXIT_SERVER_ERROR
-from .models import load, ps, unload
+from .models import load, ps, pull, unload
 from .serve import info, serve
 from .snapshot import snapshot_app
 from .tools import calibrate, fetch_model
@@ -27,7 +27,7 @@ app = cyclopts.App(
     help="A local multi-tenant LLM daemon with token-level scheduling, on trio.",
     config=cyclopts.config.Env("UMA_", command=False),
 )
-for command in (serve, info, generate, metrics, top, bench, snapshot_app, calibrate, ps, load, unload):
+for command in (serve, info, generate, metrics, top, bench, snapshot_app, calibrate, ps, load, unload, pull):
     app.command(command)
 app.command(fetch_model, name="fetch-model")
 

@@ -1,15 +1,21 @@
-"""``uma-trio ps|load|unload``: the daemon's models and their state (docs/MODELS.md)."""
+"""``uma-trio ps|load|unload|pull``: the daemon's models, their state, and new ones from a hub
+(docs/MODELS.md)."""
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import anyio
 
 from ..client import ConnectionLost, RequestFailed, UmaClient
 from ..config import DEFAULT_SOCKET
+from ..hub import PullError
+from ..hub import pull as hub_pull
+from ..model_store import default_models_dir, model_id
 from ..protocol.messages import ModelsEvent
-from .common import SocketPath, daemon_failure
+from .common import EXIT_SERVER_ERROR, SocketPath, daemon_failure
 
 
 def ps(*, socket: SocketPath = DEFAULT_SOCKET) -> int:
@@ -65,4 +71,36 @@ def _models(socket: Path, op: str, model: str | None, keep_alive: float | None) 
         note = " (--model)" if m["primary"] else ""
         aliases = f", also {', '.join(m['aliases'])}" if m["aliases"] else ""
         print(f"{m['id']:<40} {m['state']:<9} {m['bytes'] / 2**20:8.0f} MiB  {m['file']}{note}{aliases}")
+    return 0
+
+
+def pull(reference: str, *, models_dir: Path | None = None) -> int:
+    """Download a GGUF from the Hugging Face hub (or HF_ENDPOINT) into the model store.
+
+    Parameters
+    ----------
+    reference
+        user/repo, or user/repo:QUANT to pick the file of that quantization (e.g. :Q4_K_M).
+    models_dir
+        The store (a daemon's --models-dir); default ~/.local/share/uma-trio/models.
+    """
+    store = models_dir or default_models_dir()
+    shown = [0.0]
+
+    def progress(what: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if what == "downloading" and now - shown[0] > 0.5:
+            shown[0] = now
+            share = f"{100 * done / total:5.1f} %" if total else ""
+            print(f"\rdownloading {done / 2**20:8.1f} MiB {share}", end="", file=sys.stderr, flush=True)
+        elif what == "verifying":
+            print("\nverifying sha256", file=sys.stderr, flush=True)
+
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+        path = hub_pull(reference, store, progress)
+    except (PullError, OSError) as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+    print(f"{path} ({path.stat().st_size / 2**20:.0f} MiB): a request may name it {model_id(path.name)}")
     return 0

@@ -63,6 +63,7 @@ from .flight import Flight, client_gone, completed, decode_body, last_word
 from .fresh import FreshConnections, peer_of
 from .ollama import OllamaApi
 from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pattern
+from .pull import PullApi
 from .responses import error_response, http_error_response, json_response, unexpected_error_response
 from .responses_api import ResponsesApi
 
@@ -131,6 +132,7 @@ class Gateway:
                 Route("/unload", self.load_or_unload, methods=["POST"]),
                 *OllamaApi(self).routes(),
                 *EmbeddingsApi(self).routes(),
+                *PullApi(self).routes(),
                 *AnthropicApi(self).routes(),
                 *ResponsesApi(self).routes(),
             ],
@@ -210,7 +212,10 @@ class Gateway:
         """The id of the model ``name`` names (an id, a file name or an alias); 404 listing
         the daemon's models when it names none."""
         models = self._ready().models
-        found = models.store.resolve(name)
+        try:
+            found: str | None = models.resolve(name)
+        except UmaError:
+            found = None
         if found is None:
             available = ", ".join(f"`{n}`" for n in models.store.names())
             raise ApiError(

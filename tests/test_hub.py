@@ -1,0 +1,125 @@
+"""Pulling a model from a hub (issue 22, point 5): the official ``huggingface_hub`` client
+against a local server in the hub's layout (tests/hub_server.py, ``HF_ENDPOINT``), nothing
+reaching the internet; ``uma-trio pull``, and Ollama's ``/api/pull`` through the official
+``ollama`` client on a running daemon, which then serves the model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import ollama
+import openai
+import pytest
+
+from uma_trio.config import ServerConfig
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.hub import HubFile, PullError, choose_file, parse_reference, pull
+
+from .conftest import running_server
+from .hub_server import Repos, fake_hub
+
+REPO = "someone/SmolLM2-135M-GGUF"
+
+
+def test_a_reference_names_a_repository_and_maybe_a_quantization() -> None:
+    assert parse_reference("someone/repo") == ("someone/repo", None)
+    assert parse_reference("hf.co/someone/repo:Q4_K_M") == ("someone/repo", "Q4_K_M")
+    for bad in ("llama3.2", "a/b/c", "/repo", ""):
+        with pytest.raises(PullError, match="user/repo"):
+            parse_reference(bad)
+
+
+def test_the_file_is_the_one_the_quantization_names() -> None:
+    files = [HubFile(n, 1, None) for n in ("m-Q4_K_M.gguf", "m-Q8_0.gguf", "mmproj-m-f16.gguf", "README.md")]
+    assert choose_file(files, "q8_0", "r").name == "m-Q8_0.gguf"
+    assert choose_file(files, None, "r").name == "m-Q4_K_M.gguf"  # the usual default
+    with pytest.raises(PullError, match="no Q2_K"):
+        choose_file(files, "Q2_K", "r")
+    with pytest.raises(PullError, match="several"):
+        choose_file([files[1], HubFile("m-f16.gguf", 1, None)], None, "r")
+    with pytest.raises(PullError, match="split"):
+        choose_file([HubFile("big-00001-of-00002.gguf", 1, None)], None, "r")
+    with pytest.raises(PullError, match="no GGUF"):
+        choose_file(files[3:], None, "r")
+
+
+@pytest.fixture
+def hub(model_path: Path, tmp_path: Path) -> Iterator[Repos]:
+    repos = Repos()
+    repos.add(REPO, "SmolLM2-135M-Instruct-Q4_1.gguf", model_path)
+    repos.add(REPO, "SmolLM2-135M-Instruct-bad.gguf", model_path)
+    repos.wrong_sha.add("SmolLM2-135M-Instruct-bad.gguf")
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_bytes(b"not a model at all")
+    repos.add("someone/broken", "broken.gguf", not_gguf)
+    with fake_hub(repos) as url:
+        saved = {k: os.environ.get(k) for k in ("HF_ENDPOINT", "HF_HUB_CACHE", "HF_HUB_DISABLE_TELEMETRY")}
+        os.environ.update(
+            HF_ENDPOINT=url, HF_HUB_CACHE=str(tmp_path / "hf-cache"), HF_HUB_DISABLE_TELEMETRY="1"
+        )
+        try:
+            yield repos
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def test_a_pull_lands_checked_and_a_bad_one_leaves_nothing(
+    hub: Repos, tmp_path: Path, model_path: Path
+) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    seen: list[tuple[str, int, int]] = []
+    path = pull(f"{REPO}:Q4_1", store, lambda *event: seen.append(event))
+    assert path == store / "SmolLM2-135M-Instruct-Q4_1.gguf" and path.read_bytes() == model_path.read_bytes()
+    assert [e[0] for e in seen][-2:] == ["verifying", "done"] and any(e[0] == "downloading" for e in seen)
+    assert pull(f"{REPO}:Q4_1", store) == path and hub.downloads.count(path.name) == 1  # kept, not fetched
+    with pytest.raises(PullError, match="sha256"):
+        pull(f"{REPO}:bad", store)
+    with pytest.raises(PullError, match="not a GGUF"):
+        pull("someone/broken", store)
+    with pytest.raises(PullError, match="no such repository"):
+        pull("someone/missing", store)
+    assert sorted(p.name for p in store.iterdir()) == [path.name]  # nothing half-written stayed
+
+
+def test_uma_trio_pull_fills_the_store(hub: Repos, tmp_path: Path) -> None:
+    store = tmp_path / "cli-store"
+    command = [sys.executable, "-m", "uma_trio", "pull", f"{REPO}:q4_1", "--models-dir", str(store)]
+    done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (
+        "SmolLM2-135M-Instruct-Q4_1" in done.stdout and (store / "SmolLM2-135M-Instruct-Q4_1.gguf").is_file()
+    )
+    failed = subprocess.run([*command[:4], "someone/missing", *command[5:]], capture_output=True, text=True)
+    assert failed.returncode != 0 and "no such repository" in failed.stderr
+
+
+@pytest.mark.model
+async def test_api_pull_then_the_daemon_serves_the_model(
+    hub: Repos, tmp_path: Path, llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    store = tmp_path / "daemon-store"
+    store.mkdir()
+    async with running_server(llama_model, server_config, http="127.0.0.1:0", models_dir=store) as server:
+        api = ollama.AsyncClient(host=str(server.http_url))
+        lines = [line async for line in await api.pull(f"hf.co/{REPO}:Q4_1", stream=True)]
+        statuses = [line.status for line in lines]
+        assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
+        assert "verifying sha256 digest" in statuses and any(line.total for line in lines)
+        with pytest.raises(ollama.ResponseError) as refused:
+            await api.pull(f"{REPO}:bad")
+        assert "sha256" in refused.value.error
+        pulled = "SmolLM2-135M-Instruct-Q4_1"
+        assert pulled in {m.model for m in (await api.list()).models}
+        sdk = openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0)
+        answer = await sdk.completions.create(model=pulled, prompt="The capital of France is", max_tokens=6)
+        assert answer.model == pulled and answer.choices[0].text
+        assert server.models.state(pulled) == "loaded"

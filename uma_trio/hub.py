@@ -1,0 +1,173 @@
+"""Pulling a GGUF from a model hub into the model store (``uma-trio pull``, ``POST /api/pull``).
+
+``huggingface_hub`` does the talking: the repository's file list with each file's size and
+sha256 (``model_info(files_metadata=True)``), then a resumable, cache-aware download
+(``hf_hub_download``); ``HF_ENDPOINT`` points it at a mirror or a local server.  A reference is
+``user/repo`` or ``user/repo:QUANT`` (Ollama's ``hf.co/user/repo:QUANT`` too): the file whose
+name carries that quantization, else the repository's only GGUF, else its Q4_K_M.
+
+Nothing half-written joins the store: the file is downloaded under ``.pull/`` in the store
+directory (not a ``*.gguf`` the store lists), checked (GGUF magic, size, and sha256 where the
+hub gives one), and only then renamed into place; a failed check deletes it.  Blocking: the
+daemon runs it in a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GGUF_MAGIC = b"GGUF"
+_SILENT = io.StringIO()  # where huggingface_hub's own progress bar is drawn: nowhere
+_PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$")  # split GGUFs: not supported yet
+
+
+class PullError(Exception):
+    """The reference, the hub or the file is not right; the message says which."""
+
+
+@dataclass(frozen=True)
+class HubFile:
+    name: str
+    size: int | None
+    sha256: str | None
+
+
+# (what is happening, bytes done, bytes in all): "downloading", "verifying", "done".
+Progress = Callable[[str, int, int], None]
+
+
+def parse_reference(reference: str) -> tuple[str, str | None]:
+    """``user/repo[:QUANT]`` → (repository, quantization or None)."""
+    ref = reference.strip().removeprefix("https://").removeprefix("hf.co/").removeprefix("huggingface.co/")
+    repo, _, quant = ref.partition(":")
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise PullError(f"{reference!r}: give a repository as user/repo, optionally :QUANT (e.g. :Q4_K_M)")
+    return repo, quant or None
+
+
+def choose_file(files: list[HubFile], quant: str | None, repo: str) -> HubFile:
+    """The GGUF ``quant`` names (case-insensitive, in the file name), else the only one, else
+    the Q4_K_M; split files and multimodal projectors are left out."""
+    ggufs = [f for f in files if f.name.endswith(".gguf") and "/" not in f.name and "mmproj" not in f.name]
+    whole = [f for f in ggufs if not _PART.search(f.name)]
+    if not ggufs:
+        raise PullError(f"{repo} has no GGUF file")
+    if not whole:
+        raise PullError(
+            f"{repo} has only split GGUF files ({ggufs[0].name}, ...), which uma-trio cannot pull yet"
+        )
+    if quant is not None:
+        matching = [f for f in whole if quant.lower() in f.name.lower()]
+        if not matching:
+            names = ", ".join(f.name for f in whole)
+            raise PullError(f"{repo} has no {quant} GGUF; it has {names}")
+        return min(matching, key=lambda f: len(f.name))
+    if len(whole) == 1:
+        return whole[0]
+    preferred = [f for f in whole if "q4_k_m" in f.name.lower()]
+    if preferred:
+        return preferred[0]
+    names = ", ".join(f.name for f in whole)
+    raise PullError(f"{repo} has several GGUF files: name one as {repo}:QUANT ({names})")
+
+
+def hub_files(repo: str) -> list[HubFile]:
+    """The repository's files, with sizes and sha256 where the hub has them."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        info = HfApi(endpoint=os.environ.get("HF_ENDPOINT")).model_info(repo, files_metadata=True)
+    except RepositoryNotFoundError:
+        raise PullError(f"{repo}: no such repository on the hub (or it is private)") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise PullError(f"{repo}: the hub did not answer ({exc})") from None
+    files = []
+    for sibling in info.siblings or []:
+        lfs: Any = sibling.lfs
+        sha = getattr(lfs, "sha256", None) if lfs is not None else None
+        files.append(HubFile(sibling.rfilename, sibling.size, sha))
+    return files
+
+
+def pull(reference: str, store: Path, progress: Progress | None = None) -> Path:
+    """Download ``reference``'s GGUF into ``store`` (checked, then renamed into place); the
+    file's path.  A file already there with the same size is kept."""
+    report = progress or (lambda _what, _done, _total: None)
+    repo, quant = parse_reference(reference)
+    chosen = choose_file(hub_files(repo), quant, repo)
+    target = store / chosen.name
+    if target.exists() and (chosen.size is None or target.stat().st_size == chosen.size):
+        report("done", target.stat().st_size, target.stat().st_size)
+        return target
+    staging = store / ".pull" / repo.replace("/", "--")
+    staging.mkdir(parents=True, exist_ok=True)
+    try:
+        downloaded = Path(_download(repo, chosen, staging, report))
+        report("verifying", 0, chosen.size or 0)
+        check(downloaded, chosen)
+        os.replace(downloaded, target)
+    finally:  # nothing half-written stays, whatever happened
+        shutil.rmtree(staging, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the last pull under way leaves no .pull behind
+            staging.parent.rmdir()
+    size = target.stat().st_size
+    report("done", size, size)
+    return target
+
+
+def check(path: Path, expected: HubFile) -> None:
+    """GGUF magic, size and sha256; :class:`PullError` naming what differs."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise PullError(f"{expected.name} is not a GGUF file (its first bytes are not GGUF)")
+    if expected.size is not None and size != expected.size:
+        raise PullError(f"{expected.name}: {size} bytes arrived, the hub says {expected.size}")
+    if expected.sha256 is not None:
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+        if digest.hexdigest() != expected.sha256:
+            raise PullError(
+                f"{expected.name}: sha256 {digest.hexdigest()} is not the hub's {expected.sha256}"
+            )
+
+
+def _download(repo: str, chosen: HubFile, staging: Path, report: Progress) -> str:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError
+    from tqdm.auto import tqdm
+
+    class Reported(tqdm):  # type: ignore[misc]  # huggingface_hub's progress, to the caller
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["file"] = _SILENT  # the caller shows it (the CLI's line, /api/pull's events)
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            shown: bool | None = super().update(n)
+            report("downloading", int(self.n), int(self.total or chosen.size or 0))
+            return shown
+
+    try:
+        return str(
+            hf_hub_download(
+                repo,
+                chosen.name,
+                local_dir=staging,
+                endpoint=os.environ.get("HF_ENDPOINT"),
+                tqdm_class=Reported,
+            )
+        )
+    except (HfHubHTTPError, OSError) as exc:
+        raise PullError(f"{repo}/{chosen.name}: the download failed ({exc})") from None
