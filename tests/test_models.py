@@ -327,10 +327,14 @@ async def test_on_the_real_engine_a_model_makes_room_and_expires(
 ) -> None:
     for name in ("tiny-a", "tiny-b"):  # two models of the tiny shape (the same weights)
         shutil.copyfile(shelf_dir / "tiny-random.gguf", tmp_path / f"{name}.gguf")
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(64))  # a header and nothing else
     prompt = "Once upon a time"
     async with running_server(
         llama_model, server_config, http="127.0.0.1:0", models_dir=tmp_path, max_loaded=2
     ) as server:
+        with pytest.raises(openai.InternalServerError) as broken:  # refused at load; the rest go on
+            await greedy(server, "broken", prompt)
+        assert "cannot load model 'broken'" in str(broken.value)
         first = await greedy(server, "tiny-a", prompt)
         assert server.models.state("tiny-a") == "loaded"
         assert await greedy(server, "tiny-b", prompt) == first  # --model's and one more fit

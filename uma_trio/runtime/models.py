@@ -151,6 +151,8 @@ class ModelHost:
             item: dict[str, Any] = {
                 "id": entry.id, "state": self.state(entry.id), "primary": entry.primary,
                 "file": entry.path.name, "bytes": entry.size, "aliases": list(entry.aliases),
+                # Every model gets the same per-request context (--n-ctx) and serves both kinds.
+                "context_length": self._config.n_ctx, "capabilities": ["completion", "embedding"],
             }  # fmt: skip
             if unit is not None:
                 item["footprint_bytes"] = unit.footprint
