@@ -115,6 +115,13 @@ async def test_counters_and_percentiles_after_a_scripted_run(
     )
     assert itl_count == snapshot["latency"]["run"]["interactive"]["itl_ms"]["count"]
     assert families["process_resident_memory_bytes"].samples[0].value > 50e6
+    # What a router reads (docs/FLEET.md), idle now: nothing queued or running, no cell held.
+    names = ("uma_num_requests_waiting", "uma_num_requests_running", "uma_kv_cache_usage_ratio")
+    router = {name: families[name].samples[0].value for name in (*names, "uma_p95_headroom_ratio")}
+    assert router["uma_num_requests_waiting"] == router["uma_num_requests_running"] == 0
+    assert router["uma_kv_cache_usage_ratio"] == 0 and 0 <= router["uma_p95_headroom_ratio"] <= 1
+    (model,) = families["uma_model"].samples
+    assert model.labels == {"model": "SmolLM2-135M-Instruct.Q4_1", "state": "loaded"} and model.value == 1
     # Every series docs/METRICS.md lists is exposed (the parser drops a counter's _total).
     documented = set(re.findall(r"`(uma_[a-z0-9_]+)`", METRICS_DOC.read_text()))
     missing = {name for name in documented if name.removesuffix("_total") not in families}
@@ -152,3 +159,18 @@ def assert_prometheus_conventions(families: list[Metric]) -> None:
             assert family.name.endswith(("_seconds", "_bytes")), family.name
         if family.name.endswith("_ratio"):
             assert all(0.0 <= s.value <= 1.0 for s in family.samples), family.name
+
+
+@pytest.mark.model
+async def test_metrics_for_routers_on_an_address_of_their_own(
+    llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    """``--metrics HOST:PORT``: the Prometheus text a router scrapes, without the API key."""
+    async with running_server(
+        llama_model, server_config, metrics="127.0.0.1:0", http="127.0.0.1:0", api_key="sk-router-test"
+    ) as server:
+        assert server.metrics_url is not None and server.metrics_url != f"{server.http_url}/metrics"
+        text = await trio.to_thread.run_sync(lambda: urllib.request.urlopen(server.metrics_url).read())
+    families = {f.name: f for f in text_string_to_metric_families(text.decode())}
+    assert {"uma_num_requests_waiting", "uma_kv_cache_usage_ratio", "uma_p95_headroom_ratio"} <= set(families)
+    assert b"sk-router-test" not in text

@@ -59,6 +59,16 @@ def test_bad_http_address(http: str) -> None:
         ServerConfig(http=http)
 
 
+def test_metrics_address_for_routers() -> None:
+    assert ServerConfig(metrics="0.0.0.0:9100").metrics_address == ("0.0.0.0", 9100)
+    assert ServerConfig(metrics_port=9100).metrics_address == ("127.0.0.1", 9100)  # loopback only
+    assert ServerConfig().metrics_address is None
+    with pytest.raises(ValueError, match="not both"):
+        ServerConfig(metrics="9100", metrics_port=9100)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        ServerConfig(metrics="host:port")
+
+
 def test_empty_api_key_is_refused() -> None:
     with pytest.raises(ValueError, match="--api-key"):
         ServerConfig(api_key=" ")

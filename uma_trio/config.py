@@ -298,6 +298,10 @@ class ServerConfig:
     """Seconds between scorecard lines in the log (and --scorecard-csv rows)."""
     metrics_window_s: Annotated[float, Parameter(name="--metrics-window")] = 60.0
     """Seconds covered by the windowed percentiles and the scorecard (METRICS.md)."""
+    metrics: Annotated[str | None, Parameter(show_default="off")] = None
+    """Serve Prometheus text at http://HOST:PORT/metrics on any address, for routers and
+    scrapers (FLEET.md): no prompts, no request ids, no key asked; a bare PORT binds
+    127.0.0.1. Instead of --metrics-port."""
     metrics_port: Annotated[int | None, Parameter(show_default="off")] = None
     """Serve Prometheus text at http://127.0.0.1:PORT/metrics, loopback only; 0 picks a free
     port (logged)."""
@@ -388,6 +392,10 @@ class ServerConfig:
             raise ConfigError("--prefix-cache-cells must not be negative (0 turns the cache off)")
         if self.interactive_reserve < 0:
             raise ConfigError("--interactive-reserve must not be negative")
+        if self.metrics is not None:
+            if self.metrics_port is not None:
+                raise ConfigError("give --metrics or --metrics-port, not both")
+            _host_port(self.metrics, "--metrics")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError("--metrics-port must be a TCP port (0: any free one)")
         if self.threads is not None and self.threads <= 0:
@@ -464,6 +472,13 @@ class ServerConfig:
     def http_address(self) -> tuple[str, int] | None:
         """``http`` as (host, port): "8080" and ":8080" mean 127.0.0.1:8080; IPv6 in brackets."""
         return None if self.http is None else _host_port(self.http, "--http")
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """Where Prometheus text is served: ``--metrics``, or loopback ``--metrics-port``."""
+        if self.metrics is not None:
+            return _host_port(self.metrics, "--metrics")
+        return None if self.metrics_port is None else ("127.0.0.1", self.metrics_port)
 
     @property
     def ollama_address(self) -> tuple[str, int] | None:

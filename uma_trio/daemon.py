@@ -30,7 +30,7 @@ from .engine.planned import memory_footprint, offload_plan, placement_for
 from .engine.summary import one_line
 from .exception_groups import first_leaf
 from .http.gateway import Gateway
-from .http.metrics import bind_metrics_port, metrics_app
+from .http.metrics import metrics_app
 from .http.origin import DEFAULT_CORS_ORIGINS, allowed_hosts
 from .http.serve import BindError, bind_tcp, serve_asgi
 from .model_store import ModelStore, StoreEntry, StoreError
@@ -272,8 +272,8 @@ async def _serve(
 ) -> None:  # fmt: skip
     """Run ``server``; the gateway serves it once its socket accepts, and ``--metrics-port``
     (bound first, so a taken port is a start-up error) until it stops."""
-    port = server.config.metrics_port
-    metrics_sock = bind_metrics_port(port) if port is not None else None
+    address = server.config.metrics_address
+    metrics_sock = bind_tcp(*address, "metrics") if address is not None else None
     async with trio.open_nursery() as nursery:
 
         async def run_server(task_status: trio.TaskStatus[Server]) -> None:

@@ -7,11 +7,9 @@ sends 404 for other paths (:func:`.serve.serve_asgi` sends no lifespan events).
 
 from __future__ import annotations
 
-import socket
-
 from prometheus_client import CollectorRegistry, make_asgi_app
 
-from .serve import AsgiApp, Receive, Scope, Send, bind_tcp
+from .serve import AsgiApp, Receive, Scope, Send
 
 
 def metrics_app(registry: CollectorRegistry) -> AsgiApp:
@@ -27,8 +25,3 @@ def metrics_app(registry: CollectorRegistry) -> AsgiApp:
             await send({"type": "http.response.body", "body": b"not found; try /metrics\n"})
 
     return app
-
-
-def bind_metrics_port(port: int) -> socket.socket:
-    """Bind loopback ``port`` before anything starts, so a taken port is a start-up error."""
-    return bind_tcp("127.0.0.1", port, "metrics")

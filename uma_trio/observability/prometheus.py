@@ -95,6 +95,7 @@ class SnapshotCollector(Collector):
             {"cells": cache["cells"], "sequences": cache["sequences"]},
         )  # fmt: skip
         yield from self._scheduler(snap["scheduler"])
+        yield from self._router(snap)
         yield from self._window_quantiles(snap["latency"]["window"])
         yield from self._scorecard(snap["scorecard"])
 
@@ -124,6 +125,31 @@ class SnapshotCollector(Collector):
                 {"": _seconds(steps["gap_ms_mean"])},
             )  # fmt: skip
             yield _gauge("uma_engine_step_gap_ratio", "Step gap over step time", [], {"": steps["gap_share"]})
+
+    def _router(self, snap: dict[str, Any]) -> Iterator[Metric]:
+        """What a router in front of several daemons reads (docs/FLEET.md): the Gateway API
+        Inference Extension's endpoint picker takes the first three by name."""
+        sessions, kv, slack = snap["sessions"], snap["kv"], snap["scheduler"]["slack"]
+        yield _gauge(
+            "uma_num_requests_waiting", "Requests queued for a sequence", [], {"": sessions["waiting"]}
+        )
+        yield _gauge("uma_num_requests_running", "Requests holding a sequence", [], {"": sessions["active"]})
+        # Cells running requests have reserved (prompt + max_tokens), of all: cached prefixes
+        # are evictable and do not count.
+        usage = kv["cells_reserved"] / kv["cells_total"] if kv["cells_total"] else 0.0
+        yield _gauge(
+            "uma_kv_cache_usage_ratio", "KV cache share reserved by running requests, 0-1", [], {"": usage}
+        )
+        # 1: no recent interactive tick ran past the latency cap; 0: the p95 slack is spent.
+        headroom = max(0.0, 1.0 - slack["used"] / slack["budget"]) if slack["budget"] else 0.0
+        yield _gauge(
+            "uma_p95_headroom_ratio",
+            "Share of the p95 slack not spent (1: all of it left)",
+            [],
+            {"": headroom},
+        )
+        models = {(m["id"], m["state"]): 1 for m in snap.get("models", [])}
+        yield _gauge("uma_model", "The daemon's models, by state", ["model", "state"], models)
 
     def _scheduler(self, s: dict[str, Any]) -> Iterator[Metric]:
         yield _gauge(
