@@ -133,17 +133,22 @@ async def test_forty_requests_through_litellm_survive_a_daemon_stopping(fleet: d
                 )
                 answers[i] = done.choices[0].message.content or ""
 
+    answers_after_stop: list[int] = []
+
     async def stop_one() -> None:
-        await trio.sleep(4.0)  # in the middle of the run
+        while len(answers) < 15:  # in the middle of the run
+            await trio.sleep(0.05)
         for base in fleet["bases"]:
             counts_before_stop.append(await trio.to_thread.run_sync(served, base))
         fleet["daemons"][0].send_signal(signal.SIGTERM)  # drains: finishes what it accepted
+        answers_after_stop.extend(i for i in range(40) if i not in answers)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stop_one)
         for i in range(40):
             nursery.start_soon(ask, i)
     assert sorted(answers) == list(range(40)) and all(answers.values())
+    assert len(answers_after_stop) >= 20  # the stop came with the run half done
     assert counts_before_stop[0] > 0, "daemon A served nothing before it stopped"
     assert await trio.to_thread.run_sync(served, fleet["bases"][1]) > 0
     assert fleet["daemons"][0].wait(30) == 0  # it drained and stopped cleanly
