@@ -152,3 +152,32 @@ async def test_forty_requests_through_litellm_survive_a_daemon_stopping(fleet: d
     assert counts_before_stop[0] > 0, "daemon A served nothing before it stopped"
     assert await trio.to_thread.run_sync(served, fleet["bases"][1]) > 0
     assert fleet["daemons"][0].wait(30) == 0  # it drained and stopped cleanly
+
+
+async def test_requests_cut_by_a_killed_daemon_are_retried_on_the_other(fleet: dict[str, Any]) -> None:
+    """A daemon killed outright (no drain): LiteLLM retries the whole requests it had in
+    flight on the other daemon, so every client still gets one answer."""
+    proxy = f"http://127.0.0.1:{fleet['proxy']}/v1"
+    api = openai.AsyncOpenAI(base_url=proxy, api_key=MASTER_KEY, max_retries=0)
+    answers: dict[int, str] = {}
+    limiter = trio.CapacityLimiter(6)
+
+    async def ask(i: int) -> None:
+        async with limiter:
+            messages: Any = [{"role": "user", "content": f"Count to {i}."}]
+            done = await api.chat.completions.create(
+                model="smol", messages=messages, max_tokens=24, temperature=0
+            )
+            answers[i] = done.choices[0].message.content or ""
+
+    async def kill_one() -> None:
+        while len(answers) < 8:
+            await trio.sleep(0.05)
+        fleet["daemons"][0].kill()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(kill_one)
+        for i in range(24):
+            nursery.start_soon(ask, i)
+    assert sorted(answers) == list(range(24)) and all(answers.values())
+    assert fleet["daemons"][0].wait(10) != 0  # it was killed, not drained
