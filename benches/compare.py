@@ -79,13 +79,16 @@ SETUPS = {
 }
 
 
-def wait_healthy(url: str, process: subprocess.Popen[bytes], what: str, timeout: float = 120) -> None:
+def wait_healthy(
+    url: str, process: subprocess.Popen[bytes], what: str, timeout: float = 120, path: str = "/v1/models"
+) -> None:
+    """Until ``url + path`` answers 200; SystemExit if ``process`` exits or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise SystemExit(f"{what} exited with {process.returncode}")
         try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass

@@ -20,16 +20,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-import httpx
 import trio
 from bench_output import free_port, write_csv
-from compare import running
+from compare import running, wait_healthy
 
 from uma_trio.loadgen import Scenario, lane_stats, run_scenario
 from uma_trio.loadgen.scenario import ClientSpec
@@ -125,25 +123,11 @@ def _proxy(
     """LiteLLM's proxy, once it answers its liveness check."""
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        wait_healthy_url(f"http://127.0.0.1:{port}/health/liveliness", process)
+        wait_healthy(f"http://127.0.0.1:{port}", process, "LiteLLM's proxy", 90, path="/health/liveliness")
         yield process
     finally:
         process.terminate()
         process.wait(30)
-
-
-def wait_healthy_url(url: str, process: subprocess.Popen[bytes], timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the proxy exited with {process.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise SystemExit(f"{url} did not answer in {timeout:g} s")
 
 
 def main() -> None:

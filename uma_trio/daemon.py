@@ -191,12 +191,11 @@ def loading_for(engine: LlamaEngine, config: ServerConfig) -> Loading:
 def load_other_model(entry: StoreEntry, config: ServerConfig) -> LoadedModel:
     """A model of the store other than --model, loaded as --model is (runtime/models.py calls
     it in a worker thread when a request names the model)."""
-    engine = engine_for(load_model(entry.path, config), config)
+    engine = load_engine(entry.path, config)  # its vocabulary read here, not on the event loop
     # One step now pages the weights in, so its first tick beside another model's streams is
     # not the slow one (a cold step took twice its prediction on the CPU).
     engine.step_sync([BatchEntry(0, engine.tokenize("Hello"), 0, None)])
     engine.free_seq(0)
-    _ = engine.max_token_bytes  # read the vocabulary here, not on the event loop at its first request
     policy = policy_for(engine, config)
 
     def close() -> None:

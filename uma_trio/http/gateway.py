@@ -37,6 +37,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..model_store import model_id
 from ..observability.prometheus import exposition
 from ..protocol import openai
 from ..protocol.codec import decode_client_message
@@ -70,11 +71,6 @@ from .responses_api import ResponsesApi
 log = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()
-
-
-def model_id(model_file: str) -> str:
-    """The model's name on the API: its GGUF file name without the extension."""
-    return model_file.removesuffix(".gguf")
 
 
 class PriorityBody(msgspec.Struct, forbid_unknown_fields=True):
