@@ -6,6 +6,8 @@ from dataclasses import replace
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from uma_trio.sched.autotune import HillClimber
 from uma_trio.sched.bmt import BmtGuard, MemoryProfile
@@ -14,8 +16,10 @@ from uma_trio.sched.policy import (
     Controls,
     Policy,
     PolicyConfig,
+    plan_pipeline,
     plan_tick,
     shortest_first,
+    steady_decode_plan,
     tick_budget,
     water_fill,
 )
@@ -496,3 +500,34 @@ def test_the_policy_feeds_its_slack_from_measured_interactive_ticks() -> None:
     policy.observe(p, state, seconds=p.cap_s * 1.5)
     policy.observe(p, state, seconds=p.cap_s * 0.9)
     assert policy.slack.over_cap == 1 and policy.snapshot()["slack"]["over_cap"] == 1
+
+
+@given(
+    st.lists(st.integers(min_value=0, max_value=5_000), min_size=1, max_size=20),
+    st.sampled_from([None, 0.004, 0.5]),
+    st.sampled_from([1, 4, 512]),
+)
+def test_the_steady_decode_short_cut_is_the_pipelines_plan(
+    n_past: list[int], foreign_cap_s: float | None, max_batch: int
+) -> None:
+    """Every session an interactive stream that decodes: the short cut plan_tick takes each
+    tick of steady chat traffic is exactly the plan the whole pipeline makes."""
+    sessions = tuple(SessionState(key=i, n_past=n, ticks_waiting=i % 3) for i, n in enumerate(n_past))
+    state = SchedulerState(sessions, tick=40, max_batch=max_batch, foreign_cap_s=foreign_cap_s)
+    cost = msgspec.structs.replace(COST, ctx_s_per_kcell=0.002)  # the cells read count too
+    steady = steady_decode_plan(state, CONFIG, cost)
+    if len(sessions) > max_batch:
+        assert steady is None
+    else:
+        assert steady == plan_pipeline(state, CONFIG, cost, Controls())
+
+
+def test_the_short_cut_is_not_taken_where_the_pipeline_has_work_to_place() -> None:
+    decoding = SessionState(key=0, n_past=10)
+    for other in (
+        SessionState(key=1, prompt_remaining=5),
+        SessionState(key=1, lane="background", n_past=4),
+        SessionState(key=1, n_past=4, parked=True),
+    ):
+        assert steady_decode_plan(SchedulerState((decoding, other)), CONFIG, COST) is None
+    assert steady_decode_plan(SchedulerState(()), CONFIG, COST) is None

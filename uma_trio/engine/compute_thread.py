@@ -55,7 +55,10 @@ class ComputeThread:
         running other tasks' Python while the compute thread waits for the GIL to reach
         ``llama_decode``, and the device would sit idle meanwhile.
         """
-        future = self._executor.submit(fn, *args)
+        return await self.wait_started(self._executor.submit(fn, *args), started)
+
+    async def wait_started(self, future: Future[T], started: threading.Event | None) -> T:
+        """:meth:`wait` for ``future``, whose call sets ``started`` (see :meth:`run`)."""
         if started is not None:
             started.wait(_STARTED_WAIT_S)
         return await self.wait(future)

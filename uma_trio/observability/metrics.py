@@ -46,8 +46,11 @@ class WindowSums:
     useful_tokens: int = 0  # ... on those that ended with stop or length
 
     def add(self, other: WindowSums) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in _WINDOW_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+_WINDOW_FIELDS = tuple(f.name for f in fields(WindowSums))
 
 
 class LaneLatency:
@@ -102,6 +105,7 @@ class Metrics:
                 ("e2e", "request_duration", "Arrival to the end of the request"),
             )
         }  # fmt: skip
+        self._children: dict[tuple[str, Lane], Histogram] = {}
         self._tick_histogram = Histogram(
             "uma_tick_duration_seconds", "Engine step (llama_decode + sampling) per tick",
             registry=self.registry, buckets=GAP_BUCKETS,
@@ -118,7 +122,13 @@ class Metrics:
 
     def _latency(self, kind: str, lane: Lane, seconds: float, now: float) -> None:
         getattr(self.latency[lane], kind).add(seconds, now)
-        self._histograms[kind].labels(lane).observe(max(seconds, 0.0))
+        # The labelled child, looked up once: labels() takes a lock and builds a key per call,
+        # and this runs for every token.
+        key = (kind, lane)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._histograms[kind].labels(lane)
+        child.observe(max(seconds, 0.0))
 
     def on_submitted(self, lane: Lane, prompt_tokens: int) -> None:
         self.tokens_prompt[lane] += prompt_tokens
@@ -156,16 +166,15 @@ class Metrics:
         self.tick_time.add(step_s, now)
         self._tick_histogram.observe(step_s)
         kept = cap_s <= 0.0 or step_s <= cap_s
-        tick = WindowSums(
-            generated=generated,
-            generated_at_cap=generated if kept else 0,
-            capped_ticks=int(cap_s > 0.0),
-            kept_cap_ticks=int(cap_s > 0.0 and kept),
-            bmt_bytes=bmt_bytes,
-            busy_s=step_s,
-            overhead_s=overhead_s,
-        )
-        self._add_sums(tick, now)
+        # Added in place: every tick, so no WindowSums is built for it.
+        slot = self._sums.at(now)
+        slot.generated += generated
+        slot.generated_at_cap += generated if kept else 0
+        slot.capped_ticks += int(cap_s > 0.0)
+        slot.kept_cap_ticks += int(cap_s > 0.0 and kept)
+        slot.bmt_bytes += bmt_bytes
+        slot.busy_s += step_s
+        slot.overhead_s += overhead_s
 
     def on_finished(
         self,

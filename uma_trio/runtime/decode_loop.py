@@ -113,6 +113,9 @@ class DecodeLoop:
         self._last_step_end: float | None = None  # None after the loop slept: no overhead to count
         # Run-ahead (run_ahead.py): by default where a step leaves the host idle (all on a GPU).
         self._may_run_ahead = engine.step_frees_host if config.run_ahead is None else config.run_ahead
+        # On a CPU, by default (--run-ahead unset), a lone stream runs ahead: its per-token
+        # host work is the largest share of its step (ServerConfig.run_ahead).
+        self._may_run_ahead_alone = config.run_ahead is None and not engine.step_frees_host
         self._run_ahead = RunAhead()
         # While steps run ahead, KV cells are freed only once the compute thread is idle again.
         self._chain = AheadChain()
@@ -427,8 +430,9 @@ class DecodeLoop:
     def _arm_run_ahead(self, plan: Plan) -> Follow | None:
         """Let the compute thread run on after this step when the next plan is sure to be the
         same decoders again: nothing waits, nothing is left out, nothing else is pending."""
+        may = self._may_run_ahead or (self._may_run_ahead_alone and len(plan.decode) == 1)
         steady = (
-            self._may_run_ahead and plan.decode and not plan.prefill and not plan.rescue
+            may and plan.decode and not plan.prefill and not plan.rescue
             and len(plan.decode) == len(self._active) and not self._waiting
             and not self._aborted and not self._jobs and not self._unpin
         )  # fmt: skip
@@ -502,11 +506,16 @@ class DecodeLoop:
         )
 
     def _background_seq_cap(self) -> int:
-        now = self._clock()
-        interactive = sum(s.lane == "interactive" for s in [*self._active.values(), *self._waiting])
-        self._interactive_demand.note(now, interactive)
+        now = self._note_interactive_demand()
         kept = max(self.config.interactive_reserve, self._interactive_demand.peak(now))
         return max(1, self.engine.n_seq_max - kept)
+
+    def _note_interactive_demand(self) -> float:
+        """Record how many interactive requests run or wait now (every round); returns now."""
+        now = self._clock()
+        interactive = sum(s.lane == "interactive" for s in (*self._active.values(), *self._waiting))
+        self._interactive_demand.note(now, interactive)
+        return now
 
     def _next_admittable(self) -> Session | None:
         """The request :func:`.admission.next_to_admit` picks, if any."""
@@ -515,6 +524,9 @@ class DecodeLoop:
         return None if index is None else self._waiting[index]
 
     def _admit(self) -> None:
+        if not self._waiting:  # the steady decode's round: nothing to admit
+            self._note_interactive_demand()
+            return
         # What running sequences hold, and whose they are: built once a round.
         running: dict[int, tuple[str, TokenArray]] | None = None
         while (session := self._next_admittable()) is not None:
@@ -717,6 +729,7 @@ class DecodeLoop:
             "scheduler": self.policy.snapshot(),
             "run_ahead": {
                 "enabled": self._may_run_ahead,
+                "lone_stream": self._may_run_ahead_alone,
                 "steps": self._chain.steps,
                 "dropped_tokens": self._chain.dropped,
             },

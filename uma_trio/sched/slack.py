@@ -22,14 +22,18 @@ class SlackBudget:
             raise ValueError("need 0 <= rescue_share <= share < 1 and a positive window")
         self.share, self.rescue_share, self.window = share, rescue_share, window
         self._over: deque[bool] = deque(maxlen=window)  # the window starts as on-cap ticks
+        self._count = 0  # True entries in _over, kept as they come and go (read every tick)
 
     def record(self, over_cap: bool) -> None:
         """One tick with interactive decoders ran (past the cap or not)."""
+        if len(self._over) == self.window and self._over[0]:
+            self._count -= 1
         self._over.append(over_cap)
+        self._count += over_cap
 
     @property
     def over_cap(self) -> int:
-        return sum(self._over)
+        return self._count
 
     @property
     def used(self) -> float:

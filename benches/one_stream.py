@@ -1,0 +1,150 @@
+"""One stream, interleaved: uma-trio against llama-server, one request at a time in rotation.
+
+``compare.py``'s scaling figure for one stream is a single 128-token request per server,
+and on a 2-core VM it moves ±10 % from run to run, more than the targets it is read
+against (issue 16: ≥ 0.95× llama-server).  Here every server is up at once and idle
+while another is measured; each round sends one streamed greedy request of ``--tokens``
+tokens to each target in turn, and a request's rate is its decode phase: the tokens after
+the first over the time from the first to the last (TTFT is ``compare.py``'s
+``ttft_long``).  The medians over ``--rounds`` rounds, and each round's ratio to
+llama-server (the neighbouring requests share the machine's state of the moment), are
+printed and written to ``OUT/one_stream.csv`` and ``OUT/one_stream.png``.
+
+uma-trio is driven over its Unix socket (its native path) with a minimal reader that only
+splits frames, llama-server over HTTP with httpx: the clients' own work per token is then
+alike (tens of µs) and small beside a step.  ``--variant NAME=FLAGS`` adds a uma-trio
+started with extra flags (e.g. ``--variant serial=--no-run-ahead``), for A/B runs of a
+change.
+
+    python benches/one_stream.py [--rounds 12] [--tokens 256] [--variant NAME=FLAGS ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import struct
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+from bench_output import free_port, write_csv
+from compare import DEFAULT_PEERS, ROOT, Setup, llama_server_command, running, uma_command
+
+from uma_trio.model_files import ensure_default_model
+
+SETUP = Setup(slots=4, n_ctx=2048)
+
+
+def prompt(round_: int) -> str:
+    # The same prompt each round but its last word: both servers reuse the cached prefix.
+    return "hello " * 32 + str(round_)
+
+
+def uma_rate(sock: Path, round_: int, tokens: int) -> float:
+    """Decode tok/s of one streamed request over uma-trio's socket (frames split, not parsed)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(sock))
+        body = {"type": "generate", "id": f"r{round_}", "prompt": prompt(round_), "max_tokens": tokens,
+                "temperature": 0.0}  # fmt: skip
+        payload = json.dumps(body).encode()
+        s.sendall(struct.pack("<I", len(payload)) + payload)
+        buffer, times, done = b"", [], False
+        while not done and (data := s.recv(65536)):
+            buffer += data
+            while len(buffer) >= 4 and len(buffer) >= 4 + (size := struct.unpack_from("<I", buffer)[0]):
+                frame, buffer = buffer[4 : 4 + size], buffer[4 + size :]
+                times.append(time.perf_counter())
+                done = done or b'"eos"' in frame
+    return rate(times[:-1])  # the last frame is the eos
+
+
+def llama_server_rate(url: str, round_: int, tokens: int) -> float:
+    """Decode tok/s of one streamed request to llama-server's /completion."""
+    body = {"prompt": prompt(round_), "n_predict": tokens, "temperature": 0, "stream": True}
+    times = []
+    with httpx.Client(timeout=120) as client, client.stream("POST", f"{url}/completion", json=body) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data: "):
+                times.append(time.perf_counter())
+    return rate(times[:-1])  # the last event is the final one, with the timings
+
+
+def rate(times: list[float]) -> float:
+    if len(times) < 2:
+        raise SystemExit(f"a request streamed {len(times)} tokens; cannot time its decode")
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def plot(rows: list[dict[str, object]], names: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in names:
+        ax.plot([r["round"] for r in rows if r["target"] == name],
+                [r["tok_s"] for r in rows if r["target"] == name], marker="o", label=name)  # fmt: skip
+    ax.set_xlabel("round")
+    ax.set_ylabel("decode tok/s (one stream)")
+    ax.set_title("One stream, requests interleaved")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS")
+    parser.add_argument("--peers", type=Path, default=DEFAULT_PEERS)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "one_stream")
+    args = parser.parse_args()
+    model = ensure_default_model()
+    args.out.mkdir(parents=True, exist_ok=True)
+    variants = [("uma-trio", [])] + [(v.split("=", 1)[0], v.split("=", 1)[1].split()) for v in args.variant]
+    with tempfile.TemporaryDirectory(prefix="uma-one-") as tmp, ExitStack() as stack:
+        targets = []
+        for name, flags in variants:
+            sock, port = Path(tmp) / f"{name}.sock", free_port()
+            command = [*uma_command(SETUP, sock, port), *flags]
+            stack.enter_context(running(command, f"http://127.0.0.1:{port}", name, args.out / f"{name}.log"))
+            targets.append((name, lambda r, sock=sock: uma_rate(sock, r, args.tokens)))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        command = llama_server_command(args.peers, model, SETUP, port)
+        stack.enter_context(running(command, url, "llama-server", args.out / "llama-server.log"))
+        targets.append(("llama-server", lambda r: llama_server_rate(url, r, args.tokens)))
+        for _, measure in targets:  # warm-up, not reported
+            measure(-1)
+        rows: list[dict[str, object]] = []
+        for round_ in range(args.rounds):
+            got = {name: measure(round_) for name, measure in targets}
+            for name, tok_s in got.items():
+                ratio = round(tok_s / got["llama-server"], 4)
+                rows.append({"round": round_, "target": name, "tok_s": round(tok_s, 2), "ratio": ratio})
+            print(" ".join(f"{n} {v:.1f}" for n, v in got.items()), flush=True)
+    names = [name for name, _ in targets]
+    print("\n| target | median decode tok/s | median / llama-server | median of the rounds' ratios |")
+    print("| --- | --- | --- | --- |")
+    base = statistics.median(float(r["tok_s"]) for r in rows if r["target"] == "llama-server")  # type: ignore[arg-type]
+    for name in names:
+        mine = [r for r in rows if r["target"] == name]
+        median = statistics.median(float(r["tok_s"]) for r in mine)  # type: ignore[arg-type]
+        ratios = statistics.median(float(r["ratio"]) for r in mine)  # type: ignore[arg-type]
+        print(f"| {name} | {median:.1f} | {median / base:.3f} | {ratios:.3f} |")
+    write_csv(args.out / "one_stream.csv", rows, ["round", "target", "tok_s", "ratio"])
+    plot(rows, names, args.out / "one_stream.png")
+
+
+if __name__ == "__main__":
+    main()
