@@ -138,13 +138,14 @@ class TickCostModel:
     last_s: float = 0.0
     ewma_s: float = 0.0
     # Exponentially weighted sums over ticks of x·xᵀ, x·seconds and x² (x: the features).
-    # Plain floats, not numpy: the fit runs every tick right after a step, when the step has
+    # Plain floats, not numpy: a tick is folded in right after its step, when the step has
     # pushed the interpreter's working set out of the CPU caches, and a dozen small numpy
     # calls (linalg.solve's wrappers among them) then took ~150 µs of a 6.5 ms CPU tick.
     _gram: list[list[float]] = field(default_factory=lambda: [[0.0] * _N for _ in range(_N)])
     _rhs: list[float] = field(default_factory=lambda: [0.0] * _N)
     _sq: list[float] = field(default_factory=lambda: [0.0] * _N)
     _weight: float = 0.0
+    _stale: bool = False  # ticks were folded in since the last solve
 
     def __post_init__(self) -> None:
         if self.current is None:
@@ -152,6 +153,11 @@ class TickCostModel:
 
     @property
     def coefficients(self) -> CostCoefficients:
+        """The fit of every tick observed so far.  Solved when read, not at each tick: the
+        fit is a function of the sums alone, and steps run ahead (runtime/run_ahead.py) are
+        observed one after another with no plan reading it in between."""
+        if self._stale:
+            self._solve()
         assert self.current is not None
         return self.current
 
@@ -176,6 +182,11 @@ class TickCostModel:
             self._rhs[i] = f * self._rhs[i] + xi * seconds
             self._sq[i] = f * self._sq[i] + xi * xi
         self._weight = f * self._weight + 1.0
+        self._stale = True
+
+    def _solve(self) -> None:
+        self._stale = False
+        p = self.prior
         # Ridge towards the prior, scaled per feature by its typical size; a feature no tick
         # has carried yet (prompt tokens before the first prompt) keeps the prior's value.
         prior = (p.fixed_s, p.decode_s, p.prefill_s, p.ctx_s_per_kcell, p.prompt_tick_s)
