@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from uma_trio.sched.autotune import HillClimber
 from uma_trio.sched.bmt import BmtGuard, MemoryProfile
-from uma_trio.sched.cost import CostCoefficients, TickCostModel
+from uma_trio.sched.cost import CostCoefficients, TickCostModel, solve_positive_definite
 from uma_trio.sched.policy import (
     Controls,
     Policy,
@@ -531,3 +531,22 @@ def test_the_short_cut_is_not_taken_where_the_pipeline_has_work_to_place() -> No
     ):
         assert steady_decode_plan(SchedulerState((decoding, other)), CONFIG, COST) is None
     assert steady_decode_plan(SchedulerState(()), CONFIG, COST) is None
+
+
+@given(st.lists(st.floats(min_value=-1.0, max_value=1.0), min_size=25, max_size=25), st.integers(1, 5))
+def test_the_fits_own_solve_agrees_with_numpy(values: list[float], n: int) -> None:
+    """The cost model solves its 5×5 system in plain floats (cheaper than numpy's wrappers
+    right after a step); on any symmetric positive definite system it is numpy's answer."""
+    import numpy as np
+
+    m = np.array(values[: n * n]).reshape(n, n)
+    a = m @ m.T + 0.01 * np.eye(n)
+    b = np.array(values[:n]) + 0.5
+    assert np.allclose(
+        solve_positive_definite(a.tolist(), b.tolist()), np.linalg.solve(a, b), rtol=1e-6, atol=1e-9
+    )
+
+
+def test_the_fits_own_solve_refuses_a_matrix_that_is_not_positive_definite() -> None:
+    with pytest.raises(ValueError, match="positive definite"):
+        solve_positive_definite([[1.0, 2.0], [2.0, 1.0]], [1.0, 1.0])
