@@ -10,9 +10,10 @@ The simulated machine is this one, calibrated without looking at the mixed run:
 
 * the cost model ``uma-trio calibrate`` measured here (``--cost-model``; calibrated first
   when the file is missing): the engine alone;
-* how the daemon's steps spread around that model under a live load, and the event loop's
-  time between two steps: from one real run of the same chats without the background
-  prompt (``--tick-trace``; ``engine.sim.StepNoise``);
+* how the daemon's steps spread around that model under a live load, for each kind of step
+  (planned decode steps beside streaming clients, steps run ahead, steps carrying prompt
+  tokens), and the event loop's time between two steps: from one real run of the same
+  chats without the background prompt (``--tick-trace``; ``engine.sim.StepNoise``);
 * the time a request spends outside the engine before its first token (connecting,
   framing, tokenizing, delivering): that same run's TTFT p50 less the simulator's for the
   same chats with the step spread above (``StepNoise.request_s``).
@@ -69,18 +70,24 @@ def real_run(scenario: Scenario, cost_model: Path, log: Path, trace: Path | None
 
 
 def measured_machine(trace: Path, cost: CostCoefficients, seed: int) -> StepNoise:
-    """Each step's measured time over ``cost``'s prediction, and the median time between
-    two steps, from a ``--tick-trace`` file."""
+    """Each step's measured time over ``cost``'s prediction, by kind of step (planned decode
+    steps beside streaming clients, steps run ahead, steps carrying prompt tokens), and the
+    median time between two steps, from a ``--tick-trace`` file."""
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
-    ratios, between = [], []
+    ratios: dict[str, list[float]] = {"decode": [], "ahead": [], "prompt": []}
+    between = []
     for before, row in itertools.pairwise(rows):
         predicted = cost.predict(row["decode"], row["prefill"], row["kv_cells"])
-        if predicted > 0 and not row["ahead"] and row["decode"]:  # steps beside streaming clients
-            ratios.append(row["step_ms"] / 1000.0 / predicted)
+        if predicted > 0 and (row["decode"] or row["prefill"]):
+            kind = "prompt" if row["prefill"] else "ahead" if row["ahead"] else "decode"
+            ratios[kind].append(row["step_ms"] / 1000.0 / predicted)
         interval = row["t"] - before["t"] - row["step_ms"] / 1000.0
         if 0 <= interval < 0.1:  # not an idle wait for the next request
             between.append(interval)
-    return StepNoise(ratios=ratios, overhead_s=statistics.median(between), seed=seed)
+    return StepNoise(
+        ratios=ratios["decode"], ahead_ratios=ratios["ahead"], prompt_ratios=ratios["prompt"],
+        overhead_s=statistics.median(between), seed=seed,
+    )  # fmt: skip
 
 
 def simulated_run(scenario: Scenario, cost: CostCoefficients, machine: StepNoise | None) -> ScenarioResult:
@@ -133,8 +140,9 @@ def main() -> None:
         machine = dataclasses.replace(measured, request_s=outside)
         simulated.append(figures(simulated_run(scenario, cost, machine)))
     plain = figures(simulated_run(scenario, cost, None))
-    spread = statistics.median(machine.ratios)
-    print(f"machine: {len(machine.ratios)} steps, measured / predicted p50 {spread:.2f}, "
+    kinds = {"decode": machine.ratios, "ahead": machine.ahead_ratios, "prompt": machine.prompt_ratios}
+    spread = ", ".join(f"{kind} {statistics.median(r):.2f} ({len(r)})" for kind, r in kinds.items() if r)
+    print(f"machine: measured / predicted p50 by kind of step (steps) {spread}, "
           f"between steps {machine.overhead_s * 1000:.2f} ms, outside the engine per request "
           f"{machine.request_s * 1000:.1f} ms")  # fmt: skip
 

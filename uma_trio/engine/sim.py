@@ -61,17 +61,31 @@ class StepNoise:
     overhead_s: float = 0.0
     request_s: float = 0.0
     seed: int = 0
+    # Kinds of step whose spread differs from the streaming decode steps' (``ratios``); empty:
+    # as ``ratios``.  On the 2-core CPU planned decode steps ran 1.19 × the engine-alone
+    # calibration, steps run ahead 0.97 × and steps carrying prompt tokens 0.61-0.91 ×
+    # (BENCHMARKS.md "The simulator against the real daemon", run 11).
+    ahead_ratios: Sequence[float] = ()  # steps the engine ran ahead (runtime/run_ahead.py)
+    prompt_ratios: Sequence[float] = ()  # steps that carry prompt tokens, streaming or not
     _rng: np.random.Generator | None = field(default=None, repr=False)
 
-    def step_seconds(self, predicted: float, *, streaming: bool = True) -> float:
+    def step_seconds(
+        self, predicted: float, *, streaming: bool = True, prompt: bool = False, ahead: bool = False
+    ) -> float:
         """``streaming``: the step samples tokens for running requests, whose delivery to
-        their clients competes with it for the cores; a prompt-only step takes its
-        prediction."""
-        if not self.ratios or not streaming:
+        their clients competes with it for the cores; without ``prompt_ratios`` a prompt-only
+        step takes its prediction.  ``prompt``: it carries prompt tokens; ``ahead``: the
+        engine ran it ahead."""
+        ratios = self.ratios if streaming else ()
+        if prompt and self.prompt_ratios:
+            ratios = self.prompt_ratios
+        elif ahead and self.ahead_ratios:
+            ratios = self.ahead_ratios
+        if not ratios:
             return predicted + self.overhead_s
         if self._rng is None:
             self._rng = np.random.default_rng(self.seed)
-        return predicted * self.ratios[int(self._rng.integers(len(self.ratios)))] + self.overhead_s
+        return predicted * ratios[int(self._rng.integers(len(ratios)))] + self.overhead_s
 
 
 class SimEngine:
@@ -169,7 +183,13 @@ class SimEngine:
     async def step(
         self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False
     ) -> StepResult:
-        result = await self._step(entries, preemptible=preemptible and follow is None)
+        return await self._step_and_follow(entries, follow, preemptible=preemptible and follow is None)
+
+    async def _step_and_follow(
+        self, entries: Sequence[BatchEntry], follow: Follow | None, *, preemptible: bool = False,
+        ahead: bool = False,
+    ) -> StepResult:  # fmt: skip
+        result = await self._step(entries, preemptible=preemptible, ahead=ahead)
         if follow is not None and (after := follow(entries, result)):
             self._ahead.append((after, follow))
         return result
@@ -182,9 +202,11 @@ class SimEngine:
         # Run when collected: in virtual time the event loop's own work takes none, so the
         # overlap a real engine gains is not modelled, only the order of events.
         entries, follow = self._ahead.popleft()
-        return entries, await self.step(entries, follow)
+        return entries, await self._step_and_follow(entries, follow, ahead=True)
 
-    async def _step(self, entries: Sequence[BatchEntry], *, preemptible: bool = False) -> StepResult:
+    async def _step(
+        self, entries: Sequence[BatchEntry], *, preemptible: bool = False, ahead: bool = False
+    ) -> StepResult:
         decode_ctx: list[int] = []
         prefill: list[tuple[int, int]] = []
         n_tokens = 0
@@ -203,7 +225,9 @@ class SimEngine:
             raise ValueError(f"batch of {n_tokens} tokens exceeds n_batch={self._n_batch}")
         prefill_tokens = sum(n for _, n in prefill)
         predicted = self.cost.predict(len(decode_ctx), prefill_tokens, kv_cells_read(decode_ctx, prefill))
-        seconds = self.machine.step_seconds(predicted, streaming=bool(decode_ctx))
+        seconds = self.machine.step_seconds(
+            predicted, streaming=bool(decode_ctx), prompt=prefill_tokens > 0, ahead=ahead
+        )
         with trio.CancelScope(shield=True):  # like the real engine: a started step finishes...
             with trio.CancelScope() as preempt:  # ...unless preempted, which undoes it
                 self._preempt_scope = preempt if preemptible else None
