@@ -228,3 +228,17 @@ def test_startup_heap_is_frozen_after_collecting_its_garbage() -> None:
         assert gc.get_freeze_count() > 10_000  # modules, classes, functions of the process
     finally:
         gc.unfreeze()
+
+
+async def test_a_lone_background_stream_on_a_cpu_stays_preemptible(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """Background work's steps can be stopped for an arriving interactive request on a CPU; a
+    lone background stream therefore does not run ahead by default (a chain is not stopped
+    midway)."""
+    trace = tmp_path / "ticks.jsonl"
+    async with sim_daemon(run_ahead=None, tick_trace=trace, stream_buffer=64) as server:
+        events = await stream_all(server, [req("bg", 30, priority="background")])
+        await server.loop.wait_idle()
+    assert len([e for e in events["bg"] if e["event"] == "token"]) == 30
+    assert not any(json.loads(line)["ahead"] for line in trace.read_text().splitlines())

@@ -186,8 +186,9 @@ class ServerConfig:
     decode itself from the tokens it just sampled; the event loop collects results one step
     behind (same tokens). On the H100 it cut the time between two decodes from 10–14 % of a
     step to 4 % (BENCHMARKS.md "GPU"). On a CPU the event loop's work competes with the
-    decode's threads, so by default it runs ahead only for a lone stream, where that work
-    is the largest share of a step (+3 % tokens/s, BENCHMARKS.md "One stream on the CPU")."""
+    decode's threads, so by default it runs ahead only for a lone interactive stream, where
+    that work is the largest share of a step (+3 % tokens/s, BENCHMARKS.md "One stream on the
+    CPU")."""
     gpu_sampling: bool = False
     """A greedy request's next token is picked where the logits are computed (llama.cpp's
     backend sampler, an argmax in the model's graph), so a step copies no logits to the host

@@ -430,7 +430,10 @@ class DecodeLoop:
     def _arm_run_ahead(self, plan: Plan) -> Follow | None:
         """Let the compute thread run on after this step when the next plan is sure to be the
         same decoders again: nothing waits, nothing is left out, nothing else is pending."""
-        may = self._may_run_ahead or (self._may_run_ahead_alone and len(plan.decode) == 1)
+        # A lone stream's step that may be preempted (background work on a CPU) stays planned:
+        # an interactive request arriving stops it at once instead of waiting for the chain.
+        alone = self._may_run_ahead_alone and len(plan.decode) == 1 and not plan.preemptible
+        may = self._may_run_ahead or alone
         steady = (
             may and plan.decode and not plan.prefill and not plan.rescue
             and len(plan.decode) == len(self._active) and not self._waiting
