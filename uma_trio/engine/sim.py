@@ -62,9 +62,9 @@ class StepNoise:
     request_s: float = 0.0
     seed: int = 0
     # Kinds of step whose spread differs from the streaming decode steps' (``ratios``); empty:
-    # as ``ratios``.  On the 2-core CPU planned decode steps ran 1.19 × the engine-alone
-    # calibration, steps run ahead 0.97 × and steps carrying prompt tokens 0.61-0.91 ×
-    # (BENCHMARKS.md "The simulator against the real daemon", run 11).
+    # as ``ratios``.  On the 2-core CPU planned decode steps ran 1.16-1.19 × the engine-alone
+    # calibration, steps run ahead 0.93-0.97 × and steps carrying prompt tokens 0.61-0.91 ×
+    # (BENCHMARKS.md "The simulator against the real daemon", runs 10 and 11).
     ahead_ratios: Sequence[float] = ()  # steps the engine ran ahead (runtime/run_ahead.py)
     prompt_ratios: Sequence[float] = ()  # steps that carry prompt tokens, streaming or not
     _rng: np.random.Generator | None = field(default=None, repr=False)

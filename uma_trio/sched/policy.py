@@ -103,7 +103,12 @@ def tick_budget(
     if not decoders:
         return config.tick_background_s, config.tick_background_s
     baseline = cost.predict(len(decoders), 0, sum(s.n_past for s in decoders))
-    return max(config.latency_cap * config.cap_margin * baseline, config.tick_min_s), baseline
+    return interactive_budget(baseline, config), baseline
+
+
+def interactive_budget(baseline_s: float, config: PolicyConfig) -> float:
+    """The tick budget while interactive streams decode at ``baseline_s`` a tick."""
+    return max(config.latency_cap * config.cap_margin * baseline_s, config.tick_min_s)
 
 
 def joined_baseline(
@@ -348,7 +353,7 @@ def steady_decode_plan(state: SchedulerState, config: PolicyConfig, cost: CostCo
             return None
         cells += s.n_past
     baseline = cost.predict(len(sessions), 0, cells)
-    budget = max(config.latency_cap * config.cap_margin * baseline, config.tick_min_s)
+    budget = interactive_budget(baseline, config)
     if state.foreign_cap_s is not None:
         budget = min(budget, state.foreign_cap_s)
     return Plan(
@@ -449,14 +454,13 @@ class Policy:
         limit = self.config.background_limit
         if limit is None and _background_only(state):
             limit = self.tuner.limit
+        if limit is None:
+            limit = controls.background_limit
         rescue = self.slack.for_rescue
         # Replaced only where a field differs: this runs every tick, right after a step has
         # pushed the interpreter out of the CPU caches (dataclasses.replace is not cheap then).
-        if (limit is not None and limit != controls.background_limit) or rescue != controls.slack_for_rescue:
-            controls = replace(
-                controls, background_limit=controls.background_limit if limit is None else limit,
-                slack_for_rescue=rescue,
-            )  # fmt: skip
+        if (limit, rescue) != (controls.background_limit, controls.slack_for_rescue):
+            controls = replace(controls, background_limit=limit, slack_for_rescue=rescue)
         plan = plan_tick(state, self.config, self.cost.coefficients, controls)
         if self.bmt_guard is not None and plan:
             if not self.bmt_guard.trims:
