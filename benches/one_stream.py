@@ -9,6 +9,11 @@ the first over the time from the first to the last (TTFT is ``compare.py``'s
 ``ttft_long``).  The medians over ``--rounds`` rounds, and each round's ratio to
 llama-server (the neighbouring requests share the machine's state of the moment), are
 printed and written to ``OUT/one_stream.csv`` and ``OUT/one_stream.png``.
+``--streams N`` sends N requests to each target together each round (a thread each) and
+times them together: the tokens after each one's first over the time from the last first
+token to the last token (compare.py's scaling, at 2-16 streams, with the same interleaving).
+``--http`` drives uma-trio over its OpenAI gateway (``/v1/completions``, SSE, httpx) like
+llama-server, instead of its socket.
 
 uma-trio is driven over its Unix socket (its native path) with a minimal reader that only
 splits frames, llama-server over HTTP with httpx: the clients' own work per token is then
@@ -16,7 +21,7 @@ alike (tens of µs) and small beside a step.  ``--variant NAME=FLAGS`` adds a um
 started with extra flags (e.g. ``--variant serial=--no-run-ahead``), for A/B runs of a
 change.
 
-    python benches/one_stream.py [--rounds 12] [--tokens 256] [--variant NAME=FLAGS ...]
+    python benches/one_stream.py [--rounds 12] [--tokens 256] [--streams 1] [--variant NAME=FLAGS ...]
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import statistics
 import struct
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -37,20 +44,19 @@ from compare import DEFAULT_PEERS, ROOT, Setup, llama_server_command, running, u
 
 from uma_trio.model_files import ensure_default_model
 
-SETUP = Setup(slots=4, n_ctx=2048)
+
+def prompt(round_: int, stream: int = 0) -> str:
+    # The same prompt each round but its last words: both servers reuse the cached prefix.
+    return "hello " * 32 + f"{round_} {stream}"
 
 
-def prompt(round_: int) -> str:
-    # The same prompt each round but its last word: both servers reuse the cached prefix.
-    return "hello " * 32 + str(round_)
-
-
-def uma_rate(sock: Path, round_: int, tokens: int) -> float:
-    """Decode tok/s of one streamed request over uma-trio's socket (frames split, not parsed)."""
+def uma_times(sock: Path, round_: int, stream: int, tokens: int) -> list[float]:
+    """Arrival times of one streamed request's tokens over uma-trio's socket (frames split,
+    not parsed)."""
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(str(sock))
-        body = {"type": "generate", "id": f"r{round_}", "prompt": prompt(round_), "max_tokens": tokens,
-                "temperature": 0.0}  # fmt: skip
+        body = {"type": "generate", "id": f"r{round_}-{stream}", "prompt": prompt(round_, stream),
+                "max_tokens": tokens, "temperature": 0.0}  # fmt: skip
         payload = json.dumps(body).encode()
         s.sendall(struct.pack("<I", len(payload)) + payload)
         buffer, times, done = b"", [], False
@@ -60,27 +66,50 @@ def uma_rate(sock: Path, round_: int, tokens: int) -> float:
                 frame, buffer = buffer[4 : 4 + size], buffer[4 + size :]
                 times.append(time.perf_counter())
                 done = done or b'"eos"' in frame
-    return rate(times[:-1])  # the last frame is the eos
+    return times[:-1]  # the last frame is the eos
 
 
-def llama_server_rate(url: str, round_: int, tokens: int) -> float:
-    """Decode tok/s of one streamed request to llama-server's /completion."""
-    body = {"prompt": prompt(round_), "n_predict": tokens, "temperature": 0, "stream": True}
+def uma_http_times(url: str, model: str, round_: int, stream: int, tokens: int) -> list[float]:
+    """Arrival times of one streamed request's tokens from uma-trio's /v1/completions (SSE)."""
+    body = {"model": model, "prompt": prompt(round_, stream), "max_tokens": tokens, "temperature": 0,
+            "stream": True}  # fmt: skip
+    times, endpoint = [], f"{url}/v1/completions"
+    with httpx.Client(timeout=120) as client, client.stream("POST", endpoint, json=body) as sse:
+        for line in sse.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                times.append(time.perf_counter())
+    return times[:-1]  # the last event carries the finish reason, no text
+
+
+def llama_server_times(url: str, round_: int, stream: int, tokens: int) -> list[float]:
+    """Arrival times of one streamed request's tokens from llama-server's /completion."""
+    body = {"prompt": prompt(round_, stream), "n_predict": tokens, "temperature": 0, "stream": True}
     times = []
     with httpx.Client(timeout=120) as client, client.stream("POST", f"{url}/completion", json=body) as answer:
         for line in answer.iter_lines():
             if line.startswith("data: "):
                 times.append(time.perf_counter())
-    return rate(times[:-1])  # the last event is the final one, with the timings
+    return times[:-1]  # the last event is the final one, with the timings
 
 
-def rate(times: list[float]) -> float:
-    if len(times) < 2:
-        raise SystemExit(f"a request streamed {len(times)} tokens; cannot time its decode")
-    return (len(times) - 1) / (times[-1] - times[0])
+def rate(streams: list[list[float]]) -> float:
+    """Decode tok/s of requests sent together: the tokens after each one's first, over the
+    time from the last first token to the last token (every stream decoding)."""
+    if any(len(times) < 2 for times in streams):
+        raise SystemExit("a request streamed under 2 tokens; cannot time its decode")
+    start, end = max(t[0] for t in streams), max(t[-1] for t in streams)
+    return sum(len(t) - 1 for t in streams) / (end - start)
 
 
-def plot(rows: list[dict[str, object]], names: list[str], path: Path) -> None:
+def together(measure: Callable[[int, int], list[float]], round_: int, streams: int) -> float:
+    """``streams`` requests sent at once (a thread each), their decode rate together."""
+    if streams == 1:
+        return rate([measure(round_, 0)])
+    with ThreadPoolExecutor(streams) as pool:
+        return rate(list(pool.map(lambda i: measure(round_, i), range(streams))))
+
+
+def plot(rows: list[dict[str, object]], names: list[str], streams: int, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,8 +120,8 @@ def plot(rows: list[dict[str, object]], names: list[str], path: Path) -> None:
         ax.plot([r["round"] for r in rows if r["target"] == name],
                 [r["tok_s"] for r in rows if r["target"] == name], marker="o", label=name)  # fmt: skip
     ax.set_xlabel("round")
-    ax.set_ylabel("decode tok/s (one stream)")
-    ax.set_title("One stream, requests interleaved")
+    ax.set_ylabel(f"decode tok/s ({streams} stream{'s' if streams > 1 else ''})")
+    ax.set_title(f"{streams} stream{'s' if streams > 1 else ''} a round, servers interleaved")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -105,30 +134,39 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--streams", type=int, default=1, help="requests sent together each round")
+    parser.add_argument("--http", action="store_true", help="drive uma-trio over its HTTP gateway")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS")
     parser.add_argument("--peers", type=Path, default=DEFAULT_PEERS)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "one_stream")
     args = parser.parse_args()
     model = ensure_default_model()
     args.out.mkdir(parents=True, exist_ok=True)
+    setup = Setup(slots=max(4, args.streams), n_ctx=2048)
     variants = [("uma-trio", [])] + [(v.split("=", 1)[0], v.split("=", 1)[1].split()) for v in args.variant]
     with tempfile.TemporaryDirectory(prefix="uma-one-") as tmp, ExitStack() as stack:
-        targets = []
+        targets: list[tuple[str, Callable[[int, int], list[float]]]] = []
         for name, flags in variants:
             sock, port = Path(tmp) / f"{name}.sock", free_port()
-            command = [*uma_command(SETUP, sock, port), *flags]
+            command = [*uma_command(setup, sock, port), *flags]
             stack.enter_context(running(command, f"http://127.0.0.1:{port}", name, args.out / f"{name}.log"))
-            targets.append((name, lambda r, sock=sock: uma_rate(sock, r, args.tokens)))
+            if args.http:
+                uma_url = f"http://127.0.0.1:{port}"
+                targets.append(
+                    (name, lambda r, i, url=uma_url: uma_http_times(url, model.stem, r, i, args.tokens))
+                )
+            else:
+                targets.append((name, lambda r, i, sock=sock: uma_times(sock, r, i, args.tokens)))
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        command = llama_server_command(args.peers, model, SETUP, port)
+        command = llama_server_command(args.peers, model, setup, port)
         stack.enter_context(running(command, url, "llama-server", args.out / "llama-server.log"))
-        targets.append(("llama-server", lambda r: llama_server_rate(url, r, args.tokens)))
+        targets.append(("llama-server", lambda r, i: llama_server_times(url, r, i, args.tokens)))
         for _, measure in targets:  # warm-up, not reported
-            measure(-1)
+            together(measure, -1, args.streams)
         rows: list[dict[str, object]] = []
         for round_ in range(args.rounds):
-            got = {name: measure(round_) for name, measure in targets}
+            got = {name: together(measure, round_, args.streams) for name, measure in targets}
             for name, tok_s in got.items():
                 ratio = round(tok_s / got["llama-server"], 4)
                 rows.append({"round": round_, "target": name, "tok_s": round(tok_s, 2), "ratio": ratio})
@@ -143,7 +181,7 @@ def main() -> None:
         ratios = statistics.median(float(r["ratio"]) for r in mine)  # type: ignore[arg-type]
         print(f"| {name} | {median:.1f} | {median / base:.3f} | {ratios:.3f} |")
     write_csv(args.out / "one_stream.csv", rows, ["round", "target", "tok_s", "ratio"])
-    plot(rows, names, args.out / "one_stream.png")
+    plot(rows, names, args.streams, args.out / "one_stream.png")
 
 
 if __name__ == "__main__":

@@ -180,15 +180,15 @@ class ServerConfig:
     ] = None
     """Share of the model per GPU in device order, e.g. 3,1."""
     run_ahead: Annotated[
-        bool | None, Parameter(show_default="on when every layer is on a GPU, else for one stream alone")
+        bool | None, Parameter(show_default="on when every layer is on a GPU, else for interactive streams")
     ] = None
     """While the same sessions decode step after step, the compute thread starts the next
     decode itself from the tokens it just sampled; the event loop collects results one step
     behind (same tokens). On the H100 it cut the time between two decodes from 10–14 % of a
-    step to 4 % (BENCHMARKS.md "GPU"). On a CPU the event loop's work competes with the
-    decode's threads, so by default it runs ahead only for a lone interactive stream, where
-    that work is the largest share of a step (+3 % tokens/s, BENCHMARKS.md "One stream on the
-    CPU")."""
+    step to 4 % (BENCHMARKS.md "GPU"). On a CPU by default it runs ahead while only
+    interactive streams decode (+2-3 % tokens/s at 1-4 streams, the same at 8-16,
+    BENCHMARKS.md "Streams on the CPU"); background steps stay planned, so an arriving chat
+    can stop one."""
     gpu_sampling: bool = False
     """A greedy request's next token is picked where the logits are computed (llama.cpp's
     backend sampler, an argmax in the model's graph), so a step copies no logits to the host

@@ -113,9 +113,9 @@ class DecodeLoop:
         self._last_step_end: float | None = None  # None after the loop slept: no overhead to count
         # Run-ahead (run_ahead.py): by default where a step leaves the host idle (all on a GPU).
         self._may_run_ahead = engine.step_frees_host if config.run_ahead is None else config.run_ahead
-        # On a CPU, by default (--run-ahead unset), a lone stream runs ahead: its per-token
-        # host work is the largest share of its step (ServerConfig.run_ahead).
-        self._may_run_ahead_alone = config.run_ahead is None and not engine.step_frees_host
+        # On a CPU, by default (--run-ahead unset), interactive streams run ahead: the hand-off
+        # between two steps is saved, and background steps stay preemptible (ServerConfig.run_ahead).
+        self._may_run_ahead_interactive = config.run_ahead is None and not engine.step_frees_host
         self._run_ahead = RunAhead()
         # While steps run ahead, KV cells are freed only once the compute thread is idle again.
         self._chain = AheadChain()
@@ -430,10 +430,9 @@ class DecodeLoop:
     def _arm_run_ahead(self, plan: Plan) -> Follow | None:
         """Let the compute thread run on after this step when the next plan is sure to be the
         same decoders again: nothing waits, nothing is left out, nothing else is pending."""
-        # A lone stream's step that may be preempted (background work on a CPU) stays planned:
-        # an interactive request arriving stops it at once instead of waiting for the chain.
-        alone = self._may_run_ahead_alone and len(plan.decode) == 1 and not plan.preemptible
-        may = self._may_run_ahead or alone
+        # A step that may be preempted (background work on a CPU) stays planned: an interactive
+        # request arriving stops it at once instead of waiting for the chain.
+        may = self._may_run_ahead or (self._may_run_ahead_interactive and not plan.preemptible)
         steady = (
             may and plan.decode and not plan.prefill and not plan.rescue
             and len(plan.decode) == len(self._active) and not self._waiting
@@ -732,7 +731,7 @@ class DecodeLoop:
             "scheduler": self.policy.snapshot(),
             "run_ahead": {
                 "enabled": self._may_run_ahead,
-                "lone_stream": self._may_run_ahead_alone,
+                "interactive": self._may_run_ahead_interactive,
                 "steps": self._chain.steps,
                 "dropped_tokens": self._chain.dropped,
             },
