@@ -108,7 +108,7 @@ def test_a_first_tick_with_no_stream_decoding_carries_no_background_work() -> No
     assert dict(result.prefill) == {1: 4} and result.decode == () and not result.rescue
     assert result.predicted_s == pytest.approx(COST.predict(0, 4, 8))
     # Where extra tokens cost nothing (a GPU under its knee) background work still rides along.
-    flat = replace(COST, flat_tokens=64)
+    flat = msgspec.structs.replace(COST, flat_tokens=64)
     state = SchedulerState((interactive(1, prompt=4), background(2, prompt=1500)), tick=100)
     free = plan_tick(state, CONFIG, flat, Controls())
     assert dict(free.prefill) == {1: 4, 2: 60} and free.predicted_s == pytest.approx(0.004)
