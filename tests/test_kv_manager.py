@@ -113,6 +113,34 @@ def test_short_matches_are_not_worth_a_copy() -> None:
     assert claim == Claim(seq_id=1)
 
 
+def test_a_short_prompt_sent_again_or_grown_adopts_its_sequence() -> None:
+    """Adoption copies nothing, so a match under min_reuse still counts when the cached
+    sequence would be adopted: a warm-up's 8-token prompt that the next prompt starts with
+    (compare.py's scaling: 74 ms to the first token against llama-server's 49, which reuses
+    its slot)."""
+    kv = KvManager(n_seqs=3, n_cells=1000, min_reuse=16)
+    kv.claim(seq(0, 8), {}, cells_needed=20, cells_reserved=0)
+    kv.release(0, np.concatenate([seq(0, 8), seq(900, 3)]), prompt_len=8)  # prompt + answer
+    claim = kv.claim(seq(0, 32), {}, cells_needed=160, cells_reserved=0)
+    assert claim == Claim(seq_id=0, source=0, reused=8) and claim.adopted
+    # A short match that would need a copy is still not taken, nor one whose id would split
+    # the running ids where a free id would not.
+    kv.release(0, seq(0, 32), prompt_len=32)
+    assert kv.claim(np.concatenate([seq(0, 8), seq(500, 8)]), {}, cells_needed=30, cells_reserved=0) == Claim(
+        1
+    )
+    kv = KvManager(n_seqs=4, n_cells=1000, min_reuse=16)
+    for start in range(4):
+        kv.claim(seq(100 * start + 100, 20), {}, cells_needed=30, cells_reserved=0)
+    kv.release(3, seq(0, 8), prompt_len=8)
+    kv.release(0, seq(0, 0))  # ids 0 and 2 free, 1 running, 3 cached
+    kv.release(2, seq(0, 0))
+    assert kv.claim(seq(0, 12), {}, cells_needed=30, cells_reserved=0) == Claim(seq_id=0)
+    kv.release(0, seq(0, 0))
+    kv.release(1, seq(0, 0))  # nothing running now: id 3 is as good as any
+    assert kv.claim(seq(0, 12), {}, cells_needed=30, cells_reserved=0) == Claim(seq_id=3, source=3, reused=8)
+
+
 def test_cache_yields_ids_least_recently_used_first() -> None:
     kv = KvManager(n_seqs=2, n_cells=1000)
     for i in (0, 1):

@@ -334,7 +334,8 @@ class KvManager:
         """The longest prefix of ``prompt`` (less its last token, whose logits are
         needed) held by any of ``owner``'s sequences; cached ones win ties (they can be
         adopted), and among those the one whose id keeps the running ids in fewest runs
-        (identical prompts, as in a benchmark, would otherwise scatter them)."""
+        (identical prompts, as in a benchmark, would otherwise scatter them).  Under
+        ``min_reuse`` tokens only a sequence that would be adopted counts."""
         if not self.enabled:
             return None, 0
         limit = len(prompt) - 1
@@ -347,7 +348,17 @@ class KvManager:
             runs = _runs_added(seq_id, running_ids) if seq_id in self._cached else 2
             if n > best[1] or (n == best[1] > 0 and runs < best_runs):
                 best, best_runs = (seq_id, n), runs
-        return best if best[1] >= self.min_reuse else (None, 0)
+        if best[1] >= self.min_reuse:
+            return best
+        # A copy that short is not worth it, but adopting costs nothing (the id and its cells
+        # are taken over, trimmed): a short prompt sent again, or grown by a few tokens (a
+        # warm-up, "hi"), still skips its prefill, as llama-server's slot reuse does, where
+        # that id keeps the running ids together as well as a free one would.
+        entry = self._cached.get(best[0]) if best[0] is not None else None
+        fresh = min((_runs_added(s, running_ids) for s in self._free), default=2)
+        if entry is not None and not entry.pins and entry.replaced_by(best[1]) and best_runs <= fresh:
+            return best
+        return None, 0
 
     def _pack(self, claim: Claim) -> Claim:
         """``claim`` with a cached sequence's id instead, if that id keeps the running ids

@@ -20,7 +20,9 @@ The stages, in order (each a function below):
    shortest prompt first), so a new interactive request joins on the very next
    tick (token-boundary preemption: it never waits behind a background chunk,
    which only ever gets headroom) and a burst of requests is let in at the pace
-   the burst will decode at, not a few tokens a tick.
+   the burst will decode at, not a few tokens a tick.  With no stream decoding,
+   such a first tick is the new requests' own: background work takes only what
+   adds nothing to it, and no rescue rides on it (time to first token first).
 4. **Background decoders** fill the headroom, longest-waiting first, at most
    ``background_limit`` of them (the sweet-spot auto-tuner's setting).
 5. **Background prefill** fills what is still left, shortest remaining prompt
