@@ -186,7 +186,7 @@ class ServerConfig:
     decode itself from the tokens it just sampled; the event loop collects results one step
     behind (same tokens). On the H100 it cut the time between two decodes from 10–14 % of a
     step to 4 % (BENCHMARKS.md "GPU"). On a CPU by default it runs ahead while only
-    interactive streams decode (+2-3 % tokens/s at 1-4 streams, the same at 8-16,
+    interactive streams decode (+2-4 % tokens/s at 1-4 streams, the same at 8-16,
     BENCHMARKS.md "Streams on the CPU"); background steps stay planned, so an arriving chat
     can stop one."""
     gpu_sampling: bool = False
