@@ -69,27 +69,28 @@ def uma_times(sock: Path, round_: int, stream: int, tokens: int) -> list[float]:
     return times[:-1]  # the last frame is the eos
 
 
-def uma_http_times(url: str, model: str, round_: int, stream: int, tokens: int) -> list[float]:
-    """Arrival times of one streamed request's tokens from uma-trio's /v1/completions (SSE)."""
-    body = {"model": model, "prompt": prompt(round_, stream), "max_tokens": tokens, "temperature": 0,
-            "stream": True}  # fmt: skip
-    times, endpoint = [], f"{url}/v1/completions"
+def sse_times(endpoint: str, body: dict[str, object]) -> list[float]:
+    """Arrival times of one streamed request's token events from an SSE endpoint."""
+    times = []
     with httpx.Client(timeout=120) as client, client.stream("POST", endpoint, json=body) as sse:
         for line in sse.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 times.append(time.perf_counter())
-    return times[:-1]  # the last event carries the finish reason, no text
+    # The last event carries no token: uma-trio's the finish reason, llama-server's the timings.
+    return times[:-1]
+
+
+def uma_http_times(url: str, model: str, round_: int, stream: int, tokens: int) -> list[float]:
+    """Token arrival times from uma-trio's /v1/completions."""
+    body = {"model": model, "prompt": prompt(round_, stream), "max_tokens": tokens, "temperature": 0,
+            "stream": True}  # fmt: skip
+    return sse_times(f"{url}/v1/completions", body)
 
 
 def llama_server_times(url: str, round_: int, stream: int, tokens: int) -> list[float]:
-    """Arrival times of one streamed request's tokens from llama-server's /completion."""
+    """Token arrival times from llama-server's /completion."""
     body = {"prompt": prompt(round_, stream), "n_predict": tokens, "temperature": 0, "stream": True}
-    times = []
-    with httpx.Client(timeout=120) as client, client.stream("POST", f"{url}/completion", json=body) as answer:
-        for line in answer.iter_lines():
-            if line.startswith("data: "):
-                times.append(time.perf_counter())
-    return times[:-1]  # the last event is the final one, with the timings
+    return sse_times(f"{url}/completion", body)
 
 
 def rate(streams: list[list[float]]) -> float:
