@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from contextlib import aclosing
 
 import trio
@@ -57,6 +58,8 @@ class Connection:
         self.number = number
         self.requests: dict[str, RequestStream] = {}
         self._send_lock = trio.Lock()
+        # The socket's descriptor, for writes that need not wait (-1: not a socket stream).
+        self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
         self._nursery: trio.Nursery | None = None
         self._idle_deadline = trio.current_time() + self.config.idle_timeout_s
         self._snapshots = 0  # snapshot requests answered in their own tasks, not yet answered
@@ -214,23 +217,57 @@ class Connection:
             self._set_idle_deadline()
 
     async def _send(self, event: ServerEvent) -> None:
-        async with self._send_lock:
-            with trio.move_on_after(self.config.stall_timeout_s) as stall:
-                try:
-                    await self.stream.send_all(encode_event(event))
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    # The client hung up: end the whole connection, which cancels its requests.
-                    await self._close()
-            if stall.cancelled_caught:
-                # The client has read nothing for that long (and half an event is now on the
-                # wire): its requests are cancelled with the reason, and it is disconnected.
-                log.warning(
-                    "connection %d read none of its events for %g s; cancelling its %d requests",
-                    self.number, self.config.stall_timeout_s, len(self.requests),
-                )  # fmt: skip
-                for stream in self.requests.values():
-                    stream.cancel("stalled")
+        data = encode_event(event)
+        try:
+            self._send_lock.acquire_nowait()
+        except trio.WouldBlock:  # another event is being written: queue behind it
+            async with self._send_lock:
+                await self._send_all(data)
+            return
+        try:
+            # A token's frame almost always fits the socket's buffer: written at once, it
+            # costs one system call, where send_all takes two passes of trio's scheduler
+            # (the lock's and the socket's checkpoints) and a timer; on two cores that host
+            # work per token runs beside the decode (BENCHMARKS.md "One stream on the CPU").
+            try:
+                sent = self._write_at_once(data)
+            except OSError:  # the client hung up: end the connection, cancelling its requests
                 await self._close()
+                return
+            if sent < len(data):
+                await self._send_all(data[sent:])
+        finally:
+            self._send_lock.release()
+
+    def _write_at_once(self, data: bytes) -> int:
+        """Bytes of ``data`` the socket takes without waiting (0 for a stream that is not a
+        socket, or a full socket buffer); called holding the send lock."""
+        if self._fd < 0:
+            return 0
+        try:
+            return os.write(self._fd, data)
+        except BlockingIOError:
+            return 0
+
+    async def _send_all(self, data: bytes) -> None:
+        """Write ``data`` however long the client takes to read it, up to the stall timeout;
+        called holding the send lock."""
+        with trio.move_on_after(self.config.stall_timeout_s) as stall:
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                # The client hung up: end the whole connection, which cancels its requests.
+                await self._close()
+        if stall.cancelled_caught:
+            # The client has read nothing for that long (and half an event is now on the
+            # wire): its requests are cancelled with the reason, and it is disconnected.
+            log.warning(
+                "connection %d read none of its events for %g s; cancelling its %d requests",
+                self.number, self.config.stall_timeout_s, len(self.requests),
+            )  # fmt: skip
+            for stream in self.requests.values():
+                stream.cancel("stalled")
+            await self._close()
 
     async def _close(self) -> None:
         """End the connection; inside its nursery the checkpoint raises Cancelled."""
