@@ -58,6 +58,22 @@ def test_latency_digest_window_forgets_old_samples() -> None:
     assert digest.window(1000.0).count == 0 and digest.window(1000.0).p95 is None
 
 
+def test_latency_digest_values_folded_late_land_in_the_slots_of_their_time() -> None:
+    # Values wait to be folded into the sketches until a read or a full batch: the late fold
+    # must still put each one in the window slot of its own time.
+    digest = LatencyDigest(window_s=10.0)
+    for i in range(300):  # past one batch: part folded on the way, part pending
+        digest.add(0.5, now=i * 0.01)
+    assert digest.window(2.0).count == 300
+    for i in range(10):  # pending, 100 s after the first ones
+        digest.add(0.002, now=100.0 + i * 0.01)
+    recent = digest.window(100.5)
+    assert recent.count == 10 and recent.max == pytest.approx(2.0)
+    digest.add(0.004, now=200.0)
+    assert digest.window(205.0).count == 1
+    assert digest.run().count == 311 and digest.run().max == pytest.approx(500.0)
+
+
 def _busy_metrics() -> Metrics:
     """60 s window; ticks every 10 ms from t=100 s to t=110 s, half of them over the cap."""
     metrics = Metrics(window_s=60.0, started=0.0)

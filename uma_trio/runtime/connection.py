@@ -218,30 +218,26 @@ class Connection:
 
     async def _send(self, event: ServerEvent) -> None:
         data = encode_event(event)
-        try:
-            self._send_lock.acquire_nowait()
-        except trio.WouldBlock:  # another event is being written: queue behind it
-            async with self._send_lock:
-                await self._send_all(data)
-            return
-        try:
+        if not self._send_lock.locked():
             # A token's frame almost always fits the socket's buffer: written at once, it
             # costs one system call, where send_all takes two passes of trio's scheduler
             # (the lock's and the socket's checkpoints) and a timer; on two cores that host
             # work per token runs beside the decode (BENCHMARKS.md "One stream on the CPU").
+            # Nothing else runs until this task waits, so no other frame can come between.
             try:
                 sent = self._write_at_once(data)
             except OSError:  # the client hung up: end the connection, cancelling its requests
                 await self._close()
                 return
-            if sent < len(data):
-                await self._send_all(data[sent:])
-        finally:
-            self._send_lock.release()
+            if sent == len(data):
+                return
+            data = data[sent:]
+        async with self._send_lock:  # the rest waits for the reader, behind any other frame
+            await self._send_all(data)
 
     def _write_at_once(self, data: bytes) -> int:
         """Bytes of ``data`` the socket takes without waiting (0 for a stream that is not a
-        socket, or a full socket buffer); called holding the send lock."""
+        socket, or a full socket buffer); called with no other write under way."""
         if self._fd < 0:
             return 0
         try:
