@@ -104,9 +104,13 @@ def rss_bytes(process: subprocess.Popen[bytes]) -> int:
 
 
 @contextmanager
-def running(command: Sequence[str], url: str, what: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def running(
+    command: Sequence[str], url: str, what: str, log: Path, cwd: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``command`` started (in ``cwd``: ``python -m uma_trio`` there imports that checkout's
+    package) and healthy; stopped on exit."""
     with log.open("wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=cwd)
         try:
             wait_healthy(url, process, what)
             yield process

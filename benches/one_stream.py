@@ -13,7 +13,11 @@ printed and written to ``OUT/one_stream.csv`` and ``OUT/one_stream.png``.
 times them together: the tokens after each one's first over the time from the last first
 token to the last token (compare.py's scaling, at 2-16 streams, with the same interleaving).
 ``--http`` drives uma-trio over its OpenAI gateway (``/v1/completions``, SSE, httpx) like
-llama-server, instead of its socket.
+llama-server, instead of its socket.  ``--baseline REV`` adds a uma-trio run from another
+git revision (checked out into a temporary worktree), for A/B runs of a change against the
+code before it.  For every uma-trio the table also gives its event loop's CPU time per
+streamed token (the main thread's, from ``/proc``; Linux only): the host work that, on a
+2-core machine, runs beside the decode's threads.
 
 uma-trio is driven over its Unix socket (its native path) with a minimal reader that only
 splits frames, llama-server over HTTP with httpx: the clients' own work per token is then
@@ -22,20 +26,23 @@ started with extra flags (e.g. ``--variant serial=--no-run-ahead``), for A/B run
 change.
 
     python benches/one_stream.py [--rounds 12] [--tokens 256] [--streams 1] [--variant NAME=FLAGS ...]
+                                 [--baseline REV]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import struct
+import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -102,12 +109,34 @@ def rate(streams: list[list[float]]) -> float:
     return sum(len(t) - 1 for t in streams) / (end - start)
 
 
-def together(measure: Callable[[int, int], list[float]], round_: int, streams: int) -> float:
-    """``streams`` requests sent at once (a thread each), their decode rate together."""
+def together(measure: Callable[[int, int], list[float]], round_: int, streams: int) -> tuple[float, int]:
+    """``streams`` requests sent at once (a thread each): their decode rate together, and the
+    tokens they streamed."""
     if streams == 1:
-        return rate([measure(round_, 0)])
-    with ThreadPoolExecutor(streams) as pool:
-        return rate(list(pool.map(lambda i: measure(round_, i), range(streams))))
+        times = [measure(round_, 0)]
+    else:
+        with ThreadPoolExecutor(streams) as pool:
+            times = list(pool.map(lambda i: measure(round_, i), range(streams)))
+    return rate(times), sum(len(t) for t in times)
+
+
+def main_thread_cpu_s(pid: int) -> float:
+    """CPU time (user + system) of the process's main thread, which runs uma-trio's event loop."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def checkout(rev: str) -> Iterator[Path]:
+    """``rev`` of this repository in a temporary git worktree, removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="uma-base-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev],
+                       check=True, capture_output=True)  # fmt: skip
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
 
 
 def plot(rows: list[dict[str, object]], names: list[str], streams: int, path: Path) -> None:
@@ -138,19 +167,26 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1, help="requests sent together each round")
     parser.add_argument("--http", action="store_true", help="drive uma-trio over its HTTP gateway")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS")
+    parser.add_argument("--baseline", metavar="REV", help="also run uma-trio at this git revision")
     parser.add_argument("--peers", type=Path, default=DEFAULT_PEERS)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "one_stream")
     args = parser.parse_args()
     model = ensure_default_model()
     args.out.mkdir(parents=True, exist_ok=True)
     setup = Setup(slots=max(4, args.streams), n_ctx=2048)
-    variants = [("uma-trio", [])] + [(v.split("=", 1)[0], v.split("=", 1)[1].split()) for v in args.variant]
+    variants: list[tuple[str, list[str], Path | None]] = [("uma-trio", [], None)]
+    variants += [(v.split("=", 1)[0], v.split("=", 1)[1].split(), None) for v in args.variant]
     with tempfile.TemporaryDirectory(prefix="uma-one-") as tmp, ExitStack() as stack:
+        if args.baseline:
+            variants.append((f"uma-trio@{args.baseline}", [], stack.enter_context(checkout(args.baseline))))
         targets: list[tuple[str, Callable[[int, int], list[float]]]] = []
-        for name, flags in variants:
-            sock, port = Path(tmp) / f"{name}.sock", free_port()
+        pids: dict[str, int] = {}  # uma-trio targets: their event loop's CPU time is read
+        for name, flags, tree in variants:
+            sock, port = Path(tmp) / f"{len(pids)}.sock", free_port()
             command = [*uma_command(setup, sock, port), *flags]
-            stack.enter_context(running(command, f"http://127.0.0.1:{port}", name, args.out / f"{name}.log"))
+            log = args.out / f"{name.replace('@', '-at-')}.log"
+            process = stack.enter_context(running(command, f"http://127.0.0.1:{port}", name, log, cwd=tree))
+            pids[name] = process.pid
             if args.http:
                 uma_url = f"http://127.0.0.1:{port}"
                 targets.append(
@@ -167,21 +203,32 @@ def main() -> None:
             together(measure, -1, args.streams)
         rows: list[dict[str, object]] = []
         for round_ in range(args.rounds):
-            got = {name: together(measure, round_, args.streams) for name, measure in targets}
+            got: dict[str, float] = {}
+            loop_ms: dict[str, float | str] = {}
+            for name, measure in targets:
+                before = main_thread_cpu_s(pids[name]) if name in pids else 0.0
+                got[name], tokens = together(measure, round_, args.streams)
+                if name in pids:
+                    loop_ms[name] = round(1000.0 * (main_thread_cpu_s(pids[name]) - before) / tokens, 3)
             for name, tok_s in got.items():
                 ratio = round(tok_s / got["llama-server"], 4)
-                rows.append({"round": round_, "target": name, "tok_s": round(tok_s, 2), "ratio": ratio})
+                rows.append({"round": round_, "target": name, "tok_s": round(tok_s, 2), "ratio": ratio,
+                             "loop_cpu_ms_per_token": loop_ms.get(name, "")})  # fmt: skip
             print(" ".join(f"{n} {v:.1f}" for n, v in got.items()), flush=True)
     names = [name for name, _ in targets]
-    print("\n| target | median decode tok/s | median / llama-server | median of the rounds' ratios |")
-    print("| --- | --- | --- | --- |")
+    print("\n| target | median decode tok/s | median / llama-server | median of the rounds' ratios "
+          "| event loop CPU per token (median) |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- |")
     base = statistics.median(float(r["tok_s"]) for r in rows if r["target"] == "llama-server")  # type: ignore[arg-type]
     for name in names:
         mine = [r for r in rows if r["target"] == name]
         median = statistics.median(float(r["tok_s"]) for r in mine)  # type: ignore[arg-type]
         ratios = statistics.median(float(r["ratio"]) for r in mine)  # type: ignore[arg-type]
-        print(f"| {name} | {median:.1f} | {median / base:.3f} | {ratios:.3f} |")
-    write_csv(args.out / "one_stream.csv", rows, ["round", "target", "tok_s", "ratio"])
+        loop = (f"{statistics.median(float(r['loop_cpu_ms_per_token']) for r in mine):.3f} ms"  # type: ignore[arg-type]
+                if name in pids else "")  # fmt: skip
+        print(f"| {name} | {median:.1f} | {median / base:.3f} | {ratios:.3f} | {loop} |")
+    columns = ["round", "target", "tok_s", "ratio", "loop_cpu_ms_per_token"]
+    write_csv(args.out / "one_stream.csv", rows, columns)
     plot(rows, names, args.streams, args.out / "one_stream.png")
 
 
