@@ -149,6 +149,13 @@ class Engine(Protocol):
         ...
 
     @property
+    def captures_graphs(self) -> bool:
+        """Whether a step's second run in a row at the same batch shape is captured as a graph
+        and later ones replayed (llama.cpp's CUDA backend): the policy keeps prompt ticks off
+        the shape that would be captured for nothing (sched/graph_shapes.py)."""
+        ...
+
+    @property
     def splits_at_seq_gaps(self) -> bool:
         """Whether a step decodes in one pass per run of consecutive sequence ids (llama.cpp
         with a KV stream per sequence), so the runtime keeps running ids together."""

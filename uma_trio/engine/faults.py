@@ -178,6 +178,10 @@ class FaultyEngine:
         return self.inner.step_frees_host
 
     @property
+    def captures_graphs(self) -> bool:
+        return self.inner.captures_graphs
+
+    @property
     def splits_at_seq_gaps(self) -> bool:
         return self.inner.splits_at_seq_gaps
 

@@ -261,6 +261,12 @@ class LlamaEngine:
         return 0 < self.model.layers_offloaded == self.model.layers_total
 
     @property
+    def captures_graphs(self) -> bool:
+        # ggml-cuda captures and replays CUDA graphs unless this variable is set.
+        cuda = any(d.backend == "CUDA" and d.offloads for d in devices())
+        return self.model.layers_offloaded > 0 and cuda and "GGML_CUDA_DISABLE_GRAPHS" not in os.environ
+
+    @property
     def splits_at_seq_gaps(self) -> bool:
         return not self.config.kv_unified
 

@@ -110,6 +110,7 @@ class SimEngine:
         self._preempt_scope: trio.CancelScope | None = None
         self.preempted = 0  # steps preempt() stopped
         self.machine = StepNoise()
+        self.graph_capture = False  # as llama.cpp's CUDA backend (Engine.captures_graphs), for tests
 
     @property
     def n_ctx(self) -> int:
@@ -138,6 +139,10 @@ class SimEngine:
     @property
     def step_frees_host(self) -> bool:
         return False
+
+    @property
+    def captures_graphs(self) -> bool:
+        return self.graph_capture
 
     @property
     def splits_at_seq_gaps(self) -> bool:

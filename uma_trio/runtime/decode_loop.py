@@ -50,6 +50,7 @@ from ..engine.base import BatchEntry, Engine, EngineError, Follow, StepResult, T
 from ..observability.metrics import Metrics
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEvent
+from ..sched.graph_shapes import ShapeStreak, plan_shape
 from ..sched.kv_manager import Claim, KvManager
 from ..sched.policy import Policy, default_policy
 from ..sched.state import Lane, Plan, SchedulerState, SessionState
@@ -110,6 +111,8 @@ class DecodeLoop:
         # interactive requests needed lately: a chat coming back after its think time finds one.
         self._interactive_demand = InteractiveDemand()
         self._state = SchedulerState(())
+        # The shapes the engine ran, where it captures a step's graph (sched/graph_shapes.py).
+        self._shapes = ShapeStreak() if engine.captures_graphs else None
         self._last_step_end: float | None = None  # None after the loop slept: no overhead to count
         # Run-ahead (run_ahead.py): by default where a step leaves the host idle (all on a GPU).
         self._may_run_ahead = engine.step_frees_host if config.run_ahead is None else config.run_ahead
@@ -390,6 +393,9 @@ class DecodeLoop:
         tokens."""
         if whole:  # a batch run in parts says nothing about the cost of the plan
             self.policy.observe(plan, self._state, result.decode_s)
+        if self._shapes is not None:  # a batch run in parts ran other shapes: start over
+            ran = plan_shape(plan.decode, plan.prefill, self._state.sessions) if whole else (0, 0)
+            self._shapes.record(ran)
         # Sessions failed above are gone from _active; the rest ran.
         now = self._clock()
         generated = 0
@@ -580,6 +586,7 @@ class DecodeLoop:
         self._state = SchedulerState(
             tuple(views), tick=self._tick, max_batch=self.max_batch, micro_batch=self.config.engine_n_ubatch,
             preemptible=self.engine.can_preempt, foreign_cap_s=cap_s,
+            capture_shape=self._shapes.capturing() if self._shapes is not None else None,
         )  # fmt: skip
         return self.policy.plan(self._state)
 

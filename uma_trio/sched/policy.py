@@ -35,6 +35,9 @@ The stages, in order (each a function below):
    anyway, at most once every ``rescue_every`` ticks and only as far as the
    tick stays within ``rescue_pause × baseline``.  This bounds both the worst
    pause interactive streams see and how long background work can starve.
+   Then, where the engine captures a step's graph on its second run in a row (CUDA),
+   a tick carrying prompt tokens is moved one token off the shape that would be
+   captured (:mod:`.graph_shapes`).
 7. **ΣBMT guard** (:mod:`.bmt`): if the estimated bytes moved exceed
    bandwidth × budget, prefill is trimmed first, then background decoders.
 
@@ -54,6 +57,7 @@ from ..config import ServerConfig
 from .autotune import HillClimber
 from .bmt import BmtGuard
 from .cost import CostCoefficients, TickCostModel, kv_cells_read
+from .graph_shapes import steer_clear
 from .slack import SlackBudget
 from .state import Plan, SchedulerState, SessionState, SkipReason
 
@@ -327,6 +331,9 @@ def plan_pipeline(
         starving = [s for s in runnable if s.key not in served and s.ticks_waiting >= config.starve_ticks]
         rescue = _rescue(batch, starving, max(budget, config.rescue_pause * baseline))
         served = {s.key for s in batch.decode} | {s.key for s, _ in batch.prefill}
+
+    # One token more or less keeps llama.cpp from capturing a CUDA graph for this tick only.
+    batch.prefill = steer_clear(len(batch.decode), batch.prefill, state.capture_shape)
 
     for s in runnable:
         if s.key not in served:
