@@ -110,8 +110,28 @@ class RawClient:
             if event["event"] in ("eos", "error"):
                 return mine
 
+    async def until_all_end(self, request_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
+        """Each request's events up to its eos or error, however they interleave."""
+        events: dict[str, list[dict[str, Any]]] = {rid: [] for rid in request_ids}
+        ended = 0
+        while ended < len(request_ids):
+            event = await self.next_event()
+            assert event is not None, f"connection closed before all ended: {events}"
+            events[event["id"]].append(event)
+            ended += event["event"] in ("eos", "error")
+        return events
+
     async def aclose(self) -> None:
         await self.stream.aclose()
+
+
+async def stream_one(server: Any, rid: str, max_tokens: int) -> list[dict[str, Any]]:
+    """One streamed request on a connection of its own: its events up to the end."""
+    client = await RawClient.connect(server.config.socket_path)
+    await client.send({"id": rid, "prompt": "tell me everything", "max_tokens": max_tokens})
+    events = await client.until_end(rid)
+    await client.aclose()
+    return events
 
 
 def text_of(events: list[dict[str, Any]]) -> str:

@@ -69,14 +69,7 @@ def test_follow_drops_end_of_generation_and_stops_when_told() -> None:
 async def stream_all(server: Server, requests: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     client = await RawClient.connect(server.config.socket_path)
     await client.send_bytes(b"".join(frame(r) for r in requests))
-    events: dict[str, list[dict[str, Any]]] = {r["id"]: [] for r in requests}
-    ended = 0
-    while ended < len(requests):
-        event = await client.next_event()
-        assert event is not None
-        events[event["id"]].append(event)
-        ended += event["event"] in ("eos", "error")
-    return events
+    return await client.until_all_end([r["id"] for r in requests])
 
 
 def req(rid: str, max_tokens: int, **kw: Any) -> dict[str, Any]:

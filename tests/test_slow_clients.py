@@ -18,7 +18,7 @@ from uma_trio.daemon import http_gateway
 from uma_trio.runtime.server import Server
 from uma_trio.sched.cost import CostCoefficients
 
-from .helpers import RawClient, frame, sim_daemon, text_of
+from .helpers import RawClient, frame, sim_daemon, stream_one, text_of
 
 STALL_S = 20.0
 FRAME_S = 10.0
@@ -28,21 +28,13 @@ def slow_daemon(**overrides: Any) -> AbstractAsyncContextManager[Server]:
     return sim_daemon(stall_timeout_s=STALL_S, frame_timeout_s=FRAME_S, **overrides)
 
 
-async def stream(server: Server, rid: str, max_tokens: int) -> list[dict[str, Any]]:
-    client = await RawClient.connect(server.config.socket_path)
-    await client.send({"id": rid, "prompt": "tell me everything", "max_tokens": max_tokens})
-    events = await client.until_end(rid)
-    await client.aclose()
-    return events
-
-
 async def test_a_stuck_reader_is_parked_then_cancelled_with_a_reason(autojump_clock: trio.abc.Clock) -> None:
     async with slow_daemon() as server:
         stuck = await RawClient.connect(server.config.socket_path)
         for i in range(4):  # far more than the socket buffers hold
             await stuck.send({"id": f"s{i}", "prompt": "tell me everything", "max_tokens": 4000})
         started = trio.current_time()
-        bystander = await stream(server, "b", 500)  # runs its course meanwhile
+        bystander = await stream_one(server, "b", 500)  # runs its course meanwhile
         assert bystander[-1]["event"] == "eos" and len(text_of(bystander).split()) == 500
 
         # Before the timeout: the stuck requests sit out of the batch with bounded buffers.

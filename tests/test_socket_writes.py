@@ -7,22 +7,10 @@ Simulated engine on virtual time; the sockets and connections are the real ones.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import trio
 
-from uma_trio.runtime.server import Server
-
-from .helpers import RawClient, sim_daemon, text_of
-
-
-async def stream(server: Server, rid: str, max_tokens: int) -> list[dict[str, Any]]:
-    client = await RawClient.connect(server.config.socket_path)
-    await client.send({"id": rid, "prompt": "tell me everything", "max_tokens": max_tokens})
-    events = await client.until_end(rid)
-    await client.aclose()
-    return events
+from .helpers import RawClient, sim_daemon, stream_one, text_of
 
 
 async def test_a_reader_that_keeps_up_gets_every_frame_written_at_once(
@@ -51,19 +39,13 @@ async def test_frames_that_wait_for_a_paused_reader_arrive_whole_and_in_order(
     async with sim_daemon() as server:
         # What each request streams to a reader that keeps up (the simulated engine's text
         # depends on the request alone).
-        expected = {rid: text_of(await stream(server, rid, 3000)) for rid in ("a", "b", "c")}
+        expected = {rid: text_of(await stream_one(server, rid, 3000)) for rid in ("a", "b", "c")}
 
         paused = await RawClient.connect(server.config.socket_path)
         for rid in expected:  # far more than the socket buffers hold, on one connection
             await paused.send({"id": rid, "prompt": "tell me everything", "max_tokens": 3000})
         await trio.sleep(5.0)  # reads nothing meanwhile: writes fill the socket and wait
-        got: dict[str, list[dict[str, Any]]] = {rid: [] for rid in expected}
-        ended = 0
-        while ended < len(expected):
-            event = await paused.next_event()
-            assert event is not None
-            got[event["id"]].append(event)
-            ended += event["event"] in ("eos", "error")
+        got = await paused.until_all_end(list(expected))
         await paused.aclose()
     for rid, text in expected.items():
         assert got[rid][-1]["event"] == "eos", got[rid][-1]
