@@ -54,6 +54,7 @@ def test_steer_clear_moves_a_prompt_tick_one_token_off_the_shape_to_avoid() -> N
     assert steer_clear(2, [(a, 11)], (13, 2)) == [(a, 10)]  # the chunk one shorter
     assert steer_clear(2, [(a, 11), (b, 1)], (14, 3)) == [(a, 10), (b, 1)]
     assert steer_clear(2, [(a, 1)], (3, 2)) == [(a, 2)]  # one token: one longer instead
+    assert steer_clear(2, [(a, 1)], (3, 2), room=0) == [(a, 1)]  # unless the batch is full
     assert steer_clear(2, [(a, 11)], (14, 2)) == [(a, 11)]  # another shape: unchanged
     assert steer_clear(2, [(a, 11)], None) == [(a, 11)]
     assert steer_clear(3, [], (3, 3)) == []  # no prompt token: a decode tick is captured

@@ -56,12 +56,13 @@ class ShapeStreak:
 
 
 def steer_clear(
-    decoders: int, chunks: list[tuple[SessionState, int]], avoid: Shape | None
+    decoders: int, chunks: list[tuple[SessionState, int]], avoid: Shape | None, room: int = 1
 ) -> list[tuple[SessionState, int]]:
     """``chunks`` (prompt chunks beside ``decoders`` decode tokens) changed by one token where
     the batch would otherwise have the shape ``avoid``: the last chunk of two or more tokens
-    one shorter, else a chunk with prompt left one longer.  Unchanged where the batch has no
-    prompt token, misses ``avoid`` already, or no chunk can move."""
+    one shorter, else, if the batch has ``room`` for a token, a chunk with prompt left one
+    longer.  Unchanged where the batch has no prompt token, misses ``avoid`` already, or no
+    chunk can move."""
     if avoid is None or not any(n for _, n in chunks):
         return chunks
     if shape_of(decoders, ((n, s.prompt_remaining) for s, n in chunks)) != avoid:
@@ -71,7 +72,7 @@ def steer_clear(
         if n >= 2:
             return [*chunks[:i], (session, n - 1), *chunks[i + 1 :]]
     for i, (session, n) in enumerate(chunks):
-        if n < session.prompt_remaining:
+        if room > 0 and n < session.prompt_remaining:
             return [*chunks[:i], (session, n + 1), *chunks[i + 1 :]]
     return chunks
 

@@ -333,7 +333,8 @@ def plan_pipeline(
         served = {s.key for s in batch.decode} | {s.key for s, _ in batch.prefill}
 
     # One token more or less keeps llama.cpp from capturing a CUDA graph for this tick only.
-    batch.prefill = steer_clear(len(batch.decode), batch.prefill, state.capture_shape)
+    room = state.max_batch - batch.n_tokens
+    batch.prefill = steer_clear(len(batch.decode), batch.prefill, state.capture_shape, room)
 
     for s in runnable:
         if s.key not in served:
