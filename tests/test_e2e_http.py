@@ -66,6 +66,7 @@ async def test_models_health_and_metrics(http_server: Server) -> None:
         engine = body["engine"]  # what it runs on (engine/summary.py)
         assert engine["backends"] == ["CPU"] and engine["gpu_layers"]["offloaded"] == 0
         assert engine["kv"]["type"] == "f16" and engine["settings"]["n_ubatch"] == 512
+        assert engine["settings"]["cuda_graphs"] is False
         assert engine["flash_attn"] in ("on", "off") and engine["kv"]["bytes"] > 0
         metrics = await http.get("/metrics", headers={"authorization": f"Bearer {KEY}"})
         assert metrics.status_code == 200 and "uma_requests_total" in metrics.text

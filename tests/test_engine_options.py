@@ -107,6 +107,7 @@ def test_info_prints_what_serve_would_run_on_without_a_daemon() -> None:
     # SmolLM2-135M: 30 layers x 3 KV heads x (64 + 64) x 2 bytes (f16) = 23,040 bytes a cell.
     assert info["kv"] == {"location": "CPU", "type": "f16", "bytes": 4096 * 23040, "cells": 4096}
     assert info["settings"]["n_ubatch"] == 512 and info["settings"]["deterministic"] is False
+    assert info["settings"]["cuda_graphs"] is False  # nothing on a CUDA device
     text = run_cli("info", "--deterministic").stdout
     assert "GPU layers    0 of 31" in text and "q8_0" in text and "deterministic" in text
 

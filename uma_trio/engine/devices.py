@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -110,6 +111,14 @@ def devices() -> tuple[Device, ...]:
             )
         )
     return tuple(found)
+
+
+def captures_cuda_graphs(layers_offloaded: int) -> bool:
+    """Whether llama.cpp will capture and replay CUDA graphs for this model's steps: layers on a
+    CUDA device, and ggml-cuda's ``GGML_CUDA_DISABLE_GRAPHS`` unset (sched/graph_shapes.py)."""
+    if layers_offloaded <= 0 or "GGML_CUDA_DISABLE_GRAPHS" in os.environ:
+        return False
+    return any(d.backend == "CUDA" and d.offloads for d in devices())
 
 
 def supports_gpu_offload() -> bool:

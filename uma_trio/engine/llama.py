@@ -62,7 +62,7 @@ from .base import (
 from .compute_thread import ComputeThread
 from .constraints import ModelVocabulary
 from .device_sampling import DeviceGreedy
-from .devices import LlamaLog, devices, flash_attention_resolved, system_info
+from .devices import LlamaLog, captures_cuda_graphs, devices, flash_attention_resolved, system_info
 from .libllama import llama
 from .llama_model import LlamaModel, ModelLoadError, ModelShape, Placement, read_shape
 from .pooling import PooledPart, pool_rows
@@ -262,9 +262,7 @@ class LlamaEngine:
 
     @property
     def captures_graphs(self) -> bool:
-        # ggml-cuda captures and replays CUDA graphs unless this variable is set.
-        cuda = any(d.backend == "CUDA" and d.offloads for d in devices())
-        return self.model.layers_offloaded > 0 and cuda and "GGML_CUDA_DISABLE_GRAPHS" not in os.environ
+        return captures_cuda_graphs(self.model.layers_offloaded)
 
     @property
     def splits_at_seq_gaps(self) -> bool:
@@ -596,7 +594,7 @@ class LlamaEngine:
                 "n_ctx_seq": self._n_ctx_seq, "n_seq_max": self._n_seq_max, "n_batch": c.n_batch,
                 "n_ubatch": int(llama.llama_n_ubatch(self._ctx)), "threads": self._params.n_threads,
                 "kv_unified": c.kv_unified, "deterministic": deterministic,
-                "gpu_sampling": self._device_greedy.enabled,
+                "gpu_sampling": self._device_greedy.enabled, "cuda_graphs": self.captures_graphs,
                 "main_gpu": m.placement.main_gpu, "split_mode": m.placement.split_mode,
                 "tensor_split": list(m.placement.tensor_split) if m.placement.tensor_split else None,
             },

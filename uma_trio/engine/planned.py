@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ServerConfig, parse_gpu_layers
-from .devices import devices, supports_gpu_offload, system_info
+from .devices import captures_cuda_graphs, devices, supports_gpu_offload, system_info
 from .llama import KV_TYPES, ModelShape, Placement, read_shape
 from .offload import OffloadPlan, plan_offload
 from .summary import engine_summary
@@ -64,7 +64,7 @@ def planned_summary(model_path: Path, config: ServerConfig) -> dict[str, Any]:
             "n_ctx_seq": config.n_ctx, "n_seq_max": config.max_sessions, "n_batch": config.n_batch,
             "n_ubatch": config.engine_n_ubatch, "threads": config.threads or os.cpu_count() or 1,
             "kv_unified": config.engine_kv_unified(0 < plan.n_gpu_layers == plan.total),
-            "gpu_sampling": config.gpu_sampling,
+            "gpu_sampling": config.gpu_sampling, "cuda_graphs": captures_cuda_graphs(plan.n_gpu_layers),
             "deterministic": config.deterministic,
             "main_gpu": config.main_gpu, "split_mode": config.split_mode,
             "tensor_split": list(config.tensor_split) if config.tensor_split else None,
