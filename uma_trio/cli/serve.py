@@ -123,6 +123,8 @@ def info(
         f"KV cache      {kv['type']}, {kv['cells']} cells, {kv['bytes'] / mib:.0f} MiB, on {kv['location']}"
     )
     print(f"flash attn    {summary['flash_attn']}")
+    if st["cuda_graphs"]:
+        print("CUDA graphs   captured and replayed by llama.cpp; prompt ticks keep off the captured shape")
     mode = "deterministic (exact greedy output)" if st["deterministic"] else "fast"
     print(f"mode          {mode}: n_ubatch {st['n_ubatch']}, n_batch {st['n_batch']}, "
           f"{st['n_seq_max']} sessions x {st['n_ctx_seq']} cells, kv_unified {st['kv_unified']}, "
