@@ -209,6 +209,8 @@ class LlamaEngine:
         self.flash_attn = resolved if resolved is not None else config.flash_attn != "off"
         self._memory = llama.llama_get_memory(self._ctx)
         self._device_greedy = DeviceGreedy(self._ctx, config.device_greedy)
+        # Read once: it asks every device (and llama.cpp reads its variable once per process).
+        self._captures_graphs = captures_cuda_graphs(model.layers_offloaded)
         self._abort = ctypes.create_string_buffer(2)  # b"": go on; b"x": stop (preempt)
         self._preemptible = False  # the step in flight may be preempted
         self._install_abort()
@@ -262,7 +264,7 @@ class LlamaEngine:
 
     @property
     def captures_graphs(self) -> bool:
-        return captures_cuda_graphs(self.model.layers_offloaded)
+        return self._captures_graphs
 
     @property
     def splits_at_seq_gaps(self) -> bool:

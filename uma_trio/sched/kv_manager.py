@@ -355,10 +355,10 @@ class KvManager:
         # warm-up, "hi"), still skips its prefill, as llama-server's slot reuse does, where
         # that id keeps the running ids together as well as a free one would.
         entry = self._cached.get(best[0]) if best[0] is not None else None
+        if entry is None or entry.pins or not entry.replaced_by(best[1]):
+            return None, 0
         fresh = min((_runs_added(s, running_ids) for s in self._free), default=2)
-        if entry is not None and not entry.pins and entry.replaced_by(best[1]) and best_runs <= fresh:
-            return best
-        return None, 0
+        return best if best_runs <= fresh else (None, 0)
 
     def _pack(self, claim: Claim) -> Claim:
         """``claim`` with a cached sequence's id instead, if that id keeps the running ids
