@@ -13,7 +13,8 @@ printed and written to ``OUT/one_stream.csv`` and ``OUT/one_stream.png``.
 times them together: the tokens after each one's first over the time from the last first
 token to the last token (compare.py's scaling, at 2-16 streams, with the same interleaving).
 ``--http`` drives uma-trio over its OpenAI gateway (``/v1/completions``, SSE, httpx) like
-llama-server, instead of its socket.  ``--baseline REV`` adds a uma-trio run from another
+llama-server, instead of its socket; ``--lane background`` sends uma-trio's requests in the
+background lane (interactive by default).  ``--baseline REV`` adds a uma-trio run from another
 git revision (checked out into a temporary worktree), for A/B runs of a change against the
 code before it.  For every uma-trio the table also gives its event loop's CPU time per
 streamed token (the main thread's, from ``/proc``; Linux only): the host work that, on a
@@ -26,7 +27,7 @@ started with extra flags (e.g. ``--variant serial=--no-run-ahead``), for A/B run
 change.
 
     python benches/one_stream.py [--rounds 12] [--tokens 256] [--streams 1] [--variant NAME=FLAGS ...]
-                                 [--baseline REV]
+                                 [--baseline REV] [--lane background]
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ def prompt(round_: int, stream: int = 0) -> str:
     return "hello " * 32 + f"{round_} {stream}"
 
 
-def uma_times(sock: Path, round_: int, stream: int, tokens: int) -> list[float]:
+def uma_times(sock: Path, round_: int, stream: int, tokens: int, lane: str = "interactive") -> list[float]:
     """Arrival times of one streamed request's tokens over uma-trio's socket (frames split,
-    not parsed)."""
+    not parsed), in ``lane``."""
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(str(sock))
         body = {"type": "generate", "id": f"r{round_}-{stream}", "prompt": prompt(round_, stream),
-                "max_tokens": tokens, "temperature": 0.0}  # fmt: skip
+                "max_tokens": tokens, "temperature": 0.0, "priority": lane}  # fmt: skip
         payload = json.dumps(body).encode()
         s.sendall(struct.pack("<I", len(payload)) + payload)
         buffer, times, done = b"", [], False
@@ -76,10 +77,13 @@ def uma_times(sock: Path, round_: int, stream: int, tokens: int) -> list[float]:
     return times[:-1]  # the last frame is the eos
 
 
-def sse_times(endpoint: str, body: dict[str, object]) -> list[float]:
+def sse_times(endpoint: str, body: dict[str, object], headers: dict[str, str] | None = None) -> list[float]:
     """Arrival times of one streamed request's token events from an SSE endpoint."""
     times = []
-    with httpx.Client(timeout=120) as client, client.stream("POST", endpoint, json=body) as sse:
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", endpoint, json=body, headers=headers) as sse,
+    ):
         for line in sse.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 times.append(time.perf_counter())
@@ -87,11 +91,13 @@ def sse_times(endpoint: str, body: dict[str, object]) -> list[float]:
     return times[:-1]
 
 
-def uma_http_times(url: str, model: str, round_: int, stream: int, tokens: int) -> list[float]:
-    """Token arrival times from uma-trio's /v1/completions."""
+def uma_http_times(
+    url: str, model: str, round_: int, stream: int, tokens: int, lane: str = "interactive"
+) -> list[float]:
+    """Token arrival times from uma-trio's /v1/completions, in ``lane``."""
     body = {"model": model, "prompt": prompt(round_, stream), "max_tokens": tokens, "temperature": 0,
             "stream": True}  # fmt: skip
-    return sse_times(f"{url}/v1/completions", body)
+    return sse_times(f"{url}/v1/completions", body, {"x-uma-priority": lane})
 
 
 def llama_server_times(url: str, round_: int, stream: int, tokens: int) -> list[float]:
@@ -166,6 +172,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--streams", type=int, default=1, help="requests sent together each round")
     parser.add_argument("--http", action="store_true", help="drive uma-trio over its HTTP gateway")
+    parser.add_argument("--lane", choices=["interactive", "background"], default="interactive",
+                        help="uma-trio's lane for the requests")  # fmt: skip
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS")
     parser.add_argument("--baseline", metavar="REV", help="also run uma-trio at this git revision")
     parser.add_argument("--peers", type=Path, default=DEFAULT_PEERS)
@@ -190,10 +198,15 @@ def main() -> None:
             if args.http:
                 uma_url = f"http://127.0.0.1:{port}"
                 targets.append(
-                    (name, lambda r, i, url=uma_url: uma_http_times(url, model.stem, r, i, args.tokens))
+                    (
+                        name,
+                        lambda r, i, url=uma_url: uma_http_times(
+                            url, model.stem, r, i, args.tokens, args.lane
+                        ),
+                    )
                 )
             else:
-                targets.append((name, lambda r, i, sock=sock: uma_times(sock, r, i, args.tokens)))
+                targets.append((name, lambda r, i, sock=sock: uma_times(sock, r, i, args.tokens, args.lane)))
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         command = llama_server_command(args.peers, model, setup, port)

@@ -239,3 +239,58 @@ async def test_a_preempted_step_changes_nothing_and_a_plain_step_ignores_preempt
         result = await engine.step([BatchEntry(0, prompt, 0, greedy)])  # not preemptible
     assert result.sampled[0].token_id == reference and engine.seq_cells(0) == len(prompt)
     assert took < 0.5 * result.decode_s  # it stopped well before the end
+
+
+async def test_a_preempted_run_ahead_chain_keeps_the_steps_before_the_one_it_stopped(
+    engine: LlamaEngine,
+) -> None:
+    """A chain of steps run ahead (a background stream on a CPU) stays preemptible to its end:
+    preempt() stops the step in flight, next_ahead raises EngineError(preempted), the steps
+    collected before it stand (their cells held, their tokens delivered), and decoding on from
+    there gives the tokens of an uninterrupted greedy run."""
+    from uma_trio.engine.base import EngineError
+    from uma_trio.runtime.run_ahead import MAX_AHEAD, RunAhead
+
+    prompt = engine.tokenize("The history of the lighthouse, chapter by chapter.")
+    total = 24
+
+    def one_token(seq: int, token: int, pos: int) -> BatchEntry:
+        return BatchEntry(
+            seq, np.array([token], dtype=np.int32), pos, Sampler(SamplingParams(temperature=0.0))
+        )
+
+    tokens = [
+        engine.step_sync([BatchEntry(1, prompt, 0, Sampler(SamplingParams(temperature=0.0)))])
+        .sampled[0]
+        .token_id
+    ]
+    while len(tokens) < total:
+        tokens.append(
+            engine.step_sync([one_token(1, tokens[-1], len(prompt) + len(tokens) - 1)]).sampled[0].token_id
+        )
+    reference, tokens = tokens, []
+    engine.free_seq(1)
+
+    tokens.append(
+        engine.step_sync([BatchEntry(0, prompt, 0, Sampler(SamplingParams(temperature=0.0)))])
+        .sampled[0]
+        .token_id
+    )
+    ahead = RunAhead()
+    ahead.arm({0: MAX_AHEAD})
+    first = await engine.step([one_token(0, tokens[-1], len(prompt))], ahead.follow, preemptible=True)
+    tokens.append(first.sampled[0].token_id)
+    assert engine.running_ahead
+    with pytest.raises(EngineError) as stopped:
+        while engine.running_ahead:
+            _, result = await engine.next_ahead()
+            tokens.append(result.sampled[0].token_id)
+            if len(tokens) == 5:
+                engine.preempt()
+    assert stopped.value.preempted and 5 <= len(tokens) < 2 + MAX_AHEAD
+    assert engine.seq_cells(0) == len(prompt) + len(tokens) - 1  # the last token is not decoded yet
+    while len(tokens) < total:
+        tokens.append(
+            engine.step_sync([one_token(0, tokens[-1], len(prompt) + len(tokens) - 1)]).sampled[0].token_id
+        )
+    assert tokens == reference

@@ -180,18 +180,18 @@ async def test_tick_trace_has_one_line_per_step_run_ahead_or_planned(
     assert all(r["step_ms"] > 0 for r in rows)
 
 
-async def test_on_a_cpu_by_default_interactive_streams_run_ahead_together(
+async def test_by_default_steady_streams_run_ahead_together(
     autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
-    """--run-ahead unset on an engine whose step takes the host's cores (the simulated one, as
-    a CPU): two interactive streams run ahead side by side, then the longer one alone, and
-    every token of both arrives."""
+    """--run-ahead by default, on an engine whose step takes the host's cores (the simulated
+    one, as a CPU): two streams run ahead side by side, then the longer one alone, and every
+    token of both arrives."""
     trace = tmp_path / "ticks.jsonl"
-    async with sim_daemon(run_ahead=None, tick_trace=trace, stream_buffer=64) as server:
+    async with sim_daemon(tick_trace=trace, stream_buffer=64) as server:
         assert not server.engine.step_frees_host
         events = await stream_all(server, [req("short", 12), req("long", 48)])
         await server.loop.wait_idle()
-        assert server.loop.gauges()["run_ahead"]["interactive"] is True
+        assert server.loop.gauges()["run_ahead"]["enabled"] is True
     assert [len([e for e in events[r] if e["event"] == "token"]) for r in ("short", "long")] == [12, 48]
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     ahead = [r for r in rows if r["ahead"]]
@@ -222,15 +222,31 @@ def test_startup_heap_is_frozen_after_collecting_its_garbage() -> None:
         gc.unfreeze()
 
 
-async def test_a_lone_background_stream_on_a_cpu_stays_preemptible(
+async def test_a_chat_stops_a_background_chain_as_fast_as_a_planned_step(
     autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
-    """Background work's steps can be stopped for an arriving interactive request on a CPU; a
-    lone background stream therefore does not run ahead by default (a chain is not stopped
-    midway)."""
-    trace = tmp_path / "ticks.jsonl"
-    async with sim_daemon(run_ahead=None, tick_trace=trace, stream_buffer=64) as server:
-        events = await stream_all(server, [req("bg", 30, priority="background")])
-        await server.loop.wait_idle()
-    assert len([e for e in events["bg"] if e["event"] == "token"]) == 30
-    assert not any(json.loads(line)["ahead"] for line in trace.read_text().splitlines())
+    """A lone background stream runs ahead on a CPU too (its chain stays preemptible): a chat
+    arriving mid-chain stops the step in flight, and its first token comes as soon as with the
+    background steps planned.  The background stream loses nothing."""
+    first_token: dict[bool, float] = {}
+    for on in (False, True):
+        trace = tmp_path / f"ticks-{on}.jsonl"
+        async with sim_daemon(run_ahead=on, tick_trace=trace, stream_buffer=64) as server:
+            background = await RawClient.connect(server.config.socket_path)
+            await background.send(req("bg", 400, priority="background"))
+            await trio.sleep(0.5)  # well into its decode
+            assert server.loop.gauges()["sessions"]["decoding"] == 1
+            chat = await RawClient.connect(server.config.socket_path)
+            sent = trio.current_time()
+            await chat.send(req("chat", 8))
+            assert (await chat.next_event() or {}).get("event") == "token"
+            first_token[on] = trio.current_time() - sent
+            assert len([e for e in await chat.until_end("chat") if e["event"] == "token"]) == 7
+            bg = await background.until_end("bg")
+            assert len([e for e in bg if e["event"] == "token"]) == 400
+            await server.loop.wait_idle()
+            assert server.loop.policy.snapshot()["preempted_ticks"] >= 1
+            assert_nothing_held(server)
+        ran_ahead = [json.loads(line)["ahead"] for line in trace.read_text().splitlines()]
+        assert any(ran_ahead) == on
+    assert first_token[True] <= first_token[False] + 0.001

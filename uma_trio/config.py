@@ -179,16 +179,13 @@ class ServerConfig:
         Parameter(converter=_tensor_split, negative_iterable=(), show_default="by free memory"),
     ] = None
     """Share of the model per GPU in device order, e.g. 3,1."""
-    run_ahead: Annotated[
-        bool | None, Parameter(show_default="on when every layer is on a GPU, else for interactive streams")
-    ] = None
+    run_ahead: bool = True
     """While the same sessions decode step after step, the compute thread starts the next
     decode itself from the tokens it just sampled; the event loop collects results one step
     behind (same tokens). On the H100 it cut the time between two decodes from 10–14 % of a
-    step to 4 % (BENCHMARKS.md "GPU"). On a CPU by default it runs ahead while only
-    interactive streams decode (+2-4 % tokens/s at 1-4 streams, the same at 8-16,
-    BENCHMARKS.md "Streams on the CPU"); background steps stay planned, so an arriving chat
-    can stop one."""
+    step to 4 % (BENCHMARKS.md "GPU"); on a CPU +2-4 % tokens/s at 1-4 streams, the same at
+    8-16 (BENCHMARKS.md "Streams on the CPU"). A chain of background steps on a CPU stays
+    preemptible: an arriving chat stops the step running, as it would a planned one."""
     gpu_sampling: bool = False
     """A greedy request's next token is picked where the logits are computed (llama.cpp's
     backend sampler, an argmax in the model's graph), so a step copies no logits to the host

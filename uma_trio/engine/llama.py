@@ -315,9 +315,9 @@ class LlamaEngine:
         self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False
     ) -> StepResult:
         # Cleared here, before the compute thread can start: a preempt() after this line
-        # is for this step, and one before it was for a step already over.
+        # is for this step (or the chain it starts), one before it for a step already over.
         self._abort.value = b""
-        self._preemptible = preemptible and follow is None
+        self._preemptible = preemptible
         started = threading.Event()
         try:
             # Not abandoned on cancel: the context must never be touched by two threads.
@@ -327,7 +327,7 @@ class LlamaEngine:
             self._compute.submit(self._chain, entries, started, follow, first)
             return await self._compute.wait_started(first, started)
         finally:
-            self._preemptible = False
+            self._preemptible = self._preemptible and self.running_ahead  # a chain stays so to its end
 
     @property
     def running_ahead(self) -> bool:
@@ -335,10 +335,14 @@ class LlamaEngine:
 
     async def next_ahead(self) -> tuple[Sequence[BatchEntry], StepResult]:
         entries, future = self._ahead.popleft()
-        return entries, await self._compute.wait(future)
+        try:
+            return entries, await self._compute.wait(future)
+        finally:
+            self._preemptible = self._preemptible and self.running_ahead
 
     def step_sync(self, entries: Sequence[BatchEntry]) -> StepResult:
-        """:meth:`step` for callers outside trio (tests, benchmarks); blocks."""
+        """:meth:`step` for callers outside trio (tests, benchmarks); blocks.  Never preempted."""
+        self._abort.value = b""
         return self._compute.call(self._decode_and_sample, entries, None)
 
     async def rebuild(self) -> None:

@@ -105,10 +105,11 @@ class SimEngine:
         self._sampled_once: set[int] = set()  # sequences past their prompt
         self.steps: list[tuple[int, int, float]] = []  # (decode tokens, prefill tokens, seconds)
         self.rebuilds = 0
-        self._ahead: deque[tuple[Sequence[BatchEntry], Follow]] = deque()  # run-ahead steps to run
+        self._ahead: deque[tuple[Sequence[BatchEntry], Follow, bool]] = deque()  # run-ahead steps to run
         self.preemptible_steps = True  # as llama.cpp's CPU backend: preempt() stops a step midway
         self._preempt_scope: trio.CancelScope | None = None
         self.preempted = 0  # steps preempt() stopped
+        self._stop_ahead = False  # preempt() came between two steps of a preemptible chain
         self.machine = StepNoise()
         self.graph_capture = False  # as llama.cpp's CUDA backend (Engine.captures_graphs), for tests
 
@@ -184,11 +185,15 @@ class SimEngine:
     def preempt(self) -> None:
         if self._preempt_scope is not None:
             self._preempt_scope.cancel()
+        elif self._ahead and self._ahead[0][2]:
+            # Between two steps of a preemptible chain: as llama.cpp's flag, it stops the next.
+            self._stop_ahead = True
 
     async def step(
         self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False
     ) -> StepResult:
-        return await self._step_and_follow(entries, follow, preemptible=preemptible and follow is None)
+        self._stop_ahead = False  # as the real engine's abort flag: cleared for each new step
+        return await self._step_and_follow(entries, follow, preemptible=preemptible)
 
     async def _step_and_follow(
         self, entries: Sequence[BatchEntry], follow: Follow | None, *, preemptible: bool = False,
@@ -196,7 +201,7 @@ class SimEngine:
     ) -> StepResult:  # fmt: skip
         result = await self._step(entries, preemptible=preemptible, ahead=ahead)
         if follow is not None and (after := follow(entries, result)):
-            self._ahead.append((after, follow))
+            self._ahead.append((after, follow, preemptible))  # a chain stays preemptible to its end
         return result
 
     @property
@@ -206,8 +211,16 @@ class SimEngine:
     async def next_ahead(self) -> tuple[Sequence[BatchEntry], StepResult]:
         # Run when collected: in virtual time the event loop's own work takes none, so the
         # overlap a real engine gains is not modelled, only the order of events.
-        entries, follow = self._ahead.popleft()
-        return entries, await self._step_and_follow(entries, follow, ahead=True)
+        entries, follow, preemptible = self._ahead.popleft()
+        if self._stop_ahead:
+            self._stop_ahead = False
+            self._ahead.clear()
+            self.preempted += 1
+            await trio.lowlevel.checkpoint()
+            raise EngineError(
+                2, f"preempted: a batch of {len(entries)} entries stopped at once and was undone"
+            )
+        return entries, await self._step_and_follow(entries, follow, preemptible=preemptible, ahead=True)
 
     async def _step(
         self, entries: Sequence[BatchEntry], *, preemptible: bool = False, ahead: bool = False

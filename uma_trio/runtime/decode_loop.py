@@ -114,11 +114,9 @@ class DecodeLoop:
         # The shapes the engine ran, where it captures a step's graph (sched/graph_shapes.py).
         self._shapes = ShapeStreak() if engine.captures_graphs else None
         self._last_step_end: float | None = None  # None after the loop slept: no overhead to count
-        # Run-ahead (run_ahead.py): by default where a step leaves the host idle (all on a GPU).
-        self._may_run_ahead = engine.step_frees_host if config.run_ahead is None else config.run_ahead
-        # On a CPU, by default (--run-ahead unset), interactive streams run ahead: the hand-off
-        # between two steps is saved, and background steps stay preemptible (ServerConfig.run_ahead).
-        self._may_run_ahead_interactive = config.run_ahead is None and not engine.step_frees_host
+        # Run-ahead (run_ahead.py), on unless --no-run-ahead: a chain of background steps stays
+        # preemptible to its end, so an arriving chat stops it as it would a planned step.
+        self._may_run_ahead = config.run_ahead
         self._run_ahead = RunAhead()
         # While steps run ahead, KV cells are freed only once the compute thread is idle again.
         self._chain = AheadChain()
@@ -355,38 +353,55 @@ class DecodeLoop:
         try:
             try:
                 follow = self._arm_run_ahead(plan)
-                self._step_preemptible = plan.preemptible and follow is None
-                result = await self.engine.step(entries, follow, preemptible=self._step_preemptible)
+                self._step_preemptible = plan.preemptible  # and the chain it may start, to its end
+                result = await self.engine.step(entries, follow, preemptible=plan.preemptible)
             except EngineError as exc:
+                self._step_preemptible = False
                 if exc.preempted:  # undone by the engine: plan again, with the newcomer
-                    self.policy.preempted()
-                    self._last_step_end = self._clock()
+                    self._was_preempted()
                     return
                 if not exc.rejected:
                     raise
                 whole = False
                 result = await self._step_apart(entries, exc)
-            finally:
-                self._step_preemptible = False
         except Exception as exc:  # the context is in doubt: only a fresh one can be trusted
+            self._step_preemptible = False
             await self._lose_context(exc)
             return
         self._chain.live = self.engine.running_ahead
+        self._step_preemptible = self._step_preemptible and self._chain.live
         self._absorb(plan, result, whole)
         if not self._chain.live:
             return
         # Steps the compute thread ran ahead (run_ahead.py), collected one behind it.
-        while self.engine.running_ahead:
-            try:
-                ahead, result = await self.engine.next_ahead()
-            except Exception as exc:
-                await self._lose_context(exc)
-                return
-            self._tick += 1
-            self._chain.steps += 1
-            ran = replace(plan, decode=tuple(e.seq_id for e in ahead), kv_cells=sum(e.pos0 for e in ahead))
-            self._absorb(ran, result, whole=True, ahead=True)
+        try:
+            while self.engine.running_ahead:
+                try:
+                    ahead, result = await self.engine.next_ahead()
+                except EngineError as exc:
+                    if not exc.preempted:
+                        raise
+                    # Undone, like a planned step: the steps before it stand, delivered.
+                    self._was_preempted()
+                    break
+                self._tick += 1
+                self._chain.steps += 1
+                ran = replace(
+                    plan, decode=tuple(e.seq_id for e in ahead), kv_cells=sum(e.pos0 for e in ahead)
+                )
+                self._absorb(ran, result, whole=True, ahead=True)
+        except Exception as exc:
+            self._step_preemptible = False
+            await self._lose_context(exc)
+            return
+        self._step_preemptible = False
         self._end_run_ahead()
+
+    def _was_preempted(self) -> None:
+        """A step was stopped for an arriving interactive request: the next plan has it."""
+        self._run_ahead.stop()
+        self.policy.preempted()
+        self._last_step_end = self._clock()
 
     def _absorb(self, plan: Plan, result: StepResult, whole: bool, *, ahead: bool = False) -> None:
         """Book one step's work (planned, or run ahead by the compute thread) and deliver its
@@ -436,11 +451,8 @@ class DecodeLoop:
     def _arm_run_ahead(self, plan: Plan) -> Follow | None:
         """Let the compute thread run on after this step when the next plan is sure to be the
         same decoders again: nothing waits, nothing is left out, nothing else is pending."""
-        # A step that may be preempted (background work on a CPU) stays planned: an interactive
-        # request arriving stops it at once instead of waiting for the chain.
-        may = self._may_run_ahead or (self._may_run_ahead_interactive and not plan.preemptible)
         steady = (
-            may and plan.decode and not plan.prefill and not plan.rescue
+            self._may_run_ahead and plan.decode and not plan.prefill and not plan.rescue
             and len(plan.decode) == len(self._active) and not self._waiting
             and not self._aborted and not self._jobs and not self._unpin
         )  # fmt: skip
@@ -738,7 +750,6 @@ class DecodeLoop:
             "scheduler": self.policy.snapshot(),
             "run_ahead": {
                 "enabled": self._may_run_ahead,
-                "interactive": self._may_run_ahead_interactive,
                 "steps": self._chain.steps,
                 "dropped_tokens": self._chain.dropped,
             },
