@@ -101,10 +101,16 @@ async def test_a_stop_string_mid_run_ahead_trims_the_extra_cells(autojump_clock:
         assert_nothing_held(server)  # engine cells == cached prefixes' cells
 
 
-async def test_a_cancel_during_run_ahead_leaves_nothing_behind(autojump_clock: trio.abc.Clock) -> None:
+@pytest.mark.parametrize("lane", ["interactive", "background"])
+async def test_a_cancel_during_run_ahead_leaves_nothing_behind(
+    autojump_clock: trio.abc.Clock, lane: str
+) -> None:
+    """A background chain is preemptible: the cancel stops the step in flight, undone."""
     async with sim_daemon(run_ahead=True, prefix_cache_cells=None, stream_buffer=64) as server:
         client = await RawClient.connect(server.config.socket_path)
-        await client.send_bytes(frame(req("long", 2000)) + frame(req("short", 30)))
+        await client.send_bytes(
+            frame(req("long", 2000, priority=lane)) + frame(req("short", 30, priority=lane))
+        )
         reasons: dict[str, str] = {}
         seen = 0
         while len(reasons) < 2:
@@ -116,6 +122,8 @@ async def test_a_cancel_during_run_ahead_leaves_nothing_behind(autojump_clock: t
                 await client.send({"type": "cancel", "id": "long"})
         assert reasons == {"long": "cancelled", "short": "length"}
         assert server.loop.gauges()["run_ahead"]["steps"] > 0
+        if lane == "background":
+            assert server.loop.policy.snapshot()["preempted_ticks"] >= 1
         await server.loop.wait_idle()
         assert_nothing_held(server)
 
