@@ -570,3 +570,72 @@ def test_the_fits_own_solve_agrees_with_numpy(values: list[float], n: int) -> No
 def test_the_fits_own_solve_refuses_a_matrix_that_is_not_positive_definite() -> None:
     with pytest.raises(ValueError, match="positive definite"):
         solve_positive_definite([[1.0, 2.0], [2.0, 1.0]], [1.0, 1.0])
+
+
+# -- how long a decode-only plan stands (Plan.stands_for) -------------------------------
+
+
+def advanced(state: SchedulerState, controls: Controls, k: int) -> tuple[SchedulerState, Controls]:
+    """``k`` ticks on, each run as planned and on budget: what the loop's view and the
+    policy's controls (Policy.observe) would then be."""
+    sessions = tuple(
+        s if s.decoding and not s.parked else replace(s, ticks_waiting=s.ticks_waiting + k)
+        for s in state.sessions
+    )
+    hold = max(0, controls.hold_left - k)
+    ramp_ticks = max(0, k - controls.hold_left)  # ticks past the hold, each ramping back
+    ramp = min(1.0, controls.ramp + ramp_ticks / CONFIG.ramp_ticks)
+    return replace(state, sessions=sessions, tick=state.tick + k), replace(
+        controls, hold_left=hold, ramp=ramp
+    )
+
+
+def test_a_decode_only_plan_stands_until_the_next_rescue_is_due() -> None:
+    streams = [interactive(k, n_past=50) for k in range(3)]
+    starving = background(9, prompt=2000, ticks_waiting=10)
+    controls = Controls(last_rescue_tick=95)
+    state = SchedulerState((*streams, starving), tick=100)
+    first = plan_tick(state, CONFIG, COST, controls)
+    assert first.prefill == () and not first.rescue
+    # Spaced 20 ticks on, starving 15 ticks on: the rescue may come 20 ticks on at the earliest.
+    assert first.stands_for == CONFIG.rescue_every - 5 - 1
+    later_state, later_controls = advanced(state, controls, first.stands_for + 1)
+    later = plan_tick(later_state, CONFIG, COST, later_controls)
+    assert later.rescue and dict(later.prefill)[9] >= 1
+    # With nothing left out there is nothing to stand for; a prompt the budget has room for
+    # (or an interactive one) may join at any tick.
+    assert plan(*streams).stands_for == 0
+    roomy = CostCoefficients(fixed_s=0.004, decode_s=0.003, prefill_s=0.0001, ctx_s_per_kcell=0.0)
+    with_room = plan_tick(SchedulerState((*streams, starving), tick=100), CONFIG, roomy, controls)
+    assert with_room.prefill and with_room.stands_for == 0
+    held = plan_tick(
+        SchedulerState((*streams, starving), tick=100), CONFIG, roomy, replace(controls, hold_left=4)
+    )
+    assert held.prefill == () and held.stands_for == 3  # the hold keeps it out 3 ticks more
+
+
+@given(
+    st.integers(1, 4),
+    st.lists(st.integers(0, 40), min_size=1, max_size=3),
+    st.integers(0, 40),
+    st.integers(0, 6),
+    st.sampled_from([0.0, 0.5, 1.0]),
+    st.sampled_from([0.003, 0.0005, 0.00005]),
+)
+def test_a_plan_stands_for_as_many_ticks_as_it_says(
+    streams: int, waited: list[int], since_rescue: int, hold: int, ramp: float, prefill_s: float
+) -> None:
+    """For every tick a decode-only plan says it stands for, the pipeline run on the state
+    that many ticks on plans the same decoders, no prompt token and no rescue."""
+    cost = CostCoefficients(fixed_s=0.004, decode_s=0.003, prefill_s=prefill_s, ctx_s_per_kcell=0.0)
+    sessions = [interactive(k, n_past=40) for k in range(streams)]
+    sessions += [background(10 + i, prompt=3000, ticks_waiting=w) for i, w in enumerate(waited)]
+    state = SchedulerState(tuple(sessions), tick=200)
+    controls = Controls(hold_left=hold, ramp=ramp, last_rescue_tick=200 - since_rescue)
+    first = plan_tick(state, CONFIG, cost, controls)
+    if first.prefill or first.rescue:
+        assert first.stands_for == 0
+    for k in range(1, first.stands_for + 1):
+        later_state, later_controls = advanced(state, controls, k)
+        later = plan_tick(later_state, CONFIG, cost, later_controls)
+        assert (later.decode, later.prefill, later.rescue) == (first.decode, (), False), k

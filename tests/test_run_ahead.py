@@ -258,3 +258,23 @@ async def test_a_chat_stops_a_background_chain_as_fast_as_a_planned_step(
         ran_ahead = [json.loads(line)["ahead"] for line in trace.read_text().splitlines()]
         assert any(ran_ahead) == on
     assert first_token[True] <= first_token[False] + 0.001
+
+
+async def test_streams_run_ahead_while_a_background_prompt_waits_for_its_rescue(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """Chats decoding beside a background prompt the guard has no room for: their steps run
+    ahead for as long as the plan stands (Plan.stands_for), and the prompt is still rescued
+    and finishes, with every chat token delivered."""
+    trace = tmp_path / "ticks.jsonl"
+    async with sim_daemon(tick_trace=trace, stream_buffer=64) as server:
+        long_prompt = "word " * 1500
+        requests = [req("a", 300), req("b", 300), req("bg", 4, priority="background", prompt=long_prompt)]
+        events = await stream_all(server, requests)
+        await server.loop.wait_idle()
+        assert_nothing_held(server)
+    assert [len([e for e in events[r] if e["event"] == "token"]) for r in ("a", "b", "bg")] == [300, 300, 4]
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    beside_prompt = [r for r in rows if r["ahead"] and r["skipped"]]
+    assert len(beside_prompt) > 50
+    assert any(r["rescue"] for r in rows)

@@ -207,6 +207,7 @@ class BmtGuard:
             prefill=tuple((k, n) for k, _, n in kept.prefill),
             skipped=tuple(sorted(skipped.items())),
             bmt_bytes=kept.n_bytes,
+            stands_for=0,  # a trimmed plan says nothing of the ticks after it
             kv_cells=kv_cells_read(
                 [n_past for _, n_past in (*kept.interactive, *kept.background)],
                 [(start, n) for _, start, n in kept.prefill],

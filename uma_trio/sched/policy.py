@@ -307,10 +307,12 @@ def plan_pipeline(
     # a step midway, background prompts keep the throughput tick even with nobody decoding:
     # an interactive request arriving meanwhile would wait all of it.
     quiet = quiet_tick(state)
-    if controls.hold_left > 0 and not quiet:
+    held = controls.hold_left > 0 and not quiet
+    open_room = batch.prefill_room(budget, background_prompts)  # unheld, before the ramp
+    if held:
         skipped.update((s.key, "hold") for s in background_prompts)
     else:
-        room = batch.prefill_room(budget, background_prompts)
+        room = open_room
         if quiet:  # at most one micro-batch: what a preemption can waste
             room = min(room, max(0, state.micro_batch - batch.n_tokens))
         else:
@@ -343,6 +345,12 @@ def plan_pipeline(
             skipped.pop(s.key, None)
     if nobody_decodes:
         budget = max(budget, batch.predicted())
+    left_out = [s for s in runnable if s.key not in served]
+    stands_for = (
+        _stands_for(left_out, state, config, controls, open_room=open_room, held=held)
+        if batch.decode and left_out and not prompts_in(batch) and not rescue
+        else 0
+    )
     return Plan(
         decode=tuple(s.key for s in batch.decode),
         prefill=tuple((s.key, n) for s, n in batch.prefill if n > 0),
@@ -355,7 +363,27 @@ def plan_pipeline(
         cap_s=config.latency_cap * max(baseline, joined) if interactive_decoders else 0.0,
         kv_cells=batch.kv_cells,
         preemptible=state.preemptible and not any(s.interactive for s in [*batch.decode, *prompts_in(batch)]),
+        stands_for=stands_for,
     )
+
+
+def _stands_for(
+    left_out: Sequence[SessionState], state: SchedulerState, config: PolicyConfig, controls: Controls,
+    *, open_room: int, held: bool,
+) -> int:  # fmt: skip
+    """Ticks after a decode-only plan that leaves ``left_out`` out for which the pipeline
+    would plan alike while only the tick count moves (Plan.stands_for): each left out is a
+    background prompt the budget has no room for (or the hold keeps out a while longer), and
+    the next rescue tick, once spaced and starving, is not due before then."""
+    if any(s.interactive or s.decoding for s in left_out):
+        return 0
+    if open_room > 0 and not held:
+        return 0  # the ramp may let a token in at any tick
+    by_hold = controls.hold_left - 1 if open_room > 0 else 10**9
+    spacing_left = config.rescue_every - (state.tick - controls.last_rescue_tick)
+    starving_left = min(config.starve_ticks - s.ticks_waiting for s in left_out)
+    rescue_due = max(1, spacing_left, starving_left)  # the first later tick that may rescue
+    return max(0, min(by_hold, rescue_due - 1))
 
 
 def steady_decode_plan(state: SchedulerState, config: PolicyConfig, cost: CostCoefficients) -> Plan | None:

@@ -69,6 +69,10 @@ class Plan:
     # No interactive session in the batch, on an engine that can stop a step midway: the loop
     # stops it when an interactive request arrives (its work is undone and planned again).
     preemptible: bool = False
+    # Ticks after this one the policy would plan the same decoders and nothing else while only
+    # the tick count moves: the background prompts it left out get no room and no rescue is due
+    # before then.  The loop may run that many steps ahead with those prompts waiting (0: none).
+    stands_for: int = 0
 
     @property
     def n_tokens(self) -> int:
