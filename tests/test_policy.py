@@ -585,9 +585,12 @@ def advanced(state: SchedulerState, controls: Controls, k: int) -> tuple[Schedul
     hold = max(0, controls.hold_left - k)
     ramp_ticks = max(0, k - controls.hold_left)  # ticks past the hold, each ramping back
     ramp = min(1.0, controls.ramp + ramp_ticks / CONFIG.ramp_ticks)
-    return replace(state, sessions=sessions, tick=state.tick + k), replace(
-        controls, hold_left=hold, ramp=ramp
-    )
+    slack_in = max(0, controls.rescue_slack_in - k)  # at best: no tick past the cap meanwhile
+    later = replace(
+        controls, hold_left=hold, ramp=ramp, rescue_slack_in=slack_in,
+        slack_for_rescue=controls.slack_for_rescue or slack_in == 0,
+    )  # fmt: skip
+    return replace(state, sessions=sessions, tick=state.tick + k), later
 
 
 def test_a_decode_only_plan_stands_until_the_next_rescue_is_due() -> None:
@@ -621,9 +624,16 @@ def test_a_decode_only_plan_stands_until_the_next_rescue_is_due() -> None:
     st.integers(0, 6),
     st.sampled_from([0.0, 0.5, 1.0]),
     st.sampled_from([0.003, 0.0005, 0.00005]),
+    st.integers(0, 60),
 )
 def test_a_plan_stands_for_as_many_ticks_as_it_says(
-    streams: int, waited: list[int], since_rescue: int, hold: int, ramp: float, prefill_s: float
+    streams: int,
+    waited: list[int],
+    since_rescue: int,
+    hold: int,
+    ramp: float,
+    prefill_s: float,
+    slack_in: int,
 ) -> None:
     """For every tick a decode-only plan says it stands for, the pipeline run on the state
     that many ticks on plans the same decoders, no prompt token and no rescue."""
@@ -631,7 +641,10 @@ def test_a_plan_stands_for_as_many_ticks_as_it_says(
     sessions = [interactive(k, n_past=40) for k in range(streams)]
     sessions += [background(10 + i, prompt=3000, ticks_waiting=w) for i, w in enumerate(waited)]
     state = SchedulerState(tuple(sessions), tick=200)
-    controls = Controls(hold_left=hold, ramp=ramp, last_rescue_tick=200 - since_rescue)
+    controls = Controls(
+        hold_left=hold, ramp=ramp, last_rescue_tick=200 - since_rescue,
+        slack_for_rescue=slack_in == 0, rescue_slack_in=slack_in,
+    )  # fmt: skip
     first = plan_tick(state, CONFIG, cost, controls)
     if first.prefill or first.rescue:
         assert first.stands_for == 0
@@ -639,3 +652,19 @@ def test_a_plan_stands_for_as_many_ticks_as_it_says(
         later_state, later_controls = advanced(state, controls, k)
         later = plan_tick(later_state, CONFIG, cost, later_controls)
         assert (later.decode, later.prefill, later.rescue) == (first.decode, (), False), k
+
+
+def test_the_slack_says_how_many_on_cap_ticks_it_needs_before_it_allows_a_rescue() -> None:
+    from uma_trio.sched.slack import SlackBudget
+
+    slack = SlackBudget(share=0.05, rescue_share=0.03, window=100)  # a rescue needs over_cap <= 2
+    assert slack.ticks_until_allows(0.03) == 0
+    for over in (True, False, False, True, True, False):
+        slack.record(over)
+    # 3 over the cap: the first must leave the window, after 94 more ticks fill it and one more.
+    assert slack.over_cap == 3 and slack.ticks_until_allows(0.03) == 94 + 1
+    for _ in range(94):
+        slack.record(False)
+    assert not slack.for_rescue and slack.ticks_until_allows(0.03) == 1
+    slack.record(False)
+    assert slack.for_rescue and slack.ticks_until_allows(0.03) == 0

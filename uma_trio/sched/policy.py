@@ -235,6 +235,8 @@ class Controls:
     # The p95 slack (sched/slack.py) left for a rescue tick past the cap; new interactive
     # prompts stretch ticks whatever is left (time to first token comes first).
     slack_for_rescue: bool = True
+    # While it is spent, the fewest ticks before it may allow a rescue again (Plan.stands_for).
+    rescue_slack_in: int = 0
 
 
 def plan_tick(
@@ -346,11 +348,12 @@ def plan_pipeline(
     if nobody_decodes:
         budget = max(budget, batch.predicted())
     left_out = [s for s in runnable if s.key not in served]
-    stands_for = (
-        _stands_for(left_out, state, config, controls, open_room=open_room, held=held)
-        if batch.decode and left_out and not prompts_in(batch) and not rescue
-        else 0
-    )
+    stands_for = 0
+    if batch.decode and left_out and not prompts_in(batch) and not rescue:
+        gates = bool(interactive_decoders)  # the slack gates rescues beside interactive decoders
+        stands_for = _stands_for(
+            left_out, state, config, controls, open_room=open_room, held=held, slack_gates=gates
+        )
     return Plan(
         decode=tuple(s.key for s in batch.decode),
         prefill=tuple((s.key, n) for s, n in batch.prefill if n > 0),
@@ -369,12 +372,13 @@ def plan_pipeline(
 
 def _stands_for(
     left_out: Sequence[SessionState], state: SchedulerState, config: PolicyConfig, controls: Controls,
-    *, open_room: int, held: bool,
+    *, open_room: int, held: bool, slack_gates: bool,
 ) -> int:  # fmt: skip
     """Ticks after a decode-only plan that leaves ``left_out`` out for which the pipeline
     would plan alike while only the tick count moves (Plan.stands_for): each left out is a
     background prompt the budget has no room for (or the hold keeps out a while longer), and
-    the next rescue tick, once spaced and starving, is not due before then."""
+    the next rescue tick, once spaced, starving and (beside interactive decoders) allowed by
+    the slack, is not due before then."""
     if any(s.interactive or s.decoding for s in left_out):
         return 0
     if open_room > 0 and not held:
@@ -382,7 +386,8 @@ def _stands_for(
     by_hold = controls.hold_left - 1 if open_room > 0 else 10**9
     spacing_left = config.rescue_every - (state.tick - controls.last_rescue_tick)
     starving_left = min(config.starve_ticks - s.ticks_waiting for s in left_out)
-    rescue_due = max(1, spacing_left, starving_left)  # the first later tick that may rescue
+    slack_left = controls.rescue_slack_in if slack_gates else 0
+    rescue_due = max(1, spacing_left, starving_left, slack_left)  # the first later tick that may rescue
     return max(0, min(by_hold, rescue_due - 1))
 
 
@@ -506,10 +511,15 @@ class Policy:
         if limit is None:
             limit = controls.background_limit
         rescue = self.slack.for_rescue
+        slack_in = 0 if rescue else self.slack.ticks_until_allows(self.slack.rescue_share)
         # Replaced only where a field differs: this runs every tick, right after a step has
         # pushed the interpreter out of the CPU caches (dataclasses.replace is not cheap then).
-        if (limit, rescue) != (controls.background_limit, controls.slack_for_rescue):
-            controls = replace(controls, background_limit=limit, slack_for_rescue=rescue)
+        if (limit, rescue, slack_in) != (
+            controls.background_limit, controls.slack_for_rescue, controls.rescue_slack_in
+        ):  # fmt: skip
+            controls = replace(
+                controls, background_limit=limit, slack_for_rescue=rescue, rescue_slack_in=slack_in
+            )
         plan = plan_tick(state, self.config, self.cost.coefficients, controls)
         if self.bmt_guard is not None and plan:
             if not self.bmt_guard.trims:

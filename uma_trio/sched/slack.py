@@ -47,3 +47,17 @@ class SlackBudget:
     @property
     def for_rescue(self) -> bool:
         return self.allows(self.rescue_share)
+
+    def ticks_until_allows(self, share: float) -> int:
+        """The fewest ticks to be recorded before :meth:`allows` may hold (0: it holds now):
+        on-cap ticks from now on, the oldest over-cap ticks leaving the window."""
+        excess = self.over_cap + 1 - int(share * self.window)  # over-cap ticks that must leave
+        if excess <= 0:
+            return 0
+        room = self.window - len(self._over)  # records taken before any leaves
+        for age, over in enumerate(self._over):
+            if over:
+                excess -= 1
+                if excess == 0:
+                    return room + age + 1
+        return room + len(self._over) + 1  # unreachable while over_cap counts _over's entries
