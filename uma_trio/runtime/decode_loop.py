@@ -454,11 +454,11 @@ class DecodeLoop:
         steady = (
             self._may_run_ahead and plan.decode and not plan.prefill and not plan.rescue
             and not self._waiting and not self._aborted and not self._jobs and not self._unpin
-            and (len(plan.decode) == len(self._active) or self._only_prompts_wait(plan))
+            and (len(plan.decode) == len(self._active) or self._only_background_waits(plan))
         )  # fmt: skip
         if not steady:
             return None
-        # Background prompts left out wait no longer than the policy would have them wait.
+        # Background work left out waits no longer than the policy would have it wait.
         limit = plan.stands_for if len(plan.decode) < len(self._active) else None
         budgets = {}
         for seq_id in plan.decode:
@@ -469,16 +469,12 @@ class DecodeLoop:
         self._run_ahead.arm(budgets)
         return self._run_ahead.follow if self._run_ahead.steady else None
 
-    def _only_prompts_wait(self, plan: Plan) -> bool:
-        """The sessions ``plan`` leaves out are background prompts it stands for (Plan.stands_for)."""
+    def _only_background_waits(self, plan: Plan) -> bool:
+        """The sessions ``plan`` leaves out are background work it stands for (Plan.stands_for)."""
         if plan.stands_for <= 0:
             return False
         decoding = set(plan.decode)
-        return all(
-            s.lane == "background" and s.prompt_remaining > 0
-            for seq_id, s in self._active.items()
-            if seq_id not in decoding
-        )
+        return all(s.lane == "background" for seq_id, s in self._active.items() if seq_id not in decoding)
 
     def _end_run_ahead(self) -> None:
         """The compute thread is idle again: trim what ran past a session's end, free what

@@ -352,7 +352,7 @@ def plan_pipeline(
     if batch.decode and left_out and not prompts_in(batch) and not rescue:
         gates = bool(interactive_decoders)  # the slack gates rescues beside interactive decoders
         stands_for = _stands_for(
-            left_out, state, config, controls, open_room=open_room, held=held, slack_gates=gates
+            left_out, batch.decode, state, config, controls, open_room=open_room, held=held, slack_gates=gates
         )
     return Plan(
         decode=tuple(s.key for s in batch.decode),
@@ -371,18 +371,21 @@ def plan_pipeline(
 
 
 def _stands_for(
-    left_out: Sequence[SessionState], state: SchedulerState, config: PolicyConfig, controls: Controls,
-    *, open_room: int, held: bool, slack_gates: bool,
+    left_out: Sequence[SessionState], decode: Sequence[SessionState], state: SchedulerState,
+    config: PolicyConfig, controls: Controls, *, open_room: int, held: bool, slack_gates: bool,
 ) -> int:  # fmt: skip
     """Ticks after a decode-only plan that leaves ``left_out`` out for which the pipeline
-    would plan alike while only the tick count moves (Plan.stands_for): each left out is a
-    background prompt the budget has no room for (or the hold keeps out a while longer), and
-    the next rescue tick, once spaced, starving and (beside interactive decoders) allowed by
-    the slack, is not due before then."""
-    if any(s.interactive or s.decoding for s in left_out):
+    would plan alike while only the tick count moves (Plan.stands_for): each left out is
+    background work the budget has no room for (a prompt, or a decoder when none fits: those
+    that fit take turns), or a prompt the hold keeps out a while longer, and the next rescue
+    tick, once spaced, starving and (beside interactive decoders) allowed by the slack, is not
+    due before then."""
+    if any(s.interactive for s in left_out):
         return 0
+    if any(s.decoding for s in left_out) and any(not s.interactive for s in decode):
+        return 0  # background decoders rotate through the room there is
     if open_room > 0 and not held:
-        return 0  # the ramp may let a token in at any tick
+        return 0  # the ramp may let a prompt token in at any tick
     by_hold = controls.hold_left - 1 if open_room > 0 else 10**9
     spacing_left = config.rescue_every - (state.tick - controls.last_rescue_tick)
     starving_left = min(config.starve_ticks - s.ticks_waiting for s in left_out)
