@@ -584,9 +584,12 @@ def advanced(
         replace(s, ticks_waiting=0) if s.key in served else replace(s, ticks_waiting=s.ticks_waiting + k)
         for s in state.sessions
     )
-    hold = max(0, controls.hold_left - k)
-    ramp_ticks = max(0, k - controls.hold_left)  # ticks past the hold, each ramping back
-    ramp = min(1.0, controls.ramp + ramp_ticks / CONFIG.ramp_ticks)
+    hold, ramp = controls.hold_left, controls.ramp
+    for _ in range(k):  # as Policy.observe, each tick on budget: the hold counts down, then the ramp climbs
+        if hold > 0:
+            hold -= 1
+        elif ramp < 1.0:
+            ramp = min(1.0, ramp + 1.0 / CONFIG.ramp_ticks)
     slack_in = max(0, controls.rescue_slack_in - k)  # at best: no tick past the cap meanwhile
     later = replace(
         controls, hold_left=hold, ramp=ramp, rescue_slack_in=slack_in,

@@ -352,7 +352,7 @@ def plan_pipeline(
     if batch.decode and left_out and not prompts_in(batch) and not rescue:
         gates = bool(interactive_decoders)  # the slack gates rescues beside interactive decoders
         stands_for = _stands_for(
-            left_out, batch.decode, state, config, controls, open_room=open_room, held=held, slack_gates=gates
+            left_out, batch.decode, state, config, controls, open_room=open_room, slack_gates=gates
         )
     return Plan(
         decode=tuple(s.key for s in batch.decode),
@@ -372,26 +372,43 @@ def plan_pipeline(
 
 def _stands_for(
     left_out: Sequence[SessionState], decode: Sequence[SessionState], state: SchedulerState,
-    config: PolicyConfig, controls: Controls, *, open_room: int, held: bool, slack_gates: bool,
+    config: PolicyConfig, controls: Controls, *, open_room: int, slack_gates: bool,
 ) -> int:  # fmt: skip
     """Ticks after a decode-only plan that leaves ``left_out`` out for which the pipeline
     would plan alike while only the tick count moves (Plan.stands_for): each left out is
     background work the budget has no room for (a prompt, or a decoder when none fits: those
-    that fit take turns), or a prompt the hold keeps out a while longer, and the next rescue
-    tick, once spaced, starving and (beside interactive decoders) allowed by the slack, is not
-    due before then."""
+    that fit take turns), or a prompt the hold and the ramp keep out a while longer, and the
+    next rescue tick, once spaced, starving and (beside interactive decoders) allowed by the
+    slack, is not due before then."""
     if any(s.interactive for s in left_out):
         return 0
     if any(s.decoding for s in left_out) and any(not s.interactive for s in decode):
         return 0  # background decoders rotate through the room there is
-    if open_room > 0 and not held:
-        return 0  # the ramp may let a prompt token in at any tick
-    by_hold = controls.hold_left - 1 if open_room > 0 else 10**9
+    if open_room > 0 and quiet_tick(state):
+        return 0  # quiet ticks are not ramped: only the micro-batch kept them out
+    prompts_in_after = _ticks_until_prompts_fit(open_room, controls, config)
     spacing_left = config.rescue_every - (state.tick - controls.last_rescue_tick)
     starving_left = min(config.starve_ticks - s.ticks_waiting for s in left_out)
     slack_left = controls.rescue_slack_in if slack_gates else 0
     rescue_due = max(1, spacing_left, starving_left, slack_left)  # the first later tick that may rescue
-    return max(0, min(by_hold, rescue_due - 1))
+    return max(0, min(prompts_in_after, rescue_due) - 1)
+
+
+def _ticks_until_prompts_fit(open_room: int, controls: Controls, config: PolicyConfig) -> int:
+    """The first later tick whose plan gives background prompts a token, each tick observed on
+    budget (Policy.observe: the hold counts down, then the ramp climbs back): ``open_room`` ×
+    the ramp reaches one token.  Never, with no room at all."""
+    if open_room <= 0:
+        return 10**9
+    hold, ramp, ticks = controls.hold_left, controls.ramp, 0
+    while True:
+        ticks += 1
+        if hold > 0:
+            hold -= 1
+        elif ramp < 1.0:
+            ramp = min(1.0, ramp + 1.0 / config.ramp_ticks)
+        if hold == 0 and int(open_room * ramp) >= 1:
+            return ticks
 
 
 def steady_decode_plan(state: SchedulerState, config: PolicyConfig, cost: CostCoefficients) -> Plan | None:
