@@ -149,8 +149,8 @@ def assert_lane_percentiles_agree(
     """The daemon's run-wide TTFT and token-gap p50/p95/p99/max for ``lane`` match those
     computed from the client-side timestamps of ``records`` (loadgen RequestRecords) within
     one bucket width: of the DDSketch (1 %, ``buckets="sketch"``) or of the Prometheus
-    histogram holding the value (``buckets="prometheus"``), or within ``slack_ms`` where that
-    is larger.  Same rank rule on both sides: numpy's "lower" method."""
+    histogram holding the value (``buckets="prometheus"``), or within ``slack_ms`` (twice that
+    for the max) where that is larger.  Same rank rule on both sides: numpy's "lower" method."""
     import bisect
 
     import numpy as np
@@ -177,7 +177,9 @@ def assert_lane_percentiles_agree(
         exact = {f"p{q}": float(np.percentile(values, q, method="lower")) for q in (50, 95, 99)}
         exact["max"] = float(values.max())
         for figure, value in exact.items():
-            assert abs(server[figure] - value) <= max(width(key, value), slack_ms), (
+            # The max is one sample: one late wake-up of either side moves it whole (slack × 2).
+            allowed = max(width(key, value), slack_ms * (2.0 if figure == "max" else 1.0))
+            assert abs(server[figure] - value) <= allowed, (
                 lane,
                 key,
                 figure,
