@@ -120,7 +120,6 @@ class DecodeLoop:
         self._run_ahead = RunAhead()
         # While steps run ahead, KV cells are freed only once the compute thread is idle again.
         self._chain = AheadChain()
-        self._step_preemptible = False  # the step in flight may be stopped (_preempt)
         self._trace = TickTrace(config.tick_trace) if config.tick_trace is not None else None
 
     # -- called from connection tasks (synchronous: they only record and wake) --
@@ -188,9 +187,9 @@ class DecodeLoop:
 
     def _preempt(self) -> None:
         """Stop the step now running if it carries no interactive session (Plan.preemptible):
-        an interactive request should not wait for background work."""
-        if self._step_preemptible:
-            self.engine.preempt()
+        an interactive request should not wait for background work.  The engine knows whether
+        the step in flight (or the chain it started) was started preemptible; else a no-op."""
+        self.engine.preempt()
 
     def wake(self) -> None:
         self._run_ahead.stop()  # whatever woke the loop may change the next plan
@@ -353,10 +352,8 @@ class DecodeLoop:
         try:
             try:
                 follow = self._arm_run_ahead(plan)
-                self._step_preemptible = plan.preemptible  # and the chain it may start, to its end
                 result = await self.engine.step(entries, follow, preemptible=plan.preemptible)
             except EngineError as exc:
-                self._step_preemptible = False
                 if exc.preempted:  # undone by the engine: plan again, with the newcomer
                     self._was_preempted()
                     return
@@ -365,11 +362,9 @@ class DecodeLoop:
                 whole = False
                 result = await self._step_apart(entries, exc)
         except Exception as exc:  # the context is in doubt: only a fresh one can be trusted
-            self._step_preemptible = False
             await self._lose_context(exc)
             return
         self._chain.live = self.engine.running_ahead
-        self._step_preemptible = self._step_preemptible and self._chain.live
         self._absorb(plan, result, whole)
         if not self._chain.live:
             return
@@ -391,10 +386,8 @@ class DecodeLoop:
                 )
                 self._absorb(ran, result, whole=True, ahead=True)
         except Exception as exc:
-            self._step_preemptible = False
             await self._lose_context(exc)
             return
-        self._step_preemptible = False
         self._end_run_ahead()
 
     def _was_preempted(self) -> None:
@@ -450,7 +443,8 @@ class DecodeLoop:
 
     def _arm_run_ahead(self, plan: Plan) -> Follow | None:
         """Let the compute thread run on after this step when the next plan is sure to be the
-        same decoders again: nothing waits, nothing is left out, nothing else is pending."""
+        same decoders again: nothing waits, nothing else is pending, and nothing is left out
+        but background work the plan stands for (Plan.stands_for), for that many steps."""
         steady = (
             self._may_run_ahead and plan.decode and not plan.prefill and not plan.rescue
             and not self._waiting and not self._aborted and not self._jobs and not self._unpin

@@ -21,19 +21,20 @@ class SlackBudget:
         if not 0.0 <= rescue_share <= share < 1.0 or window < 1:
             raise ValueError("need 0 <= rescue_share <= share < 1 and a positive window")
         self.share, self.rescue_share, self.window = share, rescue_share, window
-        self._over: deque[bool] = deque(maxlen=window)  # the window starts as on-cap ticks
-        self._count = 0  # True entries in _over, kept as they come and go (read every tick)
+        self._recorded = 0  # ticks recorded so far; the window is the last ``window`` of them
+        self._over_at: deque[int] = deque()  # the window's ticks past the cap, by their number
 
     def record(self, over_cap: bool) -> None:
         """One tick with interactive decoders ran (past the cap or not)."""
-        if len(self._over) == self.window and self._over[0]:
-            self._count -= 1
-        self._over.append(over_cap)
-        self._count += over_cap
+        self._recorded += 1
+        if over_cap:
+            self._over_at.append(self._recorded)
+        while self._over_at and self._over_at[0] <= self._recorded - self.window:
+            self._over_at.popleft()  # left the window
 
     @property
     def over_cap(self) -> int:
-        return self._count
+        return len(self._over_at)
 
     @property
     def used(self) -> float:
@@ -54,10 +55,6 @@ class SlackBudget:
         excess = self.over_cap + 1 - int(share * self.window)  # over-cap ticks that must leave
         if excess <= 0:
             return 0
-        room = self.window - len(self._over)  # records taken before any leaves
-        for age, over in enumerate(self._over):
-            if over:
-                excess -= 1
-                if excess == 0:
-                    return room + age + 1
-        return room + len(self._over) + 1  # unreachable while over_cap counts _over's entries
+        if excess > self.over_cap:  # a share under one tick of the window: never
+            return 10**9
+        return self._over_at[excess - 1] + self.window - self._recorded
