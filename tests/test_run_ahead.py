@@ -278,3 +278,36 @@ async def test_streams_run_ahead_while_a_background_prompt_waits_for_its_rescue(
     beside_prompt = [r for r in rows if r["ahead"] and r["skipped"]]
     assert len(beside_prompt) > 50
     assert any(r["rescue"] for r in rows)
+
+
+async def test_streams_run_ahead_while_a_request_waits_for_a_sequence(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """Two sequences, three chats: the third waits for one to end.  Meanwhile the two run
+    ahead (only a session ending or an arrival can free room, and both stop the chain), and
+    the third starts as soon as with every step planned."""
+    first_token: dict[bool, float] = {}
+    for on in (False, True):
+        trace = tmp_path / f"ticks-{on}.jsonl"
+        async with sim_daemon(
+            run_ahead=on, tick_trace=trace, max_sessions=2, prefix_cache_cells=None, stream_buffer=64
+        ) as server:
+            client = await RawClient.connect(server.config.socket_path)
+            started = trio.current_time()
+            await client.send_bytes(b"".join(frame(req(r, n)) for r, n in (("a", 300), ("b", 60), ("c", 50))))
+            events: dict[str, list[dict[str, Any]]] = {"a": [], "b": [], "c": []}
+            ended = 0
+            while ended < 3:
+                event = await client.next_event()
+                assert event is not None
+                if event["id"] == "c" and not events["c"]:
+                    first_token[on] = trio.current_time() - started
+                events[event["id"]].append(event)
+                ended += event["event"] == "eos"
+            assert [len([e for e in events[r] if e["event"] == "token"]) for r in "abc"] == [300, 60, 50]
+            await server.loop.wait_idle()
+            assert_nothing_held(server)
+        rows = [json.loads(line) for line in trace.read_text().splitlines()]
+        beside_queue = [r for r in rows if r["ahead"] and r["waiting"]]
+        assert (len(beside_queue) > 30) == on
+    assert first_token[True] <= first_token[False] + 0.001

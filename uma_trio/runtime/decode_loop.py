@@ -439,15 +439,20 @@ class DecodeLoop:
         )  # fmt: skip
         self._last_step_end = now
         if self._trace is not None:
-            self._trace.write(t=now, tick=self._tick, plan=plan, step_s=result.decode_s, ahead=ahead)
+            step_s, waiting = result.decode_s, len(self._waiting)
+            self._trace.write(t=now, tick=self._tick, plan=plan, step_s=step_s, ahead=ahead, waiting=waiting)
 
     def _arm_run_ahead(self, plan: Plan) -> Follow | None:
         """Let the compute thread run on after this step when the next plan is sure to be the
-        same decoders again: nothing waits, nothing else is pending, and nothing is left out
-        but background work the plan stands for (Plan.stands_for), for that many steps."""
+        same decoders again: nothing else is pending, and nothing is left out but background
+        work the plan stands for (Plan.stands_for), for that many steps.  A queued request
+        does not stop it: :meth:`_admit` just took every one it could, and only a session
+        ending (which stops the chain) or an arrival (which wakes the loop) frees room for
+        the rest.  (The one other change, interactive demand leaving the window of
+        :class:`.InteractiveDemand`, waits at most MAX_AHEAD steps.)"""
         steady = (
             self._may_run_ahead and plan.decode and not plan.prefill and not plan.rescue
-            and not self._waiting and not self._aborted and not self._jobs and not self._unpin
+            and not self._aborted and not self._jobs and not self._unpin
             and (len(plan.decode) == len(self._active) or self._only_background_waits(plan))
         )  # fmt: skip
         if not steady:
@@ -460,7 +465,8 @@ class DecodeLoop:
             room = self._buffer_room(session)
             budget = ahead_budget(session.request.max_tokens, session.generated, room)
             budgets[seq_id] = budget if limit is None else min(budget, limit)
-        self._run_ahead.arm(budgets)
+        # A session leaving may make room for what waits: then the next plan is due at once.
+        self._run_ahead.arm(budgets, stop_when_one_leaves=limit is not None or bool(self._waiting))
         return self._run_ahead.follow if self._run_ahead.steady else None
 
     def _only_background_waits(self, plan: Plan) -> bool:

@@ -4,10 +4,10 @@ last one.
 Between two decodes the event loop turns the sampled tokens into events, plans the next
 tick and hands it back to the compute thread: two thread hand-offs and some Python, during
 which a GPU idles (on the H100 12 % of a one-stream step).  When the next tick is sure to be
-"the same sessions, one more token each" (a steady decode: nothing waiting, nobody left
-out), the compute thread can build that batch itself from the tokens it just sampled and
-start it at once; the event loop collects the results one step behind (vLLM v1's async
-scheduling makes the same move).
+"the same sessions, one more token each" (a steady decode: nobody left out but work the
+plan stands for, nothing queued that could start), the compute thread can build that batch
+itself from the tokens it just sampled and start it at once; the event loop collects the
+results one step behind (vLLM v1's async scheduling makes the same move).
 
 A :class:`RunAhead` is armed by the decode task for one plan, with a budget per session (how
 many tokens it may run ahead: never past ``max_tokens`` nor past what its stream buffer
@@ -46,15 +46,20 @@ class RunAhead:
     def __init__(self) -> None:
         self._budgets: dict[int, int] = {}
         self._steady = False
+        self._stop_when_one_leaves = False
 
     @property
     def steady(self) -> bool:
         return self._steady
 
-    def arm(self, budgets: dict[int, int]) -> None:
-        """Allow the next steps: ``budgets`` maps a seq id to the tokens it may run ahead."""
+    def arm(self, budgets: dict[int, int], *, stop_when_one_leaves: bool = False) -> None:
+        """Allow the next steps: ``budgets`` maps a seq id to the tokens it may run ahead.
+        ``stop_when_one_leaves``: end the chain, rather than go on without it, when a session
+        reaches its end of generation or budget; set where work waits for what it frees (a
+        queued request, a prompt left out), which the next plan should take at once."""
         self._budgets = {seq: n for seq, n in budgets.items() if n > 0}
         self._steady = bool(self._budgets)
+        self._stop_when_one_leaves = stop_when_one_leaves
 
     def stop(self) -> None:
         """Something changed: the compute thread stops after the step it is running."""
@@ -71,6 +76,8 @@ class RunAhead:
             token = sampled.get(entry.seq_id)
             left = self._budgets.get(entry.seq_id, 0)
             if token is None or left <= 0 or entry.sampler is None:
+                if self._stop_when_one_leaves:
+                    return None
                 continue
             self._budgets[entry.seq_id] = left - 1
             tokens = np.array([token], dtype=np.int32)

@@ -4,8 +4,8 @@ Each line holds what the policy planned and what the step cost: ``t`` (the decod
 clock, s), ``tick``, ``decode`` and ``prefill`` (tokens), ``predicted_ms``, ``budget_ms``,
 ``cap_ms``, ``step_ms`` (measured), ``kv_cells`` (read by attention, as the cost model
 counts them), ``ahead`` (run ahead by the compute thread, not planned), ``skipped``
-(sessions left out) and ``rescue``.  Buffered; written by the decode
-task only, so it costs a few microseconds a step.
+(sessions left out), ``waiting`` (requests queued for a sequence) and ``rescue``.
+Buffered; written by the decode task only, so it costs a few microseconds a step.
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ class TickTrace:
     def __init__(self, path: Path) -> None:
         self._file: IO[bytes] = path.open("ab", buffering=1 << 16)
 
-    def write(self, *, t: float, tick: int, plan: Plan, step_s: float, ahead: bool) -> None:
+    def write(self, *, t: float, tick: int, plan: Plan, step_s: float, ahead: bool, waiting: int) -> None:
         row = {
             "t": round(t, 6), "tick": tick, "decode": len(plan.decode), "prefill": plan.prefill_tokens,
             "predicted_ms": round(plan.predicted_s * 1000.0, 3),
             "budget_ms": round(plan.budget_s * 1000.0, 3),
             "cap_ms": round(plan.cap_s * 1000.0, 3), "step_ms": round(step_s * 1000.0, 3), "ahead": ahead,
-            "skipped": len(plan.skipped), "rescue": plan.rescue, "kv_cells": plan.kv_cells,
+            "skipped": len(plan.skipped), "waiting": waiting, "rescue": plan.rescue,
+            "kv_cells": plan.kv_cells,
         }  # fmt: skip
         self._file.write(_encoder.encode(row) + b"\n")
 
