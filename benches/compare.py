@@ -50,6 +50,7 @@ import msgspec
 import psutil
 import trio
 from bench_output import free_port
+from prometheus_client.parser import text_string_to_metric_families
 
 from uma_trio.loadgen import Scenario, ScenarioResult, load_suite, run_scenario
 from uma_trio.loadgen.bench import run_bench, side_by_side, summary_rows, write_csv, write_results
@@ -94,6 +95,20 @@ def wait_healthy(
             pass
         time.sleep(0.2)
     raise SystemExit(f"{what} did not become healthy in {timeout:g} s")
+
+
+def gc_line(url: str) -> str:
+    """The daemon's garbage-collector pauses (docs/METRICS.md "process"): a long one is a gap
+    every stream sees at once."""
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    kinds = {s.labels["kind"]: s.value for s in samples if s.name == "uma_gc_collections_total"}
+    value = {s.name: s.value for s in samples if not s.labels}
+    return (
+        f"uma-trio's garbage collector: {sum(kinds.values()):.0f} collections ({kinds['full']:.0f} full), "
+        f"{value['uma_gc_pause_seconds_total'] * 1000:.1f} ms in all, "
+        f"the longest {value['uma_gc_pause_max_seconds'] * 1000:.1f} ms\n"
+    )
 
 
 def rss_bytes(process: subprocess.Popen[bytes]) -> int:
@@ -306,6 +321,7 @@ def main() -> None:
                 targets.append(OpenAITarget(lcp_url, "llama-cpp-python"))
             results = run_suite(name, targets)
             rss = {label: rss_bytes(process) for label, process in rss_of.items()}
+            gc = gc_line(uma_url)
         rows = summary_rows(results)
         write_results(results, out)
         extra = efficiency_table(results, capacity) if capacity is not None else ""
@@ -323,7 +339,7 @@ def main() -> None:
             ceiling_rows = [{"streams": k, "s_tg_tok_s": v} for k, v in ceiling.items()]
             write_csv(out / "batched_bench.csv", ceiling_rows, ["streams", "s_tg_tok_s"])
         rss_line = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in rss.items())
-        tables.append(table_markdown(name, rows) + f"\nRSS at the end: {rss_line}\n{extra}")
+        tables.append(table_markdown(name, rows) + f"\nRSS at the end: {rss_line}\n{gc}{extra}")
         print(tables[-1], flush=True)
     (args.out / "tables.md").write_text("\n".join(tables))
     print(f"wrote {args.out / 'tables.md'}")

@@ -3,6 +3,7 @@ no daemon and no model."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import msgspec
@@ -13,6 +14,7 @@ from rich.console import Console
 
 from uma_trio.observability.latency import GAMMA, LatencyDigest
 from uma_trio.observability.metrics import Metrics
+from uma_trio.observability.process import GC_PAUSES, ProcessSampler
 from uma_trio.observability.prometheus import exposition
 from uma_trio.observability.scorecard import scorecard
 from uma_trio.observability.window import SlotWindow
@@ -179,7 +181,7 @@ def test_views_render_a_snapshot() -> None:
         model="m.gguf",
         sessions={"active": 1, "waiting": 0, "prefilling": 0, "decoding": 1, "parked": 0},
         kv={"cells_used": 10, "cells_total": 100},
-        process={"rss_bytes": 2**30, "open_fds": 12},
+        process={"rss_bytes": 2**30, "open_fds": 12, "gc_pause_max_ms": 31.25},
         scorecard=msgspec.to_builtins(scorecard(metrics, 110.0, latency_cap=1.2, rss_bytes=2**30)),
         in_flight=[
             {"id": "chat-7", "connection": 3, "lane": "background", "phase": "decode", "parked": True,
@@ -192,5 +194,26 @@ def test_views_render_a_snapshot() -> None:
     screen = console.export_text()
     assert "chat-7" in screen and "decode (parked)" in screen and "5/40" in screen
     assert "token gap" in screen and "scorecard" in screen and "1,024 MiB" in screen
+    assert "GC pause max 31.2 ms" in screen
     console.print(report(snapshot))
     assert "counters (whole run)" in console.export_text()
+
+
+def test_gc_pauses_count_every_collection_and_how_long_it_held_the_gil() -> None:
+    ProcessSampler()
+    sampler = ProcessSampler()
+    before = sampler.sample()
+    cycles = []
+    for _ in range(50_000):  # objects in cycles: a full collection has work to do
+        node: dict[str, Any] = {}
+        node["self"] = node
+        cycles.append(node)
+    del cycles
+    gc.collect()
+    gc.collect(0)
+    after = sampler.sample()
+    assert after.gc_collections >= before.gc_collections + 2
+    assert after.gc_full >= before.gc_full + 1
+    assert after.gc_pause_s > before.gc_pause_s
+    assert 0 < after.gc_pause_max_ms <= after.gc_pause_s * 1000.0 + 1e-3
+    assert gc.callbacks.count(GC_PAUSES._on_gc) == 1  # a second sampler did not add another

@@ -95,6 +95,7 @@ class SnapshotCollector(Collector):
             {"cells": cache["cells"], "sequences": cache["sequences"]},
         )  # fmt: skip
         yield from self._scheduler(snap["scheduler"])
+        yield from self._garbage_collector(snap["process"])
         yield from self._router(snap)
         yield from self._window_quantiles(snap["latency"]["window"])
         yield from self._scorecard(snap["scorecard"])
@@ -125,6 +126,25 @@ class SnapshotCollector(Collector):
                 {"": _seconds(steps["gap_ms_mean"])},
             )  # fmt: skip
             yield _gauge("uma_engine_step_gap_ratio", "Step gap over step time", [], {"": steps["gap_share"]})
+
+    def _garbage_collector(self, process: dict[str, Any]) -> Iterator[Metric]:
+        """The cyclic collector's pauses, which stall every stream at once (process.GcPauses)."""
+        young = process["gc_collections"] - process["gc_full"]
+        yield _counter(
+            "uma_gc_collections",
+            "Cyclic garbage collections",
+            ["kind"],
+            {"full": process["gc_full"], "young": young},
+        )
+        yield _counter(
+            "uma_gc_pause_seconds", "Seconds the garbage collector held the GIL", [], process["gc_pause_s"]
+        )
+        yield _gauge(
+            "uma_gc_pause_max_seconds",
+            "The longest garbage-collector pause",
+            [],
+            {"": _seconds(process["gc_pause_max_ms"])},
+        )
 
     def _router(self, snap: dict[str, Any]) -> Iterator[Metric]:
         """What a router in front of several daemons reads (docs/FLEET.md): the Gateway API

@@ -28,7 +28,8 @@ def header(snap: dict[str, Any]) -> Text:
         f"  up {snap['uptime_s']:,.0f} s  ",
         f"sessions {sessions['active']} (+{sessions['waiting']} waiting, {sessions['parked']} parked)  ",
         f"KV {kv['cells_used']:,}/{kv['cells_total']:,} cells  ",
-        f"RSS {process['rss_bytes'] / 2**20:,.0f} MiB  fds {_num(process['open_fds'], 'd')}",
+        f"RSS {process['rss_bytes'] / 2**20:,.0f} MiB  fds {_num(process['open_fds'], 'd')}  ",
+        f"GC pause max {process['gc_pause_max_ms']:.1f} ms",
     )
 
 
