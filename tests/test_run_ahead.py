@@ -63,6 +63,24 @@ def test_follow_drops_end_of_generation_and_stops_when_told() -> None:
     assert not ahead.steady  # nothing may run ahead: not armed at all
 
 
+def test_follow_ends_the_chain_when_one_session_leaves_where_work_waits() -> None:
+    """Armed with stop_when_one_leaves, the chain ends instead of going on without a session
+    that reached its end of generation or its budget; otherwise it goes on with the rest."""
+    entries = [decode(1, 10), decode(2, 20)]
+    for eog, budgets in ((True, {1: 5, 2: 5}), (False, {1: 0, 2: 5})):
+        sampled = result((1, 2, eog), (2, 42, False))
+        carries_on, stops = RunAhead(), RunAhead()
+        carries_on.arm(dict(budgets))
+        stops.arm(dict(budgets), stop_when_one_leaves=True)
+        after = carries_on.follow(entries, sampled)
+        assert after is not None and [e.seq_id for e in after] == [2]
+        assert stops.follow(entries, sampled) is None
+    both = RunAhead()
+    both.arm({1: 5, 2: 5}, stop_when_one_leaves=True)
+    after = both.follow(entries, result((1, 41, False), (2, 42, False)))
+    assert after is not None and [e.seq_id for e in after] == [1, 2]  # nobody left: it goes on
+
+
 # -- the whole daemon on the simulated engine (run-ahead forced on) ------------------
 
 

@@ -49,7 +49,7 @@ class ProcessFigures(msgspec.Struct, frozen=True):
     open_fds: int | None  # None where the platform cannot count them
     threads: int
     cpu_s: float  # user + system CPU time since start
-    gc_collections: int  # cyclic collections since the sampler started
+    gc_collections: int  # cyclic collections since the first sampler (the daemon's start)
     gc_full: int  # of them, full ones (the oldest generation)
     gc_pause_s: float  # the GIL held by them, in all
     gc_pause_max_ms: float  # the longest
