@@ -450,15 +450,16 @@ class DecodeLoop:
         ending (which stops the chain) or an arrival (which wakes the loop) frees room for
         the rest.  (The one other change, interactive demand leaving the window of
         :class:`.InteractiveDemand`, waits at most MAX_AHEAD steps.)"""
+        leaves_out = len(plan.decode) < len(self._active)
         steady = (
             self._may_run_ahead and plan.decode and not plan.prefill and not plan.rescue
             and not self._aborted and not self._jobs and not self._unpin
-            and (len(plan.decode) == len(self._active) or self._only_background_waits(plan))
+            and (not leaves_out or self._only_background_waits(plan))
         )  # fmt: skip
         if not steady:
             return None
         # Background work left out waits no longer than the policy would have it wait.
-        limit = plan.stands_for if len(plan.decode) < len(self._active) else None
+        limit = plan.stands_for if leaves_out else None
         budgets = {}
         for seq_id in plan.decode:
             session = self._active[seq_id]
