@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import socket
 from functools import partial
+from typing import Any
 
 import httpx
 import pytest
 import trio
 
 from uma_trio.config import ServerConfig
+from uma_trio.http import serve
 from uma_trio.http.gateway import Gateway, model_id
 from uma_trio.http.serve import BindError, bind_tcp, serve_asgi
 
@@ -79,3 +81,43 @@ def test_a_taken_port_is_a_bind_error() -> None:
         port = taken.getsockname()[1]
         with pytest.raises(BindError, match=f"127.0.0.1:{port}"):
             bind_tcp("127.0.0.1", port, "the HTTP API")
+
+
+async def test_a_streamed_body_arrives_whole_and_in_order_whether_written_at_once_or_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Body chunks go straight to the socket while it takes them and wait behind hypercorn's
+    lock once it is full (the reader lags): the client must get every byte, in order."""
+    chunks, size = 5000, 4096
+    short_writes = 0
+    write_at_once = serve._EagerTCPServer._write_at_once
+
+    def counted(self: serve._EagerTCPServer, data: bytes) -> int:
+        nonlocal short_writes
+        sent = write_at_once(self, data)
+        short_writes += sent < len(data)
+        return sent
+
+    monkeypatch.setattr(serve._EagerTCPServer, "_write_at_once", counted)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        headers = [(b"content-type", b"text/plain")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for i in range(chunks):
+            body = f"{i:08d}".encode().ljust(size, b".")
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    sock = bind_tcp("127.0.0.1", 0, "test")
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(partial(serve_asgi, app, sock, name="test_http", max_connections=4))
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            for lag_s in (0.0, 0.5):  # the second time the socket's buffers fill first
+                async with http.stream("GET", "/") as response:
+                    await trio.sleep(lag_s)
+                    body = b"".join([part async for part in response.aiter_bytes()])
+                assert len(body) == chunks * size
+                indices = [int(body[i * size : i * size + 8]) for i in range(chunks)]
+                assert indices == list(range(chunks))
+        nursery.cancel_scope.cancel()
+    assert short_writes > 0  # the lagging reader did send the rest through the locked path

@@ -6,13 +6,15 @@ ours (``trio.serve_listeners`` over a listener that holds a slot per open connec
 hypercorn's own worker has no cap on concurrent connections, and every connection holds
 a file descriptor the Unix socket's accept loop needs too.  At the cap new connections
 wait in the kernel's accept queue until one closes.  Each connection is then served by
-hypercorn's ``TCPServer`` (HTTP/1.1 and h2, TLS, its keep-alive timeout).
+hypercorn's ``TCPServer`` (HTTP/1.1 and h2, TLS, its keep-alive timeout), whose writes
+on a plain socket are tried at once (:class:`_EagerTCPServer`).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any, cast
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
+from hypercorn.events import Event, RawData
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ASGIFramework
@@ -57,6 +60,44 @@ def url_of(sock: socket.socket, *, https: bool = False) -> str:
     host, port = sock.getsockname()[:2]
     scheme = "https" if https else "http"
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+class _EagerTCPServer(TCPServer):
+    """Hypercorn's connection server, with each write on a plain socket tried at once.
+
+    Hypercorn writes every chunk of a body under its send lock and with trio's
+    ``send_all``: the lock's and the socket's checkpoints are two passes of trio's scheduler
+    per server-sent event.  A streamed token's event almost always fits the socket buffer,
+    and on two cores that host work per token runs beside the decode (BENCHMARKS.md
+    "HTTP: a token's write").  Written at once it costs one system call; only what the
+    socket does not take waits, behind the lock, as before.  Nothing else runs until this
+    task waits, so no other write can come between.  TLS streams keep hypercorn's path.
+    """
+
+    async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, RawData) and not self.send_lock.locked():
+            data = event.data
+            sent = self._write_at_once(data)
+            if sent < 0:  # the peer is gone: hypercorn's own path reports it
+                await super().protocol_send(event)
+                return
+            if sent == len(data):
+                return
+            event = RawData(data=data[sent:])
+        await super().protocol_send(event)
+
+    def _write_at_once(self, data: bytes) -> int:
+        """Bytes of ``data`` the socket takes without waiting: 0 for a full buffer or a TLS
+        stream, -1 for a socket that failed."""
+        sock = getattr(self.stream, "socket", None)  # trio.SocketStream; an SSLStream has none
+        if sock is None or not data:
+            return 0
+        try:
+            return os.write(sock.fileno(), data)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            return -1
 
 
 class _CappedListener(trio.abc.Listener[trio.abc.Stream]):
@@ -108,7 +149,7 @@ async def serve_asgi(
             async with trio.open_nursery() as nursery:
                 if on_connection is not None:
                     nursery.start_soon(on_connection, stream)
-                await TCPServer(wrapped, config, context, {}, stream)
+                await _EagerTCPServer(wrapped, config, context, {}, stream)
                 nursery.cancel_scope.cancel()
         finally:
             slots.release()
