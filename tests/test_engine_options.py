@@ -4,6 +4,7 @@ devices, the two modes' settings, and what `uma-trio info` prints (issue 16)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -121,3 +122,56 @@ def test_serve_refuses_bad_engine_options_naming_the_flag() -> None:
     ]:  # fmt: skip
         done = run_cli("serve", *args, "--socket", "/tmp/uma-never/x.sock")
         assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr
+
+
+def test_no_cuda_graphs_parses_from_the_flag_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from uma_trio import cli
+
+    assert ServerConfig().cuda_graphs is True
+    assert cli.app.parse_args(["serve", "--no-cuda-graphs"])[1].kwargs["config"].cuda_graphs is False
+    monkeypatch.setenv("UMA_CUDA_GRAPHS", "false")
+    assert cli.app.parse_args(["serve"])[1].kwargs["config"].cuda_graphs is False
+
+
+def test_no_cuda_graphs_turns_llama_cpps_switch_on_and_nothing_turns_it_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from uma_trio.engine.devices import apply_cuda_graphs, captures_cuda_graphs
+
+    # Set, then removed: monkeypatch then restores the variable as it was when the test ends.
+    monkeypatch.setenv("GGML_CUDA_DISABLE_GRAPHS", "")
+    monkeypatch.delenv("GGML_CUDA_DISABLE_GRAPHS")
+    apply_cuda_graphs(True)
+    assert "GGML_CUDA_DISABLE_GRAPHS" not in os.environ
+    apply_cuda_graphs(False)
+    assert os.environ["GGML_CUDA_DISABLE_GRAPHS"] == "1"
+    apply_cuda_graphs(True)  # the environment's switch, or an earlier model's, stands
+    assert os.environ["GGML_CUDA_DISABLE_GRAPHS"] == "1"
+    assert captures_cuda_graphs(33) is False  # whatever devices this machine has
+
+
+@pytest.mark.model
+def test_no_cuda_graphs_reaches_llama_cpp_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ggml-cuda reads its switch once, at the first step of any model: it must be set before
+    the weights load, not after."""
+    from uma_trio import daemon
+    from uma_trio.engine.llama import ModelLoadError
+    from uma_trio.model_files import ensure_default_model
+
+    # Set, then removed: monkeypatch then restores the variable as it was when the test ends.
+    monkeypatch.setenv("GGML_CUDA_DISABLE_GRAPHS", "")
+    monkeypatch.delenv("GGML_CUDA_DISABLE_GRAPHS")
+    seen: dict[str, str | None] = {}
+
+    def loading(path: object, placement: object) -> None:
+        seen["switch"] = os.environ.get("GGML_CUDA_DISABLE_GRAPHS")
+        raise ModelLoadError("stopped before the weights")
+
+    monkeypatch.setattr(daemon, "LlamaModel", loading)
+    with pytest.raises(ModelLoadError):
+        daemon.load_model(ensure_default_model(), ServerConfig(cuda_graphs=False))
+    assert seen["switch"] == "1"
+    monkeypatch.delenv("GGML_CUDA_DISABLE_GRAPHS")
+    with pytest.raises(ModelLoadError):
+        daemon.load_model(ensure_default_model(), ServerConfig())
+    assert seen["switch"] is None

@@ -192,6 +192,13 @@ class ServerConfig:
     and the compute thread does no argmax; other requests' rows still come back. Same tokens
     (tests/test_gpu_sampling.py). Off by default: on the H100 the graph's per-sequence argmax
     cost what it saved (BENCHMARKS.md "GPU", step probe); on a CPU it saves nothing."""
+    cuda_graphs: bool = True
+    """llama.cpp's CUDA graphs (CUDA builds only): a steady decode is captured once and then
+    replayed, 1-6 % more tokens/s on the H100; but each new batch shape costs one capture
+    step (the second step at that shape, 5-9 ms more on an 8B model), which the streams see
+    as a gap whenever the number of decoding chats changes. --no-cuda-graphs runs every step
+    kernel by kernel instead: the tail for the throughput, as vLLM's --enforce-eager
+    (BENCHMARKS.md "GPU"). GGML_CUDA_DISABLE_GRAPHS in the environment turns them off too."""
     tick_trace: Annotated[Path | None, Parameter(show_default="off")] = None
     """Append one JSON line per engine step to this file (METRICS.md "Per-step trace"): tokens
     planned, predicted and measured step time, budget, whether the step ran ahead. A

@@ -17,6 +17,7 @@ import trio
 from .config import ConfigError, ServerConfig, parse_memory_budget, read_api_keys
 from .engine.base import BatchEntry
 from .engine.chat_template import ChatTemplateError, JinjaChatTemplate
+from .engine.devices import apply_cuda_graphs
 from .engine.llama import (
     KV_TYPES,
     ContextConfig,
@@ -73,6 +74,7 @@ def load_model(model_path: Path, config: ServerConfig) -> LlamaModel:
     template = chat_template_file(config.chat_template)  # refused before the weights load
     plan = offload_plan(read_shape(model_path), config)
     log.info("GPU layers: %d of %d (%s)", plan.n_gpu_layers, plan.total, plan.reason)
+    apply_cuda_graphs(config.cuda_graphs)  # before the first step of any model
     model = LlamaModel(model_path, placement_for(plan, config))
     if template is not None:
         model.use_chat_template(template)

@@ -125,6 +125,8 @@ def info(
     print(f"flash attn    {summary['flash_attn']}")
     if st["cuda_graphs"]:
         print("CUDA graphs   captured and replayed by llama.cpp; prompt ticks keep off the captured shape")
+    elif layers["offloaded"] and any(d["backend"] == "CUDA" for d in summary["devices"]):
+        print("CUDA graphs   off (--no-cuda-graphs or GGML_CUDA_DISABLE_GRAPHS): every step kernel by kernel")
     mode = "deterministic (exact greedy output)" if st["deterministic"] else "fast"
     print(f"mode          {mode}: n_ubatch {st['n_ubatch']}, n_batch {st['n_batch']}, "
           f"{st['n_seq_max']} sessions x {st['n_ctx_seq']} cells, kv_unified {st['kv_unified']}, "

@@ -461,12 +461,16 @@ def engine_device_key(engine: LlamaEngine) -> str:
     from .devices import devices
 
     m, c = engine.model, engine.config
-    gpus = [f"{d.name} {d.description}" for d in devices() if d.offloads] if m.layers_offloaded else []
+    used = [d for d in devices() if d.offloads] if m.layers_offloaded else []
+    gpus = [f"{d.name} {d.description}" for d in used]
     where = ", ".join(gpus) if gpus else "CPU"
-    return (
+    key = (
         f"{where}; layers {m.layers_offloaded}/{m.layers_total}; {m.path.name}; n_ubatch "
         f"{min(c.n_ubatch, c.n_batch)}; kv {c.kv_type}; flash_attn {'on' if engine.flash_attn else 'off'}"
     )
+    # Captures change a CUDA step's cost (other keys stay as they were, so their files still fit).
+    cuda = any(d.backend == "CUDA" for d in used)
+    return f"{key}; cuda_graphs off" if cuda and not engine.captures_graphs else key
 
 
 def describe_run(model_path: Path, threads: int) -> str:

@@ -113,6 +113,15 @@ def devices() -> tuple[Device, ...]:
     return tuple(found)
 
 
+def apply_cuda_graphs(enabled: bool) -> None:
+    """``--no-cuda-graphs``: llama.cpp's CUDA backend runs every step kernel by kernel, in
+    this process.  ggml-cuda reads ``GGML_CUDA_DISABLE_GRAPHS`` once, at the first step of
+    any model, so this must run before a model loads.  ``enabled`` changes nothing: the
+    variable, where the environment sets it, still turns the graphs off."""
+    if not enabled:
+        os.environ["GGML_CUDA_DISABLE_GRAPHS"] = "1"
+
+
 def captures_cuda_graphs(layers_offloaded: int) -> bool:
     """Whether llama.cpp will capture and replay CUDA graphs for this model's steps: layers on a
     CUDA device, and ggml-cuda's ``GGML_CUDA_DISABLE_GRAPHS`` unset (sched/graph_shapes.py)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ServerConfig, parse_gpu_layers
-from .devices import captures_cuda_graphs, devices, supports_gpu_offload, system_info
+from .devices import apply_cuda_graphs, captures_cuda_graphs, devices, supports_gpu_offload, system_info
 from .llama import KV_TYPES, ModelShape, Placement, read_shape
 from .offload import OffloadPlan, plan_offload
 from .summary import engine_summary
@@ -52,6 +52,7 @@ def placement_for(plan: OffloadPlan, config: ServerConfig) -> Placement:
 def planned_summary(model_path: Path, config: ServerConfig) -> dict[str, Any]:
     shape = read_shape(model_path)
     plan = offload_plan(shape, config)
+    apply_cuda_graphs(config.cuda_graphs)  # as serve would, so the summary says what it would run
     cells = config.n_ctx * config.max_sessions
     flash = config.engine_flash_attn
     return engine_summary(
