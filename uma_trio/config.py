@@ -194,11 +194,14 @@ class ServerConfig:
     cost what it saved (BENCHMARKS.md "GPU", step probe); on a CPU it saves nothing."""
     cuda_graphs: bool = True
     """llama.cpp's CUDA graphs (CUDA builds only): a steady decode is captured once and then
-    replayed, 1-6 % more tokens/s on the H100; but each new batch shape costs one capture
-    step (the second step at that shape, 5-9 ms more on an 8B model), which the streams see
-    as a gap whenever the number of decoding chats changes. --no-cuda-graphs runs every step
-    kernel by kernel instead: the tail for the throughput, as vLLM's --enforce-eager
-    (BENCHMARKS.md "GPU"). GGML_CUDA_DISABLE_GRAPHS in the environment turns them off too."""
+    replayed; each new batch shape costs one capture step (the second step at that shape,
+    5-9 ms more on an 8B model), which the streams see as a gap when the number of decoding
+    chats changes. --no-cuda-graphs runs every step kernel by kernel, as vLLM's
+    --enforce-eager: no capture steps, but each step's kernels are then launched from the
+    host, which is slower, the more so on a busy host (H100: 1-19 % fewer tokens/s), and on
+    the H100s measured it did not shorten the chats' longest gaps (BENCHMARKS.md "GPU", runs
+    GE and GK). For diagnosis, or a driver whose captures misbehave.
+    GGML_CUDA_DISABLE_GRAPHS in the environment turns them off too."""
     tick_trace: Annotated[Path | None, Parameter(show_default="off")] = None
     """Append one JSON line per engine step to this file (METRICS.md "Per-step trace"): tokens
     planned, predicted and measured step time, budget, whether the step ran ahead. A
