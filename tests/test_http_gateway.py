@@ -89,12 +89,13 @@ async def test_a_streamed_body_arrives_whole_and_in_order_whether_written_at_onc
     """Body chunks go straight to the socket while it takes them and wait behind hypercorn's
     lock once it is full (the reader lags): the client must get every byte, in order."""
     chunks, size = 5000, 4096
-    short_writes = 0
+    writes = short_writes = 0
     write_at_once = serve._EagerTCPServer._write_at_once
 
     def counted(self: serve._EagerTCPServer, data: bytes) -> int:
-        nonlocal short_writes
+        nonlocal writes, short_writes
         sent = write_at_once(self, data)
+        writes += 1
         short_writes += sent < len(data)
         return sent
 
@@ -120,4 +121,5 @@ async def test_a_streamed_body_arrives_whole_and_in_order_whether_written_at_onc
                 indices = [int(body[i * size : i * size + 8]) for i in range(chunks)]
                 assert indices == list(range(chunks))
         nursery.cancel_scope.cancel()
+    assert writes > chunks  # the request read, the chunks were tried at once (both times)
     assert short_writes > 0  # the lagging reader did send the rest through the locked path

@@ -233,6 +233,20 @@ async def test_api_key_file_keys_are_all_accepted_and_do_not_share_prefixes(tmp_
             assert (await http.post("/generate", json=body, headers=wrong)).status_code == 401
 
 
+async def test_answers_sent_before_the_body_is_read_keep_their_connection(tmp_path: Path) -> None:
+    """A 401 goes out before the gateway reads the request's body.  Hypercorn closes a
+    connection whose request was not read whole when its response ends; the gateway's
+    writes at once (http/serve.py) must leave it the checkpoints that let it read the body
+    first, or a client's next request on that keep-alive connection finds it gone."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-alice\n")
+    body = {"prompt": "shared system prompt words " * 40, "max_tokens": 2, "stream": False}
+    async with gateway_on_sim(api_key_file=keys) as (_, _, url), httpx.AsyncClient(base_url=url) as http:
+        for _ in range(60):
+            answer = await http.post("/generate", json=body, headers={"authorization": "Bearer sk-eve"})
+            assert answer.status_code == 401
+
+
 def test_tls_and_key_file_settings_are_checked(tmp_path: Path) -> None:
     from uma_trio.config import ServerConfig, read_api_keys
 

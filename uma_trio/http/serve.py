@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any, cast
 
+import h11
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
@@ -71,11 +72,12 @@ class _EagerTCPServer(TCPServer):
     and on two cores that host work per token runs beside the decode (BENCHMARKS.md
     "HTTP: a token's write").  Written at once it costs one system call; only what the
     socket does not take waits, behind the lock, as before.  Nothing else runs until this
-    task waits, so no other write can come between.  TLS streams keep hypercorn's path.
+    task waits, so no other write can come between.  TLS streams, HTTP/2 and a response to
+    a request not yet read whole keep hypercorn's path.
     """
 
     async def protocol_send(self, event: Event) -> None:
-        if isinstance(event, RawData) and not self.send_lock.locked():
+        if isinstance(event, RawData) and not self.send_lock.locked() and self._request_read():
             data = event.data
             sent = self._write_at_once(data)
             if sent < 0:  # the peer is gone: hypercorn's own path reports it
@@ -85,6 +87,15 @@ class _EagerTCPServer(TCPServer):
                 return
             event = RawData(data=data[sent:])
         await super().protocol_send(event)
+
+    def _request_read(self) -> bool:
+        """Whether the HTTP/1.1 request being answered has been read whole.  Until it has,
+        writes keep hypercorn's path: its checkpoints let the reading task take in the rest
+        of the body before the response ends, or hypercorn, seeing the request unfinished
+        then, closes the connection, and a client's next request on it (a 401 answered
+        before the body was read, say) finds it gone."""
+        protocol = getattr(getattr(self, "protocol", None), "protocol", None)  # h11 or h2
+        return getattr(getattr(protocol, "connection", None), "their_state", None) is h11.DONE
 
     def _write_at_once(self, data: bytes) -> int:
         """Bytes of ``data`` the socket takes without waiting: 0 for a full buffer or a TLS
