@@ -50,6 +50,7 @@ import msgspec
 import psutil
 import trio
 from bench_output import free_port
+from cpu_steal import StealSampler
 from prometheus_client.parser import text_string_to_metric_families
 
 from uma_trio.loadgen import Scenario, ScenarioResult, load_suite, run_scenario
@@ -228,9 +229,25 @@ def efficiency_table(results: Sequence[ScenarioResult], capacity: Capacity) -> s
     return "\n".join(lines) + "\n"
 
 
-def run_suite(suite_name: str, targets: list[Target]) -> list[ScenarioResult]:
+def run_suite(suite_name: str, targets: list[Target]) -> tuple[list[ScenarioResult], str]:
+    """The suite on each target in turn, and a line saying how much CPU time the hypervisor
+    took during each run (a step 4x its usual length with nothing in it is usually that)."""
     suite = load_suite(SCENARIOS / f"{suite_name}.json")
-    return trio.run(run_bench, suite, targets)
+
+    async def bench() -> tuple[list[ScenarioResult], float]:
+        # The loadgen's times are trio's clock: perf_counter plus an offset of trio's own.
+        offset = trio.current_time() - time.perf_counter()
+        return await run_bench(suite, targets), offset
+
+    with StealSampler() as steal:
+        results, offset = trio.run(bench)
+    parts = []
+    for r in results:
+        seconds = steal.during(r.started - offset, r.finished - offset)
+        share = seconds / max((r.finished - r.started) * THREADS, 1e-9)
+        parts.append(f"{r.target} {r.scenario.name} {seconds:.2f} s ({100 * share:.1f} %)")
+    head = "CPU steal (taken by the hypervisor, of all cores' time) during each run: "
+    return results, head + ", ".join(parts) + "\n"
 
 
 async def run_separate(scenario: Scenario, targets: Sequence[Target]) -> ScenarioResult:
@@ -319,7 +336,7 @@ def main() -> None:
                             "llama-cpp-python server", out / "llama-cpp-python.log")
                 )  # fmt: skip
                 targets.append(OpenAITarget(lcp_url, "llama-cpp-python"))
-            results = run_suite(name, targets)
+            results, steal = run_suite(name, targets)
             rss = {label: rss_bytes(process) for label, process in rss_of.items()}
             gc = gc_line(uma_url)
         rows = summary_rows(results)
@@ -339,7 +356,7 @@ def main() -> None:
             ceiling_rows = [{"streams": k, "s_tg_tok_s": v} for k, v in ceiling.items()]
             write_csv(out / "batched_bench.csv", ceiling_rows, ["streams", "s_tg_tok_s"])
         rss_line = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in rss.items())
-        tables.append(table_markdown(name, rows) + f"\nRSS at the end: {rss_line}\n{gc}{extra}")
+        tables.append(table_markdown(name, rows) + f"\nRSS at the end: {rss_line}\n{gc}{steal}{extra}")
         print(tables[-1], flush=True)
     (args.out / "tables.md").write_text("\n".join(tables))
     print(f"wrote {args.out / 'tables.md'}")
