@@ -9,6 +9,13 @@ stopped.  Results go to ``OUT/SCENARIO/`` (tokens.csv, requests.csv, summary.csv
 plots, uma-trio's per-step trace ``ticks.jsonl``) and the side-by-side tables to
 ``OUT/tables.md``.
 
+``--reps N`` runs each scenario N times, each time on freshly started servers (so no run
+finds the prompts of the one before in a cache) with the targets' order alternating; each
+run's results go to ``OUT/SCENARIO/run-K/``, and the tables (and ``OUT/SCENARIO/summary.csv``)
+give every figure's median over the runs, followed by each run's uma-trio / llama-server
+ratio of aggregate tokens/s (uma_trio/loadgen/repeats.py).  On a 2-core VM one run moves by
+±10 % from the next, more than the targets the ratios are read against.
+
 Where a one-request-at-a-time server applies (``mixed``, ``ipc``), llama-cpp-python's own
 server (``python -m llama_cpp.server``, installed by build.sh into ``peers/lcp-venv``) runs
 as a third target.  Every target gets one unreported warm-up request first.
@@ -26,7 +33,7 @@ Extra comparisons:
 * ``long_ctx`` (the seeds' benchmark B) is an engine-level sweep over KV types, not a
   load-generator suite: it runs in ``benches/long_ctx.py``, and this script says so.
 
-    python benches/compare.py [--scenarios mixed scaling ...] [--peers DIR] [--out DIR]
+    python benches/compare.py [--scenarios mixed scaling ...] [--reps N] [--peers DIR] [--out DIR]
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import argparse
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,8 +62,16 @@ from cpu_steal import StealSampler
 from prometheus_client.parser import text_string_to_metric_families
 
 from uma_trio.loadgen import Scenario, ScenarioResult, load_suite, run_scenario
-from uma_trio.loadgen.bench import run_bench, side_by_side, summary_rows, write_csv, write_results
+from uma_trio.loadgen.bench import (
+    SUMMARY_FIELDS,
+    run_bench,
+    side_by_side,
+    summary_rows,
+    write_csv,
+    write_results,
+)
 from uma_trio.loadgen.efficiency import Capacity, busy_seconds, efficiency, ideal_seconds
+from uma_trio.loadgen.repeats import median_rows, rep_ratios, spread_line
 from uma_trio.loadgen.targets import OpenAITarget, Target, UmaTarget
 from uma_trio.model_files import ensure_default_model
 
@@ -215,18 +231,81 @@ def engine_capacity(peers: Path, model: Path, out: Path) -> Capacity:
     return Capacity(prefill=prefill, decode=decode)
 
 
-def efficiency_table(results: Sequence[ScenarioResult], capacity: Capacity) -> str:
+def efficiency_table(reps: Sequence[Rep], capacity: Capacity) -> str:
+    """Per run and target, the engine time its work needs over the time it had work; with
+    several repetitions a line each, then their median."""
     lines = [
         "\n| run | target | busy s | ideal s (batched-bench) | scheduler efficiency |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for result in results:
-        prompts = {c.name: c.prompt_tokens for c in result.scenario.expanded().clients}
-        busy = busy_seconds(result.records)
-        ideal = ideal_seconds(result.records, capacity, prompts)
-        share = efficiency(result.records, capacity, prompts)
-        lines.append(f"| {result.scenario.name} | {result.target} | {busy:.2f} | {ideal:.2f} | {share} |")
+    shares: dict[tuple[str, str], list[float]] = {}
+    for index, rep in enumerate(reps):
+        for result in rep.results:
+            prompts = {c.name: c.prompt_tokens for c in result.scenario.expanded().clients}
+            busy = busy_seconds(result.records)
+            ideal = ideal_seconds(result.records, capacity, prompts)
+            share = efficiency(result.records, capacity, prompts)
+            if share is not None:
+                shares.setdefault((result.scenario.name, result.target), []).append(share)
+            run = result.scenario.name if len(reps) == 1 else f"{result.scenario.name} (run {index + 1})"
+            lines.append(f"| {run} | {result.target} | {busy:.2f} | {ideal:.2f} | {share} |")
+    if len(reps) > 1:
+        for (run, target), values in shares.items():
+            lines.append(f"| {run} (median) | {target} | | | {statistics.median(values):.3f} |")
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Rep:
+    """One run of a scenario on freshly started servers."""
+
+    results: list[ScenarioResult]
+    steal: str
+    rss: dict[str, int]
+    gc: str
+
+
+def run_servers(name: str, args: argparse.Namespace, model: Path, out: Path, rep: int) -> Rep:
+    """Scenario ``name`` on a fresh uma-trio and llama-server (and llama-cpp-python's server
+    where it applies), the targets' order alternating from one repetition to the next so
+    neither always runs first; results under ``out`` (``out/run-K`` with several)."""
+    setup = SETUPS[name]
+    if args.reps > 1:
+        out = out / f"run-{rep + 1}"
+    with tempfile.TemporaryDirectory(prefix="uma-cmp-") as tmp, ExitStack() as stack:
+        sock, uma_port, peer_port = Path(tmp) / "u.sock", free_port(), free_port()
+        uma_url, peer_url = f"http://127.0.0.1:{uma_port}", f"http://127.0.0.1:{peer_port}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ticks.jsonl").unlink(missing_ok=True)  # the trace appends
+        command = uma_command(setup, sock, uma_port, out / "ticks.jsonl")
+        uma = stack.enter_context(running(command, uma_url, "uma-trio", out / "uma.log"))
+        peer = stack.enter_context(
+            running(llama_server_command(args.peers, model, setup, peer_port), peer_url, "llama-server",
+                    out / "llama-server.log")
+        )  # fmt: skip
+        targets: list[Target] = [UmaTarget(sock, "uma-trio")]
+        if name == "ipc":
+            targets.append(OpenAITarget(uma_url, "uma-trio-http"))
+        targets.append(OpenAITarget(peer_url, "llama-server"))
+        rss_of = {"uma-trio": uma, "llama-server": peer}
+        if name in LLAMA_CPP_PYTHON_SCENARIOS and (args.peers / "lcp-venv").is_dir():
+            lcp_port = free_port()
+            lcp_url = f"http://127.0.0.1:{lcp_port}"
+            rss_of["llama-cpp-python"] = stack.enter_context(
+                running(llama_cpp_python_command(args.peers, model, setup, lcp_port), lcp_url,
+                        "llama-cpp-python server", out / "llama-cpp-python.log")
+            )  # fmt: skip
+            targets.append(OpenAITarget(lcp_url, "llama-cpp-python"))
+        order = targets if rep % 2 == 0 else targets[::-1]
+        results, steal = run_suite(name, order)
+        # The tables keep uma-trio first whichever ran first.
+        results.sort(key=lambda r: [t.label for t in targets].index(r.target))
+        rss = {label: rss_bytes(process) for label, process in rss_of.items()}
+        gc = gc_line(uma_url)
+    write_results(results, out)
+    if args.reps > 1:
+        steal = f"run {rep + 1}: {steal}"
+    return Rep(results=results, steal=steal, rss=rss, gc=gc)
 
 
 def run_suite(suite_name: str, targets: list[Target]) -> tuple[list[ScenarioResult], str]:
@@ -284,7 +363,13 @@ def main() -> None:
     parser.add_argument("--scenarios", nargs="+", default=choices, choices=choices)
     parser.add_argument("--peers", type=Path, default=DEFAULT_PEERS)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "compare")
+    parser.add_argument(
+        "--reps", type=int, default=1,
+        help="run each scenario this many times on fresh servers; the tables give each figure's median",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
     if not (args.peers / "llama-server").is_file():
         raise SystemExit(f"no llama-server in {args.peers}: run `bash benches/peers/build.sh` first")
     model = ensure_default_model()
@@ -310,40 +395,19 @@ def main() -> None:
         if name == "each_app_separate":
             tables.append(each_app_separate(args.peers, model, args.out))
             continue
-        setup = SETUPS[name]
-        with tempfile.TemporaryDirectory(prefix="uma-cmp-") as tmp, ExitStack() as stack:
-            sock, uma_port, peer_port = Path(tmp) / "u.sock", free_port(), free_port()
-            uma_url, peer_url = f"http://127.0.0.1:{uma_port}", f"http://127.0.0.1:{peer_port}"
-            out = args.out / name
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "ticks.jsonl").unlink(missing_ok=True)  # the trace appends
-            command = uma_command(setup, sock, uma_port, out / "ticks.jsonl")
-            uma = stack.enter_context(running(command, uma_url, "uma-trio", out / "uma.log"))
-            peer = stack.enter_context(
-                running(llama_server_command(args.peers, model, setup, peer_port), peer_url, "llama-server",
-                        out / "llama-server.log")
-            )  # fmt: skip
-            targets: list[Target] = [UmaTarget(sock, "uma-trio")]
-            if name == "ipc":
-                targets.append(OpenAITarget(uma_url, "uma-trio-http"))
-            targets.append(OpenAITarget(peer_url, "llama-server"))
-            rss_of = {"uma-trio": uma, "llama-server": peer}
-            if name in LLAMA_CPP_PYTHON_SCENARIOS and (args.peers / "lcp-venv").is_dir():
-                lcp_port = free_port()
-                lcp_url = f"http://127.0.0.1:{lcp_port}"
-                rss_of["llama-cpp-python"] = stack.enter_context(
-                    running(llama_cpp_python_command(args.peers, model, setup, lcp_port), lcp_url,
-                            "llama-cpp-python server", out / "llama-cpp-python.log")
-                )  # fmt: skip
-                targets.append(OpenAITarget(lcp_url, "llama-cpp-python"))
-            results, steal = run_suite(name, targets)
-            rss = {label: rss_bytes(process) for label, process in rss_of.items()}
-            gc = gc_line(uma_url)
-        rows = summary_rows(results)
-        write_results(results, out)
-        extra = efficiency_table(results, capacity) if capacity is not None else ""
+        reps = [run_servers(name, args, model, args.out / name, rep) for rep in range(args.reps)]
+        per_rep_rows = [summary_rows(rep.results) for rep in reps]
+        rows = per_rep_rows[0] if args.reps == 1 else median_rows(per_rep_rows)
+        if args.reps > 1:
+            write_csv(args.out / name / "summary.csv", rows, SUMMARY_FIELDS)
+        rss, gc, steal = reps[-1].rss, reps[-1].gc, "".join(rep.steal for rep in reps)
+        extra = efficiency_table(reps, capacity) if capacity is not None else ""
+        if args.reps > 1:
+            extra += "\n" + spread_line(
+                rep_ratios(per_rep_rows, "uma-trio", "llama-server"), "uma-trio / llama-server tokens/s"
+            )
         if name == "scaling":
-            sizes = [len(r.scenario.expanded().clients) for r in results if r.target == "uma-trio"]
+            sizes = [len(r.scenario.expanded().clients) for r in reps[0].results if r.target == "uma-trio"]
             ceiling = batched_bench(args.peers, model, sizes, prompt=32, tokens=128)
             extra += "\n| streams | uma-trio tok/s | llama-server tok/s | llama-batched-bench S_TG tok/s |" \
                     "\n| --- | --- | --- | --- |\n"  # fmt: skip
@@ -354,9 +418,10 @@ def main() -> None:
                     f"| {size} | {got.get('uma-trio')} | {got.get('llama-server')} | {ceiling.get(size)} |\n"
                 )
             ceiling_rows = [{"streams": k, "s_tg_tok_s": v} for k, v in ceiling.items()]
-            write_csv(out / "batched_bench.csv", ceiling_rows, ["streams", "s_tg_tok_s"])
+            write_csv(args.out / name / "batched_bench.csv", ceiling_rows, ["streams", "s_tg_tok_s"])
         rss_line = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in rss.items())
-        tables.append(table_markdown(name, rows) + f"\nRSS at the end: {rss_line}\n{gc}{steal}{extra}")
+        title = name if args.reps == 1 else f"{name} (medians of {args.reps} runs)"
+        tables.append(table_markdown(title, rows) + f"\nRSS at the end: {rss_line}\n{gc}{steal}{extra}")
         print(tables[-1], flush=True)
     (args.out / "tables.md").write_text("\n".join(tables))
     print(f"wrote {args.out / 'tables.md'}")
