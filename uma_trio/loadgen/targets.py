@@ -175,6 +175,11 @@ class OpenAITarget:
             yield _OpenAIConnection(http, self.model)
 
 
+# A request that fails before the server answered is sent again this many times, each on a
+# new connection (the openai SDK retries such errors twice by default).
+STALE_CONNECTION_RETRIES = 2
+
+
 class _OpenAIConnection:
     def __init__(self, http: httpx.AsyncClient, model: str) -> None:
         self.http, self.model = http, model
@@ -185,25 +190,39 @@ class _OpenAIConnection:
         import httpx
 
         body = completion_body(spec, index, self.model)
-        try:
-            async with self.http.stream(
-                "POST", "/v1/completions", json=body, headers={"x-uma-priority": spec.lane}
-            ) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    record.ended, record.error_code = clock(), f"HTTP_{response.status_code}"
-                    return True
-                done = False
-                async for line in response.aiter_lines():  # read to the end: the connection is reused
-                    if done:
-                        continue
-                    before = len(record.token_times)
-                    done = apply_chunk(line, record, clock())
-                    for _ in range(len(record.token_times) - before):
-                        on_token()
-        except httpx.TransportError:
-            record.ended, record.error_code = clock(), CONNECTION_LOST
-            return False
+        answered = False  # whether the server sent a status line for this request
+        for attempt in range(1 + STALE_CONNECTION_RETRIES):
+            try:
+                async with self.http.stream(
+                    "POST", "/v1/completions", json=body, headers={"x-uma-priority": spec.lane}
+                ) as response:
+                    answered = True
+                    return await self._read(response, record, clock, on_token)
+            except httpx.TransportError:
+                # A kept-alive connection the server closed between two requests (llama-server's
+                # HTTP library does) fails before any answer: the request never reached the
+                # server, and like the openai SDK the client sends it again on a new connection.
+                if answered or attempt == STALE_CONNECTION_RETRIES:
+                    record.ended, record.error_code = clock(), CONNECTION_LOST
+                    return False
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    async def _read(
+        response: httpx.Response, record: RequestRecord, clock: Clock, on_token: Callable[[], None]
+    ) -> bool:
+        if response.status_code != 200:
+            await response.aread()
+            record.ended, record.error_code = clock(), f"HTTP_{response.status_code}"
+            return True
+        done = False
+        async for line in response.aiter_lines():  # read to the end: the connection is reused
+            if done:
+                continue
+            before = len(record.token_times)
+            done = apply_chunk(line, record, clock())
+            for _ in range(len(record.token_times) - before):
+                on_token()
         if record.ended is None:
             record.ended, record.error_code = clock(), CONNECTION_LOST
             return False
