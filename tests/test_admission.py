@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from uma_trio.runtime.admission import Capacity, InteractiveDemand, Waiting, next_to_admit
 
 ROOMY = Capacity(
@@ -55,3 +58,41 @@ def test_interactive_demand_is_the_peak_of_the_last_window() -> None:
     demand.note(20.0, 0)
     assert demand.peak(20.0) == 2 and demand.peak(31.0) == 0
     assert InteractiveDemand().peak(0.0) == 0
+
+
+def naive_peak(changes: list[tuple[float, int]], now: float, window_s: float) -> int:
+    """The definition: the highest count that held at any time in ``(now - window_s, now]``;
+    each change holds until the next one."""
+    start = now - window_s
+    held = [
+        count for i, (_, count) in enumerate(changes) if i + 1 == len(changes) or changes[i + 1][0] > start
+    ]
+    return max(held, default=0)
+
+
+@given(
+    st.lists(st.tuples(st.floats(0.0, 4.0), st.integers(0, 6), st.floats(0.0, 4.0)), min_size=1, max_size=80)
+)
+def test_interactive_demand_matches_the_definition_at_every_read(
+    steps: list[tuple[float, int, float]],
+) -> None:
+    """Notes and reads at random, never going back in time (the decode loop's clock)."""
+    demand = InteractiveDemand(window_s=10.0)
+    changes: list[tuple[float, int]] = []
+    now = 0.0
+    for advance, count, wait in steps:
+        now += advance
+        demand.note(now, count)
+        if not changes or changes[-1][1] != count:
+            changes.append((now, count))
+        assert demand.peak(now) == naive_peak(changes, now, 10.0)
+        now += wait  # a read between two notes
+        assert demand.peak(now) == naive_peak(changes, now, 10.0)
+
+
+def test_interactive_demand_keeps_only_what_can_still_be_the_peak() -> None:
+    demand = InteractiveDemand(window_s=10.0)
+    for i in range(2_000):  # a chain of short requests: 0, 1, 0, 1, ...
+        demand.note(i * 0.01, i % 2)
+    assert demand.peak(20.0) == 1
+    assert len(demand._peaks) <= 2

@@ -12,6 +12,7 @@ interactive requests needed lately (:class:`InteractiveDemand`).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,14 +61,27 @@ class InteractiveDemand:
 
     def __init__(self, window_s: float = 10.0) -> None:
         self.window_s = window_s
-        self._changes: deque[tuple[float, int]] = deque()  # (when, count): each holds until the next
+        # Each change of the count holds until the next.  Only the changes that can still be
+        # the peak are kept, as [when, count, until] with the counts falling from front to
+        # back: a change followed by a higher count never is again, since the higher one
+        # holds later.  So peak() is the front's count once the changes that ended before the
+        # window are dropped, in O(1) amortized: a chain of short requests notes two changes
+        # per request, a few thousand in the window, and the loop asks every round.
+        self._peaks: deque[list[float]] = deque()
+        self._last = -1  # the count noted last
 
     def note(self, now: float, count: int) -> None:
-        if not self._changes or self._changes[-1][1] != count:
-            self._changes.append((now, count))
+        if count == self._last:
+            return
+        if self._peaks:
+            self._peaks[-1][2] = now  # the change before this one (always last) ends here
+        while self._peaks and self._peaks[-1][1] <= count:
+            self._peaks.pop()
+        self._peaks.append([now, count, math.inf])
+        self._last = count
 
     def peak(self, now: float) -> int:
         start = now - self.window_s
-        while len(self._changes) > 1 and self._changes[1][0] <= start:
-            self._changes.popleft()  # it ended before the window began
-        return max((count for _, count in self._changes), default=0)
+        while self._peaks and self._peaks[0][2] <= start:
+            self._peaks.popleft()  # it ended before the window began
+        return int(self._peaks[0][1]) if self._peaks else 0
