@@ -67,6 +67,7 @@ from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pa
 from .pull import PullApi
 from .responses import error_response, http_error_response, json_response, unexpected_error_response
 from .responses_api import ResponsesApi
+from .serve import AsgiApp, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class Gateway:
         self.url: str | None = None
         self.urls: list[str] = []  # every address it serves: --http's, then --ollama's
         self.fresh = FreshConnections()  # connections whose first request is still to come
-        self.app = self.fresh.wrap(self._starlette(hosts, cors_origins, api_key, api_keys))
+        self.app = self._counting(self.fresh.wrap(self._starlette(hosts, cors_origins, api_key, api_keys)))
 
     def _starlette(
         self, hosts: frozenset[str], cors_origins: Sequence[str], api_key: str | None, api_keys: Sequence[str]
@@ -160,12 +161,28 @@ class Gateway:
     def attach(self, server: RequestDesk) -> None:
         self.server = server
 
+    def _counting(self, app: AsgiApp) -> AsgiApp:
+        """``app``, counting each request against its connection among the daemon's open
+        connections (runtime/clients.py: a lone client's next request needs no burst wait)."""
+
+        async def counted(scope: Scope, receive: Receive, send: Send) -> None:
+            client = scope.get("client")
+            if scope["type"] == "http" and client and self.server is not None:
+                self.server.clients.sent((str(client[0]), int(client[1])))
+            await app(scope, receive, send)
+
+        return counted
+
     async def watch_connection(self, stream: object) -> None:
-        """Beside each accepted connection (serve_asgi's ``on_connection``): it counts as a
-        request on its way in until its first request reaches the app (http/fresh.py)."""
+        """Beside each accepted connection (serve_asgi's ``on_connection``, cancelled when it
+        closes): it counts as a request on its way in until its first request reaches the app
+        (http/fresh.py), and among the daemon's open connections until it closes
+        (runtime/clients.py)."""
         server, peer = self.server, peer_of(stream)
         if server is not None and peer is not None:
-            await self.fresh.watch(peer, server.loop.arrivals.mark)
+            with server.clients.connected(peer):
+                await self.fresh.watch(peer, server.loop.arrivals.mark)
+                await trio.sleep_forever()
 
     def _refuse(self, error: ApiError) -> Response:
         log.info("HTTP %d: %s", error.status, error.message)

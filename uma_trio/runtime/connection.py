@@ -161,6 +161,7 @@ class Connection:
         if rid in self.requests:
             raise UmaError(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight", request_id=rid)
         self._check_room(rid)
+        self.server.clients.sent(self)
         stream = await self.server.open_request(request, arrived, connection=self.number, owner=self.owner)
         self.requests[rid] = stream
         self._set_idle_deadline()

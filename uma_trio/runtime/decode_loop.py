@@ -57,6 +57,7 @@ from ..sched.state import Lane, Plan, SchedulerState, SessionState
 from .admission import Capacity, InteractiveDemand, Waiting, next_to_admit
 from .arrivals import Arrivals
 from .batch import batch_entries, set_up_sequence
+from .clients import Clients
 from .lifecycle import Phase
 from .loop_gauges import kv_gauges, session_gauges
 from .machine import MachineShare
@@ -66,6 +67,9 @@ from .step_apply import Embedded, Ended, Failed, Overran, Token, apply_step
 from .tick_trace import TickTrace
 
 log = logging.getLogger(__name__)
+
+# A lone client's follow-up request waits this long, not burst_quiet_ms (_gather_burst).
+LONE_FOLLOW_UP_S = 0.00025
 
 T = TypeVar("T")
 
@@ -79,6 +83,7 @@ class DecodeLoop:
         clock: Callable[[], float] = trio.current_time,
         policy: Policy | None = None,
         sharing: MachineShare | None = None,
+        clients: Clients | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -96,6 +101,7 @@ class DecodeLoop:
         self._unpin: list[int] = []
         self._waiting: deque[Session] = deque()
         self.arrivals = Arrivals()  # requests on their way in (_gather_burst waits for them)
+        self.clients = clients if clients is not None else Clients()  # the daemon's open connections
         self._active: dict[int, Session] = {}
         self._aborted: list[Session] = []
         self._reserved_cells = 0
@@ -311,17 +317,25 @@ class DecodeLoop:
         after each later one (a burst is forming: a Python HTTP client sends its requests
         0.3-2 ms apart), and while other requests are on their way in (:attr:`arrivals`:
         connecting, being read or tokenized; on a busy CPU an HTTP server takes 5 ms a
-        request), at most ``burst_max_ms`` in all; a lone request pays ``burst_quiet_ms``."""
+        request), at most ``burst_max_ms`` in all; a lone request pays ``burst_quiet_ms``.
+        A request from a client sending one request after another on the only connection
+        open (runtime/clients.py) waits only ``LONE_FOLLOW_UP_S``, long enough for that
+        connection's task to read what else the client has already written to it: no
+        other connection can be part of a burst then, and a burst on that one shows as
+        more requests waiting, which gets the whole wait."""
         quiet, longest = self.config.burst_quiet_ms / 1000.0, self.config.burst_max_ms / 1000.0
         if quiet <= 0 or not self._waiting:
             return
         deadline = self._clock() + longest
         seen = len(self._waiting)
+        lone = seen == 1 and not self.arrivals.count and self.clients.lone_follow_up()
+        wait = min(LONE_FOLLOW_UP_S, quiet) if lone else quiet
         while (left := deadline - self._clock()) > 0:
-            await trio.sleep(min(quiet if seen == 1 else 2 * quiet, left))
+            await trio.sleep(min(wait, left))
             if len(self._waiting) == seen and not self.arrivals.count:
                 return
             seen = len(self._waiting)
+            wait = quiet if seen == 1 else 2 * quiet
 
     def _turn(self) -> float | None:
         """The longest tick this model may take now, beside the other models' streams (None:

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from ..config import ServerConfig
 from ..observability.metrics import Metrics
 from ..protocol.messages import GenerateRequest, ModelsEvent, ModelsRequest, SnapshotEvent, SnapshotRequest
+from .clients import Clients
 from .decode_loop import DecodeLoop
 from .models import ModelHost
 from .stream import RequestStream
@@ -24,6 +25,7 @@ from .stream import RequestStream
 class RequestDesk(Protocol):
     config: ServerConfig
     loop: DecodeLoop  # the primary model's
+    clients: Clients  # the connections open on every front end (runtime/clients.py)
     models: ModelHost  # every model of the store (runtime/models.py)
     metrics: Metrics
     open_deliveries: int  # requests whose client has not yet been handed its last event

@@ -30,6 +30,7 @@ from ..model_store import ModelStore, StoreEntry
 from ..observability.metrics import Metrics
 from ..protocol.errors import ErrorCode, UmaError
 from ..sched.policy import Policy
+from .clients import Clients
 from .decode_loop import DecodeLoop
 from .machine import Machine
 
@@ -93,9 +94,11 @@ class ModelHost:
         metrics: Metrics,
         clock: Callable[[], float] = trio.current_time,
         machine: Machine | None = None,
+        clients: Clients | None = None,
     ) -> None:
         self.store = store
         self._machine = machine  # the turns every model's steps take (runtime/machine.py)
+        self._clients = clients  # the daemon's open connections, for every model's loop
         self.loading = loading
         self._config = config
         self._metrics = metrics
@@ -234,8 +237,9 @@ class ModelHost:
         if (trace := config.tick_trace) is not None:  # each model's steps in a file of their own
             config = replace(config, tick_trace=trace.with_name(f"{trace.stem}.{model_id}{trace.suffix}"))
         loop = DecodeLoop(
-            loaded.engine, config, self._metrics, clock=self._clock, policy=loaded.policy, sharing=share
-        )
+            loaded.engine, config, self._metrics, clock=self._clock, policy=loaded.policy, sharing=share,
+            clients=self._clients,
+        )  # fmt: skip
         unit = ModelUnit(model_id, loaded, loop, self._config.keep_alive_s, self._clock(), footprint=need)
         self.units[model_id] = unit
         self.loads += 1

@@ -33,6 +33,7 @@ from ..protocol.messages import GenerateRequest, ModelsEvent, ModelsRequest, Sna
 from ..sched.arbiter import Arbiter
 from ..sched.policy import Policy
 from .accept import accept_forever
+from .clients import Clients
 from .connection import Connection
 from .decode_loop import DecodeLoop
 from .intake import open_on, tokenize_request
@@ -73,8 +74,12 @@ class Server:
         # With other models to load, every loop's steps take turns under one arbiter.
         machine = Machine(Arbiter(latency_cap=config.latency_cap)) if len(store.entries()) > 1 else None
         share = machine.share(store.primary.id) if machine is not None else None
-        self.loop = DecodeLoop(engine, config, self.metrics, policy=policy, sharing=share)
-        self.models = ModelHost(store, loading, config, self.metrics, machine=machine)
+        # Open connections on every front end: a lone client's next request needs no burst wait.
+        self.clients = Clients()
+        self.loop = DecodeLoop(
+            engine, config, self.metrics, policy=policy, sharing=share, clients=self.clients
+        )
+        self.models = ModelHost(store, loading, config, self.metrics, machine=machine, clients=self.clients)
         self.process = ProcessSampler()
         self.registry = build_registry(self.metrics.registry, self.metrics_snapshot)
         self.metrics_url: str | None = None  # set by the daemon once --metrics-port serves
@@ -250,7 +255,8 @@ class Server:
                 return
             self._track(connection, +1)
             try:
-                await connection.run()
+                with self.clients.connected(connection):
+                    await connection.run()
             finally:
                 self._track(connection, -1)
         except Exception:  # a bug in one connection must not take the daemon down
