@@ -68,8 +68,10 @@ from .tick_trace import TickTrace
 
 log = logging.getLogger(__name__)
 
-# A lone client's follow-up request waits this long, not burst_quiet_ms (_gather_burst).
-LONE_FOLLOW_UP_S = 0.00025
+# A lone client's follow-up request waits this many passes of trio's scheduler, not
+# burst_quiet_ms: each polls the sockets, so its connection's task reads and queues what
+# else the client has already written (_gather_burst).
+LONE_FOLLOW_UP_PASSES = 3
 
 T = TypeVar("T")
 
@@ -319,23 +321,27 @@ class DecodeLoop:
         connecting, being read or tokenized; on a busy CPU an HTTP server takes 5 ms a
         request), at most ``burst_max_ms`` in all; a lone request pays ``burst_quiet_ms``.
         A request from a client sending one request after another on the only connection
-        open (runtime/clients.py) waits only ``LONE_FOLLOW_UP_S``, long enough for that
-        connection's task to read what else the client has already written to it: no
-        other connection can be part of a burst then, and a burst on that one shows as
-        more requests waiting, which gets the whole wait."""
+        open (runtime/clients.py) waits only ``LONE_FOLLOW_UP_PASSES`` scheduler passes,
+        enough for that connection's task to read what else the client has already written
+        to it: no other connection can be part of a burst then, and a burst on that one
+        shows as more requests waiting, which gets the whole wait."""
         quiet, longest = self.config.burst_quiet_ms / 1000.0, self.config.burst_max_ms / 1000.0
         if quiet <= 0 or not self._waiting:
             return
         deadline = self._clock() + longest
         seen = len(self._waiting)
-        lone = seen == 1 and not self.arrivals.count and self.clients.lone_follow_up()
-        wait = min(LONE_FOLLOW_UP_S, quiet) if lone else quiet
+        if seen == 1 and not self.arrivals.count and self.clients.lone_follow_up():
+            # Scheduler passes, not a sleep: epoll's timeout counts whole milliseconds.
+            for _ in range(LONE_FOLLOW_UP_PASSES):
+                await trio.lowlevel.checkpoint()
+            if len(self._waiting) == seen and not self.arrivals.count:
+                return
+            seen = len(self._waiting)  # a burst after all: it gets the whole wait
         while (left := deadline - self._clock()) > 0:
-            await trio.sleep(min(wait, left))
+            await trio.sleep(min(quiet if seen == 1 else 2 * quiet, left))
             if len(self._waiting) == seen and not self.arrivals.count:
                 return
             seen = len(self._waiting)
-            wait = quiet if seen == 1 else 2 * quiet
 
     def _turn(self) -> float | None:
         """The longest tick this model may take now, beside the other models' streams (None:
