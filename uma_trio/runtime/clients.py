@@ -6,14 +6,15 @@ An idle decode task woken by a request waits a moment before it plans
 request pays that wait (2 ms) for nothing, and a client that sends one request after
 another on the only connection open (an agent, a script, one editor) pays it on every
 request: 9.2 ms to the first token of a short request over the socket against
-llama-server's 7.1, and 6.7 ms without the wait (BENCHMARKS.md "Short requests").  Such a client's requests can only
-form a burst among themselves: another client's would need a connection of its own (HTTP/1.1
-carries one request at a time), and a new connection counts as arriving from its accept
-(http/fresh.py).  So when the only connection open has sent a request before the one now
-waiting, and nothing else is on its way in, the decode task waits only a few scheduler passes,
-enough for that connection's task to read what the client has already written to it; more requests waiting
-then is a burst, and gets the whole wait.  A client's first request waits in full: it may be
-the first of a burst whose other connections are still being made.
+llama-server's 7.1, and 6.7 ms without the wait (BENCHMARKS.md "Short requests").  Such a
+client's requests can only form a burst among themselves: another client's would need a
+connection of its own (HTTP/1.1 carries one request at a time), and a new connection counts
+as arriving from its accept (http/fresh.py).  So when the only connection open has sent a
+request before the one now waiting, and nothing else is on its way in, the decode task waits
+only a few scheduler passes, enough for that connection's task to read what the client has
+already written to it; more requests waiting then is a burst, and gets the whole wait.  A
+client's first request waits in full: it may be the first of a burst whose other
+connections are still being made.
 """
 
 from __future__ import annotations
