@@ -107,3 +107,14 @@ def test_the_registry_counts_open_connections_and_their_requests() -> None:
         clients.sent("gone")  # not counted: not open
         assert clients.lone_follow_up()
     assert clients.open == 0 and not clients.lone_follow_up()
+
+
+def test_a_connection_closing_late_does_not_remove_a_newer_one_under_its_key() -> None:
+    clients = Clients()
+    old, new = clients.connected(("127.0.0.1", 5000)), clients.connected(("127.0.0.1", 5000))
+    old.__enter__()
+    new.__enter__()  # the port is reused before the old connection's watcher has ended
+    old.__exit__(None, None, None)
+    assert clients.open == 1
+    new.__exit__(None, None, None)
+    assert clients.open == 0

@@ -25,7 +25,10 @@ from contextlib import contextmanager
 
 class Clients:
     def __init__(self) -> None:
-        self._sent: dict[Hashable, int] = {}  # open connection -> requests it has sent
+        # Open connection -> [requests it has sent]; a list of its own per connection, so a
+        # closing connection removes its entry and never a newer one under the same key (an
+        # HTTP peer's address and port, reused).
+        self._sent: dict[Hashable, list[int]] = {}
 
     @property
     def open(self) -> int:
@@ -34,17 +37,18 @@ class Clients:
     @contextmanager
     def connected(self, key: Hashable) -> Iterator[None]:
         """Count the connection ``key`` (a socket connection, an HTTP peer) while it is open."""
-        self._sent[key] = 0
+        entry = self._sent[key] = [0]
         try:
             yield
         finally:
-            self._sent.pop(key, None)
+            if self._sent.get(key) is entry:
+                del self._sent[key]
 
     def sent(self, key: Hashable) -> None:
         """A request came in on ``key`` (ignored for a connection not counted)."""
-        if key in self._sent:
-            self._sent[key] += 1
+        if (entry := self._sent.get(key)) is not None:
+            entry[0] += 1
 
     def lone_follow_up(self) -> bool:
         """Whether one connection is open and it has sent a request before its latest."""
-        return len(self._sent) == 1 and next(iter(self._sent.values())) >= 2
+        return len(self._sent) == 1 and next(iter(self._sent.values()))[0] >= 2
