@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import trio
-from bench_output import free_port, write_csv
+from bench_output import free_port, save_figure, write_csv
 from compare import running, wait_healthy
 
 from uma_trio.loadgen import Scenario, lane_stats, run_scenario
@@ -167,9 +167,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
     fig.suptitle("uma-trio behind LiteLLM's proxy, one 2-core machine")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 import trio
-from bench_output import free_port, write_csv
+from bench_output import free_port, save_figure, write_csv
 from compare import DEFAULT_PEERS, Setup, llama_server_command, rss_bytes, run_separate, running, uma_command
 
 from uma_trio.loadgen import Scenario, ScenarioResult, lane_stats, run_scenario
@@ -122,9 +122,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.bar(names, [r[key] for r in rows], color=["tab:blue", "tab:orange"])
         ax.set_title(title, fontsize=10)
     fig.suptitle("Chats on model A, a 2,000-token job on model B, one machine")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:

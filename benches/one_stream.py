@@ -47,7 +47,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
-from bench_output import free_port, write_csv
+from bench_output import free_port, save_figure, write_csv
 from compare import DEFAULT_PEERS, ROOT, Setup, llama_server_command, running, uma_command
 
 from uma_trio.model_files import ensure_default_model
@@ -159,9 +159,7 @@ def plot(rows: list[dict[str, object]], names: list[str], streams: int, path: Pa
     ax.set_ylabel(f"decode tok/s ({streams} stream{'s' if streams > 1 else ''})")
     ax.set_title(f"{streams} stream{'s' if streams > 1 else ''} a round, servers interleaved")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:

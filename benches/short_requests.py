@@ -28,7 +28,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
-from bench_output import free_port, write_csv
+from bench_output import free_port, save_figure, write_csv
 from compare import DEFAULT_PEERS, ROOT, Setup, llama_server_command, running, uma_command
 from one_stream import checkout, main_thread_cpu_s
 
@@ -108,9 +108,7 @@ def plot(rows: list[dict[str, object]], names: list[str], path: Path) -> None:
     ax.set_ylabel("TTFT p50 (ms), median of the rounds")
     ax.set_title("short requests in a row, one connection each")
     ax.tick_params(axis="x", labelrotation=20)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:
