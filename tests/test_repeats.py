@@ -77,4 +77,4 @@ def test_each_runs_ratio_is_listed_per_scenario_and_runs_without_the_base_are_le
     ratios = rep_ratios(runs, "uma", "peer")
     assert ratios == {"streams-1": [0.95, 1.1]}
     line = spread_line(ratios, "uma / peer tokens/s")
-    assert line == "uma / peer tokens/s, each repetition: streams-1 0.95 / 1.10 (median 1.02)\n"
+    assert line == "uma / peer tokens/s, each repetition: streams-1 0.950 / 1.100 (median 1.025)\n"

@@ -66,9 +66,10 @@ def rep_ratios(
 
 
 def spread_line(ratios: Mapping[str, Sequence[float]], what: str) -> str:
-    """A line listing each repetition's ratio and their median, scenario by scenario."""
+    """A line listing each repetition's ratio and their median, scenario by scenario, to three
+    decimals: a target of 0.95 is missed by a median of 0.948, which two decimals show as met."""
     parts = [
-        f"{scenario} {' / '.join(f'{r:.2f}' for r in values)} (median {statistics.median(values):.2f})"
+        f"{scenario} {' / '.join(f'{r:.3f}' for r in values)} (median {statistics.median(values):.3f})"
         for scenario, values in ratios.items()
         if values
     ]
