@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
@@ -28,6 +27,8 @@ from hypercorn.events import Event, RawData
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ASGIFramework
+
+from ..runtime.write_now import write_now
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,7 @@ class _EagerTCPServer(TCPServer):
         if sock is None or not data:
             return 0
         try:
-            return os.write(sock.fileno(), data)
-        except BlockingIOError:
-            return 0
+            return write_now(sock.fileno(), data)
         except OSError:
             return -1
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from contextlib import aclosing
 
 import trio
@@ -42,6 +41,7 @@ from ..protocol.messages import (
 from .delivery import deliver
 from .desk import RequestDesk
 from .stream import RequestStream
+from .write_now import write_now
 
 log = logging.getLogger(__name__)
 
@@ -239,12 +239,7 @@ class Connection:
     def _write_at_once(self, data: bytes) -> int:
         """Bytes of ``data`` the socket takes without waiting (0 for a stream that is not a
         socket, or a full socket buffer); called with no other write under way."""
-        if self._fd < 0:
-            return 0
-        try:
-            return os.write(self._fd, data)
-        except BlockingIOError:
-            return 0
+        return write_now(self._fd, data) if self._fd >= 0 else 0
 
     async def _send_all(self, data: bytes) -> None:
         """Write ``data`` however long the client takes to read it, up to the stall timeout;
