@@ -393,6 +393,7 @@ def test_contention_cannot_inflate_the_learned_costs_without_bound() -> None:
     model = TickCostModel(COST)
     for _ in range(50):
         model.observe(1, 1, 0, 2.0)  # two tokens, two seconds: contention, not token cost
+        _ = model.coefficients  # each tick's plan reads the fit
     c = model.coefficients
     assert c.prefill_s == pytest.approx(4 * COST.prefill_s)
     for _ in range(50):
@@ -401,6 +402,29 @@ def test_contention_cannot_inflate_the_learned_costs_without_bound() -> None:
     # And a lone prompt still takes a whole micro-batch a tick (nobody decodes).
     state = SchedulerState((interactive(1, prompt=600),), max_batch=2048, micro_batch=512)
     assert sum(n for _, n in plan_tick(state, CONFIG, model.coefficients).prefill) == 512
+
+
+def test_one_stalled_step_barely_moves_the_fit() -> None:
+    """compare.py mixed, run BE: one 83 ms step among 10-14 ms ones (the VM stopped it) lifted
+    the predicted three-chat tick from 14 to 34 ms, and the tick budget with it for ~30 ticks:
+    room for background prompt tokens the chats would have waited out.  A stall is learned
+    as STALL_FACTOR × its prediction; what was measured stays in last_s."""
+    model = TickCostModel(COST)
+    for i in range(200):
+        d = 1 + i % 3
+        model.observe(d, 0, d * 40 + i, 1.05 * COST.predict(d, 0, d * 40 + i))
+        _ = model.coefficients
+    before = model.coefficients.predict(3, 0, 300)
+    stalled = 8.6 * COST.predict(2, 0, 200)
+    model.observe(2, 0, 200, stalled)
+    after = model.coefficients.predict(3, 0, 300)
+    assert model.last_s == stalled
+    assert after < 1.3 * before  # folded in whole: 2.3x
+    # A real change of pace is learned all the same, STALL_FACTOR × the prediction a tick at most.
+    for _ in range(60):
+        model.observe(3, 0, 300, 3.0 * before)
+        _ = model.coefficients
+    assert model.coefficients.predict(3, 0, 300) > 2.5 * before
 
 
 def test_a_plan_carries_the_kv_cells_its_batch_reads() -> None:
