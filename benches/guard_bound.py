@@ -1,0 +1,156 @@
+"""Could any scheduler within the latency guard finish the background prompts by the target?
+
+Reads one mixed run's tick trace and figures and prints, for each background prompt's
+deadline (the target ratio × the peer's completion time), the prompt tokens due by then
+against the most any schedule within the guard could read by then on that machine
+(``uma_trio/loadgen/guard_bound.py`` says how the bound is taken: every figure in the
+scheduler's favour).  "excluded" means no scheduler meets that target there without breaking
+the guard; "not excluded" means the bound does not decide.
+
+    python benches/guard_bound.py --gpu RESULTS_DIR [--ratio 1.5]   # benches/gpu/run.sh's results/
+    python benches/guard_bound.py --compare RUN_DIR [--ratio 2.0]   # compare.py's OUT/mixed[/run-K]/
+
+With ``--gpu`` the prompts are gpu_compare.py's (2,000 and 8,000 words at 1 s and 2 s), with
+``--compare`` benches/scenarios/mixed.json's, and compare.py's ``capacity.csv`` (the engine
+alone) then gives the fastest prefill of those prompts and of each batch width.  The first
+prompt's arrival is the first tick that left a session out or read 100+ prompt tokens
+(``--arrival-tick`` overrides it); the others arrive as the scenario spaces them.  Prints
+a table; ``--csv`` writes it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from uma_trio.loadgen.guard_bound import Background, Verdict, ticks_from_trace, verdicts
+
+SCENARIOS = Path(__file__).resolve().parent / "scenarios"
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def first_arrival(rows: list[dict[str, Any]], tick: int | None) -> float:
+    """The trace time the first background prompt arrived (the start of its tick's step)."""
+    for row in rows:
+        if (tick is not None and row["tick"] == tick) or (
+            tick is None and (row["skipped"] >= 1 or row["prefill"] >= 100)
+        ):
+            return float(row["t"]) - float(row["step_ms"]) / 1000.0
+    raise SystemExit("no background prompt found in the trace (give --arrival-tick)")
+
+
+Inputs = tuple[Path, float, list[tuple[int, float, float]]]
+
+
+def gpu_inputs(results: Path) -> Inputs:
+    """gpu_compare.py's mixed part: (trace, uma-trio's chats-alone gap p95 s,
+    [(prompt tokens, arrival after the first s, the peer's completion s)])."""
+    rows = [json.loads(line) for line in (results / "runs.jsonl").read_text().splitlines() if line.strip()]
+    mixed = {r["system"]: r for r in rows if r.get("part") == "mixed"}
+    uma, peer = mixed["uma-trio"], mixed["llama-server"]
+    tokens = uma.get("bulk_prompt_tokens") or [2000, 8000]
+    prompts = [(tokens[0], 0.0, peer["bulk2k_s"]), (tokens[1], 1.0, peer["bulk8k_s"])]
+    return results / "ticks-mixed.jsonl", uma["alone_gap_ms_p95"] / 1000.0, prompts
+
+
+def compare_inputs(run: Path) -> Inputs:
+    """compare.py's mixed scenario: the same, from summary.csv and benches/scenarios/mixed.json."""
+    with (run / "summary.csv").open() as f:
+        summary = [r for r in csv.DictReader(f) if r["target"] != "target"]
+
+    def figure(target: str, scenario: str, lane: str, column: str) -> float:
+        for r in summary:
+            if (r["target"], r["scenario"], r["lane"]) == (target, scenario, lane):
+                return float(r[column])
+        raise SystemExit(f"{run}/summary.csv has no {target} {scenario} {lane} row")
+
+    scenario = json.loads((SCENARIOS / "mixed.json").read_text())
+    bulk = [c for c in scenario["runs"][0]["clients"] if c.get("lane") == "background"]
+    peer_s = figure("llama-server", "mixed", "background", "completion_p50_ms") / 1000.0
+    first = min(c["start_s"] for c in bulk)
+    prompts = [(c["prompt_tokens"], c["start_s"] - first, peer_s) for c in bulk]
+    alone_p95 = figure("uma-trio", "mixed-alone", "interactive", "gap_p95_ms") / 1000.0
+    return run / "ticks.jsonl", alone_p95, prompts
+
+
+def capacity(start: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """compare.py's ``capacity.csv`` (llama-batched-bench, the engine alone), found in
+    ``start`` or above it: (sequences decoding together -> their step s, prompt length ->
+    prefill tokens/s); empty where there is none."""
+    for folder in (start, *start.parents):
+        path = folder / "capacity.csv"
+        if path.exists():
+            with path.open() as f:
+                rows = [r for r in csv.DictReader(f) if float(r["tok_s"]) > 0]
+            steps = {int(r["n"]): int(r["n"]) / float(r["tok_s"]) for r in rows if r["kind"] == "decode"}
+            return steps, {int(r["n"]): float(r["tok_s"]) for r in rows if r["kind"] == "prefill"}
+    return {}, {}
+
+
+def row_of(v: Verdict, ratio: float) -> dict[str, Any]:
+    r = v.room
+    return {
+        "deadline": v.label, "ratio": ratio,
+        "needed_tokens": v.needed, "room_tokens": r.tokens,
+        "beside_chats_gain": r.beside_gain, "free_s": round(r.free_s, 3), "free_tokens": r.free_tokens,
+        "window_s": round(r.window_s, 3), "chat_ticks": r.interactive_ticks,
+        "verdict": "excluded" if v.excluded else "not excluded",
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gpu", type=Path, help="benches/gpu/run.sh's results directory")
+    source.add_argument("--compare", type=Path, help="compare.py's mixed run directory")
+    ap.add_argument(
+        "--ratio", type=float, help="the target: completion ≤ RATIO × the peer's (GPU 1.5, CPU 2.0)"
+    )
+    ap.add_argument("--arrival-tick", type=int, help="the tick the first background prompt arrived in")
+    ap.add_argument("--csv", type=Path, help="also write the table here")
+    args = ap.parse_args(argv)
+    if args.gpu is not None:
+        trace, alone_p95, specs = gpu_inputs(args.gpu)
+        ratio, (steps, rates) = args.ratio or 1.5, capacity(args.gpu)
+    else:
+        trace, alone_p95, specs = compare_inputs(args.compare)
+        ratio, (steps, rates) = args.ratio or 2.0, capacity(args.compare)
+    rows = read_trace(trace)
+    arrival = first_arrival(rows, args.arrival_tick)
+    prompts = [Background(n, arrival + offset, arrival + offset + ratio * peer) for n, offset, peer in specs]
+    ticks = ticks_from_trace(rows)
+    print(
+        f"{trace}: chats-alone gap p95 {alone_p95 * 1000:.2f} ms; guard: p95 ≤ 1.2×, "
+        f"max ≤ 2× that p95; engine capacity {'from capacity.csv' if steps else 'not measured'}"
+    )
+    for p, (_, _, peer) in zip(prompts, specs, strict=True):
+        due = p.deadline_s - p.arrival_s
+        print(
+            f"  background {p.tokens} tokens: peer {peer:.2f} s, due {ratio}× that: {due:.2f} s after arrival"
+        )
+    table = [
+        row_of(v, ratio) for v in verdicts(ticks, alone_p95, prompts, batch_steps=steps, prefill_rates=rates)
+    ]
+    for r in table:
+        print(
+            f"{r['deadline']}: need {r['needed_tokens']}, the guard leaves at most {r['room_tokens']} "
+            f"({r['free_tokens']} in {r['free_s']} s of {r['window_s']} s with no chat decoding, "
+            f"{r['beside_chats_gain']} more beside {r['chat_ticks']} chat ticks): {r['verdict']}"
+        )
+    if args.csv is not None:
+        with args.csv.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(table[0]))
+            w.writeheader()
+            w.writerows(table)
+
+
+if __name__ == "__main__":
+    main()
