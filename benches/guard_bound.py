@@ -28,13 +28,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from uma_trio.loadgen.guard_bound import Background, Verdict, ticks_from_trace, verdicts
+from uma_trio.loadgen.guard_bound import Background, Verdict, last_daemon, ticks_from_trace, verdicts
 
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The last daemon's lines (benches/gpu/run.sh's repeated mixed parts share one file)."""
+    return last_daemon([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
 
 
 def first_arrival(rows: list[dict[str, Any]], tick: int | None) -> float:

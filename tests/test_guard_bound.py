@@ -9,6 +9,7 @@ from uma_trio.loadgen.guard_bound import (
     TraceTick,
     beside_gain,
     floors_of,
+    last_daemon,
     prefill_seconds,
     room_in,
     step_floor,
@@ -113,3 +114,13 @@ def test_trace_lines_become_ticks() -> None:
     assert tick == TraceTick(2.5, 3, 0, 0.0125, True)
     assert tick.start_s == pytest.approx(2.4875)
     assert not ticks_from_trace([{**line, "cap_ms": 0.0}])[0].interactive
+
+
+def test_an_appended_trace_is_read_from_its_last_daemon() -> None:
+    """Each daemon counts ticks from 0 on a clock of its own, and --tick-trace appends: the
+    GPU script's repeated mixed parts share one file, and the bound reads the last run."""
+    first = [{"tick": i, "t": 100.0 + i} for i in range(5)]
+    second = [{"tick": i, "t": 7.0 + i} for i in range(3)]
+    assert last_daemon([*first, *second]) == second
+    assert last_daemon(first) == first
+    assert last_daemon([]) == []

@@ -55,6 +55,13 @@ class TraceTick:
         return self.end_s - self.step_s
 
 
+def last_daemon(lines: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The lines the last daemon wrote: ``--tick-trace`` appends to its file, and each daemon
+    counts its ticks from 0 on its own clock."""
+    starts = [i for i in range(1, len(lines)) if lines[i]["tick"] < lines[i - 1]["tick"]]
+    return list(lines[starts[-1] :] if starts else lines)
+
+
 def ticks_from_trace(lines: Iterable[Mapping[str, Any]]) -> list[TraceTick]:
     """The ticks of ``--tick-trace`` lines (runtime/tick_trace.py), parsed."""
     return [
