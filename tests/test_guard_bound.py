@@ -59,6 +59,13 @@ def test_the_engine_alone_raises_the_floor_by_the_batch_width() -> None:
     assert step_floor(floors, 3, 0) == pytest.approx(0.010)  # decode-only steps were measured
 
 
+def test_the_floor_takes_the_faster_of_the_trace_and_the_engine_alone() -> None:
+    """A floor must not exceed any real step: the engine alone may read a short prompt faster
+    than any chunk the daemon ran."""
+    assert floors_of(MEASURED, prefill_rates={128: 20_000.0, 2048: 5_000.0}).prefill_rate == 20_000
+    assert floors_of(MEASURED, prefill_rates={2048: 5_000.0}).prefill_rate == 10_000
+
+
 def test_prompt_tokens_beside_the_chats_count_only_past_the_time_they_take() -> None:
     floors = floors_of(MEASURED)
     # Within 12 ms: one token (the floor says 10 ms), worth 1 token; its time costs nothing.
@@ -67,6 +74,9 @@ def test_prompt_tokens_beside_the_chats_count_only_past_the_time_they_take() -> 
     # decoding: 200 - 100 = 100 gained.
     assert beside_gain(floors, 3, 0.020) == 100
     assert beside_gain(floors, 3, 0.009) == 0  # not even the decode-only tick fits
+    # Where the time with no chat decoding reads slower (a whole long prompt), the same
+    # 10 ms would read 50 tokens: 150 gained.
+    assert beside_gain(floors, 3, 0.020, free_rate=5_000.0) == 150
 
 
 def test_the_room_is_the_free_time_plus_what_the_slack_ticks_add() -> None:

@@ -9,10 +9,11 @@ that carries an interactive decode token is such a gap.  So, given the ticks of 
 * a tick with ``k`` interactive decoders and ``n`` background prompt tokens takes at least
   :func:`step_floor` ``(k, n)``: the fastest step the trace measured with at most ``k``
   decoders and at most ``n`` (≥ 1) prompt tokens (a step does not get faster with more
-  tokens), at least ``n`` tokens at the fastest prefill rate the trace measured, and, where
-  the engine's capacity was measured (``llama-batched-bench``, no server), at least the
-  decode step of ``k + n`` sequences there (a prompt token is a batch column like a decode
-  token: the kernels, and on the CPU their staircase, follow the batch's width);
+  tokens), at least ``n`` tokens at the fastest prefill rate measured (in the trace, or by
+  the engine alone), and, where the engine's capacity was measured (``llama-batched-bench``,
+  no server), at least the decode step of ``k + n`` sequences there (a prompt token is a
+  batch column like a decode token: the kernels, and on the CPU their staircase, follow the
+  batch's width);
 * the chats' ticks run one after another, so a tick made longer by prompt tokens takes that
   time from the rest of the window: the time no chat decodes is at most the window less
   every chat tick's floor, read at the fastest prefill rate, and prompt tokens beside the
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 P95_CAP = 1.2  # gap p95 over the chats-alone p95
@@ -83,10 +84,15 @@ class Floors:
     batch_steps: dict[int, float]  # engine capacity: sequences decoding together -> their step
 
 
-def floors_of(ticks: Sequence[TraceTick], batch_steps: dict[int, float] | None = None) -> Floors:
+def floors_of(
+    ticks: Sequence[TraceTick], batch_steps: dict[int, float] | None = None,
+    prefill_rates: dict[int, float] | None = None,
+) -> Floors:  # fmt: skip
+    """The trace's fastest steps, and where the engine alone was measured (``batch_steps``:
+    sequences -> step s; ``prefill_rates``: prompt length -> tokens/s), those as well."""
     decode_only: dict[int, float] = {}
     with_prompt: dict[tuple[int, int], float] = {}
-    rate = 0.0
+    rate = max((prefill_rates or {}).values(), default=0.0)
     for t in ticks:
         if t.step_s <= 0.0:
             continue
@@ -142,13 +148,14 @@ class Room:
         return self.free_tokens + self.beside_gain
 
 
-def beside_gain(floors: Floors, decoders: int, limit_s: float) -> int:
+def beside_gain(floors: Floors, decoders: int, limit_s: float, free_rate: float | None = None) -> int:
     """The most a tick beside ``decoders`` interactive decoders, within ``limit_s``, adds by
     carrying prompt tokens: ``n`` tokens, less what the time it grows by would have read
-    with no chat decoding (the chats' ticks run one after another, so a longer tick is time
-    taken from the rest of the window)."""
+    with no chat decoding, at ``free_rate`` (the chats' ticks run one after another, so a
+    longer tick is time taken from the rest of the window)."""
+    rate = free_rate or floors.prefill_rate
     base, most = step_floor(floors, decoders, 0), tokens_within(floors, decoders, limit_s)
-    gains = (n - (step_floor(floors, decoders, n) - base) * floors.prefill_rate for n in range(most + 1))
+    gains = (n - (step_floor(floors, decoders, n) - base) * rate for n in range(most + 1))
     return max(0, math.floor(max(gains)))
 
 
@@ -162,14 +169,13 @@ def room_in(
     only where that beats reading them in the time they add, with no chat decoding.  The time
     with no chat decoding reads ``free_rate`` tokens a second (default: the trace's fastest)."""
     rate = free_rate or floors.prefill_rate
-    floors = replace(floors, prefill_rate=rate)
     inside = [t for t in ticks if t.interactive and start_s <= t.start_s < end_s]
     p95_limit, max_limit = P95_CAP * alone_p95_s, MAX_CAP * alone_p95_s
     cache: dict[tuple[int, float], int] = {}
 
     def gain(decoders: int, limit: float) -> int:
         if (decoders, limit) not in cache:
-            cache[decoders, limit] = beside_gain(floors, decoders, limit)
+            cache[decoders, limit] = beside_gain(floors, decoders, limit, rate)
         return cache[decoders, limit]
 
     within = [gain(t.decoders, p95_limit) for t in inside]
@@ -223,7 +229,7 @@ def verdicts(
     of them to arrive (a necessary condition: the tokens must fit in that window).  With
     ``prefill_rates`` (the engine alone: prompt length -> tokens/s), the time with no chat
     decoding reads the due prompts at those rates, each whole; else at the trace's fastest."""
-    floors = floors_of(ticks, batch_steps)
+    floors = floors_of(ticks, batch_steps, prefill_rates)
     out = []
     for i, p in enumerate(sorted(prompts, key=lambda p: p.deadline_s)):
         due = [q for q in prompts if q.deadline_s <= p.deadline_s]
