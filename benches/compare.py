@@ -27,6 +27,8 @@ Extra comparisons:
   the time the server had work (uma_trio/loadgen/efficiency.py);
 * ``scaling`` also runs ``llama-batched-bench`` (the engine's ceiling, no server) at
   the same batch sizes;
+* ``mixed`` also gets, per run, the most of the background prompt any schedule within the
+  latency guard could read by twice llama-server's completion (benches/guard_bound.py);
 * ``each_app_separate`` runs the mixed load with one server process per client
   (``llama-server --parallel 1`` each, every one loading the model) against one
   shared uma-trio, and compares aggregate tokens/s and total RSS;
@@ -53,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import guard_bound
 import httpx
 import msgspec
 import psutil
@@ -263,6 +266,31 @@ class Rep:
     steal: str
     rss: dict[str, int]
     gc: str
+    out: Path  # where its results and uma-trio's tick trace are
+
+
+def guard_bound_table(runs: Sequence[Path]) -> str:
+    """For each mixed run, the most of the background prompt any schedule within the latency
+    guard reads by twice llama-server's completion (benches/guard_bound.py)."""
+    lines = [
+        "\nWhat the latency guard leaves the background prompt by 2 × llama-server's completion "
+        '(`benches/guard_bound.py`: every figure in the scheduler\'s favour; "excluded": no '
+        "scheduler within the guard meets that deadline on this machine):\n",
+        "| run | prompt tokens due | the most any schedule reads | of which beside the chats | verdict |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for index, run in enumerate(runs):
+        try:
+            rows = guard_bound.compare_rows(run)
+        except (OSError, KeyError, ValueError, SystemExit) as exc:  # a run without a background
+            lines.append(f"| {index + 1} | | | | not computed: {exc} |")
+            continue
+        for r in rows:
+            lines.append(
+                f"| {index + 1} | {r['needed_tokens']} | {r['room_tokens']} | {r['beside_chats_gain']} "
+                f"| {r['verdict']} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def run_servers(name: str, args: argparse.Namespace, model: Path, out: Path, rep: int) -> Rep:
@@ -305,7 +333,7 @@ def run_servers(name: str, args: argparse.Namespace, model: Path, out: Path, rep
     write_results(results, out)
     if args.reps > 1:
         steal = f"run {rep + 1}: {steal}"
-    return Rep(results=results, steal=steal, rss=rss, gc=gc)
+    return Rep(results=results, steal=steal, rss=rss, gc=gc, out=out)
 
 
 def run_suite(suite_name: str, targets: list[Target]) -> tuple[list[ScenarioResult], str]:
@@ -406,6 +434,8 @@ def main() -> None:
             extra += "\n" + spread_line(
                 rep_ratios(per_rep_rows, "uma-trio", "llama-server"), "uma-trio / llama-server tokens/s"
             )
+        if name == "mixed":
+            extra += guard_bound_table([rep.out for rep in reps])
         if name == "scaling":
             sizes = [len(r.scenario.expanded().clients) for r in reps[0].results if r.target == "uma-trio"]
             ceiling = batched_bench(args.peers, model, sizes, prompt=32, tokens=128)

@@ -15,7 +15,9 @@ the same per-sequence context and the same number of parallel slots.  Four parts
 * ``long``: one stream decoding 128 tokens after an 8k and a 32k prompt.
 
 Results: ``OUT/gpu.csv`` (one row per system and measurement), ``OUT/gpu.md`` (the tables,
-with ratios to llama-server), ``OUT/gpu.png``; raw per-run JSON in ``OUT/runs.jsonl``.
+with ratios to llama-server, and after ``mixed`` whether any schedule within the latency guard
+could finish its background prompts by 1.5× llama-server's time: benches/guard_bound.py),
+``OUT/gpu.png``; raw per-run JSON in ``OUT/runs.jsonl``.
 
     python benches/gpu_compare.py --bin BUILD/bin --model MODEL.gguf --out DIR
 """
@@ -36,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import guard_bound  # benches/guard_bound.py: what the latency guard leaves the background prompts
 import httpx
 from compare import running  # benches/compare.py: start a server, wait for /v1/models, stop it
 
@@ -452,6 +455,8 @@ def report(rows: list[Row], out: Path) -> str:
                 f"{ratio(r['gap_ms_p95'], r['alone_gap_ms_p95'])}), TTFT p50 {r['ttft_ms_p50']} ms, background "
                 f"2k {r['bulk2k_s']} s, 8k {r['bulk8k_s']} s, agg {r['agg_tok_s']} tok/s"
             )
+    if any(r["part"] == "mixed" for r in rows):
+        lines.extend(guard_bound.gpu_lines(out))
     for depth in sorted({r["depth"] for r in rows if r["part"] == "long"}):
         ld, ud = (
             med("llama-server", "long", "decode_tok_s", depth=depth),

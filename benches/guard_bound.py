@@ -107,6 +107,38 @@ def row_of(v: Verdict, ratio: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def bound_rows(
+    inputs: Inputs, folder: Path, ratio: float, arrival_tick: int | None = None
+) -> list[dict[str, Any]]:
+    """A row per deadline, for the run ``inputs`` describes (``folder``: where to look for
+    the engine's capacity)."""
+    trace, alone_p95, specs = inputs
+    steps, rates = capacity(folder)
+    rows = read_trace(trace)
+    arrival = first_arrival(rows, arrival_tick)
+    prompts = [Background(n, arrival + offset, arrival + offset + ratio * peer) for n, offset, peer in specs]
+    found = verdicts(ticks_from_trace(rows), alone_p95, prompts, batch_steps=steps, prefill_rates=rates)
+    return [row_of(v, ratio) for v in found]
+
+
+def compare_rows(run: Path, ratio: float = 2.0) -> list[dict[str, Any]]:
+    """The bound for one of compare.py's mixed runs (its directory)."""
+    return bound_rows(compare_inputs(run), run, ratio)
+
+
+def gpu_lines(results: Path, ratio: float = 1.5) -> list[str]:
+    """The bound for gpu_compare.py's last mixed part, as lines for its report."""
+    try:
+        rows = bound_rows(gpu_inputs(results), results, ratio)
+    except (OSError, KeyError, ValueError, SystemExit) as exc:
+        return [f"\nbackground under the guard: not computed ({exc})"]
+    return ["\nbackground under the guard (benches/guard_bound.py):"] + [
+        f"{r['deadline']} ({ratio}x llama-server's): need {r['needed_tokens']} tokens, any schedule "
+        f"within the guard reads at most {r['room_tokens']}: {r['verdict']}"
+        for r in rows
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = ap.add_mutually_exclusive_group(required=True)
@@ -118,28 +150,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--arrival-tick", type=int, help="the tick the first background prompt arrived in")
     ap.add_argument("--csv", type=Path, help="also write the table here")
     args = ap.parse_args(argv)
-    if args.gpu is not None:
-        trace, alone_p95, specs = gpu_inputs(args.gpu)
-        ratio, (steps, rates) = args.ratio or 1.5, capacity(args.gpu)
-    else:
-        trace, alone_p95, specs = compare_inputs(args.compare)
-        ratio, (steps, rates) = args.ratio or 2.0, capacity(args.compare)
-    rows = read_trace(trace)
-    arrival = first_arrival(rows, args.arrival_tick)
-    prompts = [Background(n, arrival + offset, arrival + offset + ratio * peer) for n, offset, peer in specs]
-    ticks = ticks_from_trace(rows)
+    folder = args.gpu if args.gpu is not None else args.compare
+    inputs = gpu_inputs(folder) if args.gpu is not None else compare_inputs(folder)
+    ratio = args.ratio or (1.5 if args.gpu is not None else 2.0)
+    trace, alone_p95, specs = inputs
+    steps, _ = capacity(folder)
     print(
         f"{trace}: chats-alone gap p95 {alone_p95 * 1000:.2f} ms; guard: p95 ≤ 1.2×, "
         f"max ≤ 2× that p95; engine capacity {'from capacity.csv' if steps else 'not measured'}"
     )
-    for p, (_, _, peer) in zip(prompts, specs, strict=True):
-        due = p.deadline_s - p.arrival_s
-        print(
-            f"  background {p.tokens} tokens: peer {peer:.2f} s, due {ratio}× that: {due:.2f} s after arrival"
-        )
-    table = [
-        row_of(v, ratio) for v in verdicts(ticks, alone_p95, prompts, batch_steps=steps, prefill_rates=rates)
-    ]
+    for tokens, _, peer in specs:
+        print(f"  background {tokens} tokens: peer {peer:.2f} s; due {ratio * peer:.2f} s after it arrives")
+    table = bound_rows(inputs, folder, ratio, args.arrival_tick)
     for r in table:
         print(
             f"{r['deadline']}: need {r['needed_tokens']}, the guard leaves at most {r['room_tokens']} "
