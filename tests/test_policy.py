@@ -427,6 +427,16 @@ def test_one_stalled_step_barely_moves_the_fit() -> None:
     assert model.coefficients.predict(3, 0, 300) > 2.5 * before
 
 
+def test_a_model_that_predicts_nothing_still_learns() -> None:
+    """A cost-model file of zeros predicts 0 s: the stall rule must not hold it there."""
+    zeros = CostCoefficients(fixed_s=0.0, decode_s=0.0, prefill_s=0.0, ctx_s_per_kcell=0.0)
+    model = TickCostModel(zeros)
+    for _ in range(40):
+        model.observe(2, 0, 0, 0.010)
+        _ = model.coefficients
+    assert model.coefficients.predict(2, 0, 0) > 0.005
+
+
 def test_a_plan_carries_the_kv_cells_its_batch_reads() -> None:
     """observe() learns from the plan alone (issue 18: no state rebuilt between plan and observe)."""
     state = SchedulerState((interactive(1, n_past=300), interactive(2, prompt=64, n_past=0)))

@@ -178,7 +178,9 @@ class TickCostModel:
         self.last_s = seconds
         self.ewma_s = seconds if self.ewma_s == 0.0 else 0.8 * self.ewma_s + 0.2 * seconds
         assert self.current is not None  # the last solve's: what the plan was made with
-        seconds = min(seconds, STALL_FACTOR * self.current.predict(decode_tokens, prefill_tokens, kv_cells))
+        predicted = self.current.predict(decode_tokens, prefill_tokens, kv_cells)
+        if predicted > 0.0:  # a model that predicts nothing yet learns from what it sees
+            seconds = min(seconds, STALL_FACTOR * predicted)
         p = self.prior
         beyond = over_knee(decode_tokens + prefill_tokens, p.flat_tokens)
         has_prompt = float(prefill_tokens > 0)
