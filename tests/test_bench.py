@@ -184,6 +184,11 @@ def test_summary_rows_percentiles_ratios_and_table() -> None:
     assert uma["gap_p50_ms"] == 200.0 and uma["gap_max_ms"] == 400.0 and uma["ttft_p50_ms"] == 100.0
     assert uma["gap_p95_ms"] == pytest.approx(380.0) and uma["gap_p99_ms"] == pytest.approx(396.0)
     assert uma["gap_p95_vs_alone"] == pytest.approx(3.8) and uma["gap_max_vs_alone_p95"] == pytest.approx(4.0)
+    # The clients alone get the same figure against their own p95: the machine's floor for it.
+    peer_alone = next(
+        r for r in rows if (r["target"], r["scenario"], r["lane"]) == ("peer", "hand-alone", "interactive")
+    )
+    assert peer_alone["gap_max_vs_alone_p95"] == pytest.approx(1.0) and "gap_p95_vs_alone" not in peer_alone
     every = next(r for r in rows if (r["target"], r["scenario"], r["lane"]) == ("uma", "hand", "all"))
     assert every["tokens"] == 6 and every["tokens_per_s"] == 3.0 and every["completed"] == 2
     assert lane_stats(results[1], "background").ttft == (1.0,)
@@ -192,6 +197,16 @@ def test_summary_rows_percentiles_ratios_and_table() -> None:
     assert header == ["scenario", "lane", "figure", "uma", "peer", "peer / uma"]
     gap_max = next(line for line in body if line[:3] == ["hand", "interactive", "gap max (ms)"])
     assert gap_max[3:] == ["400", "1800", "4.50"]
+
+
+def test_the_clients_alone_get_their_own_max_over_p95() -> None:
+    rows = summary_rows([result("uma", "hand-alone", [10.1, 10.2, 10.3, 10.8], with_bg=False)])  # 0.1 0.1 0.5
+    (alone,) = (r for r in rows if r["lane"] == "interactive")
+    assert alone["gap_p95_ms"] == pytest.approx(460.0)
+    assert alone["gap_max_vs_alone_p95"] == pytest.approx(500.0 / 460.0, abs=1e-3)
+    # A scenario with neither an alone run nor "-alone" in its name gets no such figure.
+    (plain,) = (r for r in summary_rows([result("uma", "hand", [10.1, 10.2])]) if r["lane"] == "interactive")
+    assert "gap_max_vs_alone_p95" not in plain
 
 
 def test_token_rows_and_written_files(tmp_path: Path) -> None:
