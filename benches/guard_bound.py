@@ -4,18 +4,19 @@ Reads one mixed run's tick trace and figures and prints, for each background pro
 deadline (the target ratio × the peer's completion time), the prompt tokens due by then
 against the most any schedule within the guard could read by then on that machine
 (``uma_trio/loadgen/guard_bound.py`` says how the bound is taken: every figure in the
-scheduler's favour).  "excluded" means no scheduler meets that target there without breaking
-the guard; "not excluded" means the bound does not decide.
+scheduler's favour but the chats' own pace, which stays as the run had it).  "short" means no
+scheduler that keeps the chats at that pace meets the target there without breaking the
+guard; "within reach" means the bound does not rule it out.
 
     python benches/guard_bound.py --gpu RESULTS_DIR [--ratio 1.5]   # benches/gpu/run.sh's results/
     python benches/guard_bound.py --compare RUN_DIR [--ratio 2.0]   # compare.py's OUT/mixed[/run-K]/
 
 With ``--gpu`` the prompts are gpu_compare.py's (2,000 and 8,000 words at 1 s and 2 s), with
 ``--compare`` benches/scenarios/mixed.json's, and compare.py's ``capacity.csv`` (the engine
-alone) then gives the fastest prefill of those prompts and of each batch width.  The first
-prompt's arrival is the first tick that left a session out or read 100+ prompt tokens
-(``--arrival-tick`` overrides it); the others arrive as the scenario spaces them.  Prints
-a table; ``--csv`` writes it too.
+alone; in the run's folder or up to two above it) then gives the fastest prefill of those
+prompts and of each batch width.  The first prompt's arrival is the first tick that left a
+session out or read 100+ prompt tokens (``--arrival-tick`` overrides it); the others arrive
+as the scenario spaces them.  Prints a table; ``--csv`` writes it too.
 """
 
 from __future__ import annotations
@@ -34,8 +35,15 @@ SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:
-    """The last daemon's lines (benches/gpu/run.sh's repeated mixed parts share one file)."""
-    return last_daemon([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+    """The last daemon's lines (benches/gpu/run.sh's repeated mixed parts share one file); a
+    line cut short (a daemon stopped mid-write) is left out."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return last_daemon(rows)
 
 
 def first_arrival(rows: list[dict[str, Any]], tick: int | None) -> float:
@@ -86,7 +94,7 @@ def capacity(start: Path) -> tuple[dict[int, float], dict[int, float]]:
     """compare.py's ``capacity.csv`` (llama-batched-bench, the engine alone), found in
     ``start`` or above it: (sequences decoding together -> their step s, prompt length ->
     prefill tokens/s); empty where there is none."""
-    for folder in (start, *start.parents):
+    for folder in (start, start.parent, start.parent.parent):  # compare.py: OUT/mixed/run-K
         path = folder / "capacity.csv"
         if path.exists():
             with path.open() as f:
@@ -103,7 +111,7 @@ def row_of(v: Verdict, ratio: float) -> dict[str, Any]:
         "needed_tokens": v.needed, "room_tokens": r.tokens,
         "beside_chats_gain": r.beside_gain, "free_s": round(r.free_s, 3), "free_tokens": r.free_tokens,
         "window_s": round(r.window_s, 3), "chat_ticks": r.interactive_ticks,
-        "verdict": "excluded" if v.excluded else "not excluded",
+        "verdict": "short" if v.short else "within reach",
     }  # fmt: skip
 
 
@@ -130,8 +138,8 @@ def gpu_lines(results: Path, ratio: float = 1.5) -> list[str]:
     """The bound for gpu_compare.py's last mixed part, as lines for its report."""
     try:
         rows = bound_rows(gpu_inputs(results), results, ratio)
-    except (OSError, KeyError, ValueError, SystemExit) as exc:
-        return [f"\nbackground under the guard: not computed ({exc})"]
+    except Exception as exc:
+        return [f"\nbackground under the guard: not computed ({exc!r})"]
     return ["\nbackground under the guard (benches/guard_bound.py):"] + [
         f"{r['deadline']} ({ratio}x llama-server's): need {r['needed_tokens']} tokens, any schedule "
         f"within the guard reads at most {r['room_tokens']}: {r['verdict']}"

@@ -50,6 +50,24 @@ def test_a_step_floor_never_falls_with_more_decoders_or_tokens() -> None:
     assert floors_3 == sorted(floors_3)
 
 
+def test_a_floor_never_exceeds_a_measured_step_that_did_as_much() -> None:
+    """A single slow sample of a smaller batch (here 2 decoders and 1 token at 30 ms) must not
+    lift the floor above a faster step that carried more (3 decoders and 4 tokens at 12 ms)."""
+    ticks = [
+        *chats(0.0, 10),
+        prompt_tick(1.0, 2, 1, 0.030, True),
+        prompt_tick(1.1, 3, 4, 0.012, True),
+        prompt_tick(1.2, 0, 500, 0.050, False),
+    ]
+    floors = floors_of(ticks)
+    assert step_floor(floors, 3, 1) == pytest.approx(0.012)
+    assert step_floor(floors, 3, 4) == pytest.approx(0.012)
+    for t in ticks:
+        assert step_floor(floors, t.decoders, t.prompt_tokens) <= t.step_s + 1e-12
+    floors_3 = [step_floor(floors, 3, n) for n in range(600)]
+    assert floors_3 == sorted(floors_3)  # still a floor that only grows with tokens
+
+
 def test_the_engine_alone_raises_the_floor_by_the_batch_width() -> None:
     """On the CPU a prompt token widens the batch like a decode token: llama-batched-bench's
     step of k + n sequences bounds a step of k decoders and n prompt tokens."""
@@ -95,14 +113,14 @@ def test_the_room_is_the_free_time_plus_what_the_slack_ticks_add() -> None:
     assert slower.free_tokens == 2_500 and slower.tokens < room.tokens
 
 
-def test_a_deadline_is_excluded_only_when_its_tokens_exceed_the_room() -> None:
+def test_a_deadline_is_short_only_when_its_tokens_exceed_the_room() -> None:
     ticks = [*chats(0.0, 100), *chats(1.5, 100), *MEASURED[10:]]
     tight = [Background(tokens=8_000, arrival_s=0.0, deadline_s=2.5)]
     loose = [Background(tokens=5_000, arrival_s=0.0, deadline_s=2.5)]
     (v,) = verdicts(ticks, 0.010, tight)
-    assert v.excluded and v.needed == 8_000
+    assert v.short and v.needed == 8_000
     (v,) = verdicts(ticks, 0.010, loose)
-    assert not v.excluded
+    assert not v.short
     # Two prompts: the second deadline counts both, from the first one's arrival.
     both = [Background(1_000, 0.0, 1.0), Background(8_000, 0.5, 2.5)]
     first, second = verdicts(ticks, 0.010, both)
