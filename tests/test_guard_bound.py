@@ -128,6 +128,20 @@ def test_a_deadline_is_short_only_when_its_tokens_exceed_the_room() -> None:
     assert second.room.window_s == pytest.approx(2.5)
 
 
+def test_the_slack_is_the_whole_runs_and_counted_in_gaps() -> None:
+    """The p95 is over all of a run's chat gaps: a schedule may spend the whole run's 5 % in the
+    window, and a tick with k chats decoding stretches k gaps."""
+    before = chats(0.0, 400)  # 4 s of chats before the window: 1,200 more gaps
+    inside = chats(4.0, 100)  # 1 s in the window, 300 gaps
+    floors = floors_of([*before, *inside, *MEASURED[10:]])
+    own = room_in(inside, floors, alone_p95_s=0.010, start_s=4.0, end_s=5.0)
+    assert own.beside_gain == 100 + 5 * 99  # a token a tick within p95; 15 gaps: 5 ticks stretched
+    run = room_in([*before, *inside], floors, alone_p95_s=0.010, start_s=4.0, end_s=5.0, slack_gaps=75)
+    assert run.beside_gain == 100 + 25 * 99  # 75 gaps: 25 stretched ticks, all in the window
+    (v,) = verdicts([*before, *inside, *MEASURED[10:]], 0.010, [Background(3_000, 4.0, 5.0)], run_start_s=0.0)
+    assert v.room.beside_gain == run.beside_gain
+
+
 def test_a_whole_prompt_is_priced_at_the_engine_rate_for_its_length() -> None:
     rates = {128: 520.0, 2048: 420.0, 8000: 250.0}
     assert prefill_seconds(rates, 2048) == pytest.approx(2048 / 420.0)

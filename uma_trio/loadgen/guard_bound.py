@@ -18,9 +18,10 @@ that carries an interactive decode token is such a gap.  So, given the ticks of 
   time from the rest of the window: the time no chat decodes is at most the window less
   every chat tick's floor, read at the fastest prefill rate, and prompt tokens beside the
   chats count only for what they add over that (:func:`beside_gain`);
-* all but ``slack`` (5 %) of those ticks must stay within ``1.2 × alone p95``, the rest within
-  ``2 × alone p95``: each carries at most the prompt tokens whose floor fits, the largest
-  gain going to the ticks that may stretch.
+* all but 5 % of the chats' gaps (over the whole run, a tick with ``k`` chats decoding being
+  ``k`` gaps) must stay within ``1.2 × alone p95``, the rest within ``2 × alone p95``: each
+  tick carries at most the prompt tokens whose floor fits, the largest gain per gap going to
+  the ticks that may stretch, all of them inside the window if it has them.
 
 Every figure is taken in the scheduler's favour (fastest steps, every tick filled to the
 limit, no time between steps, prompts read at the engine's best rate) but one: the chats keep
@@ -42,7 +43,7 @@ from typing import Any
 
 P95_CAP = 1.2  # gap p95 over the chats-alone p95
 MAX_CAP = 2.0  # gap max over the chats-alone p95
-SLACK = 0.05  # the share of gaps the p95 leaves free to stretch to the max
+SLACK = 0.05  # the share of the run's gaps the p95 leaves free to stretch to the max
 
 
 @dataclass(frozen=True)
@@ -170,13 +171,16 @@ def beside_gain(floors: Floors, decoders: int, limit_s: float, free_rate: float 
 
 def room_in(
     ticks: Sequence[TraceTick], floors: Floors, alone_p95_s: float, start_s: float, end_s: float,
-    *, slack: float = SLACK, free_rate: float | None = None,
+    *, slack_gaps: int | None = None, free_rate: float | None = None,
 ) -> Room:  # fmt: skip
     """The most background prompt tokens any schedule within the guard reads in
     ``[start_s, end_s)``, the interactive ticks as ``ticks`` had them in it.  Every tick is
     time the window spends: the chats' ticks at least their floor, prompt tokens beside them
     only where that beats reading them in the time they add, with no chat decoding.  The time
-    with no chat decoding reads ``free_rate`` tokens a second (default: the trace's fastest)."""
+    with no chat decoding reads ``free_rate`` tokens a second (default: the trace's fastest).
+    ``slack_gaps``: how many of the chats' gaps may stretch past the p95 limit, a tick with
+    ``k`` chats decoding stretching ``k`` of them (default: 5 % of the window's own; the p95
+    is over the whole run's gaps, and a schedule may spend all of its slack in the window)."""
     rate = free_rate or floors.prefill_rate
     inside = [t for t in ticks if t.interactive and start_s <= t.start_s < end_s]
     p95_limit, max_limit = P95_CAP * alone_p95_s, MAX_CAP * alone_p95_s
@@ -188,10 +192,19 @@ def room_in(
         return cache[decoders, limit]
 
     within = [gain(t.decoders, p95_limit) for t in inside]
+    if slack_gaps is None:
+        slack_gaps = int(SLACK * sum(t.decoders for t in inside))
+    # The stretched ticks: the most gained per gap first, while the gaps last.
     more = sorted(
-        (gain(t.decoders, max_limit) - w for t, w in zip(inside, within, strict=True)), reverse=True
-    )
-    beside = sum(within) + sum(more[: int(slack * len(inside))])
+        ((gain(t.decoders, max_limit) - w, max(1, t.decoders)) for t, w in zip(inside, within, strict=True)),
+        key=lambda extra_gaps: extra_gaps[0] / extra_gaps[1], reverse=True,
+    )  # fmt: skip
+    beside = sum(within)
+    for extra, gaps in more:
+        if gaps > slack_gaps or extra <= 0:
+            continue
+        beside += extra
+        slack_gaps -= gaps
     busy = sum(step_floor(floors, t.decoders, 0) for t in inside)
     free = max(0.0, (end_s - start_s) - busy)
     return Room(end_s - start_s, len(inside), free, round(free * rate), beside)
@@ -233,12 +246,18 @@ def prefill_seconds(rates: dict[int, float], tokens: int) -> float:
 def verdicts(
     ticks: Sequence[TraceTick], alone_p95_s: float, prompts: Sequence[Background], *,
     batch_steps: dict[int, float] | None = None, prefill_rates: dict[int, float] | None = None,
+    run_start_s: float | None = None,
 ) -> list[Verdict]:  # fmt: skip
     """For each prompt's deadline: every prompt due by then, over the window from the first
     of them to arrive (a necessary condition: the tokens must fit in that window).  With
     ``prefill_rates`` (the engine alone: prompt length -> tokens/s), the time with no chat
-    decoding reads the due prompts at those rates, each whole; else at the trace's fastest."""
+    decoding reads the due prompts at those rates, each whole; else at the trace's fastest.
+    With ``run_start_s`` (when the scenario's run began), the p95's slack is 5 % of all the
+    run's chat gaps from then on, which a schedule may spend inside the window."""
     floors = floors_of(ticks, batch_steps, prefill_rates)
+    slack_gaps = None
+    if run_start_s is not None:
+        slack_gaps = int(SLACK * sum(t.decoders for t in ticks if t.interactive and t.start_s >= run_start_s))
     out = []
     for i, p in enumerate(sorted(prompts, key=lambda p: p.deadline_s)):
         due = [q for q in prompts if q.deadline_s <= p.deadline_s]
@@ -246,7 +265,7 @@ def verdicts(
         rate = None
         if prefill_rates:
             rate = sum(q.tokens for q in due) / sum(prefill_seconds(prefill_rates, q.tokens) for q in due)
-        room = room_in(ticks, floors, alone_p95_s, start, p.deadline_s, free_rate=rate)
+        room = room_in(ticks, floors, alone_p95_s, start, p.deadline_s, slack_gaps=slack_gaps, free_rate=rate)
         label = f"prompts due by deadline {i + 1} ({', '.join(str(q.tokens) for q in due)} tokens)"
         out.append(Verdict(label, sum(q.tokens for q in due), room))
     return out
