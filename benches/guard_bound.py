@@ -58,6 +58,7 @@ def first_arrival(rows: list[dict[str, Any]], tick: int | None) -> float:
 
 
 Inputs = tuple[Path, float, list[tuple[int, float, float]]]
+Capacity = tuple[dict[int, float], dict[int, float]]  # sequences -> step s; prompt length -> tok/s
 
 
 def gpu_inputs(results: Path) -> Inputs:
@@ -91,7 +92,7 @@ def compare_inputs(run: Path) -> Inputs:
     return run / "ticks.jsonl", alone_p95, prompts
 
 
-def capacity(start: Path) -> tuple[dict[int, float], dict[int, float]]:
+def capacity(start: Path) -> Capacity:
     """compare.py's ``capacity.csv`` (llama-batched-bench, the engine alone), found in
     ``start`` or above it: (sequences decoding together -> their step s, prompt length ->
     prefill tokens/s); empty where there is none."""
@@ -117,12 +118,11 @@ def row_of(v: Verdict, ratio: float) -> dict[str, Any]:
 
 
 def bound_rows(
-    inputs: Inputs, folder: Path, ratio: float, arrival_tick: int | None = None
+    inputs: Inputs, engine: Capacity, ratio: float, arrival_tick: int | None = None
 ) -> list[dict[str, Any]]:
-    """A row per deadline, for the run ``inputs`` describes (``folder``: where to look for
-    the engine's capacity)."""
+    """A row per deadline, for the run ``inputs`` describes (``engine``: :func:`capacity`'s)."""
     trace, alone_p95, specs = inputs
-    steps, rates = capacity(folder)
+    steps, rates = engine
     rows = read_trace(trace)
     arrival = first_arrival(rows, arrival_tick)
     prompts = [Background(n, arrival + offset, arrival + offset + ratio * peer) for n, offset, peer in specs]
@@ -137,13 +137,13 @@ def bound_rows(
 
 def compare_rows(run: Path, ratio: float = 2.0) -> list[dict[str, Any]]:
     """The bound for one of compare.py's mixed runs (its directory)."""
-    return bound_rows(compare_inputs(run), run, ratio)
+    return bound_rows(compare_inputs(run), capacity(run), ratio)
 
 
 def gpu_lines(results: Path, ratio: float = 1.5) -> list[str]:
     """The bound for gpu_compare.py's last mixed part, as lines for its report."""
     try:
-        rows = bound_rows(gpu_inputs(results), results, ratio)
+        rows = bound_rows(gpu_inputs(results), capacity(results), ratio)
     except Exception as exc:
         return [f"\nbackground under the guard: not computed ({exc!r})"]
     return ["\nbackground under the guard (benches/guard_bound.py):"] + [
@@ -168,14 +168,14 @@ def main(argv: list[str] | None = None) -> None:
     inputs = gpu_inputs(folder) if args.gpu is not None else compare_inputs(folder)
     ratio = args.ratio or (1.5 if args.gpu is not None else 2.0)
     trace, alone_p95, specs = inputs
-    steps, _ = capacity(folder)
+    engine = capacity(folder)
     print(
         f"{trace}: chats-alone gap p95 {alone_p95 * 1000:.2f} ms; guard: p95 ≤ 1.2×, "
-        f"max ≤ 2× that p95; engine capacity {'from capacity.csv' if steps else 'not measured'}"
+        f"max ≤ 2× that p95; engine capacity {'from capacity.csv' if engine[0] else 'not measured'}"
     )
     for tokens, _, peer in specs:
         print(f"  background {tokens} tokens: peer {peer:.2f} s; due {ratio * peer:.2f} s after it arrives")
-    table = bound_rows(inputs, folder, ratio, args.arrival_tick)
+    table = bound_rows(inputs, engine, ratio, args.arrival_tick)
     for r in table:
         print(
             f"{r['deadline']}: need {r['needed_tokens']}, the guard leaves at most {r['room_tokens']} "
