@@ -57,6 +57,14 @@ def test_without_a_gpu_backend_or_device_everything_stays_on_the_cpu() -> None:
         "auto", supports_offload=True, devices=(), n_layer=32, weight_bytes=1, kv_bytes=1
     )
     assert no_device.n_gpu_layers == 0 and "no GPU device" in no_device.reason
+    # A Vulkan build whose only Vulkan device is a CPU (llvmpipe): llama.cpp skips the device
+    # and reports no offload; the reason names the backend rather than denying it exists.
+    built_no_device = plan_offload(
+        "auto", supports_offload=False, devices=(), n_layer=32, weight_bytes=1, kv_bytes=1,
+        gpu_backends=("Vulkan",),
+    )  # fmt: skip
+    assert built_no_device.n_gpu_layers == 0
+    assert built_no_device.reason == "CPU only: the Vulkan backend found no GPU device"
 
 
 def test_all_and_counts_are_taken_as_asked() -> None:
@@ -92,6 +100,33 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "uma_trio", *args], capture_output=True, text=True, timeout=120
     )
+
+
+def test_the_builds_backends_include_every_devices_backend() -> None:
+    from uma_trio.engine.devices import backends_built, devices
+
+    built = backends_built()
+    assert "CPU" in built and len(set(built)) == len(built)
+    assert {d.backend for d in devices()} <= set(built)
+
+
+def test_deterministic_mode_says_its_guarantee_is_the_cpus_where_layers_are_on_a_gpu() -> None:
+    from uma_trio.engine.devices import Device
+    from uma_trio.engine.summary import deterministic_caveat, engine_summary
+
+    gpu = Device("Vulkan0", "llvmpipe", "GPU", "Vulkan", 2 * GIB, 2 * GIB)
+    cpu = Device("CPU", "AMD EPYC", "CPU", "CPU", 24 * GIB, 24 * GIB)
+
+    def summary(offloaded: int, deterministic: bool) -> dict[str, object]:
+        return engine_summary(
+            system_info="", devices=(gpu, cpu), layers=(offloaded, 31), reason="test", kv_type="q8_0",
+            kv_bytes=1, kv_cells=1, flash_attn="on", settings={"deterministic": deterministic}, model={},
+        )  # fmt: skip
+
+    caveat = deterministic_caveat(summary(31, True))
+    assert caveat is not None and "CPU backend only" in caveat and "31 of 31 layers on Vulkan0" in caveat
+    assert deterministic_caveat(summary(0, True)) is None  # on the CPU the guarantee holds
+    assert deterministic_caveat(summary(31, False)) is None  # the fast mode promises nothing
 
 
 @pytest.mark.model

@@ -9,8 +9,12 @@ comparison would say nothing about the offload.  Greedy *text* is not
 compared token for token across devices: the two backends round differently, and a random
 model's top two logits can be nearly tied, so one flip would make every later token differ.
 Instead both devices are fed the same tokens (the CPU's greedy path) and compared step by
-step: the logits agree to within float rounding of a 4-bit model, and wherever the CPU's
-choice is clear (its margin well above the difference between devices) the GPU makes it too.
+step: the next-token distributions agree (KL divergence under 0.05 nats at every step, under
+0.01 on average), and wherever the CPU's choice is clear (its margin well above the difference
+between devices) the GPU makes it too.  The raw logits' relative L2 is not the measure: for a
+4-bit model the CPU quantizes activations to 8 bits and other backends need not, and the
+thousands of far-tail logits, which carry no probability, then differ by 1-13 % in L2 on the
+default model over Vulkan (Mesa's llvmpipe) while the KL stays under 0.016 nats.
 On the first run (H100) the --deterministic settings were not batch-invariant on CUDA, so
 that guarantee is the CPU's (docs/CONFIG.md); here batched and alone agree within tolerance.
 """
@@ -97,14 +101,28 @@ def test_every_layer_is_offloaded_and_the_gpu_computes_the_cpus_logits(model_pat
         assert gpu.model.layers_offloaded == gpu.model.layers_total, "every layer should be on the GPU"
         gpu_rows = forced(gpu, prompt, path)
 
-    clear = 0
+    clear, divergences = 0, []
     for i, (c, g) in enumerate(zip(cpu_rows, gpu_rows, strict=True)):
-        assert np.linalg.norm(g - c) / np.linalg.norm(c) < 0.05, f"logits differ at step {i}"
+        divergences.append(kl_divergence(c, g))
+        assert divergences[-1] < 0.05, f"distributions differ at step {i}: KL {divergences[-1]:.4f}"
         top2 = np.sort(c)[-2:]
         if top2[1] - top2[0] > 4 * float(np.max(np.abs(g - c))):  # the CPU's choice is clear
             clear += 1
             assert int(np.argmax(g)) == int(np.argmax(c)), f"greedy choice differs at step {i}"
-    print(f"{clear} of {len(cpu_rows)} steps had a clear greedy choice")
+    assert float(np.mean(divergences)) < 0.01
+    print(f"{clear} of {len(cpu_rows)} steps had a clear greedy choice; KL max {max(divergences):.4f} nats")
+
+
+def kl_divergence(p_logits: npt.NDArray[np.float32], q_logits: npt.NDArray[np.float32]) -> float:
+    """KL(p || q) in nats between the softmax distributions of two logits rows."""
+    p_log = _log_softmax(p_logits.astype(np.float64))
+    q_log = _log_softmax(q_logits.astype(np.float64))
+    return float(np.sum(np.exp(p_log) * (p_log - q_log)))
+
+
+def _log_softmax(x: Vector) -> Vector:
+    shifted = x - np.max(x)
+    return shifted - np.log(np.sum(np.exp(shifted)))
 
 
 def test_batched_and_alone_agree_on_the_gpu(model_path: Path) -> None:

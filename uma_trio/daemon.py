@@ -28,7 +28,7 @@ from .engine.llama import (
 )
 from .engine.memory_profile import memory_profile, probe_bandwidth_gbps, probe_step_bandwidth_gbps
 from .engine.planned import memory_footprint, offload_plan, placement_for
-from .engine.summary import one_line
+from .engine.summary import deterministic_caveat, one_line
 from .exception_groups import first_leaf
 from .http.gateway import Gateway
 from .http.metrics import metrics_app
@@ -102,7 +102,10 @@ def load_engine(model_path: Path, config: ServerConfig) -> LlamaEngine:
         engine = engine_for(load_model(model_path, config), config)
     except (ModelLoadError, ConfigError) as exc:
         raise DaemonStartError(str(exc)) from None
-    log.info("%s", one_line(engine.describe(deterministic=config.deterministic)))
+    summary = engine.describe(deterministic=config.deterministic)
+    log.info("%s", one_line(summary))
+    if caveat := deterministic_caveat(summary):
+        log.warning("%s", caveat)
     _ = engine.max_token_bytes  # read the vocabulary now, not during the first request
     return engine
 
@@ -148,7 +151,7 @@ def policy_for(engine: LlamaEngine, config: ServerConfig) -> Policy:
     if gbps is None:
         if engine.model.layers_offloaded > 0:
             gbps = probe_step_bandwidth_gbps(engine)
-            log.info("device bandwidth from one-token steps: %.0f GB/s (--bmt-budget-gbps to skip)", gbps)
+            log.info("device bandwidth from one-token steps: %.3g GB/s (--bmt-budget-gbps to skip)", gbps)
         else:
             gbps = probe_bandwidth_gbps()
             log.info("memory bandwidth probe: %.1f GB/s (set --bmt-budget-gbps to skip it)", gbps)

@@ -100,6 +100,7 @@ def info(
         return EXIT_SERVER_ERROR
     from ..engine.llama import ModelLoadError
     from ..engine.planned import planned_summary
+    from ..engine.summary import deterministic_caveat
 
     try:
         summary = planned_summary(model_path, config)
@@ -131,4 +132,6 @@ def info(
     print(f"mode          {mode}: n_ubatch {st['n_ubatch']}, n_batch {st['n_batch']}, "
           f"{st['n_seq_max']} sessions x {st['n_ctx_seq']} cells, kv_unified {st['kv_unified']}, "
           f"threads {st['threads']}")  # fmt: skip
+    if caveat := deterministic_caveat(summary):
+        print(f"caveat        {caveat}")
     return 0

@@ -72,6 +72,8 @@ def _bind() -> Any:
     lib.ggml_backend_dev_memory.restype = None
     lib.ggml_backend_dev_backend_reg.argtypes, lib.ggml_backend_dev_backend_reg.restype = [vp], vp
     lib.ggml_backend_reg_name.argtypes, lib.ggml_backend_reg_name.restype = [vp], ctypes.c_char_p
+    lib.ggml_backend_reg_count.restype = sz
+    lib.ggml_backend_reg_get.argtypes, lib.ggml_backend_reg_get.restype = [sz], vp
     return lib
 
 
@@ -111,6 +113,17 @@ def devices() -> tuple[Device, ...]:
             )
         )
     return tuple(found)
+
+
+def backends_built() -> tuple[str, ...]:
+    """Every backend this llama.cpp build registered, those that found no device included
+    (a Vulkan build on a machine whose only Vulkan device is a CPU: llama.cpp skips it)."""
+    global _lib
+    init_backend()
+    if _lib is None:
+        _lib = _bind()
+    regs = (_lib.ggml_backend_reg_get(i) for i in range(int(_lib.ggml_backend_reg_count())))
+    return tuple((_lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace") for reg in regs)
 
 
 def apply_cuda_graphs(enabled: bool) -> None:

@@ -45,12 +45,20 @@ def plan_offload(
     n_layer: int,
     weight_bytes: int,
     kv_bytes: int,
+    gpu_backends: tuple[str, ...] = (),
 ) -> OffloadPlan:
     """Layers to offload for ``requested``; ``kv_bytes`` is the whole KV cache the daemon
-    will allocate (``n_ctx × max_sessions`` cells)."""
+    will allocate (``n_ctx × max_sessions`` cells); ``gpu_backends``: the build's backends
+    other than the CPU's, whether or not they found a device."""
     total = n_layer + 1
     if not supports_offload or not devices:
-        why = "this llama.cpp build has no GPU backend" if not supports_offload else "no GPU device found"
+        if supports_offload:
+            why = "no GPU device found"
+        elif gpu_backends and not devices:
+            # llama.cpp reports no offload when a GPU backend is built in but found no device.
+            why = f"the {'/'.join(gpu_backends)} backend found no GPU device"
+        else:
+            why = "this llama.cpp build has no GPU backend"
         if requested == 0:
             why = "--gpu-layers 0"
         return OffloadPlan(0, total, f"CPU only: {why}")

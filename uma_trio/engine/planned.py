@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ServerConfig, parse_gpu_layers
-from .devices import apply_cuda_graphs, captures_cuda_graphs, devices, supports_gpu_offload, system_info
+from .devices import (
+    apply_cuda_graphs,
+    backends_built,
+    captures_cuda_graphs,
+    devices,
+    supports_gpu_offload,
+    system_info,
+)  # fmt: skip
 from .llama import KV_TYPES, ModelShape, Placement, read_shape
 from .offload import OffloadPlan, plan_offload
 from .summary import engine_summary
@@ -32,6 +39,7 @@ def offload_plan(shape: ModelShape, config: ServerConfig) -> OffloadPlan:
         n_layer=shape.n_layer,
         weight_bytes=shape.file_bytes,
         kv_bytes=kv_cells * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1]),
+        gpu_backends=tuple(b for b in backends_built() if b != "CPU"),
     )
 
 

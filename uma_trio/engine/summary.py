@@ -69,6 +69,21 @@ def engine_summary(
     }
 
 
+def deterministic_caveat(summary: dict[str, Any]) -> str | None:
+    """What ``--deterministic`` does not promise where layers are on a GPU: its exactness is
+    the CPU backend's (llama.cpp's GPU kernels round by batch shape; on Vulkan the exactness
+    tests fail), so the daemon and ``uma-trio info`` say so rather than let it be assumed."""
+    layers = summary["gpu_layers"]
+    if not summary["settings"]["deterministic"] or layers["offloaded"] <= 0:
+        return None
+    gpus = ", ".join(d["name"] for d in summary["devices"] if d["kind"] in ("GPU", "IGPU")) or "a GPU"
+    return (
+        f"--deterministic: exact greedy output is guaranteed on the CPU backend only; with "
+        f"{layers['offloaded']} of {layers['total']} layers on {gpus} the output may still change "
+        f'with batching (--gpu-layers 0 for the guarantee; CONFIG.md "Two modes")'
+    )
+
+
 def one_line(summary: dict[str, Any]) -> str:
     """The start-up log line."""
     layers, kv, s = summary["gpu_layers"], summary["kv"], summary["settings"]
