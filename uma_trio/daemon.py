@@ -131,7 +131,8 @@ def cost_prior(engine: LlamaEngine, config: ServerConfig) -> CostCoefficients:
         return CostCoefficients()
     log.info("calibrating the tick-cost model on the GPU (no cost model for %s)", key)
     try:
-        result = calibrate_engine(engine)
+        # Seconds on a GPU, minutes on a slow device: each configuration is logged as it is timed.
+        result = calibrate_engine(engine, progress=lambda line: log.info("calibrating: %s", line))
     except ValueError as exc:  # a context too small for any grid (one session, say)
         log.warning("no start-up calibration (%s): built-in costs, corrected online", exc)
         return CostCoefficients()
