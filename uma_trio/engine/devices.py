@@ -90,24 +90,30 @@ def init_backend() -> None:
         _backend_ready = True
 
 
-def devices() -> tuple[Device, ...]:
-    """Every device llama.cpp's backends registered, CPU included, with free memory now."""
+def _bound() -> Any:
+    """ggml's device and registry calls, bound once, with llama.cpp's backends initialised."""
     global _lib
     init_backend()
     if _lib is None:
         _lib = _bind()
+    return _lib
+
+
+def devices() -> tuple[Device, ...]:
+    """Every device llama.cpp's backends registered, CPU included, with free memory now."""
+    lib = _bound()
     found = []
-    for i in range(int(_lib.ggml_backend_dev_count())):
-        dev = _lib.ggml_backend_dev_get(i)
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        _lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-        reg = _lib.ggml_backend_dev_backend_reg(dev)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        reg = lib.ggml_backend_dev_backend_reg(dev)
         found.append(
             Device(
-                name=(_lib.ggml_backend_dev_name(dev) or b"?").decode(errors="replace"),
-                description=(_lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
-                kind=_DEVICE_TYPES.get(int(_lib.ggml_backend_dev_type(dev)), "?"),
-                backend=(_lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace") if reg else "?",
+                name=(lib.ggml_backend_dev_name(dev) or b"?").decode(errors="replace"),
+                description=(lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
+                kind=_DEVICE_TYPES.get(int(lib.ggml_backend_dev_type(dev)), "?"),
+                backend=(lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace") if reg else "?",
                 free_bytes=int(free.value),
                 total_bytes=int(total.value),
             )
@@ -118,12 +124,9 @@ def devices() -> tuple[Device, ...]:
 def backends_built() -> tuple[str, ...]:
     """Every backend this llama.cpp build registered, those that found no device included
     (a Vulkan build on a machine whose only Vulkan device is a CPU: llama.cpp skips it)."""
-    global _lib
-    init_backend()
-    if _lib is None:
-        _lib = _bind()
-    regs = (_lib.ggml_backend_reg_get(i) for i in range(int(_lib.ggml_backend_reg_count())))
-    return tuple((_lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace") for reg in regs)
+    lib = _bound()
+    regs = (lib.ggml_backend_reg_get(i) for i in range(int(lib.ggml_backend_reg_count())))
+    return tuple((lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace") for reg in regs)
 
 
 def apply_cuda_graphs(enabled: bool) -> None:

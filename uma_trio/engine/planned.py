@@ -22,7 +22,7 @@ from .devices import (
     devices,
     supports_gpu_offload,
     system_info,
-)  # fmt: skip
+)
 from .llama import KV_TYPES, ModelShape, Placement, read_shape
 from .offload import OffloadPlan, plan_offload
 from .summary import engine_summary
