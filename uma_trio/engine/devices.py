@@ -29,6 +29,7 @@ log = logging.getLogger("uma_trio.llama_cpp")
 
 # enum ggml_backend_dev_type
 _DEVICE_TYPES = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL", 4: "META"}
+OFFLOAD_KINDS = ("GPU", "IGPU")  # the device kinds llama.cpp puts layers on
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +44,7 @@ class Device:
     @property
     def offloads(self) -> bool:
         """Whether llama.cpp can put layers on it (GPUs, integrated GPUs)."""
-        return self.kind in ("GPU", "IGPU")
+        return self.kind in OFFLOAD_KINDS
 
     def as_memory(self) -> DeviceMemory:
         return DeviceMemory(self.name, self.description, self.free_bytes, self.total_bytes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .devices import Device
+from .devices import OFFLOAD_KINDS, Device
 
 MIB = 1024 * 1024
 
@@ -69,6 +69,11 @@ def engine_summary(
     }
 
 
+def _gpu_entries(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The summary's devices that take layers (as :attr:`Device.offloads`)."""
+    return [d for d in summary["devices"] if d["kind"] in OFFLOAD_KINDS]
+
+
 def deterministic_caveat(summary: dict[str, Any]) -> str | None:
     """What ``--deterministic`` does not promise where layers are on a GPU: its exactness is
     the CPU backend's (llama.cpp's GPU kernels round by batch shape; on Vulkan the exactness
@@ -76,7 +81,7 @@ def deterministic_caveat(summary: dict[str, Any]) -> str | None:
     layers = summary["gpu_layers"]
     if not summary["settings"]["deterministic"] or layers["offloaded"] <= 0:
         return None
-    gpus = ", ".join(d["name"] for d in summary["devices"] if d["kind"] in ("GPU", "IGPU")) or "a GPU"
+    gpus = ", ".join(d["name"] for d in _gpu_entries(summary)) or "a GPU"
     return (
         f"--deterministic: exact greedy output is guaranteed on the CPU backend only; with "
         f"{layers['offloaded']} of {layers['total']} layers on {gpus} the output may still change "
@@ -87,7 +92,7 @@ def deterministic_caveat(summary: dict[str, Any]) -> str | None:
 def one_line(summary: dict[str, Any]) -> str:
     """The start-up log line."""
     layers, kv, s = summary["gpu_layers"], summary["kv"], summary["settings"]
-    gpus = [d for d in summary["devices"] if d["kind"] in ("GPU", "IGPU")]
+    gpus = _gpu_entries(summary)
     where = ", ".join(f"{d['name']} ({d['description']})" for d in gpus) or "CPU"
     return (
         f"engine: {'/'.join(summary['backends'])} on {where}; layers on GPU {layers['offloaded']}/"
