@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -112,3 +113,41 @@ def test_metrics_without_daemon_exits_3(tmp_path: Path) -> None:
     for command in ("metrics", "top"):
         done = run_cli(command, "--socket", str(tmp_path / "none.sock"))
         assert done.returncode == 3 and "cannot talk to the daemon" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (None, "No such file"),
+        (b"{not json", "is not a cost model"),
+        (b'{"decode_s": "fast"}', "is not a cost model"),
+    ],
+    ids=["missing", "not-json", "wrong-type"],
+)
+def test_a_bad_cost_model_file_is_refused_before_the_model_loads(
+    tmp_path: Path, content: bytes | None, words: str
+) -> None:
+    path = tmp_path / "costs.json"
+    if content is not None:
+        path.write_bytes(content)
+    done = run_cli("serve", "--cost-model", str(path), "--socket", str(tmp_path / "s" / "x.sock"))
+    assert done.returncode == 2, done.stderr
+    assert f"--cost-model {path}" in done.stderr and words in done.stderr
+    assert "Traceback" not in done.stderr and "loading" not in done.stderr.lower()
+
+
+def test_a_damaged_calibration_file_is_passed_over_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from uma_trio.cli.serve import _calibrated_cost_model
+    from uma_trio.sched.cost import CostCoefficients
+
+    monkeypatch.setenv("UMA_CACHE_DIR", str(tmp_path))
+    log = logging.getLogger("uma_trio.test")
+    assert _calibrated_cost_model(log) is None  # none written yet
+    (tmp_path / "cost-model.json").write_bytes(b"\x00\x01 half a file")
+    with caplog.at_level(logging.WARNING):
+        assert _calibrated_cost_model(log) is None
+    assert "not used" in caplog.text and "uma-trio calibrate" in caplog.text
+    CostCoefficients(source="test").save(tmp_path / "cost-model.json")
+    assert _calibrated_cost_model(log) == tmp_path / "cost-model.json"

@@ -260,8 +260,11 @@ class ServerConfig:
     cost_model: Annotated[Path | None, Parameter(show_default="the calibrated file if present")] = None
     """Tick-cost coefficients from `uma-trio calibrate` (default path: cost-model.json in the
     model cache directory). A file records the device, layers, model and engine settings it
-    was measured with and is used only for the same; else, on a GPU, the daemon calibrates at
-    start-up (a few seconds) and on a CPU uses built-in coefficients for a 2-core machine."""
+    was measured with and is used only for the same; else, on a GPU, the daemon uses what it
+    calibrated at an earlier start on the same device, model and settings (cost-models/ beside
+    that file; delete it to measure again), or calibrates now (seconds on an H100, minutes on a
+    slow device) and keeps the result; on a CPU it uses built-in coefficients for a 2-core
+    machine. A file that cannot be read or is not a cost model is refused at start-up."""
 
     # Limits that protect the daemon
     max_sessions: int = 8

@@ -15,6 +15,7 @@ import psutil
 import trio
 
 from .config import ConfigError, ServerConfig, parse_memory_budget, read_api_keys
+from .engine import device_costs
 from .engine.base import BatchEntry
 from .engine.chat_template import ChatTemplateError, JinjaChatTemplate
 from .engine.devices import apply_cuda_graphs
@@ -39,7 +40,7 @@ from .runtime.models import LoadedModel, Loading
 from .runtime.server import Server
 from .runtime.unix_socket import SocketInUseError
 from .sched.bmt import BmtGuard
-from .sched.cost import CostCoefficients
+from .sched.cost import CostCoefficients, CostModelError
 from .sched.policy import Policy, default_policy
 
 log = logging.getLogger(__name__)
@@ -112,15 +113,19 @@ def load_engine(model_path: Path, config: ServerConfig) -> LlamaEngine:
 
 def cost_prior(engine: LlamaEngine, config: ServerConfig) -> CostCoefficients:
     """The cost model for this engine: the ``--cost-model`` file if it was measured on this
-    device with these settings; on a GPU without one, a quick calibration now (a CPU prior
-    is 10-40x off there); otherwise the built-in CPU coefficients, which the policy keeps
-    correcting online."""
+    device with these settings; on a GPU without one, the one an earlier start calibrated
+    for this device (:mod:`~uma_trio.engine.device_costs`), else a calibration now, kept for
+    the next start (a CPU prior is 10-40x off there); otherwise the built-in CPU
+    coefficients, which the policy keeps correcting online."""
     from .engine.calibrate import calibrate_engine, engine_device_key
 
     key = engine_device_key(engine)
     on_gpu = engine.model.layers_offloaded > 0
     if config.cost_model is not None:
-        loaded = CostCoefficients.load(config.cost_model)
+        try:
+            loaded = CostCoefficients.load(config.cost_model)
+        except CostModelError as exc:
+            raise DaemonStartError(f"--cost-model {exc}") from None
         # A file with no device predates device keys: it was measured on a CPU.
         if loaded.device == key or (not loaded.device and not on_gpu):
             return loaded
@@ -129,21 +134,14 @@ def cost_prior(engine: LlamaEngine, config: ServerConfig) -> CostCoefficients:
         )
     if not on_gpu:
         return CostCoefficients()
-    log.info("calibrating the tick-cost model on the GPU (no cost model for %s)", key)
     try:
         # Seconds on a GPU, minutes on a slow device: each configuration is logged as it is timed.
-        result = calibrate_engine(engine, progress=lambda line: log.info("calibrating: %s", line))
+        return device_costs.kept_or_measured(
+            key, lambda: calibrate_engine(engine, progress=lambda line: log.info("calibrating: %s", line))
+        )
     except ValueError as exc:  # a context too small for any grid (one session, say)
         log.warning("no start-up calibration (%s): built-in costs, corrected online", exc)
         return CostCoefficients()
-    c = result.coefficients
-    log.info(
-        "cost model: fixed %.2f ms, %.3f ms/decode token, %.3f ms/prompt token past %d tokens, "
-        "%.4f ms/1k cells, %.2f ms a tick with prompt tokens (R² %.3f)",
-        c.fixed_s * 1e3, c.decode_s * 1e3, c.prefill_s * 1e3, c.flat_tokens, c.ctx_s_per_kcell * 1e3,
-        c.prompt_tick_s * 1e3, result.quality.r2,
-    )  # fmt: skip
-    return c
 
 
 def policy_for(engine: LlamaEngine, config: ServerConfig) -> Policy:

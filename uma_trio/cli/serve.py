@@ -24,11 +24,21 @@ from .common import (
 )
 
 
-def _calibrated_cost_model() -> Path | None:
+def _calibrated_cost_model(log: logging.Logger) -> Path | None:
+    """``uma-trio calibrate``'s file, where it is one (a damaged one is passed over: the
+    daemon then runs as if it had never been written)."""
     from ..engine.calibrate import default_cost_model_path
+    from ..sched.cost import CostCoefficients, CostModelError
 
     path = default_cost_model_path()
-    return path if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        CostCoefficients.load(path)
+    except CostModelError as exc:
+        log.warning("%s: not used (run `uma-trio calibrate` again to replace it)", exc)
+        return None
+    return path
 
 
 def serve(
@@ -51,8 +61,17 @@ def serve(
     """
     setup_logging(log_level)
     log = logging.getLogger("uma_trio")
-    if config.cost_model is None and (calibrated := _calibrated_cost_model()) is not None:
-        config = replace(config, cost_model=calibrated)
+    if config.cost_model is None:
+        if (calibrated := _calibrated_cost_model(log)) is not None:
+            config = replace(config, cost_model=calibrated)
+    else:  # before the model loads: a bad file is a one-line error, not a traceback
+        from ..sched.cost import CostCoefficients, CostModelError
+
+        try:
+            CostCoefficients.load(config.cost_model)
+        except CostModelError as exc:
+            log.error("--cost-model %s", exc)
+            return EXIT_SERVER_ERROR
     try:
         model_path = check_model_path(model) if model is not None else ensure_default_model()
         ensure_private_dir(config.socket_path.parent)  # checked again at bind; fail before loading

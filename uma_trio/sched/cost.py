@@ -74,7 +74,17 @@ class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def load(cls, path: Path) -> CostCoefficients:
-        return msgspec.json.decode(path.read_bytes(), type=cls)
+        """Raises :class:`CostModelError` naming the file and what is wrong with it."""
+        try:
+            return msgspec.json.decode(path.read_bytes(), type=cls)
+        except OSError as exc:
+            raise CostModelError(f"{path}: {exc.strerror or exc}") from None
+        except msgspec.DecodeError as exc:  # ValidationError is one too
+            raise CostModelError(f"{path} is not a cost model from `uma-trio calibrate`: {exc}") from None
+
+
+class CostModelError(ValueError):
+    """A cost-model file that cannot be read or is not one."""
 
 
 def over_knee(n_tokens: int, flat_tokens: int) -> float:

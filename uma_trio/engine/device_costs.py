@@ -1,0 +1,115 @@
+"""Cost models the daemon calibrated at start-up, kept per device so it calibrates once.
+
+On a GPU the daemon has no prior worth using (the CPU's is 10-40x off), so when no
+``--cost-model`` file fits the device it times a grid of steps before serving: seconds on an
+H100, minutes on a slow device (over six on Mesa's llvmpipe), and again for every model the
+store loads on demand.  The result depends only on what :func:`~uma_trio.engine.calibrate.
+engine_device_key` names (device, layers, model file, engine settings), so it is written under
+that key and read back at the next start or load.  ``uma-trio calibrate`` still writes the one
+file ``--cost-model`` defaults to; that file, where it fits, comes first.
+
+No llama.cpp here: keys in, coefficients out, files under the user cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from ..model_files import cache_dir
+from ..sched.cost import CostCoefficients
+
+if TYPE_CHECKING:
+    from .calibrate import Calibration
+
+log = logging.getLogger(__name__)
+
+# A fit below this was measured on a busy machine (other processes, a throttling device):
+# good enough for the run it was measured in, which corrects it online, not for every run after.
+MIN_R2_TO_KEEP = 0.8
+
+
+def device_costs_dir() -> Path:
+    """Next to ``cost-model.json`` (``UMA_CACHE_DIR`` or the per-user cache)."""
+    return cache_dir().parent / "cost-models"
+
+
+def path_for(device_key: str) -> Path:
+    """One file per key; the name is a digest because keys hold spaces, commas and slashes."""
+    digest = hashlib.sha256(device_key.encode()).hexdigest()[:16]
+    return device_costs_dir() / f"{digest}.json"
+
+
+def load_for(device_key: str) -> tuple[CostCoefficients, Path] | None:
+    """The coefficients calibrated earlier for exactly ``device_key``, or ``None``.
+
+    A file that cannot be read or decoded, or that names another key (a digest collision, a
+    hand edit), is ignored with a warning: the caller calibrates again and overwrites it."""
+    path = path_for(device_key)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("cost model %s not readable (%s): calibrating again", path, exc)
+        return None
+    try:
+        costs = msgspec.json.decode(raw, type=CostCoefficients)
+    except msgspec.DecodeError as exc:
+        log.warning("cost model %s is not a cost model (%s): calibrating again", path, exc)
+        return None
+    if costs.device != device_key:
+        log.warning(
+            "cost model %s was measured on %r, not %r: calibrating again", path, costs.device, device_key
+        )
+        return None
+    return costs, path
+
+
+def store(costs: CostCoefficients) -> Path | None:
+    """Write ``costs`` under its own ``device`` key, atomically (a daemon killed mid-write
+    leaves the old file or none, never half of one).  Returns the path, or ``None`` when the
+    cache is not writable: the daemon then calibrates again next time, and says so."""
+    if not costs.device:
+        raise ValueError("a cost model kept per device needs its device key")
+    path = path_for(costs.device)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(msgspec.json.format(msgspec.json.encode(costs)))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cost model not kept (%s): the next start calibrates again", exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        return None
+    return path
+
+
+def kept_or_measured(device_key: str, measure: Callable[[], Calibration]) -> CostCoefficients:
+    """The cost model kept for ``device_key``, else ``measure()``'s, kept for next time when
+    it fits well.  ``measure``'s exceptions pass through (the caller falls back)."""
+    if (kept := load_for(device_key)) is not None:
+        log.info("cost model for this device from %s (%s)", kept[1], kept[0].source)
+        return kept[0]
+    log.info("calibrating the tick-cost model (no cost model for %s)", device_key)
+    result = measure()
+    c = result.coefficients
+    log.info(
+        "cost model: fixed %.2f ms, %.3f ms/decode token, %.3f ms/prompt token past %d tokens, "
+        "%.4f ms/1k cells, %.2f ms a tick with prompt tokens (R² %.3f)",
+        c.fixed_s * 1e3, c.decode_s * 1e3, c.prefill_s * 1e3, c.flat_tokens, c.ctx_s_per_kcell * 1e3,
+        c.prompt_tick_s * 1e3, result.quality.r2,
+    )  # fmt: skip
+    if result.quality.r2 < MIN_R2_TO_KEEP:
+        log.warning("cost model fitted poorly (R² %.2f): used for this run only", result.quality.r2)
+    elif (kept_at := store(c)) is not None:
+        log.info("cost model kept in %s: the next start on this device skips calibrating", kept_at)
+    return c
