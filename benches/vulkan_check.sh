@@ -14,8 +14,10 @@
 # script names device 0 when vulkaninfo lists no GPU.  Extra cmake flags (e.g. headers
 # elsewhere: -DVulkan_INCLUDE_DIR=... -DCMAKE_PREFIX_PATH=...) go in VULKAN_CMAKE_ARGS.
 # The build takes ~8 minutes on 2 cores; REBUILD=0 keeps a venv that already has it.  The served
-# run starts a daemon, which on a device it has no cost model for calibrates first: seconds on
-# a GPU, more than 30 minutes on llvmpipe (COST_MODEL=file skips it; SMOKE=0 skips the run).
+# run starts a daemon, which on a device it has no cost model for calibrates first and keeps
+# the result for the next start: seconds on a GPU, more than 30 minutes on llvmpipe, where
+# Mesa 22.3.6's driver crashed during it (BENCHMARKS.md "Vulkan").  COST_MODEL=file skips it
+# (docs/data/cost-model-llvmpipe-2026-11-26.json is one for llvmpipe); SMOKE=0 skips the run.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-$REPO/.vulkan-venv}

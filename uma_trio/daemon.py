@@ -128,6 +128,7 @@ def cost_prior(engine: LlamaEngine, config: ServerConfig) -> CostCoefficients:
             raise DaemonStartError(f"--cost-model {exc}") from None
         # A file with no device predates device keys: it was measured on a CPU.
         if loaded.device == key or (not loaded.device and not on_gpu):
+            log.info("cost model from %s (%s)", config.cost_model, loaded.source)
             return loaded
         log.warning(
             "cost model %s was measured on %r, not %r: not used", config.cost_model, loaded.device, key
