@@ -54,6 +54,7 @@ def test_the_first_start_measures_and_keeps_it_the_second_reads_it_back(cache: P
     assert costs == first.result.coefficients
     path = device_costs.path_for(KEY)
     assert path.parent == cache / "cost-models" and path.is_file()
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # written whole, no temporary left
     second = Counting(measured(noise=0.01))
     assert device_costs.kept_or_measured(KEY, second) == costs
     assert second.calls == 0

@@ -13,18 +13,14 @@ No llama.cpp here: keys in, coefficients out, files under the user cache.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from ..model_files import cache_dir
-from ..sched.cost import CostCoefficients
+from ..sched.cost import CostCoefficients, CostModelError
 
 if TYPE_CHECKING:
     from .calibrate import Calibration
@@ -53,17 +49,12 @@ def load_for(device_key: str) -> tuple[CostCoefficients, Path] | None:
     A file that cannot be read or decoded, or that names another key (a digest collision, a
     hand edit), is ignored with a warning: the caller calibrates again and overwrites it."""
     path = path_for(device_key)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        log.warning("cost model %s not readable (%s): calibrating again", path, exc)
+    if not path.is_file():
         return None
     try:
-        costs = msgspec.json.decode(raw, type=CostCoefficients)
-    except msgspec.DecodeError as exc:
-        log.warning("cost model %s is not a cost model (%s): calibrating again", path, exc)
+        costs = CostCoefficients.load(path)
+    except CostModelError as exc:
+        log.warning("%s: calibrating again", exc)
         return None
     if costs.device != device_key:
         log.warning(
@@ -74,21 +65,15 @@ def load_for(device_key: str) -> tuple[CostCoefficients, Path] | None:
 
 
 def store(costs: CostCoefficients) -> Path | None:
-    """Write ``costs`` under its own ``device`` key, atomically (a daemon killed mid-write
-    leaves the old file or none, never half of one).  Returns the path, or ``None`` when the
+    """Write ``costs`` under its own ``device`` key.  Returns the path, or ``None`` when the
     cache is not writable: the daemon then calibrates again next time, and says so."""
     if not costs.device:
         raise ValueError("a cost model kept per device needs its device key")
     path = path_for(costs.device)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(msgspec.json.format(msgspec.json.encode(costs)))
-        os.replace(tmp, path)
+        costs.save(path)
     except OSError as exc:
         log.warning("cost model not kept (%s): the next start calibrates again", exc)
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         return None
     return path
 

@@ -27,7 +27,9 @@ the tick happened to carry.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,8 +71,15 @@ class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
         )
 
     def save(self, path: Path) -> None:
+        """Atomically: a process killed mid-write leaves the old file or none, never half."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(msgspec.json.format(msgspec.json.encode(self)))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(msgspec.json.format(msgspec.json.encode(self)))
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, path: Path) -> CostCoefficients:
