@@ -7,10 +7,12 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
-from uma_trio.config import ServerConfig, parse_gpu_layers, parse_tensor_split
+from uma_trio.config import ConfigError, ServerConfig, parse_gpu_layers, parse_tensor_split
+from uma_trio.engine.devices import Device, layer_devices
 from uma_trio.engine.offload import DeviceMemory, OffloadPlan, plan_offload
 
 GIB = 1024**3
@@ -210,3 +212,65 @@ def test_no_cuda_graphs_reaches_llama_cpp_before_the_model_loads(monkeypatch: py
     with pytest.raises(ModelLoadError):
         daemon.load_model(ensure_default_model(), ServerConfig())
     assert seen["switch"] is None
+
+
+def two_gpus(free0_gib: float, free1_gib: float) -> tuple[DeviceMemory, DeviceMemory]:
+    return (
+        DeviceMemory("CUDA0", "test GPU", int(free0_gib * GIB), 80 * GIB),
+        DeviceMemory("CUDA1", "test GPU", int(free1_gib * GIB), 80 * GIB),
+    )
+
+
+def placed(devices: tuple[DeviceMemory, ...], weights_gib: float, **placement: Any) -> OffloadPlan:
+    return plan_offload(
+        "auto", supports_offload=True, devices=devices, n_layer=32, weight_bytes=int(weights_gib * GIB),
+        kv_bytes=GIB, **placement,
+    )  # fmt: skip
+
+
+def test_auto_plans_for_the_gpus_llama_cpp_will_use() -> None:
+    gpus = two_gpus(40, 40)
+    # layer or row split: llama.cpp spreads the layers by free memory, each GPU keeps a reserve
+    both = placed(gpus, 60)
+    assert both.n_gpu_layers == 33 and both.reason.endswith("free on CUDA0, CUDA1")
+    assert placed(gpus, 60, split_mode="row").n_gpu_layers == 33
+    assert placed(gpus, 80, split_mode="layer").n_gpu_layers < 33  # 81 GiB > 2 x (40 - 2)
+    # none: the whole model on --main-gpu, so only its memory counts
+    alone = placed(gpus, 60, split_mode="none", main_gpu=1)
+    assert 0 < alone.n_gpu_layers < 33 and "of 40.00 GiB free" in alone.reason
+    assert placed(gpus, 30, split_mode="none", main_gpu=1).reason.endswith("free on CUDA1")
+    # a tensor split fills each GPU by its share: 3,1 puts 3/4 of 61 GiB on a 40 GiB GPU
+    skewed = placed(gpus, 60, tensor_split=(3.0, 1.0))
+    assert 0 < skewed.n_gpu_layers < 33
+    usable0 = 40 * GIB - max(int(40 * GIB * 0.05), 512 * 1024**2)
+    assert skewed.n_gpu_layers == int(usable0 * 4 / 3 // (61 * GIB / 33))
+    assert placed(gpus, 60, tensor_split=(1.0, 1.0)).n_gpu_layers == 33
+    # a share of 0 leaves that GPU out
+    assert placed(two_gpus(40, 0.1), 30, tensor_split=(1.0, 0.0)).reason.endswith("free on CUDA0")
+
+
+def test_a_placement_the_gpus_cannot_have_is_refused_naming_the_flag() -> None:
+    gpus = two_gpus(40, 40)
+    with pytest.raises(ConfigError, match=r"--main-gpu 2: this machine has 2 GPU\(s\): CUDA0, CUDA1"):
+        placed(gpus, 10, main_gpu=2)
+    with pytest.raises(ConfigError, match=r"--tensor-split 1,1,2: 3 shares for 2 GPU\(s\)"):
+        placed(gpus, 10, tensor_split=(1.0, 1.0, 2.0))
+    # with --gpu-layers 0, or on a machine with no GPU, the placement flags do nothing
+    assert plan_offload(0, supports_offload=True, devices=gpus, n_layer=32, weight_bytes=1, kv_bytes=1,
+                        main_gpu=5).n_gpu_layers == 0  # fmt: skip
+    assert plan("auto", gpu=False).n_gpu_layers == 0
+
+
+def test_layers_go_to_the_gpus_or_else_the_integrated_ones() -> None:
+    def device(name: str, kind: str) -> Device:
+        return Device(name, "", kind, "Vulkan", GIB, GIB)
+
+    cpu, igpu, gpu0, gpu1 = (
+        device("CPU", "CPU"),
+        device("Vulkan2", "IGPU"),
+        device("Vulkan0", "GPU"),
+        device("Vulkan1", "GPU"),
+    )
+    assert layer_devices((cpu, igpu, gpu0, gpu1)) == (gpu0, gpu1)  # a discrete GPU leaves the APU out
+    assert layer_devices((cpu, igpu)) == (igpu,)
+    assert layer_devices((cpu,)) == ()

@@ -13,7 +13,7 @@ from typing import Annotated
 import trio
 from cyclopts import Parameter
 
-from ..config import ServerConfig
+from ..config import ConfigError, ServerConfig
 from ..model_files import ModelFileError, check_model_path, ensure_default_model
 from ..runtime.unix_socket import SocketInUseError, ensure_private_dir
 from .common import (
@@ -123,7 +123,7 @@ def info(
 
     try:
         summary = planned_summary(model_path, config)
-    except ModelLoadError as exc:
+    except (ModelLoadError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_SERVER_ERROR
     if json_:

@@ -458,10 +458,10 @@ def fit_grid(grid: Grid, engine: LlamaEngine) -> Grid:
 def engine_device_key(engine: LlamaEngine) -> str:
     """What a cost model is only valid for: the device that runs the layers, how many, the
     model file and the engine settings that change a step's cost."""
-    from .devices import devices
+    from .devices import devices, layer_devices
 
     m, c = engine.model, engine.config
-    used = [d for d in devices() if d.offloads] if m.layers_offloaded else []
+    used = list(layer_devices(devices())) if m.layers_offloaded else []
     gpus = [f"{d.name} {d.description}" for d in used]
     where = ", ".join(gpus) if gpus else "CPU"
     key = (

@@ -16,7 +16,7 @@ import ctypes
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +48,14 @@ class Device:
 
     def as_memory(self) -> DeviceMemory:
         return DeviceMemory(self.name, self.description, self.free_bytes, self.total_bytes)
+
+
+def layer_devices(devs: Sequence[Device]) -> tuple[Device, ...]:
+    """The devices llama.cpp spreads a model's layers over, in its order (``--main-gpu`` and
+    ``--tensor-split`` index these): the GPUs, or the integrated GPUs where there is no
+    other GPU (``llama_model_load``'s rule)."""
+    gpus = tuple(d for d in devs if d.kind == "GPU")
+    return gpus or tuple(d for d in devs if d.kind == "IGPU")
 
 
 def _ggml() -> Any:

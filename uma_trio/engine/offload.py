@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import GpuLayersMode
+from ..config import ConfigError, GpuLayersMode, SplitMode
 
 # Room left on the device for llama.cpp's compute buffers, the CUDA context and other apps:
 # a share of the free memory, and at least this many bytes.
@@ -46,10 +46,15 @@ def plan_offload(
     weight_bytes: int,
     kv_bytes: int,
     gpu_backends: tuple[str, ...] = (),
+    split_mode: SplitMode = "layer",
+    main_gpu: int = 0,
+    tensor_split: tuple[float, ...] | None = None,
 ) -> OffloadPlan:
     """Layers to offload for ``requested``; ``kv_bytes`` is the whole KV cache the daemon
     will allocate (``n_ctx × max_sessions`` cells); ``gpu_backends``: the build's backends
-    other than the CPU's, whether or not they found a device."""
+    other than the CPU's, whether or not they found a device.  ``split_mode``, ``main_gpu``
+    and ``tensor_split`` say which GPUs take the layers, as llama.cpp will place them; a
+    ``main_gpu`` or a ``tensor_split`` the devices cannot have is a :class:`ConfigError`."""
     total = n_layer + 1
     if not supports_offload or not devices:
         if supports_offload:
@@ -62,20 +67,22 @@ def plan_offload(
         if requested == 0:
             why = "--gpu-layers 0"
         return OffloadPlan(0, total, f"CPU only: {why}")
+    if requested != 0:
+        check_placement(devices, split_mode, main_gpu, tensor_split)
     if requested == "all":
         return OffloadPlan(total, total, "--gpu-layers all")
     if isinstance(requested, int):
         n = min(requested, total)
         return OffloadPlan(n, total, f"--gpu-layers {requested}")
-    free = sum(d.free_bytes for d in devices)
-    usable = free - max(int(free * RESERVE_SHARE), RESERVE_MIN_BYTES)
+    used, usable = placement_capacity(devices, split_mode, main_gpu, tensor_split)
+    free = sum(d.free_bytes for d in used)
     needed = weight_bytes + kv_bytes
     gib = 1024**3
     if needed <= usable:
         return OffloadPlan(
             total, total,
             f"auto: weights {weight_bytes / gib:.2f} GiB + KV {kv_bytes / gib:.2f} GiB fit in "
-            f"{free / gib:.2f} GiB free on {', '.join(d.name for d in devices)}",
+            f"{free / gib:.2f} GiB free on {', '.join(d.name for d in used)}",
         )  # fmt: skip
     per_layer = needed / total
     n = max(0, min(total, int(usable // per_layer))) if usable > 0 else 0
@@ -85,3 +92,43 @@ def plan_offload(
         f"{max(usable, 0) / gib:.2f} GiB usable of {free / gib:.2f} GiB free; offloading the "
         f"{n} of {total} layers that fit (lower --n-ctx or --max-sessions to fit more)",
     )  # fmt: skip
+
+
+def check_placement(
+    devices: tuple[DeviceMemory, ...], split_mode: SplitMode, main_gpu: int, shares: tuple[float, ...] | None
+) -> None:
+    """Refuse what llama.cpp would fail on (or silently ignore) at load: a ``--main-gpu`` past
+    the devices, a ``--tensor-split`` with shares for GPUs that do not exist."""
+    names = f"{len(devices)} GPU(s): {', '.join(d.name for d in devices)}"
+    if main_gpu >= len(devices):
+        raise ConfigError(f"--main-gpu {main_gpu}: this machine has {names} (0 to {len(devices) - 1})")
+    if shares is not None and split_mode != "none" and len(shares) > len(devices):
+        given = ",".join(f"{s:g}" for s in shares)
+        raise ConfigError(f"--tensor-split {given}: {len(shares)} shares for {names}")
+
+
+def _usable(free: int) -> int:
+    return free - max(int(free * RESERVE_SHARE), RESERVE_MIN_BYTES)
+
+
+def placement_capacity(
+    devices: tuple[DeviceMemory, ...],
+    split_mode: SplitMode,
+    main_gpu: int,
+    tensor_split: tuple[float, ...] | None,
+) -> tuple[tuple[DeviceMemory, ...], float]:
+    """The GPUs that take layers and how many bytes of the model (weights and KV together,
+    spread as llama.cpp spreads them) they hold, each keeping its own reserve.
+
+    ``none``: only ``main_gpu``.  With ``tensor_split`` each GPU takes its share, so the model
+    fits while the fullest GPU does.  Otherwise llama.cpp splits by free memory, and the
+    GPUs' usable bytes add up."""
+    if split_mode == "none":
+        return (devices[main_gpu],), float(_usable(devices[main_gpu].free_bytes))
+    if tensor_split is not None:
+        shares = [tensor_split[i] if i < len(tensor_split) else 0.0 for i in range(len(devices))]
+        whole = sum(shares)
+        pairs = [(d, share) for d, share in zip(devices, shares, strict=True) if share > 0]
+        fits = min(_usable(d.free_bytes) * whole / share for d, share in pairs)
+        return tuple(d for d, _ in pairs), fits
+    return devices, float(sum(max(_usable(d.free_bytes), 0) for d in devices))

@@ -20,6 +20,7 @@ from .devices import (
     backends_built,
     captures_cuda_graphs,
     devices,
+    layer_devices,
     supports_gpu_offload,
     system_info,
 )
@@ -35,11 +36,14 @@ def offload_plan(shape: ModelShape, config: ServerConfig) -> OffloadPlan:
     return plan_offload(
         parse_gpu_layers(config.gpu_layers),
         supports_offload=supports_gpu_offload(),
-        devices=tuple(d.as_memory() for d in devices() if d.offloads),
+        devices=tuple(d.as_memory() for d in layer_devices(devices())),
         n_layer=shape.n_layer,
         weight_bytes=shape.file_bytes,
         kv_bytes=kv_cells * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1]),
         gpu_backends=tuple(b for b in backends_built() if b != "CPU"),
+        split_mode=config.split_mode,
+        main_gpu=config.main_gpu,
+        tensor_split=config.tensor_split,
     )
 
 
