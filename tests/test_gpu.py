@@ -31,7 +31,7 @@ import numpy.typing as npt
 import pytest
 
 from uma_trio.engine.base import BatchEntry
-from uma_trio.engine.devices import devices, supports_gpu_offload
+from uma_trio.engine.devices import LlamaLog, devices, layer_devices, supports_gpu_offload
 from uma_trio.engine.llama import ContextConfig, LlamaEngine, LlamaModel, Placement
 from uma_trio.engine.pooling import EmbeddingPool
 from uma_trio.engine.sampling import Sampler, SamplingParams
@@ -161,3 +161,48 @@ def test_the_gpu_embeds_as_the_cpu_does(model_path: Path) -> None:
         chunked = embedding(gpu, tokens, [13, 60, len(tokens) - 73])
     print(f"cosine gpu/cpu {whole @ on_cpu:.6f}, chunked/whole {chunked @ whole:.6f}")
     assert whole @ on_cpu > 0.999 and chunked @ whole > 0.999
+
+
+GPUS = layer_devices(devices()) if HAS_GPU else ()
+
+
+@pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
+@pytest.mark.parametrize(
+    "placement",
+    [
+        Placement(n_gpu_layers=999, split_mode="layer"),
+        Placement(n_gpu_layers=999, split_mode="layer", tensor_split=(1.0, 3.0)),
+        Placement(n_gpu_layers=999, split_mode="row"),
+        Placement(n_gpu_layers=999, split_mode="none", main_gpu=1),
+    ],
+    ids=["layer", "layer-1,3", "row", "none-main-1"],
+)
+def test_two_gpus_hold_the_model_where_asked_and_compute_the_cpus_logits(
+    model_path: Path, placement: Placement
+) -> None:
+    with engine_on(model_path, 0) as cpu:
+        prompt = cpu.tokenize(PROMPT).tolist()
+        rec = Recorder()
+        cpu.step_sync([BatchEntry(0, np.array(prompt, np.int32), 0, rec)])
+        path = [int(np.argmax(rec.rows[-1]))]
+        for k in range(STEPS - 1):
+            step = BatchEntry(0, np.array([path[-1]], np.int32), len(prompt) + k, rec)
+            path.append(cpu.step_sync([step]).sampled[0].token_id)
+        cpu_rows = rec.rows
+    with LlamaLog.capture() as lines:
+        model = LlamaModel(model_path, placement)
+    engine = LlamaEngine(model, ContextConfig(n_ctx_seq=256, n_seq_max=4))
+    try:
+        assert model.layers_offloaded == model.layers_total
+        holding = {d.name for d in GPUS if any(f"{d.name} model buffer size" in line for line in lines)}
+        print(f"{placement.split_mode} {placement.tensor_split or ''}: model buffers on {sorted(holding)}")
+        if placement.split_mode == "none":
+            assert holding == {GPUS[1].name}, "split none: the whole model on --main-gpu only"
+        elif placement.split_mode == "layer":
+            assert holding >= {GPUS[0].name, GPUS[1].name}, "layer split: layers on both GPUs"
+        gpu_rows = forced(engine, prompt, path)
+    finally:
+        engine.close()
+        model.close()
+    divergences = [kl_divergence(c, g) for c, g in zip(cpu_rows, gpu_rows, strict=True)]
+    assert max(divergences) < 0.05 and float(np.mean(divergences)) < 0.01, divergences

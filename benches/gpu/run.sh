@@ -94,12 +94,22 @@ fi
 stage info
 timeout 120 $PY -m uma_trio info --model "$MODEL" --max-sessions 16 --n-ctx 512 2>&1 | tee -a "$L/driver.log"
 
+if [ -n "${PLACEMENT:-}" ]; then  # several GPUs: where --split-mode, --main-gpu and --tensor-split put the model
+  stage placement
+  nvidia-smi -L 2>&1 | tee -a "$L/driver.log"
+  for args in "--split-mode none --main-gpu 1" "--tensor-split 1,3" "--split-mode row" "--main-gpu 2" "--tensor-split 1,1,1"; do
+    log "info $args:"
+    timeout 120 $PY -m uma_trio info --model "$MODEL" --max-sessions 16 --n-ctx 512 $args 2>&1 \
+      | grep -E '^(GPU layers|error)' | tee -a "$L/driver.log"
+  done
+fi
+
 stage gpu-tests
 # The tests' model: a 2-layer F16 random-weight Llama (tests/test_gpu.py says why not the 8B one).
 TINY=$W/tiny-f16.gguf
 [ -f "$TINY" ] || PYTHONPATH=$SRC/gguf-py $PY benches/gpu/gen_model.py --vocab "$SRC/models/ggml-vocab-llama-bpe.gguf" \
     --out "$TINY" --layers 2 --embd 256 --heads 4 --kv-heads 2 --ffn 512 --ctx 4096 > "$L/gen-tiny.log" 2>&1
-UMA_GPU_TEST_MODEL=$TINY timeout 300 $PY -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_libllama.py 2>&1 | tail -15 | tee -a "$L/driver.log"
+UMA_GPU_TEST_MODEL=$TINY timeout 300 $PY -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_libllama.py 2>&1 | tail -22 | tee -a "$L/driver.log"
 log "the same tests on the 8B-shaped random model (for the record; its logits are chaotic):"
 UMA_GPU_TEST_MODEL=$MODEL timeout 300 $PY -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | grep -E "passed|failed|rel |assert \(" | tail -6 | tee -a "$L/driver.log"
 
