@@ -274,3 +274,21 @@ def test_layers_go_to_the_gpus_or_else_the_integrated_ones() -> None:
     assert layer_devices((cpu, igpu, gpu0, gpu1)) == (gpu0, gpu1)  # a discrete GPU leaves the APU out
     assert layer_devices((cpu, igpu)) == (igpu,)
     assert layer_devices((cpu,)) == ()
+
+
+@pytest.mark.model
+def test_llama_log_captures_nest_so_a_caller_sees_the_models_load() -> None:
+    from uma_trio.engine.devices import LlamaLog
+    from uma_trio.engine.llama import LlamaModel
+    from uma_trio.model_files import ensure_default_model
+
+    with LlamaLog.capture() as outer:
+        model = LlamaModel(ensure_default_model())  # captures its own load's lines inside
+    try:
+        assert model.layers_total == 31
+        assert any("model buffer size" in line for line in outer), "the load's lines reach the outer capture"
+        with LlamaLog.capture() as before, LlamaLog.capture() as inner:
+            pass
+        assert before == inner == []
+    finally:
+        model.close()

@@ -66,6 +66,16 @@ if [ -n "${DIAG_ONLY:-}" ]; then
   log "bin.tar.xz $(du -h "$W/bin.tar.xz" | cut -f1)"
   stage done; echo OK > "$W/DONE"; exit 0
 fi
+if [ -n "${TESTS_ONLY:-}" ]; then  # the GPU tests on the 2-layer model alone: no 8B model, no comparison
+  stage gpu-tests
+  TINY=$W/tiny-f16.gguf
+  [ -f "$TINY" ] || PYTHONPATH=$SRC/gguf-py $PY benches/gpu/gen_model.py --vocab "$SRC/models/ggml-vocab-llama-bpe.gguf" \
+      --out "$TINY" --layers 2 --embd 256 --heads 4 --kv-heads 2 --ffn 512 --ctx 4096 > "$L/gen-tiny.log" 2>&1
+  nvidia-smi -L 2>&1 | tee -a "$L/driver.log"
+  UMA_GPU_TEST_MODEL=$TINY timeout 300 $PY -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_libllama.py 2>&1 \
+    | grep -E 'model buffers on|steps had|cosine|passed|failed|Error' | tee -a "$L/driver.log"
+  stage done; echo OK > "$W/DONE"; exit 0
+fi
 if [ ! -f "$MODEL" ]; then
   stage quantize
   "$B/bin/llama-quantize" "$W/model-f16.gguf" "$MODEL" Q4_K_M "$(nproc)" > "$L/quantize.log" 2>&1 || { log "QUANTIZE FAILED"; echo FAIL > "$W/DONE"; exit 1; }

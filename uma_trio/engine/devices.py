@@ -170,7 +170,7 @@ class LlamaLog:
     """llama.cpp's log, forwarded to Python logging and readable while :meth:`capture` runs."""
 
     _callback: Any = None
-    _lines: list[str] | None = None
+    _captures: tuple[list[str], ...] = ()  # every capture open now, outermost first
     _partial = ""
 
     @classmethod
@@ -191,8 +191,8 @@ class LlamaLog:
         if not cls._partial.endswith("\n"):
             return
         for line in cls._partial.splitlines():
-            if cls._lines is not None:
-                cls._lines.append(line)
+            for lines in cls._captures:
+                lines.append(line)
             if level == 3:  # GGML_LOG_LEVEL_ERROR
                 log.warning("%s", line)
             else:
@@ -202,14 +202,16 @@ class LlamaLog:
     @classmethod
     @contextmanager
     def capture(cls) -> Iterator[list[str]]:
-        """The lines llama.cpp logs inside the block (not thread-safe: one load at a time)."""
+        """The lines llama.cpp logs inside the block (not thread-safe: one load at a time).
+        Captures nest: a block inside another (a model load inside a test's) feeds both."""
         cls.install()
         lines: list[str] = []
-        cls._lines = lines
+        outer = cls._captures
+        cls._captures = (*outer, lines)
         try:
             yield lines
         finally:
-            cls._lines = None
+            cls._captures = outer
 
 
 _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
