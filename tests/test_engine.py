@@ -130,11 +130,17 @@ def test_chat_template_and_eog(engine: LlamaEngine, llama_model: LlamaModel) -> 
 
 def test_corrupt_model_file_is_a_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from uma_trio.engine.llama import ModelLoadError
+    from uma_trio.model_files import ensure_default_model
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(ModelLoadError, match="could not load"):
         LlamaModel(bad)
+    # llama.cpp's own reason is in the message (a failed placement says so the same way)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(ensure_default_model().read_bytes()[:5_000_000])
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf: error loading model: .*not within the file bounds"):
+        LlamaModel(cut)
 
 
 class LogitsRecorder(Sampler):

@@ -119,6 +119,16 @@ class ModelLoadError(Exception):
     """llama.cpp refused the model file."""
 
 
+def load_failure(lines: list[str]) -> str:
+    """What llama.cpp said when a load failed: its last error line without the function's
+    name (a placement it cannot make says so there, not only a bad file), else a guess."""
+    said = [line for line in lines if "error" in line.lower()]
+    if not said:
+        return "corrupt or unsupported GGUF"
+    line = said[-1].strip()
+    return line.split(": ", 1)[1] if ": " in line else line
+
+
 class LlamaModel:
     """Weights and vocabulary, loaded once; read-only, so safe from any thread."""
 
@@ -140,7 +150,7 @@ class LlamaModel:
         with LlamaLog.capture() as lines:
             self._model = llama.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
-            raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF)")
+            raise ModelLoadError(f"llama.cpp could not load {path}: {load_failure(lines)}")
         self.shape = shape_of(self._model, path)
         # llama.cpp says how many layers it placed on a GPU; without a GPU backend, none.
         said = offloaded_layers(lines)
