@@ -162,15 +162,18 @@ class ServerConfig:
     refused at start-up (exit 2)."""
     gpu_layers: str = "auto"
     """Model layers on the GPU: auto offloads every layer when llama.cpp has a GPU backend and
-    the weights plus the whole KV cache (n_ctx × max_sessions cells) fit the GPUs' free
-    memory less a reserve (5 %, at least 512 MiB), else as many layers as fit, and logs why;
-    all; or a count (0: CPU only). Anything else is refused at start-up naming the flag
-    (exit 2). `uma-trio info` shows the decision without starting the daemon."""
+    the weights plus the whole KV cache (n_ctx × max_sessions cells) fit the free memory of
+    the GPUs that take layers, each less a reserve (5 %, at least 512 MiB): with --split-mode
+    none only --main-gpu's, with --tensor-split each GPU's for its share; else as many layers
+    as fit, and logs why; all; or a count (0: CPU only). Anything else is refused at start-up
+    naming the flag (exit 2). `uma-trio info` shows the decision without starting the daemon."""
     flash_attn: FlashAttn = "auto"
     """Flash attention: auto (where the backend supports it), on, or off (needs --kv-type f16:
     a quantized V cache needs flash attention)."""
     main_gpu: int = 0
-    """The GPU that holds the whole model with --split-mode none (and the scratch buffers)."""
+    """The GPU that holds the whole model with --split-mode none (and the scratch buffers),
+    counted among the GPUs llama.cpp uses (the discrete ones, else the integrated ones); one
+    the machine does not have is refused at start-up."""
     split_mode: SplitMode = "layer"
     """Across several GPUs: layer (whole layers per GPU), row (rows of each matrix, tensor
     parallel, where the backend has it) or none (all on --main-gpu)."""
@@ -178,7 +181,8 @@ class ServerConfig:
         tuple[float, ...] | None,
         Parameter(converter=_tensor_split, negative_iterable=(), show_default="by free memory"),
     ] = None
-    """Share of the model per GPU in device order, e.g. 3,1."""
+    """Share of the model per GPU in device order, e.g. 3,1; more shares than GPUs is refused
+    at start-up."""
     run_ahead: bool = True
     """While the same sessions decode step after step, the compute thread starts the next
     decode itself from the tokens it just sampled; the event loop collects results one step
