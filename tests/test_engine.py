@@ -138,7 +138,8 @@ def test_corrupt_model_file_is_a_clear_error(tmp_path) -> None:  # type: ignore[
         LlamaModel(bad)
     # llama.cpp's own reason is in the message (a failed placement says so the same way)
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(ensure_default_model().read_bytes()[:5_000_000])
+    with ensure_default_model().open("rb") as whole:
+        cut.write_bytes(whole.read(5_000_000))
     with pytest.raises(ModelLoadError, match=r"cut\.gguf: error loading model: .*not within the file bounds"):
         LlamaModel(cut)
 

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from uma_trio.config import ConfigError, ServerConfig, parse_gpu_layers, parse_tensor_split
-from uma_trio.engine.devices import Device, layer_devices
+from uma_trio.engine.devices import Device, layer_devices, placed_devices
 from uma_trio.engine.offload import DeviceMemory, OffloadPlan, plan_offload
+from uma_trio.engine.summary import engine_summary
 
 GIB = 1024**3
 
@@ -247,6 +248,12 @@ def test_auto_plans_for_the_gpus_llama_cpp_will_use() -> None:
     assert placed(gpus, 60, tensor_split=(1.0, 1.0)).n_gpu_layers == 33
     # a share of 0 leaves that GPU out
     assert placed(two_gpus(40, 0.1), 30, tensor_split=(1.0, 0.0)).reason.endswith("free on CUDA0")
+    # llama.cpp's default split follows free memory: a nearly full second GPU still gets its
+    # share (1/41 of the model), which must fit in what it has left after its reserve
+    lopsided = placed(two_gpus(40, 1), 37)
+    assert 0 < lopsided.n_gpu_layers < 33
+    usable1 = 1 * GIB - 512 * 1024**2
+    assert lopsided.n_gpu_layers == int(usable1 * 41 // (38 * GIB / 33))
 
 
 def test_a_placement_the_gpus_cannot_have_is_refused_naming_the_flag() -> None:
@@ -255,10 +262,17 @@ def test_a_placement_the_gpus_cannot_have_is_refused_naming_the_flag() -> None:
         placed(gpus, 10, main_gpu=2)
     with pytest.raises(ConfigError, match=r"--tensor-split 1,1,2: 3 shares for 2 GPU\(s\)"):
         placed(gpus, 10, tensor_split=(1.0, 1.0, 2.0))
-    # with --gpu-layers 0, or on a machine with no GPU, the placement flags do nothing
-    assert plan_offload(0, supports_offload=True, devices=gpus, n_layer=32, weight_bytes=1, kv_bytes=1,
-                        main_gpu=5).n_gpu_layers == 0  # fmt: skip
-    assert plan("auto", gpu=False).n_gpu_layers == 0
+    # llama.cpp checks --main-gpu even with no layers to place; a machine with no GPU ignores it
+    with pytest.raises(ConfigError, match="--main-gpu 5"):
+        plan_offload(
+            0, supports_offload=True, devices=gpus, n_layer=32, weight_bytes=1, kv_bytes=1, main_gpu=5
+        )
+    no_gpu = plan_offload("auto", supports_offload=False, devices=(), n_layer=32, weight_bytes=1, kv_bytes=1,
+                          main_gpu=5)  # fmt: skip
+    assert no_gpu.n_gpu_layers == 0
+    for bad in ("inf,1", "nan,1", "1e999,1"):
+        with pytest.raises(ConfigError, match="--tensor-split"):
+            parse_tensor_split(bad)
 
 
 def test_layers_go_to_the_gpus_or_else_the_integrated_ones() -> None:
@@ -274,6 +288,13 @@ def test_layers_go_to_the_gpus_or_else_the_integrated_ones() -> None:
     assert layer_devices((cpu, igpu, gpu0, gpu1)) == (gpu0, gpu1)  # a discrete GPU leaves the APU out
     assert layer_devices((cpu, igpu)) == (igpu,)
     assert layer_devices((cpu,)) == ()
+    assert placed_devices((cpu, igpu, gpu0, gpu1), "none", 1) == (gpu1,)
+    assert placed_devices((cpu, igpu, gpu0, gpu1), "row", 1) == (gpu0, gpu1)
+    summary = engine_summary(
+        system_info="", devices=(cpu, igpu, gpu0, gpu1), layers=(33, 33), reason="", kv_type="f16",
+        kv_bytes=1, kv_cells=1, flash_attn="on", settings={"split_mode": "none", "main_gpu": 1}, model={},
+    )  # fmt: skip
+    assert summary["kv"]["location"] == "Vulkan1"
 
 
 @pytest.mark.model
@@ -287,8 +308,21 @@ def test_llama_log_captures_nest_so_a_caller_sees_the_models_load() -> None:
     try:
         assert model.layers_total == 31
         assert any("model buffer size" in line for line in outer), "the load's lines reach the outer capture"
-        with LlamaLog.capture() as before, LlamaLog.capture() as inner:
-            pass
-        assert before == inner == []
+        assert LlamaLog._captures == ()  # every capture closed, none left collecting
     finally:
         model.close()
+
+
+def test_a_failed_load_says_what_llama_cpp_said() -> None:
+    from uma_trio.engine.llama_model import load_failure
+
+    said = [
+        "llama_model_load_from_file_impl: using device CUDA0 (NVIDIA H200) - 142629 MiB free",
+        "llama_model_load_from_file_impl: invalid value for main_gpu: 3 (available devices: 2)",
+        "llama_model_load_from_file_impl: failed to load model",
+    ]
+    assert load_failure(said) == "invalid value for main_gpu: 3 (available devices: 2)"
+    assert (
+        load_failure(["llama_model_load_from_file_impl: failed to load model"])
+        == "corrupt or unsupported GGUF"
+    )

@@ -6,6 +6,7 @@ cyclopts shows in ``--help`` and config_doc writes into docs/CONFIG.md."""
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from collections.abc import Sequence
@@ -100,7 +101,7 @@ def parse_tensor_split(value: str) -> tuple[float, ...]:
         shares = tuple(float(p) for p in parts)
     except ValueError:
         shares = ()
-    if not shares or any(not s >= 0.0 for s in shares) or sum(shares) <= 0.0:
+    if not shares or any(not (0.0 <= s < math.inf) for s in shares) or sum(shares) <= 0.0:
         raise ConfigError(f"--tensor-split must be non-negative shares such as 3,1, not {value!r}")
     return shares
 
@@ -163,17 +164,18 @@ class ServerConfig:
     gpu_layers: str = "auto"
     """Model layers on the GPU: auto offloads every layer when llama.cpp has a GPU backend and
     the weights plus the whole KV cache (n_ctx × max_sessions cells) fit the free memory of
-    the GPUs that take layers, each less a reserve (5 %, at least 512 MiB): with --split-mode
-    none only --main-gpu's, with --tensor-split each GPU's for its share; else as many layers
-    as fit, and logs why; all; or a count (0: CPU only). Anything else is refused at start-up
-    naming the flag (exit 2). `uma-trio info` shows the decision without starting the daemon."""
+    the GPUs that take layers, each less a reserve (5 %, at least 512 MiB), for its share of
+    the model (--split-mode none: --main-gpu's alone; else the --tensor-split shares, by
+    default llama.cpp's split by free memory); else as many layers as fit, and logs why;
+    all; or a count (0: CPU only). Anything else is refused at start-up naming the flag
+    (exit 2). `uma-trio info` shows the decision without starting the daemon."""
     flash_attn: FlashAttn = "auto"
     """Flash attention: auto (where the backend supports it), on, or off (needs --kv-type f16:
     a quantized V cache needs flash attention)."""
     main_gpu: int = 0
     """The GPU that holds the whole model with --split-mode none (and the scratch buffers),
-    counted among the GPUs llama.cpp uses (the discrete ones, else the integrated ones); one
-    the machine does not have is refused at start-up."""
+    counted among the GPUs llama.cpp uses (the discrete ones, else the integrated ones); on
+    a machine with GPUs, one it does not have is refused at start-up."""
     split_mode: SplitMode = "layer"
     """Across several GPUs: layer (whole layers per GPU), row (rows of each matrix, tensor
     parallel, where the backend has it) or none (all on --main-gpu)."""
@@ -181,8 +183,8 @@ class ServerConfig:
         tuple[float, ...] | None,
         Parameter(converter=_tensor_split, negative_iterable=(), show_default="by free memory"),
     ] = None
-    """Share of the model per GPU in device order, e.g. 3,1; more shares than GPUs is refused
-    at start-up."""
+    """Share of the model per GPU in device order, e.g. 3,1; more shares than the machine has
+    GPUs is refused at start-up (unless --split-mode none, which ignores it)."""
     run_ahead: bool = True
     """While the same sessions decode step after step, the compute thread starts the next
     decode itself from the tokens it just sampled; the event loop collects results one step
@@ -268,7 +270,8 @@ class ServerConfig:
     calibrated at an earlier start on the same device, model and settings (cost-models/ beside
     that file; delete it to measure again), or calibrates now (seconds on an H100, minutes on a
     slow device) and keeps the result; on a CPU it uses built-in coefficients for a 2-core
-    machine. A file that cannot be read or is not a cost model is refused at start-up."""
+    machine. A file given here that cannot be read or is not a cost model is refused at
+    start-up; a damaged default file is passed over with a warning."""
 
     # Limits that protect the daemon
     max_sessions: int = 8
@@ -439,7 +442,9 @@ class ServerConfig:
         if self.main_gpu < 0:
             raise ConfigError(f"--main-gpu must be a device index (0 or more), not {self.main_gpu}")
         if self.tensor_split is not None and (
-            not self.tensor_split or any(not s >= 0 for s in self.tensor_split) or sum(self.tensor_split) <= 0
+            not self.tensor_split
+            or any(not (0 <= s < math.inf) for s in self.tensor_split)
+            or sum(self.tensor_split) <= 0
         ):
             raise ConfigError("--tensor-split must be non-negative shares such as 3,1")
         if self.flash_attn == "off" and self.engine_kv_type != "f16":

@@ -24,19 +24,27 @@ from .common import (
 )
 
 
+def _cost_model_problem(path: Path) -> str | None:
+    """Why ``path`` is no cost model, or ``None`` when it reads as one."""
+    from ..sched.cost import CostCoefficients, CostModelError
+
+    try:
+        CostCoefficients.load(path)
+    except CostModelError as exc:
+        return str(exc)
+    return None
+
+
 def _calibrated_cost_model(log: logging.Logger) -> Path | None:
     """``uma-trio calibrate``'s file, where it is one (a damaged one is passed over: the
     daemon then runs as if it had never been written)."""
     from ..engine.calibrate import default_cost_model_path
-    from ..sched.cost import CostCoefficients, CostModelError
 
     path = default_cost_model_path()
     if not path.is_file():
         return None
-    try:
-        CostCoefficients.load(path)
-    except CostModelError as exc:
-        log.warning("%s: not used (run `uma-trio calibrate` again to replace it)", exc)
+    if (problem := _cost_model_problem(path)) is not None:
+        log.warning("%s: not used (run `uma-trio calibrate` again to replace it)", problem)
         return None
     return path
 
@@ -64,14 +72,9 @@ def serve(
     if config.cost_model is None:
         if (calibrated := _calibrated_cost_model(log)) is not None:
             config = replace(config, cost_model=calibrated)
-    else:  # before the model loads: a bad file is a one-line error, not a traceback
-        from ..sched.cost import CostCoefficients, CostModelError
-
-        try:
-            CostCoefficients.load(config.cost_model)
-        except CostModelError as exc:
-            log.error("--cost-model %s", exc)
-            return EXIT_SERVER_ERROR
+    elif (problem := _cost_model_problem(config.cost_model)) is not None:
+        log.error("--cost-model %s", problem)  # before the model loads: one line, not a traceback
+        return EXIT_SERVER_ERROR
     try:
         model_path = check_model_path(model) if model is not None else ensure_default_model()
         ensure_private_dir(config.socket_path.parent)  # checked again at bind; fail before loading

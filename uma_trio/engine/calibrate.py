@@ -458,17 +458,22 @@ def fit_grid(grid: Grid, engine: LlamaEngine) -> Grid:
 def engine_device_key(engine: LlamaEngine) -> str:
     """What a cost model is only valid for: the device that runs the layers, how many, the
     model file and the engine settings that change a step's cost."""
-    from .devices import devices, layer_devices
+    from .devices import devices, placed_devices
 
     m, c = engine.model, engine.config
-    used = list(layer_devices(devices())) if m.layers_offloaded else []
+    p = m.placement
+    used = list(placed_devices(devices(), p.split_mode, p.main_gpu)) if m.layers_offloaded else []
     gpus = [f"{d.name} {d.description}" for d in used]
     where = ", ".join(gpus) if gpus else "CPU"
     key = (
         f"{where}; layers {m.layers_offloaded}/{m.layers_total}; {m.path.name}; n_ubatch "
         f"{min(c.n_ubatch, c.n_batch)}; kv {c.kv_type}; flash_attn {'on' if engine.flash_attn else 'off'}"
     )
-    # Captures change a CUDA step's cost (other keys stay as they were, so their files still fit).
+    # Captures change a CUDA step's cost, and so does how layers spread over several GPUs
+    # (added only then: other keys stay as they were, so their files still fit).
+    if len(used) > 1:
+        shares = ",".join(f"{s:g}" for s in p.tensor_split) if p.tensor_split else "by free memory"
+        key += f"; split {p.split_mode} {shares}"
     cuda = any(d.backend == "CUDA" for d in used)
     return f"{key}; cuda_graphs off" if cuda and not engine.captures_graphs else key
 

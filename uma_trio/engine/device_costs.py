@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A fit below this was measured on a busy machine (other processes, a throttling device):
-# good enough for the run it was measured in, which corrects it online, not for every run after.
+# A fit below this is likely to reflect the moment (other processes, a throttling device) more
+# than the device: good enough for the run it was measured in, which corrects it online, not
+# for every run after.
 MIN_R2_TO_KEEP = 0.8
 
 

@@ -29,7 +29,7 @@ log = logging.getLogger("uma_trio.llama_cpp")
 
 # enum ggml_backend_dev_type
 _DEVICE_TYPES = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL", 4: "META"}
-OFFLOAD_KINDS = ("GPU", "IGPU")  # the device kinds llama.cpp puts layers on
+OFFLOAD_KINDS = ("GPU", "IGPU")  # the device kinds llama.cpp can put layers on (layer_devices: which)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,8 @@ class Device:
 
     @property
     def offloads(self) -> bool:
-        """Whether llama.cpp can put layers on it (GPUs, integrated GPUs)."""
+        """Whether it is of a kind llama.cpp can put layers on (GPUs, integrated GPUs);
+        :func:`layer_devices` says which of them a model load uses."""
         return self.kind in OFFLOAD_KINDS
 
     def as_memory(self) -> DeviceMemory:
@@ -53,9 +54,19 @@ class Device:
 def layer_devices(devs: Sequence[Device]) -> tuple[Device, ...]:
     """The devices llama.cpp spreads a model's layers over, in its order (``--main-gpu`` and
     ``--tensor-split`` index these): the GPUs, or the integrated GPUs where there is no
-    other GPU (``llama_model_load``'s rule)."""
+    other GPU.  That is ``llama_model_load``'s rule but for its de-duplication of one GPU
+    that two backends both report (a build with two GPU backends may list it twice here)."""
     gpus = tuple(d for d in devs if d.kind == "GPU")
     return gpus or tuple(d for d in devs if d.kind == "IGPU")
+
+
+def placed_devices(devs: Sequence[Device], split_mode: str, main_gpu: int) -> tuple[Device, ...]:
+    """The devices that hold layers with this placement: :func:`layer_devices`, or only
+    ``--main-gpu`` with ``--split-mode none``."""
+    used = layer_devices(devs)
+    if split_mode == "none":
+        return used[main_gpu : main_gpu + 1]
+    return used
 
 
 def _ggml() -> Any:
@@ -202,16 +213,16 @@ class LlamaLog:
     @classmethod
     @contextmanager
     def capture(cls) -> Iterator[list[str]]:
-        """The lines llama.cpp logs inside the block (not thread-safe: one load at a time).
-        Captures nest: a block inside another (a model load inside a test's) feeds both."""
+        """The lines llama.cpp logs inside the block.  Captures nest (a model load inside a
+        test's feeds both) and may overlap across threads: each gets every line logged while
+        it is open, its own load's and any other's at the same time."""
         cls.install()
         lines: list[str] = []
-        outer = cls._captures
-        cls._captures = (*outer, lines)
+        cls._captures = (*cls._captures, lines)
         try:
             yield lines
-        finally:
-            cls._captures = outer
+        finally:  # by identity: captures on other threads may have closed in between
+            cls._captures = tuple(c for c in cls._captures if c is not lines)
 
 
 _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")

@@ -119,14 +119,22 @@ class ModelLoadError(Exception):
     """llama.cpp refused the model file."""
 
 
+_FAILURE_WORDS = ("error", "invalid", "failed", "not enough", "out of memory", "unable", "cannot")
+
+
 def load_failure(lines: list[str]) -> str:
-    """What llama.cpp said when a load failed: its last error line without the function's
-    name (a placement it cannot make says so there, not only a bad file), else a guess."""
-    said = [line for line in lines if "error" in line.lower()]
+    """What llama.cpp said when a load failed: its last line that names a failure, other
+    than the closing "failed to load model", without the function's name (a placement it
+    cannot make says so there, e.g. ``invalid value for main_gpu``), else a guess."""
+    said = [
+        line.strip()
+        for line in lines
+        if any(word in line.lower() for word in _FAILURE_WORDS)
+        and not line.rstrip().endswith("failed to load model")
+    ]
     if not said:
         return "corrupt or unsupported GGUF"
-    line = said[-1].strip()
-    return line.split(": ", 1)[1] if ": " in line else line
+    return said[-1].split(": ", 1)[1] if ": " in said[-1] else said[-1]
 
 
 class LlamaModel:

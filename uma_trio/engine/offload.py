@@ -67,8 +67,7 @@ def plan_offload(
         if requested == 0:
             why = "--gpu-layers 0"
         return OffloadPlan(0, total, f"CPU only: {why}")
-    if requested != 0:
-        check_placement(devices, split_mode, main_gpu, tensor_split)
+    check_placement(devices, split_mode, main_gpu, tensor_split)  # llama.cpp checks even at 0 layers
     if requested == "all":
         return OffloadPlan(total, total, "--gpu-layers all")
     if isinstance(requested, int):
@@ -120,15 +119,15 @@ def placement_capacity(
     """The GPUs that take layers and how many bytes of the model (weights and KV together,
     spread as llama.cpp spreads them) they hold, each keeping its own reserve.
 
-    ``none``: only ``main_gpu``.  With ``tensor_split`` each GPU takes its share, so the model
-    fits while the fullest GPU does.  Otherwise llama.cpp splits by free memory, and the
-    GPUs' usable bytes add up."""
+    ``none``: only ``main_gpu``.  Otherwise each GPU takes its share of the model (the
+    ``tensor_split`` given, else llama.cpp's default: its free memory), so the model fits
+    while the GPU with the least room for its share does."""
     if split_mode == "none":
         return (devices[main_gpu],), float(_usable(devices[main_gpu].free_bytes))
-    if tensor_split is not None:
-        shares = [tensor_split[i] if i < len(tensor_split) else 0.0 for i in range(len(devices))]
-        whole = sum(shares)
-        pairs = [(d, share) for d, share in zip(devices, shares, strict=True) if share > 0]
-        fits = min(_usable(d.free_bytes) * whole / share for d, share in pairs)
-        return tuple(d for d, _ in pairs), fits
-    return devices, float(sum(max(_usable(d.free_bytes), 0) for d in devices))
+    given = tensor_split or tuple(float(d.free_bytes) for d in devices)
+    shares = [given[i] if i < len(given) else 0.0 for i in range(len(devices))]
+    pairs = [(d, share) for d, share in zip(devices, shares, strict=True) if share > 0]
+    if not pairs:  # no GPU with free memory
+        return (), 0.0
+    whole = sum(shares)
+    return tuple(d for d, _ in pairs), min(_usable(d.free_bytes) * whole / share for d, share in pairs)

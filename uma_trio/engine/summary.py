@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .devices import OFFLOAD_KINDS, Device
+from .devices import Device, placed_devices
 
 MIB = 1024 * 1024
 
@@ -39,7 +39,7 @@ def engine_summary(
     model: dict[str, Any],
     step_overhead: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    gpus = [d for d in devices if d.offloads]
+    gpus = list(placed_devices(devices, settings.get("split_mode", "layer"), settings.get("main_gpu", 0)))
     offloaded, total = layers
     return {
         "backends": sorted({d.backend for d in devices}),
@@ -70,8 +70,15 @@ def engine_summary(
 
 
 def _gpu_entries(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """The summary's devices that take layers (as :attr:`Device.offloads`)."""
-    return [d for d in summary["devices"] if d["kind"] in OFFLOAD_KINDS]
+    """The summary's devices that take layers (:func:`~uma_trio.engine.devices.placed_devices`)."""
+    kinds = [d for d in summary["devices"] if d["kind"] == "GPU"] or [
+        d for d in summary["devices"] if d["kind"] == "IGPU"
+    ]
+    settings = summary.get("settings") or {}
+    if settings.get("split_mode") == "none":
+        main = int(settings.get("main_gpu", 0))
+        return kinds[main : main + 1]
+    return kinds
 
 
 def deterministic_caveat(summary: dict[str, Any]) -> str | None:
