@@ -87,8 +87,9 @@ def forced(engine: LlamaEngine, prompt: list[int], path: list[int], seq_id: int 
     return rec.rows
 
 
-def test_every_layer_is_offloaded_and_the_gpu_computes_the_cpus_logits(model_path: Path) -> None:
-    with engine_on(model_path, 0) as cpu:
+def cpu_greedy_path(path_: Path) -> tuple[list[int], list[int], Rows]:
+    """The prompt's tokens, the CPU's greedy continuation and the CPU's logits at each step."""
+    with engine_on(path_, 0) as cpu:
         prompt = cpu.tokenize(PROMPT).tolist()
         rec = Recorder()
         cpu.step_sync([BatchEntry(0, np.array(prompt, np.int32), 0, rec)])
@@ -96,7 +97,11 @@ def test_every_layer_is_offloaded_and_the_gpu_computes_the_cpus_logits(model_pat
         for k in range(STEPS - 1):
             step = BatchEntry(0, np.array([path[-1]], np.int32), len(prompt) + k, rec)
             path.append(cpu.step_sync([step]).sampled[0].token_id)
-        cpu_rows = rec.rows
+        return prompt, path, rec.rows
+
+
+def test_every_layer_is_offloaded_and_the_gpu_computes_the_cpus_logits(model_path: Path) -> None:
+    prompt, path, cpu_rows = cpu_greedy_path(model_path)
     with engine_on(model_path, 999) as gpu:
         assert gpu.model.layers_offloaded == gpu.model.layers_total, "every layer should be on the GPU"
         gpu_rows = forced(gpu, prompt, path)
@@ -185,15 +190,7 @@ GPUS = layer_devices(devices()) if HAS_GPU else ()
 def test_two_gpus_hold_the_model_where_asked_and_compute_the_cpus_logits(
     model_path: Path, placement: Placement
 ) -> None:
-    with engine_on(model_path, 0) as cpu:
-        prompt = cpu.tokenize(PROMPT).tolist()
-        rec = Recorder()
-        cpu.step_sync([BatchEntry(0, np.array(prompt, np.int32), 0, rec)])
-        path = [int(np.argmax(rec.rows[-1]))]
-        for k in range(STEPS - 1):
-            step = BatchEntry(0, np.array([path[-1]], np.int32), len(prompt) + k, rec)
-            path.append(cpu.step_sync([step]).sampled[0].token_id)
-        cpu_rows = rec.rows
+    prompt, path, cpu_rows = cpu_greedy_path(model_path)
     with LlamaLog.capture() as lines:
         model = LlamaModel(model_path, placement)
     engine = LlamaEngine(model, ContextConfig(n_ctx_seq=256, n_seq_max=4))
