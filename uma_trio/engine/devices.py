@@ -51,22 +51,25 @@ class Device:
         return DeviceMemory(self.name, self.description, self.free_bytes, self.total_bytes)
 
 
+def layer_device_indices(kinds: Sequence[str], split_mode: str = "layer", main_gpu: int = 0) -> list[int]:
+    """Which of the devices of these kinds hold a model's layers, in llama.cpp's order: the
+    GPUs, or the integrated GPUs where there is no other GPU (``llama_model_load``'s rule but
+    for its de-duplication of one GPU that two backends both report), and of those only
+    ``main_gpu`` with ``split_mode`` none.  ``--main-gpu`` and ``--tensor-split`` index them."""
+    gpus = [i for i, kind in enumerate(kinds) if kind == "GPU"]
+    used = gpus or [i for i, kind in enumerate(kinds) if kind == "IGPU"]
+    return used[main_gpu : main_gpu + 1] if split_mode == "none" else used
+
+
 def layer_devices(devs: Sequence[Device]) -> tuple[Device, ...]:
-    """The devices llama.cpp spreads a model's layers over, in its order (``--main-gpu`` and
-    ``--tensor-split`` index these): the GPUs, or the integrated GPUs where there is no
-    other GPU.  That is ``llama_model_load``'s rule but for its de-duplication of one GPU
-    that two backends both report (a build with two GPU backends may list it twice here)."""
-    gpus = tuple(d for d in devs if d.kind == "GPU")
-    return gpus or tuple(d for d in devs if d.kind == "IGPU")
+    """The devices llama.cpp spreads a model's layers over (:func:`layer_device_indices`)."""
+    return tuple(devs[i] for i in layer_device_indices([d.kind for d in devs]))
 
 
 def placed_devices(devs: Sequence[Device], split_mode: str, main_gpu: int) -> tuple[Device, ...]:
     """The devices that hold layers with this placement: :func:`layer_devices`, or only
     ``--main-gpu`` with ``--split-mode none``."""
-    used = layer_devices(devs)
-    if split_mode == "none":
-        return used[main_gpu : main_gpu + 1]
-    return used
+    return tuple(devs[i] for i in layer_device_indices([d.kind for d in devs], split_mode, main_gpu))
 
 
 def _ggml() -> Any:

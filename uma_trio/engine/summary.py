@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .devices import Device, placed_devices
+from .devices import Device, layer_device_indices, placed_devices
 
 MIB = 1024 * 1024
 
@@ -70,15 +70,11 @@ def engine_summary(
 
 
 def _gpu_entries(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """The summary's devices that take layers (:func:`~uma_trio.engine.devices.placed_devices`)."""
-    kinds = [d for d in summary["devices"] if d["kind"] == "GPU"] or [
-        d for d in summary["devices"] if d["kind"] == "IGPU"
-    ]
-    settings = summary.get("settings") or {}
-    if settings.get("split_mode") == "none":
-        main = int(settings.get("main_gpu", 0))
-        return kinds[main : main + 1]
-    return kinds
+    """The summary's devices that take layers (as :func:`~uma_trio.engine.devices.placed_devices`)."""
+    entries, settings = summary["devices"], summary.get("settings") or {}
+    kinds = [d["kind"] for d in entries]
+    split_mode, main_gpu = settings.get("split_mode", "layer"), int(settings.get("main_gpu", 0))
+    return [entries[i] for i in layer_device_indices(kinds, split_mode, main_gpu)]
 
 
 def deterministic_caveat(summary: dict[str, Any]) -> str | None:
