@@ -189,6 +189,7 @@ def llama_server_cmd(args: argparse.Namespace, slots: int, ctx_seq: int, port: i
     return [
         str(args.bin / "llama-server"), "-m", str(args.model), "-ngl", "999", "-np", str(slots),
         "-c", str(slots * ctx_seq), "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+        *args.llama_arg,
     ]  # fmt: skip
 
 
@@ -509,6 +510,7 @@ def main() -> int:
     ap.add_argument("--depths", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768])
     ap.add_argument("--systems", default="llama-server,uma-trio")
     ap.add_argument("--uma-arg", action="append", default=[], help="extra `uma-trio serve` argument")
+    ap.add_argument("--llama-arg", action="append", default=[], help="extra llama-server argument (e.g. -sm)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ["LLAMA_CPP_LIB_PATH"] = str(args.bin)  # uma-trio's llama_cpp loads the peers' libllama

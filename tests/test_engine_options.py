@@ -256,6 +256,47 @@ def test_auto_plans_for_the_gpus_llama_cpp_will_use() -> None:
     assert lopsided.n_gpu_layers == int(usable1 * 41 // (38 * GIB / 33))
 
 
+def test_tensor_split_fills_the_gpus_evenly_unless_told() -> None:
+    """llama.cpp's tensor split cuts every matrix (and the KV) into equal parts by default,
+    whatever each GPU has free; the layer split follows free memory."""
+    gpus = two_gpus(40, 10)  # usable 38 and 9.5 GiB
+    assert placed(gpus, 30).n_gpu_layers == 33  # by free memory: 4/5 and 1/5 of 31 GiB fit
+    even = placed(gpus, 30, split_mode="tensor")  # half of 31 GiB on a 10 GiB GPU does not
+    assert even.n_gpu_layers == int(2 * 9.5 * GIB // (31 * GIB / 33)) and "19.00 GiB usable" in even.reason
+    assert placed(gpus, 30, split_mode="tensor", tensor_split=(4.0, 1.0)).n_gpu_layers == 33
+    assert placed(gpus, 15, split_mode="tensor").reason.endswith("free on CUDA0, CUDA1")
+
+
+def test_row_split_is_refused_where_the_backend_cannot_split_rows() -> None:
+    """The pinned llama.cpp's CUDA backend has no split buffer type, so its row split fails the
+    load ("device CUDA0 does not support split buffers"); uma-trio says so at start-up."""
+    cuda = tuple(
+        DeviceMemory(f"CUDA{i}", "test GPU", 40 * GIB, 80 * GIB, splits_rows=False) for i in range(2)
+    )
+    with pytest.raises(
+        ConfigError, match=r"--split-mode row: the backend of CUDA0, CUDA1 cannot split .* tensor"
+    ):
+        placed(cuda, 10, split_mode="row")
+    with pytest.raises(ConfigError, match="--split-mode row"):  # at 0 layers too: llama.cpp asks every GPU
+        plan_offload(
+            0, supports_offload=True, devices=cuda, n_layer=32, weight_bytes=1, kv_bytes=1, split_mode="row"
+        )
+    assert placed(cuda, 10, split_mode="tensor").n_gpu_layers == 33
+    assert placed(two_gpus(40, 40), 10, split_mode="row").n_gpu_layers == 33  # a backend with split buffers
+
+
+def test_tensor_split_without_a_gpu_layer_asks_llama_cpp_for_layers() -> None:
+    """llama.cpp's tensor split needs a GPU to build its split device from, and fails the load
+    without one; with no layer on a GPU there is nothing to split."""
+    from uma_trio.engine.planned import placement_for
+
+    config = ServerConfig(split_mode="tensor")
+    cpu_only = placement_for(OffloadPlan(0, 31, "CPU only"), config)
+    assert cpu_only.split_mode == "layer"
+    assert placement_for(OffloadPlan(31, 31, "all"), config).split_mode == "tensor"
+    assert placement_for(OffloadPlan(0, 31, "CPU only"), ServerConfig(split_mode="row")).split_mode == "row"
+
+
 def test_a_placement_the_gpus_cannot_have_is_refused_naming_the_flag() -> None:
     gpus = two_gpus(40, 40)
     with pytest.raises(ConfigError, match=r"--main-gpu 2: this machine has 2 GPU\(s\): CUDA0, CUDA1"):
@@ -311,6 +352,33 @@ def test_llama_log_captures_nest_so_a_caller_sees_the_models_load() -> None:
         assert LlamaLog._captures == ()  # every capture closed, none left collecting
     finally:
         model.close()
+
+
+@pytest.mark.model
+def test_a_cpu_daemon_with_tensor_split_loads_and_llama_cpp_alone_would_not() -> None:
+    from uma_trio.engine.llama import LlamaModel, ModelLoadError, read_shape
+    from uma_trio.engine.llama_model import Placement
+    from uma_trio.engine.planned import offload_plan, placement_for
+    from uma_trio.model_files import ensure_default_model
+
+    path = ensure_default_model()
+    with pytest.raises(ModelLoadError, match="LLAMA_SPLIT_MODE_TENSOR needs >= 1 devices"):
+        LlamaModel(path, Placement(split_mode="tensor"))
+    config = ServerConfig(split_mode="tensor", gpu_layers="auto")
+    model = LlamaModel(path, placement_for(offload_plan(read_shape(path), config), config))
+    try:
+        assert model.layers_offloaded == 0 and model.placement.split_mode == "layer"
+    finally:
+        model.close()
+
+
+def test_devices_say_whether_their_backend_splits_rows() -> None:
+    from uma_trio.engine.devices import devices
+
+    found = devices()
+    cpu = [d for d in found if d.kind == "CPU"]
+    assert cpu and not any(d.splits_rows for d in cpu)  # the CPU backend has no split buffers
+    assert all(d.as_memory().splits_rows == d.splits_rows for d in found)
 
 
 def test_a_failed_load_says_what_llama_cpp_said() -> None:

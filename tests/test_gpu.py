@@ -22,6 +22,7 @@ that guarantee is the CPU's (docs/CONFIG.md); here batched and alone agree withi
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -177,15 +178,10 @@ GPUS = layer_devices(devices()) if HAS_GPU else ()
     [
         Placement(n_gpu_layers=999, split_mode="layer"),
         Placement(n_gpu_layers=999, split_mode="layer", tensor_split=(1.0, 3.0)),
-        pytest.param(
-            Placement(n_gpu_layers=999, split_mode="row"),
-            marks=pytest.mark.xfail(
-                reason="llama.cpp did not load the 2-layer F16 test model with row split on 2x H200"
-            ),
-        ),
+        Placement(n_gpu_layers=999, split_mode="tensor"),
         Placement(n_gpu_layers=999, split_mode="none", main_gpu=1),
     ],
-    ids=["layer", "layer-1,3", "row", "none-main-1"],
+    ids=["layer", "layer-1,3", "tensor", "none-main-1"],
 )
 def test_two_gpus_hold_the_model_where_asked_and_compute_the_cpus_logits(
     model_path: Path, placement: Placement
@@ -196,15 +192,39 @@ def test_two_gpus_hold_the_model_where_asked_and_compute_the_cpus_logits(
     engine = LlamaEngine(model, ContextConfig(n_ctx_seq=256, n_seq_max=4))
     try:
         assert model.layers_offloaded == model.layers_total
-        holding = {d.name for d in GPUS if any(f"{d.name} model buffer size" in line for line in lines)}
-        print(f"{placement.split_mode} {placement.tensor_split or ''}: model buffers on {sorted(holding)}")
+        buffers = [line.split(": ", 1)[-1].split(" model buffer size")[0].strip() for line in lines
+                   if "model buffer size" in line]  # fmt: skip
+        # A buffer is named after its device (CUDA1), or the devices a tensor split spans (Meta(CUDA0,CUDA1)).
+        holding = {d.name for d in GPUS if any(d.name in re.split(r"[(),\s]+", name) for name in buffers)}
+        where = f"{placement.split_mode} {placement.tensor_split or ''}"
+        print(f"{where}: model buffers on {sorted(holding)}", buffers)
         if placement.split_mode == "none":
             assert holding == {GPUS[1].name}, "split none: the whole model on --main-gpu only"
-        elif placement.split_mode == "layer":
-            assert holding >= {GPUS[0].name, GPUS[1].name}, "layer split: layers on both GPUs"
+        else:
+            assert holding >= {GPUS[0].name, GPUS[1].name}, f"{placement.split_mode} split: on both GPUs"
+        if placement.split_mode == "tensor":
+            assert any(name.startswith("Meta(") for name in buffers), "one buffer spanning the GPUs"
         gpu_rows = forced(engine, prompt, path)
     finally:
         engine.close()
         model.close()
     divergences = [kl_divergence(c, g) for c, g in zip(cpu_rows, gpu_rows, strict=True)]
     assert max(divergences) < 0.05 and float(np.mean(divergences)) < 0.01, divergences
+
+
+@pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs")
+def test_row_split_is_refused_as_llama_cpp_would_refuse_it(model_path: Path) -> None:
+    """Where the GPUs' backend has no split buffers (the pinned llama.cpp's CUDA), uma-trio
+    refuses --split-mode row at start-up, and llama.cpp itself would not load the model."""
+    from uma_trio.config import ConfigError
+    from uma_trio.engine.llama import ModelLoadError
+    from uma_trio.engine.offload import plan_offload
+
+    if all(d.splits_rows for d in GPUS):
+        pytest.skip("this backend splits rows")
+    memory = tuple(d.as_memory() for d in GPUS)
+    with pytest.raises(ConfigError, match="--split-mode row: the backend of"):
+        plan_offload("auto", supports_offload=True, devices=memory, n_layer=2, weight_bytes=1, kv_bytes=1,
+                     split_mode="row")  # fmt: skip
+    with pytest.raises(ModelLoadError, match="does not support split buffers"):
+        LlamaModel(model_path, Placement(n_gpu_layers=999, split_mode="row"))

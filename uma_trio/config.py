@@ -38,7 +38,7 @@ DEFAULT_SOCKET = default_socket_path()  # computed once, at import: the CLI's de
 KvType = Literal["f16", "q8_0", "q4_0"]
 KV_TYPE_NAMES: tuple[KvType, ...] = get_args(KvType)
 FlashAttn = Literal["auto", "on", "off"]
-SplitMode = Literal["none", "layer", "row"]
+SplitMode = Literal["none", "layer", "row", "tensor"]
 
 # The engine settings of the two modes (docs/CONFIG.md): fast, as llama-server runs, or
 # deterministic, where greedy output does not depend on batching, chunking or the cache.
@@ -177,14 +177,17 @@ class ServerConfig:
     counted among the GPUs llama.cpp uses (the discrete ones, else the integrated ones); on
     a machine with GPUs, one it does not have is refused at start-up."""
     split_mode: SplitMode = "layer"
-    """Across several GPUs: layer (whole layers per GPU), row (rows of each matrix, tensor
-    parallel, where the backend has it) or none (all on --main-gpu)."""
+    """Across several GPUs: layer (whole layers per GPU), tensor (each layer's matrices and
+    KV split across the GPUs and computed in parallel: llama.cpp's tensor parallelism, marked
+    experimental there; needs a GPU), row (rows of each matrix, on backends with split buffers:
+    SYCL; refused at start-up on others, CUDA included) or none (all on --main-gpu)."""
     tensor_split: Annotated[
         tuple[float, ...] | None,
         Parameter(converter=_tensor_split, negative_iterable=(), show_default="by free memory"),
     ] = None
-    """Share of the model per GPU in device order, e.g. 3,1; more shares than the machine has
-    GPUs is refused at start-up (unless --split-mode none, which ignores it)."""
+    """Share of the model per GPU in device order, e.g. 3,1 (by default llama.cpp splits by
+    free memory, with --split-mode tensor evenly); more shares than the machine has GPUs is
+    refused at start-up (unless --split-mode none, which ignores it)."""
     run_ahead: bool = True
     """While the same sessions decode step after step, the compute thread starts the next
     decode itself from the tokens it just sampled; the event loop collects results one step
@@ -438,7 +441,7 @@ class ServerConfig:
         if self.flash_attn not in get_args(FlashAttn):
             raise ConfigError(f"--flash-attn must be auto, on or off, not {self.flash_attn!r}")
         if self.split_mode not in get_args(SplitMode):
-            raise ConfigError(f"--split-mode must be none, layer or row, not {self.split_mode!r}")
+            raise ConfigError(f"--split-mode must be none, layer, row or tensor, not {self.split_mode!r}")
         if self.main_gpu < 0:
             raise ConfigError(f"--main-gpu must be a device index (0 or more), not {self.main_gpu}")
         if self.tensor_split is not None and (

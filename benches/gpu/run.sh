@@ -107,7 +107,8 @@ timeout 120 $PY -m uma_trio info --model "$MODEL" --max-sessions 16 --n-ctx 512 
 if [ -n "${PLACEMENT:-}" ]; then  # several GPUs: where --split-mode, --main-gpu and --tensor-split put the model
   stage placement
   nvidia-smi -L 2>&1 | tee -a "$L/driver.log"
-  for args in "--split-mode none --main-gpu 1" "--tensor-split 1,3" "--split-mode row" "--main-gpu 2" "--tensor-split 1,1,1"; do
+  for args in "--split-mode none --main-gpu 1" "--tensor-split 1,3" "--split-mode tensor" "--split-mode row" \
+      "--main-gpu 2" "--tensor-split 1,1,1"; do
     log "info $args:"
     timeout 120 $PY -m uma_trio info --model "$MODEL" --max-sessions 16 --n-ctx 512 $args 2>&1 \
       | grep -E '^(GPU layers|error)' | tee -a "$L/driver.log"

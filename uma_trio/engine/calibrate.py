@@ -472,7 +472,8 @@ def engine_device_key(engine: LlamaEngine) -> str:
     # Captures change a CUDA step's cost, and so does how layers spread over several GPUs
     # (added only then: other keys stay as they were, so their files still fit).
     if len(used) > 1:
-        shares = ",".join(f"{s:g}" for s in p.tensor_split) if p.tensor_split else "by free memory"
+        default = "evenly" if p.split_mode == "tensor" else "by free memory"
+        shares = ",".join(f"{s:g}" for s in p.tensor_split) if p.tensor_split else default
         key += f"; split {p.split_mode} {shares}"
     cuda = any(d.backend == "CUDA" for d in used)
     return f"{key}; cuda_graphs off" if cuda and not engine.captures_graphs else key

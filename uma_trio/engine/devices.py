@@ -40,6 +40,7 @@ class Device:
     backend: str  # the ggml backend that drives it: CPU, CUDA, Metal, Vulkan, ROCm...
     free_bytes: int
     total_bytes: int
+    splits_rows: bool = False  # its backend has a split buffer type (--split-mode row needs one)
 
     @property
     def offloads(self) -> bool:
@@ -48,7 +49,7 @@ class Device:
         return self.kind in OFFLOAD_KINDS
 
     def as_memory(self) -> DeviceMemory:
-        return DeviceMemory(self.name, self.description, self.free_bytes, self.total_bytes)
+        return DeviceMemory(self.name, self.description, self.free_bytes, self.total_bytes, self.splits_rows)
 
 
 def layer_device_indices(kinds: Sequence[str], split_mode: str = "layer", main_gpu: int = 0) -> list[int]:
@@ -97,7 +98,15 @@ def _bind() -> Any:
     lib.ggml_backend_reg_name.argtypes, lib.ggml_backend_reg_name.restype = [vp], ctypes.c_char_p
     lib.ggml_backend_reg_count.restype = sz
     lib.ggml_backend_reg_get.argtypes, lib.ggml_backend_reg_get.restype = [sz], vp
+    lib.ggml_backend_reg_get_proc_address.argtypes = [vp, ctypes.c_char_p]
+    lib.ggml_backend_reg_get_proc_address.restype = vp
     return lib
+
+
+def _splits_rows(lib: Any, reg: Any) -> bool:
+    """Whether the backend offers a split buffer type, what llama.cpp's row split asks it for
+    (``make_gpu_buft_list``; a backend without one fails the load)."""
+    return bool(reg) and bool(lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_split_buffer_type"))
 
 
 _lib: Any = None
@@ -139,6 +148,7 @@ def devices() -> tuple[Device, ...]:
                 backend=(lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace") if reg else "?",
                 free_bytes=int(free.value),
                 total_bytes=int(total.value),
+                splits_rows=_splits_rows(lib, reg),
             )
         )
     return tuple(found)

@@ -30,6 +30,7 @@ _SPLIT_MODE = {
     "none": llama.LLAMA_SPLIT_MODE_NONE,
     "layer": llama.LLAMA_SPLIT_MODE_LAYER,
     "row": llama.LLAMA_SPLIT_MODE_ROW,
+    "tensor": llama.LLAMA_SPLIT_MODE_TENSOR,
 }
 
 
@@ -39,7 +40,7 @@ class Placement:
 
     n_gpu_layers: int = 0
     main_gpu: int = 0  # the GPU that holds everything with split_mode none (and the scratch)
-    split_mode: SplitMode = "layer"  # across several GPUs: whole layers, or rows (tensor parallel)
+    split_mode: SplitMode = "layer"  # across several GPUs: whole layers, each layer split (tensor), rows
     tensor_split: tuple[float, ...] | None = None  # share of the model per GPU; None: by free memory
     reason: str = "CPU only"  # why this many layers (the offload decision, for the log and info)
 
@@ -119,7 +120,10 @@ class ModelLoadError(Exception):
     """llama.cpp refused the model file."""
 
 
-_FAILURE_WORDS = ("error", "invalid", "failed", "not enough", "out of memory", "unable", "cannot")
+_FAILURE_WORDS = (
+    "error", "invalid", "failed", "not enough", "out of memory", "unable", "cannot", "not implemented",
+    "does not support", "needs >=",
+)  # fmt: skip
 
 
 def load_failure(lines: list[str]) -> str:

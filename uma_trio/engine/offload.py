@@ -26,6 +26,9 @@ class DeviceMemory:
     description: str  # e.g. "NVIDIA H100 80GB HBM3"
     free_bytes: int
     total_bytes: int
+    # Whether its backend can split a matrix's rows across GPUs (a split buffer type):
+    # --split-mode row needs it.  The pinned llama.cpp's CUDA backend has none.
+    splits_rows: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,13 +100,27 @@ def check_placement(
     devices: tuple[DeviceMemory, ...], split_mode: SplitMode, main_gpu: int, shares: tuple[float, ...] | None
 ) -> None:
     """Refuse what llama.cpp would fail on (or silently ignore) at load: a ``--main-gpu`` past
-    the devices, a ``--tensor-split`` with shares for GPUs that do not exist."""
+    the devices, a ``--tensor-split`` with shares for GPUs that do not exist, row split on a
+    backend without split buffers (llama.cpp fails the load on any GPU it would use)."""
     names = f"{len(devices)} GPU(s): {', '.join(d.name for d in devices)}"
     if main_gpu >= len(devices):
         raise ConfigError(f"--main-gpu {main_gpu}: this machine has {names} (0 to {len(devices) - 1})")
+    if split_mode == "row" and (cannot := [d.name for d in devices if not d.splits_rows]):
+        raise ConfigError(
+            f"--split-mode row: the backend of {', '.join(cannot)} cannot split a matrix's rows across "
+            "GPUs in this llama.cpp build; --split-mode tensor splits each layer across the GPUs "
+            "(tensor parallelism), --split-mode layer gives each GPU whole layers"
+        )
     if shares is not None and split_mode != "none" and len(shares) > len(devices):
         given = ",".join(f"{s:g}" for s in shares)
         raise ConfigError(f"--tensor-split {given}: {len(shares)} shares for {names}")
+
+
+def default_shares(devices: tuple[DeviceMemory, ...], split_mode: SplitMode) -> tuple[float, ...]:
+    """llama.cpp's split without ``--tensor-split``: by free memory (layer, row), evenly (tensor)."""
+    if split_mode == "tensor":
+        return tuple(1.0 for _ in devices)
+    return tuple(float(d.free_bytes) for d in devices)
 
 
 def _usable(free: int) -> int:
@@ -120,11 +137,12 @@ def placement_capacity(
     spread as llama.cpp spreads them) they hold, each keeping its own reserve.
 
     ``none``: only ``main_gpu``.  Otherwise each GPU takes its share of the model (the
-    ``tensor_split`` given, else llama.cpp's default: its free memory), so the model fits
-    while the GPU with the least room for its share does."""
+    ``tensor_split`` given, else llama.cpp's default: its free memory, or equal shares with
+    ``tensor``, whose split of each matrix ignores free memory), so the model fits while the
+    GPU with the least room for its share does."""
     if split_mode == "none":
         return (devices[main_gpu],), float(_usable(devices[main_gpu].free_bytes))
-    given = tensor_split or tuple(float(d.free_bytes) for d in devices)
+    given = tensor_split or default_shares(devices, split_mode)
     shares = [given[i] if i < len(given) else 0.0 for i in range(len(devices))]
     pairs = [(d, share) for d, share in zip(devices, shares, strict=True) if share > 0]
     if not pairs:  # no GPU with free memory

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..config import ServerConfig, parse_gpu_layers
+from ..config import ServerConfig, SplitMode, parse_gpu_layers
 from .devices import (
     apply_cuda_graphs,
     backends_built,
@@ -55,8 +55,13 @@ def memory_footprint(shape: ModelShape, config: ServerConfig) -> int:
 
 
 def placement_for(plan: OffloadPlan, config: ServerConfig) -> Placement:
+    # llama.cpp's tensor split builds one device out of the GPUs and fails the load where
+    # there is none; with no layer on a GPU there is nothing to split, so ask for layers.
+    split_mode: SplitMode = (
+        "layer" if config.split_mode == "tensor" and plan.n_gpu_layers == 0 else config.split_mode
+    )
     return Placement(
-        n_gpu_layers=plan.n_gpu_layers, main_gpu=config.main_gpu, split_mode=config.split_mode,
+        n_gpu_layers=plan.n_gpu_layers, main_gpu=config.main_gpu, split_mode=split_mode,
         tensor_split=config.tensor_split, reason=plan.reason,
     )  # fmt: skip
 
