@@ -23,17 +23,17 @@ say() { echo "[$(date +%H:%M:%S) +${SECONDS}s] $*"; }
 say "driver capabilities: ${NVIDIA_DRIVER_CAPABILITIES:-unset}"
 nvidia-smi -L 2>&1 | head -4
 ls /usr/share/vulkan/icd.d /etc/vulkan/icd.d 2>&1 | head
-NV_VK=$( (ldconfig -p | awk '/libGLX_nvidia\.so\.0 /{print $NF}'; find / -xdev -name 'libGLX_nvidia.so.0' 2>/dev/null) | head -1)
-say "NVIDIA Vulkan/GLX library: ${NV_VK:-none}"
-if ! ls /usr/share/vulkan/icd.d/nvidia_icd*.json /etc/vulkan/icd.d/nvidia_icd*.json > /dev/null 2>&1; then
-  if [ -z "$NV_VK" ]; then
-    say "no NVIDIA Vulkan driver in this container: nothing to run"
-    exit 3
-  fi
-  printf '{"file_format_version":"1.0.0","ICD":{"library_path":"%s","api_version":"1.3.0"}}\n' "$NV_VK" > "$W/nvidia_icd.json"
-  export VK_ICD_FILENAMES=$W/nvidia_icd.json
-  say "wrote $VK_ICD_FILENAMES"
+# The driver's Vulkan entry points are in its GLX library (the ICD file containers ship names it)
+# and in its EGL one.  Without an X server the GLX one fails ("Could not get 'vkCreateInstance'",
+# found on the H100 machine); the EGL one works headless, so an ICD file naming it is written.
+NV_VK=$( (ls /usr/local/nvidia/lib64/libEGL_nvidia.so.0 2>/dev/null; ldconfig -p | awk '/libEGL_nvidia\.so\.0 /{print $NF}'; find / -xdev -name 'libEGL_nvidia.so.0' 2>/dev/null) | head -1)
+say "NVIDIA EGL library: ${NV_VK:-none}"
+if [ -z "$NV_VK" ]; then
+  say "no NVIDIA Vulkan driver library in this container: nothing to run"
+  exit 3
 fi
+printf '{"file_format_version":"1.0.1","ICD":{"library_path":"%s","api_version":"1.3.0"}}\n' "$NV_VK" > "$W/nvidia_icd.json"
+export VK_ICD_FILENAMES=$W/nvidia_icd.json
 
 tar xJf "$REPO/.vk/vk-libs.tar.xz" -C "$W" || { say "no .vk/vk-libs.tar.xz"; exit 1; }
 [ -d "$W/lcp" ] || tar xzf "$REPO/.gpu/lcp-src.tar.gz" -C "$W"
@@ -44,6 +44,7 @@ TINY=$W/tiny-f16.gguf
 [ -f "$TINY" ] || PYTHONPATH=$SRC/gguf-py $PY benches/gpu/gen_model.py --vocab "$SRC/models/ggml-vocab-llama-bpe.gguf" \
   --out "$TINY" --layers 2 --embd 256 --heads 4 --kv-heads 2 --ffn 512 --ctx 4096 > "$W/gen-tiny.log" 2>&1
 
+say "llama.cpp: $($PY -c 'from uma_trio.engine import devices as d; print(d.backends_built(), [x.name for x in d.devices()], d.system_info())' 2>&1 | tail -3)"
 say "uma-trio info"
 timeout 120 $PY -m uma_trio info --model "$TINY" 2>&1 | grep -v '^llama.cpp '
 say "GPU tests"
