@@ -14,7 +14,7 @@ import pytest
 from uma_trio.config import ConfigError, ServerConfig, parse_gpu_layers, parse_tensor_split
 from uma_trio.engine.devices import Device, layer_devices, placed_devices
 from uma_trio.engine.offload import DeviceMemory, OffloadPlan, plan_offload
-from uma_trio.engine.summary import engine_summary
+from uma_trio.engine.summary import engine_summary, one_line, split_description
 
 GIB = 1024**3
 
@@ -336,6 +336,26 @@ def test_layers_go_to_the_gpus_or_else_the_integrated_ones() -> None:
         kv_bytes=1, kv_cells=1, flash_attn="on", settings={"split_mode": "none", "main_gpu": 1}, model={},
     )  # fmt: skip
     assert summary["kv"]["location"] == "Vulkan1"
+    assert split_description(summary) is None  # one GPU holds the model
+
+
+def test_the_summary_says_how_the_model_spreads_over_several_gpus() -> None:
+    gpus = (Device("CUDA0", "", "GPU", "CUDA", GIB, GIB), Device("CUDA1", "", "GPU", "CUDA", GIB, GIB))
+
+    def summary(layers: int, **settings: Any) -> dict[str, Any]:
+        return engine_summary(
+            system_info="", devices=gpus, layers=(layers, 33), reason="", kv_type="f16", kv_bytes=1,
+            kv_cells=1, flash_attn="on", settings={"n_ubatch": 512, "n_batch": 2048, "n_seq_max": 1,
+            "n_ctx_seq": 1, "deterministic": False, **settings}, model={},
+        )  # fmt: skip
+
+    assert split_description(summary(33)) == "layer: whole layers spread over CUDA0, CUDA1, by free memory"
+    tensor = summary(33, split_mode="tensor")
+    assert split_description(tensor) == "tensor: each layer's matrices and KV cut across CUDA0, CUDA1, evenly"
+    assert "split tensor: each layer's" in one_line(tensor)
+    assert split_description(summary(33, tensor_split=[1.0, 3.0])).endswith("CUDA0, CUDA1, shares 1,3")
+    assert split_description(summary(0, split_mode="tensor")) is None  # nothing on a GPU
+    assert split_description(summary(33, split_mode="none", main_gpu=1)) is None
 
 
 @pytest.mark.model

@@ -166,7 +166,7 @@ class ServerConfig:
     the weights plus the whole KV cache (n_ctx × max_sessions cells) fit the free memory of
     the GPUs that take layers, each less a reserve (5 %, at least 512 MiB), for its share of
     the model (--split-mode none: --main-gpu's alone; else the --tensor-split shares, by
-    default llama.cpp's split by free memory); else as many layers as fit, and logs why;
+    default llama.cpp's split: by free memory, evenly with tensor); else as many layers as fit, and logs why;
     all; or a count (0: CPU only). Anything else is refused at start-up naming the flag
     (exit 2). `uma-trio info` shows the decision without starting the daemon."""
     flash_attn: FlashAttn = "auto"

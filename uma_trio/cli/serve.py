@@ -122,7 +122,7 @@ def info(
         return EXIT_SERVER_ERROR
     from ..engine.llama import ModelLoadError
     from ..engine.planned import planned_summary
-    from ..engine.summary import deterministic_caveat
+    from ..engine.summary import deterministic_caveat, split_description
 
     try:
         summary = planned_summary(model_path, config)
@@ -142,6 +142,8 @@ def info(
     print(f"model         {summary['model']['file']}: {summary['model']['n_layer']} layers, "
           f"{summary['model']['weight_bytes'] / mib:.0f} MiB")  # fmt: skip
     print(f"GPU layers    {layers['offloaded']} of {layers['total']} ({layers['reason']})")
+    if split := split_description(summary):
+        print(f"split         {split}")
     print(
         f"KV cache      {kv['type']}, {kv['cells']} cells, {kv['bytes'] / mib:.0f} MiB, on {kv['location']}"
     )

@@ -92,6 +92,23 @@ def deterministic_caveat(summary: dict[str, Any]) -> str | None:
     )
 
 
+def split_description(summary: dict[str, Any]) -> str | None:
+    """How the model spreads over several GPUs (``--split-mode``, ``--tensor-split``), or None
+    where fewer than two hold layers."""
+    gpus = [d["name"] for d in _gpu_entries(summary)]
+    if summary["gpu_layers"]["offloaded"] <= 0 or len(gpus) < 2:
+        return None
+    settings = summary["settings"]
+    mode, shares = settings.get("split_mode", "layer"), settings.get("tensor_split")
+    what = {
+        "tensor": "each layer's matrices and KV cut across",
+        "row": "each matrix's rows cut across",
+    }.get(mode, "whole layers spread over")
+    default = "evenly" if mode == "tensor" else "by free memory"
+    how = f"shares {','.join(f'{x:g}' for x in shares)}" if shares else default
+    return f"{mode}: {what} {', '.join(gpus)}, {how}"
+
+
 def one_line(summary: dict[str, Any]) -> str:
     """The start-up log line."""
     layers, kv, s = summary["gpu_layers"], summary["kv"], summary["settings"]
@@ -102,5 +119,7 @@ def one_line(summary: dict[str, Any]) -> str:
         f"{layers['total']} ({layers['reason']}); KV {kv['type']} {kv['bytes'] / MIB:.0f} MiB on "
         f"{kv['location']}; flash attention {summary['flash_attn']}; n_ubatch {s['n_ubatch']}, n_batch "
         f"{s['n_batch']}, {s['n_seq_max']} sessions x {s['n_ctx_seq']} cells, "
-        f"{'deterministic' if s['deterministic'] else 'fast'} mode; {summary['system_info']}"
+        f"{'deterministic' if s['deterministic'] else 'fast'} mode; "
+        + (f"split {split}; " if (split := split_description(summary)) else "")
+        + str(summary["system_info"])
     )
