@@ -177,8 +177,10 @@ def assert_lane_percentiles_agree(
         exact = {f"p{q}": float(np.percentile(values, q, method="lower")) for q in (50, 95, 99)}
         exact["max"] = float(values.max())
         for figure, value in exact.items():
-            # The max is one sample: one late wake-up of either side moves it whole (slack × 2).
-            allowed = max(width(key, value), slack_ms * (2.0 if figure == "max" else 1.0))
+            # The max is one sample: one late wake-up of either side moves it whole (slack × 2);
+            # so is a percentile above all but one sample (a p99 of fewer than 100 gaps).
+            one_sample = figure == "max" or len(values) * (1 - int(figure[1:]) / 100) < 1
+            allowed = max(width(key, value), slack_ms * (2.0 if one_sample else 1.0))
             assert abs(server[figure] - value) <= allowed, (
                 lane,
                 key,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from uma_trio.config import ConfigError, ServerConfig, parse_gpu_layers, parse_tensor_split
-from uma_trio.engine.devices import Device, layer_devices, placed_devices
+from uma_trio.engine.devices import Device, layer_devices, placed_devices, supports_gpu_offload
 from uma_trio.engine.offload import DeviceMemory, OffloadPlan, plan_offload
 from uma_trio.engine.summary import engine_summary, one_line, split_description
 
@@ -215,10 +215,12 @@ def test_no_cuda_graphs_reaches_llama_cpp_before_the_model_loads(monkeypatch: py
     assert seen["switch"] is None
 
 
-def two_gpus(free0_gib: float, free1_gib: float) -> tuple[DeviceMemory, DeviceMemory]:
+def two_gpus(
+    free0_gib: float, free1_gib: float, splits_rows: bool = False
+) -> tuple[DeviceMemory, DeviceMemory]:
     return (
-        DeviceMemory("CUDA0", "test GPU", int(free0_gib * GIB), 80 * GIB),
-        DeviceMemory("CUDA1", "test GPU", int(free1_gib * GIB), 80 * GIB),
+        DeviceMemory("CUDA0", "test GPU", int(free0_gib * GIB), 80 * GIB, splits_rows),
+        DeviceMemory("CUDA1", "test GPU", int(free1_gib * GIB), 80 * GIB, splits_rows),
     )
 
 
@@ -234,7 +236,7 @@ def test_auto_plans_for_the_gpus_llama_cpp_will_use() -> None:
     # layer or row split: llama.cpp spreads the layers by free memory, each GPU keeps a reserve
     both = placed(gpus, 60)
     assert both.n_gpu_layers == 33 and both.reason.endswith("free on CUDA0, CUDA1")
-    assert placed(gpus, 60, split_mode="row").n_gpu_layers == 33
+    assert placed(two_gpus(40, 40, splits_rows=True), 60, split_mode="row").n_gpu_layers == 33
     assert placed(gpus, 80, split_mode="layer").n_gpu_layers < 33  # 81 GiB > 2 x (40 - 2)
     # none: the whole model on --main-gpu, so only its memory counts
     alone = placed(gpus, 60, split_mode="none", main_gpu=1)
@@ -282,7 +284,13 @@ def test_row_split_is_refused_where_the_backend_cannot_split_rows() -> None:
             0, supports_offload=True, devices=cuda, n_layer=32, weight_bytes=1, kv_bytes=1, split_mode="row"
         )
     assert placed(cuda, 10, split_mode="tensor").n_gpu_layers == 33
-    assert placed(two_gpus(40, 40), 10, split_mode="row").n_gpu_layers == 33  # a backend with split buffers
+    assert placed(two_gpus(40, 40, splits_rows=True), 10, split_mode="row").n_gpu_layers == 33  # SYCL's
+
+
+def test_tensor_split_with_flash_attention_off_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--split-mode tensor needs flash attention"):
+        ServerConfig(split_mode="tensor", flash_attn="off")
+    ServerConfig(split_mode="tensor", flash_attn="auto")  # llama.cpp turns it on for the split
 
 
 def test_tensor_split_without_a_gpu_layer_asks_llama_cpp_for_layers() -> None:
@@ -331,6 +339,10 @@ def test_layers_go_to_the_gpus_or_else_the_integrated_ones() -> None:
     assert layer_devices((cpu,)) == ()
     assert placed_devices((cpu, igpu, gpu0, gpu1), "none", 1) == (gpu1,)
     assert placed_devices((cpu, igpu, gpu0, gpu1), "row", 1) == (gpu0, gpu1)
+    # llama.cpp's tensor split builds its device from every GPU, the integrated one included
+    assert layer_devices((cpu, igpu, gpu0, gpu1), "tensor") == (igpu, gpu0, gpu1)
+    assert placed_devices((cpu, igpu, gpu0, gpu1), "tensor", 1) == (igpu, gpu0, gpu1)
+    assert layer_devices((cpu, igpu, gpu0, gpu1), "none") == (gpu0, gpu1)  # none: placed_devices narrows
     summary = engine_summary(
         system_info="", devices=(cpu, igpu, gpu0, gpu1), layers=(33, 33), reason="", kv_type="f16",
         kv_bytes=1, kv_cells=1, flash_attn="on", settings={"split_mode": "none", "main_gpu": 1}, model={},
@@ -375,6 +387,7 @@ def test_llama_log_captures_nest_so_a_caller_sees_the_models_load() -> None:
 
 
 @pytest.mark.model
+@pytest.mark.skipif(supports_gpu_offload(), reason="with a GPU, llama.cpp's tensor split loads")
 def test_a_cpu_daemon_with_tensor_split_loads_and_llama_cpp_alone_would_not() -> None:
     from uma_trio.engine.llama import LlamaModel, ModelLoadError, read_shape
     from uma_trio.engine.llama_model import Placement
@@ -393,12 +406,13 @@ def test_a_cpu_daemon_with_tensor_split_loads_and_llama_cpp_alone_would_not() ->
 
 
 def test_devices_say_whether_their_backend_splits_rows() -> None:
-    from uma_trio.engine.devices import devices
+    from uma_trio.engine.devices import backend_offers, backend_registries, devices
 
+    cpu = backend_registries()["CPU"]
+    assert backend_offers(cpu, "ggml_backend_set_n_threads")  # the lookup finds what is there
+    assert not backend_offers(cpu, "ggml_backend_split_buffer_type")  # and not what is not
     found = devices()
-    cpu = [d for d in found if d.kind == "CPU"]
-    assert cpu and not any(d.splits_rows for d in cpu)  # the CPU backend has no split buffers
-    assert all(d.as_memory().splits_rows == d.splits_rows for d in found)
+    assert [d for d in found if d.kind == "CPU"] and not any(d.splits_rows for d in found if d.kind == "CPU")
 
 
 def test_a_failed_load_says_what_llama_cpp_said() -> None:

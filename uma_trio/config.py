@@ -173,14 +173,15 @@ class ServerConfig:
     """Flash attention: auto (where the backend supports it), on, or off (needs --kv-type f16:
     a quantized V cache needs flash attention)."""
     main_gpu: int = 0
-    """The GPU that holds the whole model with --split-mode none (and the scratch buffers),
-    counted among the GPUs llama.cpp uses (the discrete ones, else the integrated ones); on
-    a machine with GPUs, one it does not have is refused at start-up."""
+    """The GPU that holds the whole model with --split-mode none (llama.cpp reads it for no
+    other mode), counted among the GPUs llama.cpp uses (the discrete ones, else the integrated
+    ones); on a machine with GPUs, one it does not have is refused at start-up."""
     split_mode: SplitMode = "layer"
     """Across several GPUs: layer (whole layers per GPU), tensor (each layer's matrices and
-    KV split across the GPUs and computed in parallel: llama.cpp's tensor parallelism, marked
-    experimental there; needs a GPU), row (rows of each matrix, on backends with split buffers:
-    SYCL; refused at start-up on others, CUDA included) or none (all on --main-gpu)."""
+    KV split across every GPU, integrated ones included, and computed in parallel: llama.cpp's
+    tensor parallelism, marked experimental there; needs flash attention; where no layer goes
+    to a GPU, layer is used), row (rows of each matrix, on backends with split buffers: SYCL,
+    Hexagon; refused at start-up on others, CUDA included) or none (all on --main-gpu)."""
     tensor_split: Annotated[
         tuple[float, ...] | None,
         Parameter(converter=_tensor_split, negative_iterable=(), show_default="by free memory"),
@@ -450,6 +451,11 @@ class ServerConfig:
             or sum(self.tensor_split) <= 0
         ):
             raise ConfigError("--tensor-split must be non-negative shares such as 3,1")
+        if self.split_mode == "tensor" and self.flash_attn == "off":
+            raise ConfigError(
+                "--split-mode tensor needs flash attention (llama.cpp computes a split layer's "
+                "attention only that way): leave --flash-attn auto or on"
+            )
         if self.flash_attn == "off" and self.engine_kv_type != "f16":
             raise ConfigError(
                 f"--flash-attn off needs --kv-type f16 (a {self.engine_kv_type} V cache needs it)"

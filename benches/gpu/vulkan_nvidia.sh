@@ -7,8 +7,8 @@
 #
 # Then, from the repository root with .gpu (benches/gpu/run.sh's payload) and .vk present:
 # it lists the machine's Vulkan drivers (an NVIDIA container has one only where its driver
-# capabilities include graphics), writes an ICD file for the NVIDIA driver's Vulkan library where
-# the library is there and the file is not, and runs `uma-trio info`, the GPU tests
+# capabilities include graphics), points the Vulkan loader at the NVIDIA driver's EGL library
+# alone (VK_ICD_FILENAMES, an ICD file it writes), and runs `uma-trio info`, the GPU tests
 # (tests/test_gpu.py, a 2-layer F16 random-weight model) and a served smoke run on it.
 # Output: $OUT/vulkan.log.
 set -u

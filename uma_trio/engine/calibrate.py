@@ -36,6 +36,7 @@ import numpy.typing as npt
 
 from ..model_files import cache_dir
 from ..sched.cost import CostCoefficients, kv_cells_read, over_knee
+from .offload import share_text
 
 if TYPE_CHECKING:
     from .llama import LlamaEngine, Placement
@@ -471,10 +472,9 @@ def engine_device_key(engine: LlamaEngine) -> str:
     )
     # Captures change a CUDA step's cost, and so does how layers spread over several GPUs
     # (added only then: other keys stay as they were, so their files still fit).
-    if len(used) > 1:
-        default = "evenly" if p.split_mode == "tensor" else "by free memory"
-        shares = ",".join(f"{s:g}" for s in p.tensor_split) if p.tensor_split else default
-        key += f"; split {p.split_mode} {shares}"
+    # A tensor split runs through llama.cpp's split device even on one GPU.
+    if len(used) > 1 or (used and p.split_mode == "tensor"):
+        key += f"; split {p.split_mode} {share_text(p.split_mode, p.tensor_split)}"
     cuda = any(d.backend == "CUDA" for d in used)
     return f"{key}; cuda_graphs off" if cuda and not engine.captures_graphs else key
 

@@ -53,18 +53,24 @@ class Device:
 
 
 def layer_device_indices(kinds: Sequence[str], split_mode: str = "layer", main_gpu: int = 0) -> list[int]:
-    """Which of the devices of these kinds hold a model's layers, in llama.cpp's order: the
-    GPUs, or the integrated GPUs where there is no other GPU (``llama_model_load``'s rule but
-    for its de-duplication of one GPU that two backends both report), and of those only
-    ``main_gpu`` with ``split_mode`` none.  ``--main-gpu`` and ``--tensor-split`` index them."""
+    """Which of the devices of these kinds hold a model's layers, in llama.cpp's order
+    (``llama_prepare_model_devices``): the GPUs, or the integrated GPUs where there is no
+    other GPU (but for its de-duplication of one GPU that two backends both report), and of
+    those only ``main_gpu`` with ``split_mode`` none; with ``tensor``, every GPU and integrated
+    GPU alike (its one device is built from every device whose memory is not the CPU's).
+    ``--main-gpu`` and ``--tensor-split`` index them."""
+    if split_mode == "tensor":
+        return [i for i, kind in enumerate(kinds) if kind in OFFLOAD_KINDS]
     gpus = [i for i, kind in enumerate(kinds) if kind == "GPU"]
     used = gpus or [i for i, kind in enumerate(kinds) if kind == "IGPU"]
     return used[main_gpu : main_gpu + 1] if split_mode == "none" else used
 
 
-def layer_devices(devs: Sequence[Device]) -> tuple[Device, ...]:
-    """The devices llama.cpp spreads a model's layers over (:func:`layer_device_indices`)."""
-    return tuple(devs[i] for i in layer_device_indices([d.kind for d in devs]))
+def layer_devices(devs: Sequence[Device], split_mode: str = "layer") -> tuple[Device, ...]:
+    """The devices llama.cpp chooses a model's places from with this split mode (all of them
+    with ``none`` too: :func:`placed_devices` narrows that to ``--main-gpu``)."""
+    mode = "tensor" if split_mode == "tensor" else "layer"
+    return tuple(devs[i] for i in layer_device_indices([d.kind for d in devs], mode))
 
 
 def placed_devices(devs: Sequence[Device], split_mode: str, main_gpu: int) -> tuple[Device, ...]:
@@ -103,10 +109,19 @@ def _bind() -> Any:
     return lib
 
 
-def _splits_rows(lib: Any, reg: Any) -> bool:
-    """Whether the backend offers a split buffer type, what llama.cpp's row split asks it for
-    (``make_gpu_buft_list``; a backend without one fails the load)."""
-    return bool(reg) and bool(lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_split_buffer_type"))
+def backend_offers(reg: Any, function: str) -> bool:
+    """Whether a backend's registry exports ``function`` (``ggml_backend_reg_get_proc_address``).
+    llama.cpp's row split asks each GPU's backend for ``ggml_backend_split_buffer_type``
+    (``make_gpu_buft_list``) and fails the load where it is missing."""
+    lib = _bound()
+    return bool(reg) and bool(lib.ggml_backend_reg_get_proc_address(reg, function.encode()))
+
+
+def backend_registries() -> dict[str, Any]:
+    """Each registered backend's registry handle, by name."""
+    lib = _bound()
+    regs = (lib.ggml_backend_reg_get(i) for i in range(int(lib.ggml_backend_reg_count())))
+    return {(lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace"): reg for reg in regs}
 
 
 _lib: Any = None
@@ -148,7 +163,7 @@ def devices() -> tuple[Device, ...]:
                 backend=(lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace") if reg else "?",
                 free_bytes=int(free.value),
                 total_bytes=int(total.value),
-                splits_rows=_splits_rows(lib, reg),
+                splits_rows=backend_offers(reg, "ggml_backend_split_buffer_type"),
             )
         )
     return tuple(found)
@@ -157,9 +172,7 @@ def devices() -> tuple[Device, ...]:
 def backends_built() -> tuple[str, ...]:
     """Every backend this llama.cpp build registered, those that found no device included
     (a Vulkan build on a machine whose only Vulkan device is a CPU: llama.cpp skips it)."""
-    lib = _bound()
-    regs = (lib.ggml_backend_reg_get(i) for i in range(int(lib.ggml_backend_reg_count())))
-    return tuple((lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace") for reg in regs)
+    return tuple(backend_registries())
 
 
 def apply_cuda_graphs(enabled: bool) -> None:

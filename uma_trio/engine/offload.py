@@ -28,7 +28,7 @@ class DeviceMemory:
     total_bytes: int
     # Whether its backend can split a matrix's rows across GPUs (a split buffer type):
     # --split-mode row needs it.  The pinned llama.cpp's CUDA backend has none.
-    splits_rows: bool = True
+    splits_rows: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,10 +117,19 @@ def check_placement(
 
 
 def default_shares(devices: tuple[DeviceMemory, ...], split_mode: SplitMode) -> tuple[float, ...]:
-    """llama.cpp's split without ``--tensor-split``: by free memory (layer, row), evenly (tensor)."""
+    """llama.cpp's split without ``--tensor-split``: by free memory (layer, row), evenly
+    (tensor; its small tensors, norms and a tied output matrix, are copied whole to every GPU,
+    which the reserve covers)."""
     if split_mode == "tensor":
         return tuple(1.0 for _ in devices)
     return tuple(float(d.free_bytes) for d in devices)
+
+
+def share_text(split_mode: str, shares: tuple[float, ...] | list[float] | None) -> str:
+    """How a split shares the model out, in words: the ``--tensor-split`` given, else the default."""
+    if shares:
+        return "shares " + ",".join(f"{s:g}" for s in shares)
+    return "evenly" if split_mode == "tensor" else "by free memory"
 
 
 def _usable(free: int) -> int:

@@ -36,7 +36,7 @@ def offload_plan(shape: ModelShape, config: ServerConfig) -> OffloadPlan:
     return plan_offload(
         parse_gpu_layers(config.gpu_layers),
         supports_offload=supports_gpu_offload(),
-        devices=tuple(d.as_memory() for d in layer_devices(devices())),
+        devices=tuple(d.as_memory() for d in layer_devices(devices(), config.split_mode)),
         n_layer=shape.n_layer,
         weight_bytes=shape.file_bytes,
         kv_bytes=kv_cells * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1]),

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .devices import Device, layer_device_indices, placed_devices
+from .offload import share_text
 
 MIB = 1024 * 1024
 
@@ -104,9 +105,7 @@ def split_description(summary: dict[str, Any]) -> str | None:
         "tensor": "each layer's matrices and KV cut across",
         "row": "each matrix's rows cut across",
     }.get(mode, "whole layers spread over")
-    default = "evenly" if mode == "tensor" else "by free memory"
-    how = f"shares {','.join(f'{x:g}' for x in shares)}" if shares else default
-    return f"{mode}: {what} {', '.join(gpus)}, {how}"
+    return f"{mode}: {what} {', '.join(gpus)}, {share_text(mode, shares)}"
 
 
 def one_line(summary: dict[str, Any]) -> str:
