@@ -90,6 +90,22 @@ def test_background_runs_at_full_batch_without_interactive_work() -> None:
     assert result.predicted_s > 0.8 * CONFIG.tick_background_s  # the budget is used, not wasted
 
 
+def test_the_throughput_tick_grows_where_every_step_costs_much() -> None:
+    """Vulkan on the H100: a prompt tick paid ~35 ms whatever it carried.  Held to 50 ms, a
+    background prompt went 12-30 tokens a tick; the throughput tick is long enough that the
+    step is at most a quarter of it, and the prompt takes the room that leaves."""
+    steppy = msgspec.structs.replace(COST, prompt_tick_s=0.035, prefill_s=0.0004)
+    budget, _ = tick_budget([background(1, prompt=8000)], CONFIG, steppy)
+    assert budget == pytest.approx((0.004 + 0.035) / CONFIG.step_share)
+    assert tick_budget([background(1)], CONFIG, COST)[0] == CONFIG.tick_background_s  # a small step
+    result = plan_tick(SchedulerState((background(1, prompt=8000),), tick=100), CONFIG, steppy, Controls())
+    read = sum(n for _, n in result.prefill)
+    assert result.predicted_s <= budget
+    assert read == pytest.approx((budget - 0.039) / 0.0004, abs=2)  # 292 tokens, not 27
+    with pytest.raises(ValueError, match="step_share"):
+        PolicyConfig(step_share=0.0)
+
+
 def test_new_interactive_prompt_joins_on_the_next_tick_ahead_of_background() -> None:
     result = plan(background(1, prompt=2000), interactive(2, prompt=30), background(3))
     prefill = dict(result.prefill)

@@ -13,7 +13,9 @@ The stages, in order (each a function below):
 1. **Tick budget** (:func:`tick_budget`).  The baseline is the predicted time
    of a decode-only tick for the interactive sessions now decoding; the budget
    is ``latency_cap × baseline`` (at least ``tick_min_s``).  With no
-   interactive decoder the budget is the throughput tick ``tick_background_s``.
+   interactive decoder the budget is the throughput tick (:func:`throughput_tick`):
+   ``tick_background_s``, or longer where a step's own cost would be more than
+   ``step_share`` of it.
 2. **Decode first.**  Every interactive decoder gets its token every tick.
 3. **Interactive prefill** fills up to ``max_pause ×`` the decode tick the
    interactive clients will see once the waiting prompts decode too (water-filled,
@@ -70,6 +72,9 @@ class PolicyConfig:
     cap_margin: float = 0.95
     tick_min_s: float = 0.005  # budget floor, so tiny ticks still carry some work
     tick_background_s: float = 0.050  # budget with no interactive decoder (throughput mode)
+    # ...at least long enough that what every step costs whatever it carries (the cost
+    # model's fixed part and a prompt tick's step) is at most this share of it.
+    step_share: float = 0.25
     # New-prompt ticks stay within this × baseline: the 2× target, less a margin for
     # prediction error.
     max_pause: float = 1.8
@@ -96,6 +101,8 @@ class PolicyConfig:
     burst_tick_s: float = 0.3
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.step_share <= 1.0:
+            raise ValueError("step_share must be in (0, 1]")
         if min(self.latency_cap, self.max_pause, self.rescue_pause) < 1.0:
             raise ValueError("latency_cap, max_pause and rescue_pause must be at least 1")
         if min(self.starve_ticks, self.rescue_every, self.autotune_period) < 1:
@@ -111,9 +118,21 @@ def tick_budget(
     """``(budget_s, baseline_s)`` for this tick; see the module docstring."""
     decoders = [s for s in sessions if s.interactive and s.decoding and not s.parked]
     if not decoders:
-        return config.tick_background_s, config.tick_background_s
+        throughput = throughput_tick(config, cost)
+        return throughput, throughput
     baseline = cost.predict(len(decoders), 0, sum(s.n_past for s in decoders))
     return interactive_budget(baseline, config), baseline
+
+
+def throughput_tick(config: PolicyConfig, cost: CostCoefficients) -> float:
+    """The budget with no interactive decoder: ``tick_background_s``, or longer where one
+    step's own cost (``fixed_s``, and ``prompt_tick_s``, the step a tick with prompt tokens
+    pays) would be more than ``step_share`` of it.  Such short ticks would spend the engine on
+    steps, not tokens: on Vulkan on the H100 a prompt tick paid ~35 ms whatever it carried,
+    and 50 ms ticks read a background prompt 12-30 tokens at a time, 200 tok/s against
+    llama-server's 1,640 (BENCHMARKS.md "Vulkan on a real GPU").  On the CPU and on CUDA
+    the step is a few ms and the throughput tick stays ``tick_background_s``."""
+    return max(config.tick_background_s, (cost.fixed_s + cost.prompt_tick_s) / config.step_share)
 
 
 def interactive_budget(baseline_s: float, config: PolicyConfig) -> float:
@@ -263,7 +282,7 @@ def plan_pipeline(
     budget, baseline = tick_budget(runnable, config, cost)
     if quiet_tick(state):
         growth = 2 ** min(controls.quiet_ticks, config.background_growth) if growing_tick(state) else 1
-        budget = baseline = config.tick_background_s * growth
+        budget = baseline = throughput_tick(config, cost) * growth
     if state.foreign_cap_s is not None:  # inside another model's stream gap (sched/arbiter.py)
         budget = min(budget, state.foreign_cap_s)
     batch = _Batch(cost, state.max_batch)
