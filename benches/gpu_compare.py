@@ -246,12 +246,23 @@ def decode_rate(r: Row) -> float:
 # -- the parts ------------------------------------------------------------------------------
 
 
+async def warm_up(client: httpx.AsyncClient, url: str) -> None:
+    """Requests not reported, in the shapes the parts use: a short one, four at once, and a
+    prompt of some hundred tokens.  A backend that compiles its kernels on first use
+    (Vulkan's pipelines) otherwise charges the compile to the first measured request: on the
+    H100 over Vulkan, llama-server's first stream waited 4.9-5.6 s for its first token."""
+    rng = random.Random(3)
+    await complete(client, url, prompt(rng, 20), 16)
+    await asyncio.gather(*(complete(client, url, prompt(rng, 127), 16) for _ in range(4)))
+    await complete(client, url, prompt(rng, 400), 4)  # within the streams part's 512 cells
+
+
 async def streams_part(url: str, system: str, args: argparse.Namespace, log: list[Row]) -> list[Row]:
     rows = []
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0)) as client:
         rng = random.Random(7)
-        await complete(client, url, prompt(rng, 20), 16)  # warm-up, not reported
+        await warm_up(client, url)
         for n in args.streams:
             for rep in range(args.reps):
                 before = await step_overhead(client, url, system)
@@ -314,7 +325,7 @@ async def mixed_part(url: str, system: str, log: list[Row]) -> list[Row]:
     rows: list[Row] = []
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0)) as client:
-        await complete(client, url, prompt(random.Random(1), 20), 16)
+        await warm_up(client, url)
         alone = await asyncio.gather(*(chat(client, url, 100 + i, 0.1 * i) for i in range(3)))
         alone_gaps = gaps_of([t for turns in alone for t in turns])
 
