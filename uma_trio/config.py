@@ -244,7 +244,8 @@ class ServerConfig:
 
     # Scheduling (docs/SCHEDULER.md)
     tick_ms: float = 50.0
-    """Tick budget (ms) when no interactive stream decodes (throughput mode)."""
+    """Tick budget (ms) when no interactive stream decodes (throughput mode), or longer where
+    a step's own cost is more than a quarter of it (SCHEDULER.md "throughput tick")."""
     latency_cap: float = 1.2
     """Tick budget = this × 0.95 × the predicted decode-only tick of the interactive streams
     (SCHEDULER.md); background work only fills the headroom above that tick."""
