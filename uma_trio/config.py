@@ -101,9 +101,14 @@ def parse_tensor_split(value: str) -> tuple[float, ...]:
         shares = tuple(float(p) for p in parts)
     except ValueError:
         shares = ()
-    if not shares or any(not (0.0 <= s < math.inf) for s in shares) or sum(shares) <= 0.0:
+    if not valid_shares(shares):
         raise ConfigError(f"--tensor-split must be non-negative shares such as 3,1, not {value!r}")
     return shares
+
+
+def valid_shares(shares: Sequence[float]) -> bool:
+    """Finite, non-negative shares, not all zero: what llama.cpp can split a model by."""
+    return bool(shares) and all(0.0 <= s < math.inf for s in shares) and sum(shares) > 0.0
 
 
 _COMMA_LIST = Parameter(converter=_comma_separated, consume_multiple=False, negative_iterable=())
@@ -446,11 +451,7 @@ class ServerConfig:
             raise ConfigError(f"--split-mode must be none, layer, row or tensor, not {self.split_mode!r}")
         if self.main_gpu < 0:
             raise ConfigError(f"--main-gpu must be a device index (0 or more), not {self.main_gpu}")
-        if self.tensor_split is not None and (
-            not self.tensor_split
-            or any(not (0 <= s < math.inf) for s in self.tensor_split)
-            or sum(self.tensor_split) <= 0
-        ):
+        if self.tensor_split is not None and not valid_shares(self.tensor_split):
             raise ConfigError("--tensor-split must be non-negative shares such as 3,1")
         if self.split_mode == "tensor" and self.flash_attn == "off":
             raise ConfigError(

@@ -121,7 +121,11 @@ def backend_registries() -> dict[str, Any]:
     """Each registered backend's registry handle, by name."""
     lib = _bound()
     regs = (lib.ggml_backend_reg_get(i) for i in range(int(lib.ggml_backend_reg_count())))
-    return {(lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace"): reg for reg in regs}
+    return {_reg_name(lib, reg): reg for reg in regs}
+
+
+def _reg_name(lib: Any, reg: Any) -> str:
+    return (lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace") if reg else "?"
 
 
 _lib: Any = None
@@ -160,7 +164,7 @@ def devices() -> tuple[Device, ...]:
                 name=(lib.ggml_backend_dev_name(dev) or b"?").decode(errors="replace"),
                 description=(lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
                 kind=_DEVICE_TYPES.get(int(lib.ggml_backend_dev_type(dev)), "?"),
-                backend=(lib.ggml_backend_reg_name(reg) or b"?").decode(errors="replace") if reg else "?",
+                backend=_reg_name(lib, reg),
                 free_bytes=int(free.value),
                 total_bytes=int(total.value),
                 splits_rows=backend_offers(reg, "ggml_backend_split_buffer_type"),

@@ -112,8 +112,7 @@ def check_placement(
             "(tensor parallelism), --split-mode layer gives each GPU whole layers"
         )
     if shares is not None and split_mode != "none" and len(shares) > len(devices):
-        given = ",".join(f"{s:g}" for s in shares)
-        raise ConfigError(f"--tensor-split {given}: {len(shares)} shares for {names}")
+        raise ConfigError(f"--tensor-split {shares_csv(shares)}: {len(shares)} shares for {names}")
 
 
 def default_shares(devices: tuple[DeviceMemory, ...], split_mode: SplitMode) -> tuple[float, ...]:
@@ -128,8 +127,13 @@ def default_shares(devices: tuple[DeviceMemory, ...], split_mode: SplitMode) -> 
 def share_text(split_mode: str, shares: tuple[float, ...] | list[float] | None) -> str:
     """How a split shares the model out, in words: the ``--tensor-split`` given, else the default."""
     if shares:
-        return "shares " + ",".join(f"{s:g}" for s in shares)
+        return f"shares {shares_csv(shares)}"
     return "evenly" if split_mode == "tensor" else "by free memory"
+
+
+def shares_csv(shares: tuple[float, ...] | list[float]) -> str:
+    """Shares as ``--tensor-split`` takes them: ``3,1``."""
+    return ",".join(f"{s:g}" for s in shares)
 
 
 def _usable(free: int) -> int:

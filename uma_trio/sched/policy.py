@@ -280,9 +280,9 @@ def plan_pipeline(
     skipped: dict[int, SkipReason] = {s.key: "parked" for s in state.sessions if s.parked}
     runnable = [s for s in state.sessions if not s.parked]
     budget, baseline = tick_budget(runnable, config, cost)
-    if quiet_tick(state):
+    if quiet_tick(state):  # no interactive session: tick_budget gave the throughput tick
         growth = 2 ** min(controls.quiet_ticks, config.background_growth) if growing_tick(state) else 1
-        budget = baseline = throughput_tick(config, cost) * growth
+        budget = baseline = budget * growth
     if state.foreign_cap_s is not None:  # inside another model's stream gap (sched/arbiter.py)
         budget = min(budget, state.foreign_cap_s)
     batch = _Batch(cost, state.max_batch)
