@@ -69,6 +69,11 @@ from .pooling import PooledPart, pool_rows
 from .step_gaps import StepGaps
 from .summary import engine_summary
 
+# Where every layer is on a GPU, a run-ahead step's result is handed back after the next
+# step is queued on the device (LlamaEngine._chain).  UMA_HAND_BACK_BEFORE_LAUNCH=1 hands it
+# back before, as on a CPU: for A/B runs (docs/BENCHMARKS.md "GPU").
+HAND_BACK_AFTER_LAUNCH = not os.environ.get("UMA_HAND_BACK_BEFORE_LAUNCH")
+
 log = logging.getLogger(__name__)
 
 # The model side lives in llama_model.py; engine.llama stays the one module to import from.
@@ -422,13 +427,20 @@ class LlamaEngine:
         first: Future[StepResult],
     ) -> None:
         """Run ``entries``, then each batch ``follow`` asks for, without leaving the compute
-        thread (run-ahead, runtime/run_ahead.py).  Each step's result is handed to the event
-        loop only once the next batch is filled, just before its ``llama_decode``: the event
-        loop wakes while the GIL is about to be released, so the Python between two decodes
-        never waits for it.  Handed back after that decode instead (a call queued behind this
-        one), the woken event loop took the GIL from the compute thread: 0.6 ms between two
-        decodes of a one-stream CPU tick.  Each later step's future is queued in ``_ahead``
-        before the step before it is handed back, so the caller sees ``running_ahead``."""
+        thread (run-ahead, runtime/run_ahead.py).  Each later step's future is queued in
+        ``_ahead`` before the step before it is handed back, so the caller sees
+        ``running_ahead``.
+
+        Where a step's result is handed back is the one choice here.  Handing it back wakes
+        the event loop, which takes the GIL (trio's wake-up is a socket write, which drops
+        it) and keeps it for up to the switch interval.  On a CPU ``llama_decode`` returns
+        only when the step is done, so the result goes back once the next batch is filled,
+        just before its ``llama_decode``: the Python between two decodes then never waits for
+        the GIL (handed back after that decode instead, the woken event loop took the GIL
+        from the compute thread: 0.6 ms between two decodes of a one-stream CPU tick).  Where
+        every layer is on a GPU, ``llama_decode`` returns once the step is queued on the
+        device; the result then goes back after it, while the device computes, and the
+        hand-off leaves the time between two decodes altogether."""
         future = first
         try:
             result = self._run(self._fill(entries), decode_started)
@@ -436,9 +448,17 @@ class LlamaEngine:
                 filled = self._fill(after)
                 following: Future[StepResult] = Future()
                 self._ahead.append((after, following))
-                future.set_result(result)
-                future, entries = following, after
-                result = self._run(filled, None)
+                if not (self.step_frees_host and HAND_BACK_AFTER_LAUNCH):
+                    future.set_result(result)
+                    future, entries = following, after
+                    result = self._run(filled, None)
+                    continue
+                try:
+                    started = self._launch(filled, None)
+                finally:
+                    future.set_result(result)  # its tokens stand, whether or not the next step started
+                    future, entries = following, after
+                result = self._collect(filled, started)
         except BaseException as exc:
             future.set_exception(exc)
             return
@@ -499,7 +519,11 @@ class LlamaEngine:
 
     def _run(self, filled: _Filled, decode_started: threading.Event | None) -> StepResult:
         """``llama_decode`` the filled batch and sample its outputs."""
-        n = filled.n_tokens
+        return self._collect(filled, self._launch(filled, decode_started))
+
+    def _launch(self, filled: _Filled, decode_started: threading.Event | None) -> float:
+        """``llama_decode`` the filled batch; when it started (perf_counter).  On a GPU it
+        returns once the step is queued: :meth:`_collect` waits for the device."""
         started = time.perf_counter()
         self.step_gaps.on_start(filled.began, started)
         if decode_started is not None:
@@ -507,11 +531,17 @@ class LlamaEngine:
         status = llama.llama_decode(self._ctx, self._buffers.batch)
         if status != 0:
             self.step_gaps.on_end(None)
+            n = filled.n_tokens
             if status == 2:  # preempted: undo the micro-batches that did finish, too
                 for entry in filled.entries:
                     llama.llama_memory_seq_rm(self._memory, entry.seq_id, entry.pos0, -1)
                 raise EngineError(2, f"preempted: a batch of {n} tokens stopped early and was undone")
             raise EngineError(status, f"llama_decode returned {status} for a batch of {n} tokens")
+        return started
+
+    def _collect(self, filled: _Filled, started: float) -> StepResult:
+        """Sample the outputs of the step :meth:`_launch` started at ``started``."""
+        n = filled.n_tokens
         outputs = filled.outputs
         if not outputs:  # a GPU's decode returns before the device is done: time all of it
             llama.llama_synchronize(self._ctx)
