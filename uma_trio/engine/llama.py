@@ -431,7 +431,7 @@ class LlamaEngine:
         ``_ahead`` before the step before it is handed back, so the caller sees
         ``running_ahead``.
 
-        Where a step's result is handed back is the one choice here.  Handing it back wakes
+        The one choice here is where a step's result is handed back.  Handing it back wakes
         the event loop, which takes the GIL (trio's wake-up is a socket write, which drops
         it) and keeps it for up to the switch interval.  On a CPU ``llama_decode`` returns
         only when the step is done, so the result goes back once the next batch is filled,
@@ -448,17 +448,17 @@ class LlamaEngine:
                 filled = self._fill(after)
                 following: Future[StepResult] = Future()
                 self._ahead.append((after, following))
-                if not (self.step_frees_host and HAND_BACK_AFTER_LAUNCH):
+                if self.step_frees_host and HAND_BACK_AFTER_LAUNCH:
+                    try:
+                        started = self._launch(filled, None)
+                    finally:
+                        future.set_result(result)  # its tokens stand, whether or not the next step started
+                        future, entries = following, after
+                    result = self._collect(filled, started)
+                else:
                     future.set_result(result)
                     future, entries = following, after
                     result = self._run(filled, None)
-                    continue
-                try:
-                    started = self._launch(filled, None)
-                finally:
-                    future.set_result(result)  # its tokens stand, whether or not the next step started
-                    future, entries = following, after
-                result = self._collect(filled, started)
         except BaseException as exc:
             future.set_exception(exc)
             return
