@@ -442,13 +442,14 @@ class LlamaEngine:
         device; the result then goes back after it, while the device computes, and the
         hand-off leaves the time between two decodes altogether."""
         future = first
+        after_launch = self.step_frees_host and HAND_BACK_AFTER_LAUNCH  # for the whole chain
         try:
             result = self._run(self._fill(entries), decode_started)
             while after := follow(entries, result):
                 filled = self._fill(after)
                 following: Future[StepResult] = Future()
                 self._ahead.append((after, following))
-                if self.step_frees_host and HAND_BACK_AFTER_LAUNCH:
+                if after_launch:
                     try:
                         started = self._launch(filled, None)
                     finally:

@@ -8,6 +8,7 @@ layer costs its share of the weights plus its share of the KV cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import ConfigError, GpuLayersMode, SplitMode
@@ -124,14 +125,14 @@ def default_shares(devices: tuple[DeviceMemory, ...], split_mode: SplitMode) -> 
     return tuple(float(d.free_bytes) for d in devices)
 
 
-def share_text(split_mode: str, shares: tuple[float, ...] | list[float] | None) -> str:
+def share_text(split_mode: str, shares: Sequence[float] | None) -> str:
     """How a split shares the model out, in words: the ``--tensor-split`` given, else the default."""
     if shares:
         return f"shares {shares_csv(shares)}"
     return "evenly" if split_mode == "tensor" else "by free memory"
 
 
-def shares_csv(shares: tuple[float, ...] | list[float]) -> str:
+def shares_csv(shares: Sequence[float]) -> str:
     """Shares as ``--tensor-split`` takes them: ``3,1``."""
     return ",".join(f"{s:g}" for s in shares)
 
