@@ -1,0 +1,303 @@
+"""Does a background prompt advance while interactive chats stream without a pause?
+
+    python benches/continuous.py [--rounds 2] [--seconds 30] [--baseline REV] [--no-llama-server]
+
+Three chat clients stream one request after another with no think time (each a socket, or an
+HTTP connection to llama-server), first alone for ``--seconds``, then again with a
+background prompt of ``--prompt-tokens`` sent 2 s in.  Issue 19 asks that under continuous
+interactive load a background request still advances at the rate the guard's budget allows,
+while the chats' gaps stay within 1.2 × their p95 alone at p95 and 2 × at most.  Per server
+and round it reports the chats' gaps (alone and beside the prompt), their tokens/s, and the
+background prompt: how many of its tokens were read while the chats streamed (uma-trio's
+metrics, ``in_flight[].prefilled``, read 0.3 s before the chats stop), and its completion.
+For uma-trio also the rescue ticks and the p95 slack (SCHEDULER.md "The p95 slack as an
+error budget").  ``--baseline REV`` runs uma-trio at that revision too (a git worktree), each
+server alone on the machine in turn.  CSV and a plot go to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from bench_output import free_port, save_figure, write_csv
+from compare import DEFAULT_PEERS, ROOT, Setup, llama_server_command, running, uma_command
+from one_stream import checkout
+
+from uma_trio.model_files import ensure_default_model
+
+SETUP = Setup(slots=4, n_ctx=4096)
+CHATS = 3
+BACKGROUND_AT_S = 2.0
+
+
+def chat_prompt(chat: int, turn: int) -> str:
+    return "hello " * 30 + f"chat {chat} turn {turn}"
+
+
+def frames(sock: socket.socket) -> Iterator[dict[str, Any]]:
+    """The daemon's events on ``sock``, parsed, until it closes."""
+    buffer = b""
+    while data := sock.recv(65536):
+        buffer += data
+        while len(buffer) >= 4 and len(buffer) >= 4 + (size := struct.unpack_from("<I", buffer)[0]):
+            frame, buffer = buffer[4 : 4 + size], buffer[4 + size :]
+            yield json.loads(frame)
+
+
+def send(sock: socket.socket, body: dict[str, Any]) -> None:
+    payload = json.dumps(body).encode()
+    sock.sendall(struct.pack("<I", len(payload)) + payload)
+
+
+@dataclass
+class Phase:
+    """What one phase (chats alone, or beside the background prompt) measured."""
+
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    background_read: int | None = None  # prompt tokens read while the chats streamed
+    background_s: float | None = None  # the background request's completion, from its send
+    scheduler: dict[str, Any] = field(default_factory=dict)
+
+
+ChatFn = Callable[[int, int, float, Phase, threading.Lock], None]  # chat, round, until, into
+
+
+@dataclass(frozen=True)
+class Target:
+    """One server: how a chat streams, how the background prompt is sent, what it reports."""
+
+    name: str
+    chat: ChatFn
+    background: Callable[[int, Phase], None]
+    metrics: Callable[[], dict[str, Any]] | None
+
+
+def uma_target(name: str, sock_path: Path, prompt_tokens: int) -> Target:
+    def chat(i: int, round_: int, until: float, phase: Phase, lock: threading.Lock) -> None:
+        turn = 0
+        while time.monotonic() < until:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(sock_path))
+                send(s, {"type": "generate", "id": f"c{i}", "prompt": chat_prompt(i, round_ * 1000 + turn),
+                         "max_tokens": 400, "temperature": 0.0, "priority": "interactive"})  # fmt: skip
+                last = None
+                for event in frames(s):
+                    if event.get("event") == "eos" or time.monotonic() >= until:
+                        break
+                    if event.get("event") == "token":
+                        now = time.monotonic()
+                        with lock:
+                            phase.tokens += 1
+                            if last is not None:
+                                phase.gaps.append(now - last)
+                        last = now
+            turn += 1
+
+    def background(round_: int, phase: Phase) -> None:
+        sent = time.monotonic()
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(sock_path))
+            send(s, {"type": "generate", "id": "bulk", "prompt": f"{round_} " + "data " * prompt_tokens,
+                     "max_tokens": 8, "temperature": 0.0, "priority": "background"})  # fmt: skip
+            for event in frames(s):
+                if event.get("event") == "eos":
+                    break
+        phase.background_s = time.monotonic() - sent
+
+    def metrics() -> dict[str, Any]:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(sock_path))
+            send(s, {"type": "metrics", "id": "m"})
+            return next(frames(s))["metrics"]  # type: ignore[no-any-return]
+
+    return Target(name, chat, background, metrics)
+
+
+def llama_server_target(url: str, prompt_tokens: int) -> Target:
+    def chat(i: int, round_: int, until: float, phase: Phase, lock: threading.Lock) -> None:
+        turn = 0
+        while time.monotonic() < until:
+            body = {"prompt": chat_prompt(i, round_ * 1000 + turn), "n_predict": 400, "temperature": 0,
+                    "stream": True}  # fmt: skip
+            last = None
+            # A connection each: llama-server's HTTP library closes kept-alive ones on its own.
+            with (
+                httpx.Client(timeout=120) as client,
+                client.stream("POST", f"{url}/completion", json=body) as sse,
+            ):
+                for line in sse.iter_lines():
+                    if time.monotonic() >= until:
+                        break
+                    if line.startswith("data: ") and '"content"' in line and '"stop":false' in line:
+                        now = time.monotonic()
+                        with lock:
+                            phase.tokens += 1
+                            if last is not None:
+                                phase.gaps.append(now - last)
+                        last = now
+            turn += 1
+
+    def background(round_: int, phase: Phase) -> None:
+        sent = time.monotonic()
+        body = {"prompt": f"{round_} " + "data " * prompt_tokens, "n_predict": 8, "temperature": 0}
+        httpx.post(f"{url}/completion", json=body, timeout=600).raise_for_status()
+        phase.background_s = time.monotonic() - sent
+
+    return Target("llama-server", chat, background, None)
+
+
+def run_phase(target: Target, round_: int, seconds: float, with_background: bool) -> Phase:
+    phase, lock = Phase(), threading.Lock()
+    start = time.monotonic()
+    until = start + seconds
+    chats = [threading.Thread(target=target.chat, args=(i, round_, until, phase, lock)) for i in range(CHATS)]
+    for thread in chats:
+        thread.start()
+    bulk = None
+    if with_background:
+        time.sleep(BACKGROUND_AT_S)
+        bulk = threading.Thread(target=target.background, args=(round_, phase))
+        bulk.start()
+        time.sleep(max(0.0, until - 0.3 - time.monotonic()))
+        if target.metrics is not None:
+            snapshot = target.metrics()
+            rows = [r for r in snapshot.get("in_flight", []) if r.get("lane") == "background"]
+            phase.background_read = rows[0]["prefilled"] if rows else None
+            phase.scheduler = snapshot.get("scheduler", {})
+    for thread in chats:
+        thread.join()
+    if bulk is not None:
+        bulk.join()
+        if phase.background_read is None and phase.background_s is not None and phase.background_s < seconds:
+            phase.background_read = -1  # finished while the chats streamed: all of it
+    return phase
+
+
+def quantile(values: list[float], q: float) -> float:
+    ranked = sorted(values)
+    return ranked[int(q * (len(ranked) - 1))] if ranked else float("nan")
+
+
+def row_of(
+    name: str, round_: int, alone: Phase, mixed: Phase, seconds: float, prompt_tokens: int
+) -> dict[str, Any]:
+    alone_p95, p95 = quantile(alone.gaps, 0.95), quantile(mixed.gaps, 0.95)
+    worst = max(mixed.gaps, default=float("nan"))
+    read = mixed.background_read
+    slack = mixed.scheduler.get("slack", {})
+    return {
+        "round": round_, "target": name,
+        "alone_gap_p50_ms": round(1000 * quantile(alone.gaps, 0.5), 2),
+        "alone_gap_p95_ms": round(1000 * alone_p95, 2),
+        "gap_p50_ms": round(1000 * quantile(mixed.gaps, 0.5), 2), "gap_p95_ms": round(1000 * p95, 2),
+        "gap_max_ms": round(1000 * worst, 2),
+        "p95_over_alone": round(p95 / alone_p95, 3), "max_over_alone": round(worst / alone_p95, 3),
+        "chat_tok_s_over_alone": round(mixed.tokens / max(1, alone.tokens), 3),
+        "background_read": prompt_tokens if read == -1 else read,
+        "background_s": round(mixed.background_s, 2) if mixed.background_s is not None else None,
+        "rescue_ticks": mixed.scheduler.get("rescue_ticks", ""), "slack_used": slack.get("used", ""),
+        "pace_p95": slack.get("pace_p95", ""), "seconds": seconds,
+    }  # fmt: skip
+
+
+def plot(rows: list[dict[str, Any]], names: list[str], prompt_tokens: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (read, gaps) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, name in enumerate(names):
+        mine = [r for r in rows if r["target"] == name]
+        read.bar([i], [statistics.median(float(r["background_read"] or 0) for r in mine)])
+        for shift, key, label, colour in (
+            (-0.2, "p95", "p95", "tab:blue"),
+            (0.2, "max", "max", "tab:orange"),
+        ):
+            ratio = statistics.median(float(r[f"{key}_over_alone"]) for r in mine)
+            gaps.bar([i + shift], [ratio], width=0.4, label=label if i == 0 else None, color=colour)
+    for ax in (read, gaps):
+        ax.set_xticks(range(len(names)), names, fontsize=8)
+    read.set_ylabel(f"background prompt tokens read while the chats streamed (of {prompt_tokens})")
+    gaps.axhline(1.2, color="tab:blue", linestyle=":")
+    gaps.axhline(2.0, color="tab:orange", linestyle=":")
+    gaps.set_yscale("log")
+    gaps.set_ylabel("chats' gap / their p95 alone")
+    gaps.legend()
+    save_figure(fig, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=30.0, help="each phase's length")
+    parser.add_argument("--prompt-tokens", type=int, default=400)
+    parser.add_argument("--baseline", metavar="REV", help="also run uma-trio at this git revision")
+    parser.add_argument("--no-llama-server", action="store_true")
+    parser.add_argument("--peers", type=Path, default=DEFAULT_PEERS)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "continuous")
+    args = parser.parse_args()
+    model = ensure_default_model()
+    args.out.mkdir(parents=True, exist_ok=True)
+    names = ["uma-trio", *([f"uma-trio@{args.baseline}"] if args.baseline else [])]
+    names += [] if args.no_llama_server else ["llama-server"]
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="uma-cont-") as tmp, ExitStack() as trees:
+        base_tree = trees.enter_context(checkout(args.baseline)) if args.baseline else None
+        for round_ in range(args.rounds):
+            for name in names if round_ % 2 == 0 else names[::-1]:  # alternate who runs first
+                port = free_port()
+                url = f"http://127.0.0.1:{port}"
+                log = args.out / f"{name.replace('@', '-at-')}-{round_}.log"
+                with ExitStack() as stack:
+                    if name == "llama-server":
+                        command = llama_server_command(args.peers, model, SETUP, port)
+                        stack.enter_context(running(command, url, name, log))
+                        target = llama_server_target(url, args.prompt_tokens)
+                    else:
+                        sock = Path(tmp) / f"{round_}-{len(rows)}.sock"
+                        tree = base_tree if name != "uma-trio" else None
+                        stack.enter_context(running(uma_command(SETUP, sock, port), url, name, log, cwd=tree))
+                        target = uma_target(name, sock, args.prompt_tokens)
+                    alone = run_phase(target, round_, args.seconds, with_background=False)
+                    mixed = run_phase(target, round_ + 100, args.seconds, with_background=True)
+                row = row_of(name, round_, alone, mixed, args.seconds, args.prompt_tokens)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"\n| target (medians of {args.rounds} rounds) | gap p95 / alone p95 | max / alone p95 "
+          "| chats' tokens beside / alone | background prompt tokens read while the chats streamed "
+          f"(of {args.prompt_tokens}) | background completion s | rescue ticks | slack used "
+          "| pace p95 |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name in names:
+        mine = [r for r in rows if r["target"] == name]
+
+        def med(key: str, mine: list[dict[str, Any]] = mine) -> str:
+            values = [float(r[key]) for r in mine if r[key] not in ("", None)]
+            return f"{statistics.median(values):.3g}" if values else "-"
+
+        keys = ["p95_over_alone", "max_over_alone", "chat_tok_s_over_alone", "background_read",
+                "background_s", "rescue_ticks", "slack_used", "pace_p95"]  # fmt: skip
+        print(f"| {name} | " + " | ".join(med(key) for key in keys) + " |")
+    write_csv(args.out / "continuous.csv", rows, list(rows[0]))
+    plot(rows, names, args.prompt_tokens, args.out / "continuous.png")
+
+
+if __name__ == "__main__":
+    main()
