@@ -210,7 +210,7 @@ def row_of(
         "background_read": prompt_tokens if read == -1 else read,
         "background_s": round(mixed.background_s, 2) if mixed.background_s is not None else None,
         "rescue_ticks": mixed.scheduler.get("rescue_ticks", ""), "slack_used": slack.get("used", ""),
-        "pace_p95": slack.get("pace_p95", ""), "seconds": seconds,
+        "seconds": seconds,
     }  # fmt: skip
 
 
@@ -282,9 +282,8 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     print(f"\n| target (medians of {args.rounds} rounds) | gap p95 / alone p95 | max / alone p95 "
           "| chats' tokens beside / alone | background prompt tokens read while the chats streamed "
-          f"(of {args.prompt_tokens}) | background completion s | rescue ticks | slack used "
-          "| pace p95 |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"(of {args.prompt_tokens}) | background completion s | rescue ticks | slack used |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
         mine = [r for r in rows if r["target"] == name]
 
@@ -293,7 +292,7 @@ def main() -> None:
             return f"{statistics.median(values):.3g}" if values else "-"
 
         keys = ["p95_over_alone", "max_over_alone", "chat_tok_s_over_alone", "background_read",
-                "background_s", "rescue_ticks", "slack_used", "pace_p95"]  # fmt: skip
+                "background_s", "rescue_ticks", "slack_used"]  # fmt: skip
         print(f"| {name} | " + " | ".join(med(key) for key in keys) + " |")
     write_csv(args.out / "continuous.csv", rows, list(rows[0]))
     plot(rows, names, args.prompt_tokens, args.out / "continuous.png")

@@ -572,67 +572,6 @@ def test_the_policy_feeds_its_slack_from_measured_interactive_ticks() -> None:
     assert policy.slack.over_cap == 1 and policy.snapshot()["slack"]["over_cap"] == 1
 
 
-def test_the_clients_pace_is_their_p95_tick_over_the_prediction_within_bounds() -> None:
-    from uma_trio.sched.slack import MAX_PACE, ClientPace
-
-    pace = ClientPace(window=100, min_ticks=20, refresh=1)
-    for _ in range(19):
-        pace.record(0.015, 0.010)
-    assert pace.p95 == 1.0  # too few ticks measured yet: the prediction itself
-    pace.record(0.015, 0.010)
-    assert pace.p95 == pytest.approx(1.5)
-    for _ in range(100):
-        pace.record(0.008, 0.010)  # the 1.5s leave the window
-    assert pace.p95 == 1.0  # never under the prediction: the line is never stricter than before
-    for i in range(100):
-        pace.record(0.010 * (1.0 + i / 100.0), 0.010)
-    assert pace.p95 == pytest.approx(1.94)  # the 95th percentile of 1.00 .. 1.99
-    for _ in range(100):
-        pace.record(0.050, 0.010)  # a machine stalling for whole steps
-    assert pace.p95 == MAX_PACE
-    assert pace.ticks == 100
-
-
-def test_the_slack_is_spent_past_the_clients_measured_p95_not_by_their_ordinary_spread() -> None:
-    """Counted against 1.2 × the prediction, a machine whose chats' own steps spread that wide
-    (7-8 % of them on this VM) spent the whole rescue share and no rescue ever ran; the line
-    is 1.2 × their measured p95 tick."""
-    policy = Policy(CONFIG, TickCostModel(COST))
-    chats = SchedulerState((interactive(1, n_past=50), interactive(2, n_past=60)), tick=0)
-    past_the_prediction = 0
-    for i in range(800):  # the window's 400 ticks, after the pace's first 50 have left it
-        p = policy.plan(chats)
-        spread = 1.4 if i % 10 == 0 else 0.97  # one tick in ten at 1.4 × its prediction
-        seconds = p.cap_s / CONFIG.latency_cap * spread
-        past_the_prediction += i >= 400 and seconds > p.cap_s
-        policy.observe(p, chats, seconds=seconds)
-    assert past_the_prediction == 40  # all of them would have counted against the prediction
-    assert policy.slack.over_cap == 0 and policy.slack.for_rescue
-    slack = policy.snapshot()["slack"]
-    assert slack["pace_p95"] > 1.3 and slack["pace_ticks"] == 400
-    p = policy.plan(chats)
-    policy.observe(p, chats, seconds=p.cap_s * policy.pace.p95 * 1.05)  # past the measured line
-    assert policy.slack.over_cap >= 1
-    over = policy.slack.over_cap
-    policy.observe(p, chats, seconds=p.cap_s * 1.05)  # past the prediction's cap, inside the line
-    assert policy.slack.over_cap == over
-
-
-def test_ticks_with_background_work_beside_the_chats_do_not_set_their_pace() -> None:
-    policy = Policy(CONFIG, TickCostModel(COST))
-    starving = background(2, n_past=40, ticks_waiting=CONFIG.starve_ticks)
-    mixed = SchedulerState((interactive(1, n_past=50), starving), tick=100)
-    p = policy.plan(mixed)
-    assert p.rescue and 2 in p.decode  # a rescue tick: background work beside the chat
-    policy.observe(p, mixed, seconds=p.cap_s * 3.0)
-    assert policy.pace.ticks == 0 and policy.slack.over_cap == 1
-    alone = SchedulerState((interactive(1, n_past=50), background(2, prompt=500)), tick=1)
-    p = policy.plan(alone)
-    assert p.decode == (1,) and not p.prefill  # no room for a prompt token beside the chat
-    policy.observe(p, alone, seconds=p.cap_s / CONFIG.latency_cap)
-    assert policy.pace.ticks == 1
-
-
 @given(
     st.lists(st.integers(min_value=0, max_value=5_000), min_size=1, max_size=20),
     st.sampled_from([None, 0.004, 0.5]),

@@ -160,7 +160,7 @@ class SnapshotCollector(Collector):
         yield _gauge(
             "uma_kv_cache_usage_ratio", "KV cache share reserved by running requests, 0-1", [], {"": usage}
         )
-        # 1: no recent interactive tick ran past the guard's p95 line; 0: the p95 slack is spent.
+        # 1: no recent interactive tick ran past the latency cap; 0: the p95 slack is spent.
         headroom = max(0.0, 1.0 - slack["used"] / slack["budget"]) if slack["budget"] else 0.0
         yield _gauge(
             "uma_p95_headroom_ratio",
@@ -198,13 +198,8 @@ class SnapshotCollector(Collector):
             [], s["preempted_ticks"],
         )  # fmt: skip
         yield _gauge(
-            "uma_scheduler_slack_used", "Share of the recent interactive ticks that ran past the p95 line",
+            "uma_scheduler_slack_used", "Share of the recent interactive ticks that ran past the cap",
             [], {"": s["slack"]["used"]},
-        )  # fmt: skip
-        yield _gauge(
-            "uma_scheduler_client_pace_ratio",
-            "The interactive clients' p95 tick alone over their predicted tick (1-2)",
-            [], {"": s["slack"]["pace_p95"]},
         )  # fmt: skip
         yield _gauge(
             "uma_scheduler_bmt_bytes", "Last tick's ΣBMT estimate and the guard's budget", ["kind"],

@@ -34,10 +34,9 @@ The stages, in order (each a function below):
 6. **Rescue.**  On a machine where one token costs a large part of a tick the
    headroom can stay below one token for as long as interactive streams run.
    So a runnable session that has waited ``starve_ticks`` ticks is served
-   anyway, at most once every ``rescue_every`` ticks, while the p95 slack
-   allows (:mod:`.slack`), and only as far as the tick stays within
-   ``rescue_pause × baseline``.  This bounds both the worst pause interactive
-   streams see and how long background work can starve.
+   anyway, at most once every ``rescue_every`` ticks and only as far as the
+   tick stays within ``rescue_pause × baseline``.  This bounds both the worst
+   pause interactive streams see and how long background work can starve.
    Then, where the engine captures a step's graph on its second run in a row (CUDA),
    a tick carrying prompt tokens is moved one token off the shape that would be
    captured (:mod:`.graph_shapes`).
@@ -52,7 +51,6 @@ Over 400 lines: the pipeline's stages read best in order in one place; the ΣBMT
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -62,7 +60,7 @@ from .autotune import HillClimber
 from .bmt import BmtGuard
 from .cost import CostCoefficients, TickCostModel, kv_cells_read
 from .graph_shapes import steer_clear
-from .slack import ClientPace, SlackBudget
+from .slack import SlackBudget
 from .state import Plan, SchedulerState, SessionState, SkipReason
 
 
@@ -101,10 +99,6 @@ class PolicyConfig:
     # tick; taken one micro-batch at a time, the rest would join at the pace of the first
     # ones' streams, a few dozen tokens a tick.
     burst_tick_s: float = 0.3
-    # The p95 slack is spent past 1.2 × the clients' measured p95 tick (sched/slack.py); False:
-    # past 1.2 × their predicted tick, as before the fourteenth session (an A/B switch,
-    # UMA_SLACK_AGAINST_PREDICTION=1).
-    slack_against_pace: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.step_share <= 1.0:
@@ -541,7 +535,6 @@ class Policy:
         self.bmt_guard = bmt_guard
         self.controls = Controls()
         self.slack = SlackBudget()
-        self.pace = ClientPace()
         self.gauges = PolicyGauges()
         self.tuner = HillClimber(period=config.autotune_period)
 
@@ -563,7 +556,7 @@ class Policy:
         if (limit, rescue, slack_in) != (
             controls.background_limit, controls.slack_for_rescue, controls.rescue_slack_in
         ):  # fmt: skip
-            self.controls = controls = replace(
+            controls = replace(
                 controls, background_limit=limit, slack_for_rescue=rescue, rescue_slack_in=slack_in
             )
         plan = plan_tick(state, self.config, self.cost.coefficients, controls)
@@ -595,7 +588,6 @@ class Policy:
             "slack": {
                 "window_ticks": self.slack.window, "over_cap": self.slack.over_cap,
                 "used": round(self.slack.used, 4), "budget": self.slack.share,
-                "pace_p95": round(self.pace.p95, 4), "pace_ticks": self.pace.ticks,
             },
             "quiet_ticks": self.controls.quiet_ticks,
             "background_limit": self.tuner.limit,
@@ -619,11 +611,7 @@ class Policy:
         """Learn from the tick just run: cost model, hysteresis, rescue spacing, tuner."""
         self.cost.observe(len(plan.decode), plan.prefill_tokens, plan.kv_cells, seconds)
         if plan.cap_s > 0:  # interactive streams decoded: their gap is this tick
-            if _interactive_only(plan, state):  # as the clients would run alone
-                self.pace.record(seconds, plan.cap_s / self.config.latency_cap)
-            # Past the guard's p95 line: 1.2 × the clients' own p95, as measured.
-            pace = self.pace.p95 if self.config.slack_against_pace else 1.0
-            self.slack.record(seconds > plan.cap_s * pace)
+            self.slack.record(seconds > plan.cap_s)
         g = self.gauges
         g.last_budget_s, g.last_predicted_s = plan.budget_s, plan.predicted_s
         g.last_decode_tokens, g.last_prefill_tokens = len(plan.decode), plan.prefill_tokens
@@ -655,15 +643,6 @@ class Policy:
             self.tuner.reset()
 
 
-def _interactive_only(plan: Plan, state: SchedulerState) -> bool:
-    """Whether ``plan`` ran interactive sessions' work alone, no background work beside it."""
-    if all(s.interactive for s in state.sessions):
-        return True
-    interactive = {s.key for s in state.sessions if s.interactive}
-    keys = [*plan.decode, *(key for key, _ in plan.prefill)]
-    return all(key in interactive for key in keys)
-
-
 def default_policy(
     config: ServerConfig, bmt_guard: BmtGuard | None = None, prior: CostCoefficients | None = None
 ) -> Policy:
@@ -675,6 +654,5 @@ def default_policy(
         latency_cap=config.latency_cap,
         tick_min_s=config.tick_ms_min / 1000.0,
         tick_background_s=config.tick_ms / 1000.0,
-        slack_against_pace=not os.environ.get("UMA_SLACK_AGAINST_PREDICTION"),
     )
     return Policy(policy_config, TickCostModel(prior), bmt_guard)
