@@ -9,7 +9,8 @@ interactive load a background request still advances at the rate the guard's bud
 while the chats' gaps stay within 1.2 × their p95 alone at p95 and 2 × at most.  Per server
 and round it reports the chats' gaps (alone and beside the prompt), their tokens/s, and the
 background prompt: how many of its tokens were read while the chats streamed (uma-trio's
-metrics, ``in_flight[].prefilled``, read 0.3 s before the chats stop), and its completion.
+metrics, ``in_flight[].prefilled`` and ``held``, read 0.3 s before the chats stop), and its
+completion.
 For uma-trio also the rescue ticks and the p95 slack (SCHEDULER.md "The p95 slack as an
 error budget").  ``--baseline REV`` runs uma-trio at that revision too (a git worktree), each
 server alone on the machine in turn.  CSV and a plot go to ``--out``.
@@ -69,6 +70,7 @@ class Phase:
     gaps: list[float] = field(default_factory=list)
     tokens: int = 0
     background_read: int | None = None  # prompt tokens read while the chats streamed
+    background_held: str | None = None  # what held it then (uma-trio's in_flight[].held)
     background_s: float | None = None  # the background request's completion, from its send
     scheduler: dict[str, Any] = field(default_factory=dict)
 
@@ -177,6 +179,7 @@ def run_phase(target: Target, round_: int, seconds: float, with_background: bool
             snapshot = target.metrics()
             rows = [r for r in snapshot.get("in_flight", []) if r.get("lane") == "background"]
             phase.background_read = rows[0]["prefilled"] if rows else None
+            phase.background_held = rows[0].get("held") if rows else None
             phase.scheduler = snapshot.get("scheduler", {})
     for thread in chats:
         thread.join()
@@ -208,6 +211,7 @@ def row_of(
         "p95_over_alone": round(p95 / alone_p95, 3), "max_over_alone": round(worst / alone_p95, 3),
         "chat_tok_s_over_alone": round(mixed.tokens / max(1, alone.tokens), 3),
         "background_read": prompt_tokens if read == -1 else read,
+        "background_held": mixed.background_held or "",
         "background_s": round(mixed.background_s, 2) if mixed.background_s is not None else None,
         "rescue_ticks": mixed.scheduler.get("rescue_ticks", ""), "slack_used": slack.get("used", ""),
         "seconds": seconds,

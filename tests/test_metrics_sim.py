@@ -15,6 +15,7 @@ from uma_trio.engine.sim import SimEngine
 from uma_trio.loadgen.scenario import ClientSpec, Scenario
 from uma_trio.loadgen.simulate import SIM_CONFIG, simulate
 from uma_trio.runtime.server import Server
+from uma_trio.runtime.stream import RequestStream
 from uma_trio.sched.cost import CostCoefficients
 from uma_trio.sched.policy import default_policy
 
@@ -83,3 +84,37 @@ async def test_a_request_in_flight_shows_when_it_should_end(autojump_clock: trio
             pass
         left = trio.current_time() - asked
         assert 0.5 * left <= row["eta_s"] <= 2.0 * left, (row["eta_s"], left)
+
+
+async def test_a_request_in_flight_says_what_holds_it(autojump_clock: trio.abc.Clock) -> None:
+    """``in_flight[].held``: why the last tick left a request out.  Beside three streaming
+    chats on a machine where a prompt token costs more than their tick's headroom (the
+    built-in CPU cost model), a background prompt is held by the budget; a second one, with
+    no sequence free for it, by the queue; the chats by nothing."""
+    from uma_trio.protocol.messages import GenerateRequest
+
+    from .helpers import sim_daemon
+
+    async def drain(stream: RequestStream) -> None:
+        async for _ in stream.receive:
+            pass
+
+    async with sim_daemon(max_sessions=5) as server, trio.open_nursery() as nursery:
+        for i in range(3):
+            chat = GenerateRequest(id=f"chat{i}", prompt="hello " * 20, max_tokens=2000, stream=True)
+            nursery.start_soon(drain, await server.open_request(chat, trio.current_time(), connection=1))
+        await trio.sleep(0.5)
+        for name in ("job", "more", "late"):  # two sequences are left: the last one queues
+            job = GenerateRequest(id=name, prompt="w " * 600, max_tokens=4, priority="background")
+            nursery.start_soon(drain, await server.open_request(job, trio.current_time(), connection=2))
+            await trio.sleep(0.01)
+        held: Counter[str | None] = Counter()
+        for _ in range(20):
+            await trio.sleep(0.05)
+            rows = {row["id"]: row for row in server.loop.gauges()["in_flight"]}
+            assert [rows[f"chat{i}"]["held"] for i in range(3)] == [None, None, None]
+            assert rows["late"]["phase"] == "waiting" and rows["late"]["held"] == "queue"
+            held[rows["job"]["held"]] += 1
+        assert rows["job"]["phase"] == "prefill"
+        assert held["budget"] >= 15, held  # served only by the odd rescue tick
+        nursery.cancel_scope.cancel()

@@ -187,12 +187,16 @@ def test_views_render_a_snapshot() -> None:
             {"id": "chat-7", "connection": 3, "lane": "background", "phase": "decode", "parked": True,
              "prompt_tokens": 20, "prefilled": 20, "generated": 5, "max_tokens": 40, "age_ms": 1500.0,
              "gap_ms": 12.5},
+            {"id": "job-2", "connection": 4, "lane": "background", "phase": "prefill", "parked": False,
+             "prompt_tokens": 900, "prefilled": 12, "generated": 0, "max_tokens": 8, "age_ms": 800.0,
+             "gap_ms": 800.0, "held": "budget"},
         ],
     )  # fmt: skip
     console = Console(record=True, width=140)
     console.print(dashboard(snapshot))
     screen = console.export_text()
     assert "chat-7" in screen and "decode (parked)" in screen and "5/40" in screen
+    assert "prefill (budget)" in screen and "12/900" in screen
     assert "token gap" in screen and "scorecard" in screen and "1,024 MiB" in screen
     assert "GC pause max 31.2 ms" in screen
     console.print(report(snapshot))

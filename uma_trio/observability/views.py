@@ -82,7 +82,8 @@ def sessions_table(snap: dict[str, Any]) -> Table:
     for column in ("conn", "id", "lane", "phase", "prompt", "generated", "gap ms", "age s", "eta s"):
         table.add_column(column, justify="left" if column in ("id", "lane", "phase") else "right")
     for row in snap["in_flight"]:
-        phase = row["phase"] + (" (parked)" if row["parked"] else "")
+        held = row.get("held") or ("parked" if row["parked"] else None)
+        phase = row["phase"] + (f" ({held})" if held else "")
         prompt = f"{row['prefilled']}/{row['prompt_tokens']}"
         style = "yellow" if row["lane"] == "background" else None
         table.add_row(

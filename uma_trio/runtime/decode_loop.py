@@ -119,6 +119,7 @@ class DecodeLoop:
         # interactive requests needed lately: a chat coming back after its think time finds one.
         self._interactive_demand = InteractiveDemand()
         self._state = SchedulerState(())
+        self._held: list[int] = []  # seq ids the last plan left out (Session.held)
         # The shapes the engine ran, where it captures a step's graph (sched/graph_shapes.py).
         self._shapes = ShapeStreak() if engine.captures_graphs else None
         self._last_step_end: float | None = None  # None after the loop slept: no overhead to count
@@ -293,6 +294,7 @@ class DecodeLoop:
                 self._wakeup = trio.Event()
                 continue
             plan = self._plan(cap)
+            self._note_held(plan)
             if not plan:
                 if self._sharing is not None:
                     self._sharing.arbiter.quiet(self._sharing.name)
@@ -632,6 +634,20 @@ class DecodeLoop:
             capture_shape=self._shapes.capturing() if self._shapes is not None else None,
         )  # fmt: skip
         return self.policy.plan(self._state)
+
+    def _note_held(self, plan: Plan) -> None:
+        """Why each running session the plan leaves out sits out, for the metrics: a job that
+        does not advance says what holds it (the interactive streams' budget, the hold after
+        an overrun, its client not reading...).  Nothing to do on a steady decode."""
+        if not plan.skipped and not self._held:
+            return
+        for seq_id in self._held:
+            if (session := self._active.get(seq_id)) is not None:
+                session.held = None
+        self._held = [seq_id for seq_id, _ in plan.skipped]
+        for seq_id, reason in plan.skipped:
+            if (session := self._active.get(seq_id)) is not None:
+                session.held = reason
 
     @staticmethod
     def _channel_full(session: Session) -> bool:

@@ -28,8 +28,8 @@ def eta_s(session: Session, now: float, tick_s: float) -> float | None:
 
 
 def describe(session: Session, now: float, tick_s: float = 0.0) -> dict[str, Any]:
-    """One row of the live view: where a request stands, how long since its last token and
-    when it should end."""
+    """One row of the live view: where a request stands, how long since its last token,
+    when it should end and, if the last tick left it out, why."""
     since = session.last_token if session.last_token is not None else session.created
     return {
         "id": session.id,
@@ -44,6 +44,8 @@ def describe(session: Session, now: float, tick_s: float = 0.0) -> dict[str, Any
         "age_ms": round((now - session.created) * 1000.0, 1),
         "gap_ms": round((now - since) * 1000.0, 1),
         "eta_s": eta_s(session, now, tick_s),
+        # Why it did not advance in the last tick: no sequence yet, or the plan's reason.
+        "held": "queue" if session.phase is Phase.WAITING else session.held,
     }
 
 
