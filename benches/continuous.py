@@ -74,6 +74,15 @@ class Phase:
     background_s: float | None = None  # the background request's completion, from its send
     scheduler: dict[str, Any] = field(default_factory=dict)
 
+    def took_token(self, lock: threading.Lock, last: float | None) -> float:
+        """A chat's token arrived now (its previous one at ``last``); returns now."""
+        now = time.monotonic()
+        with lock:
+            self.tokens += 1
+            if last is not None:
+                self.gaps.append(now - last)
+        return now
+
 
 ChatFn = Callable[[int, int, float, Phase, threading.Lock], None]  # chat, round, until, into
 
@@ -101,12 +110,7 @@ def uma_target(name: str, sock_path: Path, prompt_tokens: int) -> Target:
                     if event.get("event") == "eos" or time.monotonic() >= until:
                         break
                     if event.get("event") == "token":
-                        now = time.monotonic()
-                        with lock:
-                            phase.tokens += 1
-                            if last is not None:
-                                phase.gaps.append(now - last)
-                        last = now
+                        last = phase.took_token(lock, last)
             turn += 1
 
     def background(round_: int, phase: Phase) -> None:
@@ -145,12 +149,7 @@ def llama_server_target(url: str, prompt_tokens: int) -> Target:
                     if time.monotonic() >= until:
                         break
                     if line.startswith("data: ") and '"content"' in line and '"stop":false' in line:
-                        now = time.monotonic()
-                        with lock:
-                            phase.tokens += 1
-                            if last is not None:
-                                phase.gaps.append(now - last)
-                        last = now
+                        last = phase.took_token(lock, last)
             turn += 1
 
     def background(round_: int, phase: Phase) -> None:
