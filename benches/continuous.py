@@ -67,9 +67,12 @@ def send(sock: socket.socket, body: dict[str, Any]) -> None:
 class Phase:
     """What one phase (chats alone, or beside the background prompt) measured."""
 
-    gaps: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)  # between two tokens both after gaps_from
+    gaps_from: float = 0.0  # beside the background prompt: from its send on
     tokens: int = 0
+    errors: list[BaseException] = field(default_factory=list)  # a client's, raised after the phase
     background_read: int | None = None  # prompt tokens read while the chats streamed
+    background_of: int | None = None  # of its prompt's tokens (as the server counted them)
     background_held: str | None = None  # what held it then (uma-trio's in_flight[].held)
     background_s: float | None = None  # the background request's completion, from its send
     scheduler: dict[str, Any] = field(default_factory=dict)
@@ -79,9 +82,22 @@ class Phase:
         now = time.monotonic()
         with lock:
             self.tokens += 1
-            if last is not None:
+            if last is not None and last >= self.gaps_from:
                 self.gaps.append(now - last)
         return now
+
+
+def guarded(work: Callable[..., None], phase: Phase) -> Callable[..., None]:
+    """``work`` in a thread: what it raises is kept for the phase to raise, not lost with the
+    thread (a phase carrying on with fewer chats would measure something else)."""
+
+    def run(*args: Any) -> None:
+        try:
+            work(*args)
+        except BaseException as exc:
+            phase.errors.append(exc)
+
+    return run
 
 
 ChatFn = Callable[[int, int, float, Phase, threading.Lock], None]  # chat, round, until, into
@@ -102,11 +118,14 @@ def uma_target(name: str, sock_path: Path, prompt_tokens: int) -> Target:
         turn = 0
         while time.monotonic() < until:
             with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(60.0)
                 s.connect(str(sock_path))
                 send(s, {"type": "generate", "id": f"c{i}", "prompt": chat_prompt(i, round_ * 1000 + turn),
                          "max_tokens": 400, "temperature": 0.0, "priority": "interactive"})  # fmt: skip
                 last = None
                 for event in frames(s):
+                    if event.get("event") == "error":
+                        raise RuntimeError(f"chat {i}: {event}")
                     if event.get("event") == "eos" or time.monotonic() >= until:
                         break
                     if event.get("event") == "token":
@@ -116,10 +135,13 @@ def uma_target(name: str, sock_path: Path, prompt_tokens: int) -> Target:
     def background(round_: int, phase: Phase) -> None:
         sent = time.monotonic()
         with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(600.0)
             s.connect(str(sock_path))
             send(s, {"type": "generate", "id": "bulk", "prompt": f"{round_} " + "data " * prompt_tokens,
                      "max_tokens": 8, "temperature": 0.0, "priority": "background"})  # fmt: skip
             for event in frames(s):
+                if event.get("event") == "error":
+                    raise RuntimeError(f"background: {event}")
                 if event.get("event") == "eos":
                     break
         phase.background_s = time.monotonic() - sent
@@ -148,7 +170,8 @@ def llama_server_target(url: str, prompt_tokens: int) -> Target:
                 for line in sse.iter_lines():
                     if time.monotonic() >= until:
                         break
-                    if line.startswith("data: ") and '"content"' in line and '"stop":false' in line:
+                    # A token with text, as uma-trio sends one (it sends none for an empty piece).
+                    if line.startswith("data: ") and json.loads(line[6:]).get("content"):
                         last = phase.took_token(lock, last)
             turn += 1
 
@@ -165,27 +188,35 @@ def run_phase(target: Target, round_: int, seconds: float, with_background: bool
     phase, lock = Phase(), threading.Lock()
     start = time.monotonic()
     until = start + seconds
-    chats = [threading.Thread(target=target.chat, args=(i, round_, until, phase, lock)) for i in range(CHATS)]
+    chats = [threading.Thread(target=guarded(target.chat, phase), args=(i, round_, until, phase, lock))
+             for i in range(CHATS)]  # fmt: skip
     for thread in chats:
         thread.start()
     bulk = None
     if with_background:
         time.sleep(BACKGROUND_AT_S)
-        bulk = threading.Thread(target=target.background, args=(round_, phase))
+        phase.gaps_from = time.monotonic()
+        bulk = threading.Thread(target=guarded(target.background, phase), args=(round_, phase))
         bulk.start()
         time.sleep(max(0.0, until - 0.3 - time.monotonic()))
         if target.metrics is not None:
             snapshot = target.metrics()
             rows = [r for r in snapshot.get("in_flight", []) if r.get("lane") == "background"]
             phase.background_read = rows[0]["prefilled"] if rows else None
+            phase.background_of = rows[0]["prompt_tokens"] if rows else None
             phase.background_held = rows[0].get("held") if rows else None
             phase.scheduler = snapshot.get("scheduler", {})
     for thread in chats:
         thread.join()
+    if not with_background and target.metrics is not None:  # counters to subtract from the next phase's
+        phase.scheduler = target.metrics().get("scheduler", {})
     if bulk is not None:
         bulk.join()
-        if phase.background_read is None and phase.background_s is not None and phase.background_s < seconds:
+        done = phase.background_s is not None and phase.background_s < seconds - BACKGROUND_AT_S
+        if phase.background_read is None and done:
             phase.background_read = -1  # finished while the chats streamed: all of it
+    if phase.errors:
+        raise phase.errors[0]
     return phase
 
 
@@ -201,6 +232,9 @@ def row_of(
     worst = max(mixed.gaps, default=float("nan"))
     read = mixed.background_read
     slack = mixed.scheduler.get("slack", {})
+    rescues = ""  # the mixed phase's own (the daemon counts from its start)
+    if "rescue_ticks" in mixed.scheduler:
+        rescues = mixed.scheduler["rescue_ticks"] - alone.scheduler.get("rescue_ticks", 0)
     return {
         "round": round_, "target": name,
         "alone_gap_p50_ms": round(1000 * quantile(alone.gaps, 0.5), 2),
@@ -210,9 +244,10 @@ def row_of(
         "p95_over_alone": round(p95 / alone_p95, 3), "max_over_alone": round(worst / alone_p95, 3),
         "chat_tok_s_over_alone": round(mixed.tokens / max(1, alone.tokens), 3),
         "background_read": prompt_tokens if read == -1 else read,
+        "background_of": mixed.background_of or prompt_tokens,
         "background_held": mixed.background_held or "",
         "background_s": round(mixed.background_s, 2) if mixed.background_s is not None else None,
-        "rescue_ticks": mixed.scheduler.get("rescue_ticks", ""), "slack_used": slack.get("used", ""),
+        "rescue_ticks": rescues, "slack_used": slack.get("used", ""),
         "seconds": seconds,
     }  # fmt: skip
 
@@ -226,7 +261,8 @@ def plot(rows: list[dict[str, Any]], names: list[str], prompt_tokens: int, path:
     fig, (read, gaps) = plt.subplots(1, 2, figsize=(10, 4))
     for i, name in enumerate(names):
         mine = [r for r in rows if r["target"] == name]
-        read.bar([i], [statistics.median(float(r["background_read"] or 0) for r in mine)])
+        measured = [float(r["background_read"]) for r in mine if r["background_read"] is not None]
+        read.bar([i], [statistics.median(measured or [0.0])])
         for shift, key, label, colour in (
             (-0.2, "p95", "p95", "tab:blue"),
             (0.2, "max", "max", "tab:orange"),

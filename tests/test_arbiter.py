@@ -113,12 +113,30 @@ async def test_chats_on_one_model_keep_the_guard_beside_bulk_work_on_another(
                     finished.append(trio.current_time())
                     assert done.eos.reason == "length"
 
+                held: set[str | None] = set()  # what the bulk request's row says holds it
+
+                async def watch() -> None:
+                    while True:
+                        await trio.sleep(0.01)
+                        for loop in server.models.loops():
+                            held.update(
+                                r["held"] for r in loop.gauges()["in_flight"] if r["lane"] == "background"
+                            )
+
                 async with trio.open_nursery() as load_nursery:
                     load_nursery.start_soon(bulk)
                     await trio.sleep(0.05)
+                    watcher = trio.CancelScope()
+
+                    async def watching() -> None:
+                        with watcher:
+                            await watch()
+
+                    load_nursery.start_soon(watching)
                     started = trio.current_time()
                     mixed = await chat_gaps(client, 3, None)
                     chats_done = trio.current_time()
+                    watcher.cancel()
             server.request_shutdown(force=True)
     alone_p95 = float(np.percentile(alone, 95))
     assert float(np.percentile(mixed, 95)) <= 1.25 * alone_p95
@@ -128,3 +146,4 @@ async def test_chats_on_one_model_keep_the_guard_beside_bulk_work_on_another(
     assert engines["bulk"].steps and finished and finished[0] > started  # the bulk prompt did finish
     bulk_during_chats = [s for s in engines["bulk"].steps if s[2] > 0]
     assert bulk_during_chats and chats_done > started
+    assert "share" in held  # in_flight[].held: waiting for the chat model's turn

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -53,7 +53,7 @@ from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEve
 from ..sched.graph_shapes import ShapeStreak, plan_shape
 from ..sched.kv_manager import Claim, KvManager
 from ..sched.policy import Policy, default_policy
-from ..sched.state import Lane, Plan, SchedulerState, SessionState
+from ..sched.state import Lane, Plan, SchedulerState, SessionState, SkipReason
 from .admission import Capacity, InteractiveDemand, Waiting, next_to_admit
 from .arrivals import Arrivals
 from .batch import batch_entries, set_up_sequence
@@ -290,11 +290,12 @@ class DecodeLoop:
             self._admit()
             cap = self._turn()
             if cap == 0.0:  # another model's streams decode: wait for a turn, or new work here
+                self._note_held([(seq_id, "share") for seq_id in self._active])
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
                 continue
             plan = self._plan(cap)
-            self._note_held(plan)
+            self._note_held(plan.skipped)
             if not plan:
                 if self._sharing is not None:
                     self._sharing.arbiter.quiet(self._sharing.name)
@@ -635,17 +636,18 @@ class DecodeLoop:
         )  # fmt: skip
         return self.policy.plan(self._state)
 
-    def _note_held(self, plan: Plan) -> None:
-        """Why each running session the plan leaves out sits out, for the metrics: a job that
-        does not advance says what holds it (the interactive streams' budget, the hold after
-        an overrun, its client not reading...).  Nothing to do on a steady decode."""
-        if not plan.skipped and not self._held:
+    def _note_held(self, skipped: Sequence[tuple[int, SkipReason]]) -> None:
+        """Why each running session the last plan left out sits out (or, waiting for another
+        model's turn, all of them), for the metrics: a job that does not advance says what
+        holds it (the interactive streams' budget, the hold after an overrun, its client not
+        reading...).  Nothing to do on a steady decode."""
+        if not skipped and not self._held:
             return
         for seq_id in self._held:
             if (session := self._active.get(seq_id)) is not None:
                 session.held = None
-        self._held = [seq_id for seq_id, _ in plan.skipped]
-        for seq_id, reason in plan.skipped:
+        self._held = [seq_id for seq_id, _ in skipped]
+        for seq_id, reason in skipped:
             if (session := self._active.get(seq_id)) is not None:
                 session.held = reason
 
