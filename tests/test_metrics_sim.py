@@ -90,7 +90,8 @@ async def test_a_request_in_flight_says_what_holds_it(autojump_clock: trio.abc.C
     """``in_flight[].held``: why the last tick left a request out.  Beside three streaming
     chats on a machine where a prompt token costs more than their tick's headroom (the
     built-in CPU cost model), a background prompt is held by the budget; a second one, with
-    no sequence free for it, by the queue; the chats by nothing."""
+    no sequence free for it, by the queue; the chats by nothing.  Once the chats end, nothing
+    holds the prompt."""
     from uma_trio.protocol.messages import GenerateRequest
 
     from .helpers import sim_daemon
@@ -100,12 +101,15 @@ async def test_a_request_in_flight_says_what_holds_it(autojump_clock: trio.abc.C
             pass
 
     async with sim_daemon(max_sessions=5) as server, trio.open_nursery() as nursery:
+        chats = []
         for i in range(3):
             chat = GenerateRequest(id=f"chat{i}", prompt="hello " * 20, max_tokens=2000, stream=True)
-            nursery.start_soon(drain, await server.open_request(chat, trio.current_time(), connection=1))
+            chats.append(await server.open_request(chat, trio.current_time(), connection=1))
+            nursery.start_soon(drain, chats[-1])
         await trio.sleep(0.5)
-        for name in ("job", "more", "late"):  # two sequences are left: the last one queues
-            job = GenerateRequest(id=name, prompt="w " * 600, max_tokens=4, priority="background")
+        # The shortest background prompt is read first once there is room; the last one queues.
+        for name, words in (("job", 1500), ("more", 3000), ("late", 600)):
+            job = GenerateRequest(id=name, prompt="w " * words, max_tokens=4, priority="background")
             nursery.start_soon(drain, await server.open_request(job, trio.current_time(), connection=2))
             await trio.sleep(0.01)
         held: Counter[str | None] = Counter()
@@ -117,4 +121,9 @@ async def test_a_request_in_flight_says_what_holds_it(autojump_clock: trio.abc.C
             held[rows["job"]["held"]] += 1
         assert rows["job"]["phase"] == "prefill"
         assert held["budget"] >= 15, held  # served only by the odd rescue tick
+        for stream in chats:
+            stream.cancel("client")
+        await trio.sleep(0.5)
+        rows = {row["id"]: row for row in server.loop.gauges()["in_flight"]}
+        assert rows["job"]["phase"] == "prefill" and rows["job"]["held"] is None
         nursery.cancel_scope.cancel()
