@@ -22,7 +22,6 @@ import argparse
 import json
 import socket
 import statistics
-import struct
 import tempfile
 import threading
 import time
@@ -38,10 +37,12 @@ from compare import DEFAULT_PEERS, ROOT, Setup, llama_server_command, running, u
 from one_stream import checkout
 
 from uma_trio.model_files import ensure_default_model
+from uma_trio.protocol.framing import FrameDecoder, encode_frame
 
 SETUP = Setup(slots=4, n_ctx=4096)
 CHATS = 3
 BACKGROUND_AT_S = 2.0
+MAX_FRAME_BYTES = 1 << 24  # a metrics snapshot is the largest event read here
 
 
 def chat_prompt(chat: int, turn: int) -> str:
@@ -50,17 +51,13 @@ def chat_prompt(chat: int, turn: int) -> str:
 
 def frames(sock: socket.socket) -> Iterator[dict[str, Any]]:
     """The daemon's events on ``sock``, parsed, until it closes."""
-    buffer = b""
+    decoder = FrameDecoder(MAX_FRAME_BYTES)
     while data := sock.recv(65536):
-        buffer += data
-        while len(buffer) >= 4 and len(buffer) >= 4 + (size := struct.unpack_from("<I", buffer)[0]):
-            frame, buffer = buffer[4 : 4 + size], buffer[4 + size :]
-            yield json.loads(frame)
+        yield from (json.loads(frame) for frame in decoder.feed(data))
 
 
 def send(sock: socket.socket, body: dict[str, Any]) -> None:
-    payload = json.dumps(body).encode()
-    sock.sendall(struct.pack("<I", len(payload)) + payload)
+    sock.sendall(encode_frame(json.dumps(body).encode()))
 
 
 @dataclass

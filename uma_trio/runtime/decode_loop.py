@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -119,7 +119,8 @@ class DecodeLoop:
         # interactive requests needed lately: a chat coming back after its think time finds one.
         self._interactive_demand = InteractiveDemand()
         self._state = SchedulerState(())
-        self._held: list[int] = []  # seq ids the last plan left out (Session.held)
+        # Why the last plan left each of its sessions out (metrics: in_flight[].held).
+        self._skipped: tuple[tuple[int, SkipReason], ...] = ()
         # The shapes the engine ran, where it captures a step's graph (sched/graph_shapes.py).
         self._shapes = ShapeStreak() if engine.captures_graphs else None
         self._last_step_end: float | None = None  # None after the loop slept: no overhead to count
@@ -290,12 +291,12 @@ class DecodeLoop:
             self._admit()
             cap = self._turn()
             if cap == 0.0:  # another model's streams decode: wait for a turn, or new work here
-                self._note_held([(seq_id, "share") for seq_id in self._active])
+                self._skipped = tuple((seq_id, "share") for seq_id in self._active)
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
                 continue
             plan = self._plan(cap)
-            self._note_held(plan.skipped)
+            self._skipped = plan.skipped
             if not plan:
                 if self._sharing is not None:
                     self._sharing.arbiter.quiet(self._sharing.name)
@@ -636,21 +637,6 @@ class DecodeLoop:
         )  # fmt: skip
         return self.policy.plan(self._state)
 
-    def _note_held(self, skipped: Sequence[tuple[int, SkipReason]]) -> None:
-        """Why each running session the last plan left out sits out (or, waiting for another
-        model's turn, all of them), for the metrics: a job that does not advance says what
-        holds it (the interactive streams' budget, the hold after an overrun, its client not
-        reading...).  Nothing to do on a steady decode."""
-        if not skipped and not self._held:
-            return
-        for seq_id in self._held:
-            if (session := self._active.get(seq_id)) is not None:
-                session.held = None
-        self._held = [seq_id for seq_id, _ in skipped]
-        for seq_id, reason in skipped:
-            if (session := self._active.get(seq_id)) is not None:
-                session.held = reason
-
     @staticmethod
     def _channel_full(session: Session) -> bool:
         """Room for a token and its end-of-stream tail, or the session sits out."""
@@ -794,7 +780,11 @@ class DecodeLoop:
         )  # fmt: skip
         return {
             **session_gauges(
-                list(self._active.values()), list(self._waiting), self._clock(), self.policy.cost.ewma_s
+                list(self._active.values()),
+                list(self._waiting),
+                self._clock(),
+                self.policy.cost.ewma_s,
+                held=dict(self._skipped),
             ),
             "scheduler": self.policy.snapshot(),
             "run_ahead": {

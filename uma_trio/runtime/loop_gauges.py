@@ -3,7 +3,7 @@ from its state, read between ticks (never from llama.cpp, which a step may be wr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..sched.kv_manager import KvManager
@@ -27,9 +27,9 @@ def eta_s(session: Session, now: float, tick_s: float) -> float | None:
     return round(session.prompt_remaining / rate + left * tick_s, 3)
 
 
-def describe(session: Session, now: float, tick_s: float = 0.0) -> dict[str, Any]:
+def describe(session: Session, now: float, tick_s: float = 0.0, held: str | None = None) -> dict[str, Any]:
     """One row of the live view: where a request stands, how long since its last token,
-    when it should end and, if the last tick left it out, why."""
+    when it should end and, if the last plan left it out, why (``held``: the plan's reason)."""
     since = session.last_token if session.last_token is not None else session.created
     return {
         "id": session.id,
@@ -44,16 +44,22 @@ def describe(session: Session, now: float, tick_s: float = 0.0) -> dict[str, Any
         "age_ms": round((now - session.created) * 1000.0, 1),
         "gap_ms": round((now - since) * 1000.0, 1),
         "eta_s": eta_s(session, now, tick_s),
-        # Why it did not advance in the last tick: no sequence yet, or the plan's reason.
-        "held": "queue" if session.phase is Phase.WAITING else session.held,
+        "held": "queue" if session.phase is Phase.WAITING else held,  # not admitted yet
     }
 
 
 def session_gauges(
-    active: Sequence[Session], waiting: Sequence[Session], now: float, tick_s: float
+    active: Sequence[Session],
+    waiting: Sequence[Session],
+    now: float,
+    tick_s: float,
+    held: Mapping[int, str] | None = None,
 ) -> dict[str, Any]:
+    """``held``: the last plan's reason for each seq id it left out."""
+    held = held or {}
+    rows = [describe(s, now, tick_s, held.get(s.seq_id) if s.seq_id is not None else None) for s in active]
     return {
-        "in_flight": [describe(s, now, tick_s) for s in [*active, *waiting]],
+        "in_flight": [*rows, *(describe(s, now, tick_s) for s in waiting)],
         "sessions": {
             "active": len(active),
             "waiting": len(waiting),

@@ -26,7 +26,6 @@ from ..protocol.messages import (
 )
 from ..protocol.textstream import TextStream
 from ..protocol.tools import ToolFormat
-from ..sched.state import SkipReason
 from .lifecycle import Phase, advance
 from .tool_use import answer_with_tools
 
@@ -100,7 +99,6 @@ class Session:
     last_served_tick: int = -1  # the last tick this session was in the batch
     admitted_tick: int = 0
     parked: bool = False
-    held: SkipReason | None = None  # why the last plan left it out (metrics: in_flight[].held)
     abort: CancelReason | None = None
     admitted: float | None = None
     generated_at: TokenTimes = field(default_factory=lambda: TokenTimes())  # when sampled
