@@ -147,3 +147,40 @@ async def test_chats_on_one_model_keep_the_guard_beside_bulk_work_on_another(
     bulk_during_chats = [s for s in engines["bulk"].steps if s[2] > 0]
     assert bulk_during_chats and chats_done > started
     assert "share" in held  # in_flight[].held: waiting for the chat model's turn
+
+
+async def test_a_background_decode_on_another_model_does_not_run_ahead_inside_a_granted_tick(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A granted tick is one step's time: a run-ahead chain armed on it held the machine for up
+    to 16 more steps while the chat model's streams waited (their worst gap 14x their p95)."""
+
+    def load(entry: StoreEntry) -> LoadedModel:
+        return LoadedModel(SimEngine(COST, n_ctx_seq=SIM_CONFIG.n_ctx, n_seq_max=SIM_CONFIG.max_sessions))
+
+    with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
+        config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock", keep_alive_s=1e6, run_ahead=True)
+        store = ModelStore(
+            [StoreEntry("chat", Path("chat.gguf"), 1, primary=True), StoreEntry("bulk", Path("b"), 1)]
+        )
+        primary = SimEngine(COST, n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
+        server = Server(primary, config, store=store, loading=Loading(load))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            async with UmaClient.connect(config.socket_path) as client:
+                alone = await chat_gaps(client, 3, None)
+                await client.models("load", "bulk")
+
+                async def bulk() -> None:  # a short prompt, then a long background decode
+                    await client.complete(
+                        prompt="x " * 20, max_tokens=3000, model="bulk", priority="background"
+                    )
+
+                async with trio.open_nursery() as load_nursery:
+                    load_nursery.start_soon(bulk)
+                    await trio.sleep(0.2)
+                    mixed = await chat_gaps(client, 3, None)
+                    load_nursery.cancel_scope.cancel()
+            server.request_shutdown(force=True)
+    alone_p95 = float(np.percentile(alone, 95))
+    assert max(mixed) <= 2.0 * alone_p95

@@ -473,10 +473,12 @@ class DecodeLoop:
         does not stop it: :meth:`_admit` just took every one it could, and only a session
         ending (which stops the chain) or an arrival (which wakes the loop) frees room for
         the rest.  (The one other change, interactive demand leaving the window of
-        :class:`.InteractiveDemand`, waits at most MAX_AHEAD steps.)"""
+        :class:`.InteractiveDemand`, waits at most MAX_AHEAD steps.)  Never on a tick granted
+        inside another model's gap (``_limited``): the grant is one step's time, and a chain
+        would hold the machine for its whole length."""
         leaves_out = len(plan.decode) < len(self._active)
         steady = (
-            self._may_run_ahead and plan.decode and not plan.prefill and not plan.rescue
+            self._may_run_ahead and not self._limited and plan.decode and not plan.prefill and not plan.rescue
             and not self._aborted and not self._jobs and not self._unpin
             and (not leaves_out or self._only_background_waits(plan))
         )  # fmt: skip
