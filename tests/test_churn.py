@@ -134,3 +134,24 @@ async def test_churn_on_the_simulated_engine(autojump_clock: trio.abc.Clock) -> 
 async def test_churn_on_the_real_model(llama_model: LlamaModel, server_config: ServerConfig) -> None:
     async with serving(llama_model, replace(server_config, max_sessions=4)) as server:
         await churn_and_check(server, 100, Shape(8, (10, 120), 24), rss_bound_mb=16.0)
+
+
+async def test_a_request_cancelled_while_a_job_runs_is_never_admitted(autojump_clock: trio.abc.Clock) -> None:
+    """A cancel that arrives while the decode task awaits a job (a snapshot's save or restore)
+    takes effect before admission: the request claimed no sequence and no prefill ran for it."""
+    async with sim_daemon(run_ahead=True, prefix_cache_cells=None) as server:
+        loop = server.loop
+        client = await RawClient.connect(server.config.socket_path)
+
+        async def job() -> None:
+            await client.send_bytes(frame({"id": "r", "prompt": "w " * 300, "max_tokens": 5}))
+            while not loop._waiting:  # its connection queues it while the job runs
+                await trio.sleep(0)
+            loop.cancel(loop._waiting[0], "client")
+
+        steps_before = len(server.engine.steps)
+        await loop.exclusive(job)
+        events = await client.until_end("r")
+        assert events[-1]["reason"] == "cancelled"
+        assert server.engine.steps[steps_before:] == []
+        assert loop.kv.cached() == {}

@@ -545,6 +545,8 @@ class DecodeLoop:
         jobs, self._jobs = self._jobs, []
         for job in jobs:
             await job()
+        if jobs:  # a request cancelled while a job was awaited must not be admitted next
+            self._apply_aborts()
 
     def _free_cells(self, seq_ids: list[int] | tuple[int, ...]) -> None:
         if self._chain.defer(seq_ids):  # the compute thread may be decoding: the context is its alone
