@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,10 @@ import pytest
 import trio
 
 from uma_trio.client import UmaClient
-from uma_trio.engine.base import BatchEntry, Sampled, StepResult
+from uma_trio.engine.base import BatchEntry, Follow, Sampled, StepResult
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.engine.sampling import Sampler, SamplingParams
+from uma_trio.engine.sim import SimEngine
 from uma_trio.runtime.run_ahead import MAX_AHEAD, RunAhead, ahead_budget
 from uma_trio.runtime.server import Server
 
@@ -329,3 +331,56 @@ async def test_streams_run_ahead_while_a_request_waits_for_a_sequence(
         beside_queue = [r for r in rows if r["ahead"] and r["waiting"]]
         assert (len(beside_queue) > 30) == on
     assert first_token[True] <= first_token[False] + 0.001
+
+
+class CancelInTheHandOff(SimEngine):
+    """Cancels request "long" from inside ``follow``: after the next step's batch is built
+    from a token, before the loop has that token's step (LlamaEngine's hand-off order)."""
+
+    loop: Any = None
+    at_step = 30  # steps run ahead before the cancel lands
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ahead_steps = 0
+
+    async def _step_and_follow(
+        self, entries: Sequence[BatchEntry], follow: Follow | None, *, preemptible: bool = False,
+        ahead: bool = False,
+    ) -> StepResult:  # fmt: skip
+        def follow_then_cancel(ran: Sequence[BatchEntry], result: StepResult) -> Sequence[BatchEntry] | None:
+            assert follow is not None
+            after = follow(ran, result)
+            self.ahead_steps += ahead
+            if after and ahead and self.ahead_steps == self.at_step:
+                for session in list(self.loop._active.values()):
+                    if session.id == "long":
+                        self.loop.cancel(session, "client")
+            return after
+
+        chained = follow_then_cancel if follow is not None else None
+        return await super()._step_and_follow(entries, chained, preemptible=preemptible, ahead=ahead)
+
+
+async def test_a_cancel_in_the_run_ahead_hand_off_keeps_the_cached_prefix_whole(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The step run ahead already fed the cancelled request's last sampled token: the prefix
+    cache records as many tokens as the sequence holds cells."""
+    engines: list[CancelInTheHandOff] = []
+
+    def wrap(sim: SimEngine) -> SimEngine:
+        engines.append(CancelInTheHandOff(sim.cost, n_ctx_seq=sim.n_ctx_seq, n_seq_max=sim.n_seq_max))
+        return engines[-1]
+
+    async with sim_daemon(wrap=wrap, run_ahead=True, prefix_cache_cells=None, stream_buffer=64) as server:
+        engines[0].loop = server.loop
+        client = await RawClient.connect(server.config.socket_path)
+        await client.send_bytes(
+            frame({"id": "long", "prompt": "a b c d", "max_tokens": 500, "temperature": 0.0})
+        )
+        assert (await client.until_end("long"))[-1]["reason"] == "cancelled"
+        await server.loop.wait_idle()
+        cached = server.loop.kv.cached()
+        assert cached and all(len(tokens) == server.engine.seq_cells(s) for s, tokens in cached.items())
+        assert_nothing_held(server)

@@ -96,8 +96,12 @@ def apply_step(
         session = active.get(sampled.seq_id)
         if session is None:
             events.append(Overran(sampled.seq_id))
-        elif session.abort is None:  # a cancelled request's tokens are not delivered
+        elif session.abort is None:
             events.extend(_sampled(session, sampled, now))
+        elif not sampled.is_eog:
+            # A cancelled request's tokens are not delivered, but a step run ahead may
+            # already have fed this one: its cells must stay accounted for (kv_tokens).
+            session.output_ids.append(sampled.token_id)
     return events
 
 
