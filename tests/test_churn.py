@@ -146,7 +146,7 @@ async def test_a_request_cancelled_while_a_job_runs_is_never_admitted(autojump_c
         async def job() -> None:
             await client.send_bytes(frame({"id": "r", "prompt": "w " * 300, "max_tokens": 5}))
             while not loop._waiting:  # its connection queues it while the job runs
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
             loop.cancel(loop._waiting[0], "client")
 
         steps_before = len(server.engine.steps)

@@ -293,3 +293,63 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:
             assert raised == before[1]
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+BAD_BODY_PATHS = [
+    "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
+    "/api/chat", "/api/generate", "/api/show", "/api/embed", "/generate", "/priority", "/infill",
+]  # fmt: skip
+
+
+async def test_bodies_that_are_not_utf8_or_nest_too_deeply_get_400_everywhere() -> None:
+    """msgspec raises UnicodeDecodeError and RecursionError, not DecodeError: each was a 500."""
+    not_utf8 = b'{"model": "sim\xff", "messages": []}'
+    too_deep = b'{"model": "sim", "prompt": "x", "tools": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    async with gateway_on_sim() as (_, _, url), httpx.AsyncClient(base_url=url) as http:
+        for path in BAD_BODY_PATHS:
+            for body, says in ((not_utf8, "not valid UTF-8"), (too_deep, "")):
+                answer = await http.post(path, content=body, headers={"content-type": "application/json"})
+                # Where "tools" is typed the nesting fails its schema first: a 400 all the same.
+                assert answer.status_code == 400 and says in answer.text, (path, answer.text)
+        # tool_choice takes any JSON: there the nesting itself is what is refused.
+        deep_any = b'{"model": "sim", "prompt": "x", "tool_choice": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+        answer = await http.post(
+            "/v1/completions", content=deep_any, headers={"content-type": "application/json"}
+        )
+        assert answer.status_code == 400 and "nested too deeply" in answer.text, answer.text
+
+
+async def test_a_refused_choice_of_n_answers_as_one_request_would() -> None:
+    """n > 1, not streamed: a prompt over the context was a 500 (the refusal came wrapped in
+    an exception group); it is the 400 that n = 1 gets."""
+    body = {"model": "sim", "prompt": "hello " * 5000, "max_tokens": 2}
+    async with gateway_on_sim(n_ctx=512) as (server, _, url), httpx.AsyncClient(base_url=url) as http:
+        one = await http.post("/v1/completions", json=body)
+        two = await http.post("/v1/completions", json=body | {"n": 2})
+        assert one.status_code == 400
+        assert (
+            two.status_code == one.status_code and two.json()["error"]["code"] == one.json()["error"]["code"]
+        )
+        assert server.loop.gauges()["in_flight"] == []
+
+
+async def test_a_body_over_the_limit_closes_its_connection() -> None:
+    """Its rest is never read, so the connection cannot carry another request."""
+    async with gateway_on_sim() as (_, gateway, url), httpx.AsyncClient(base_url=url) as http:
+        big = b'{"prompt": "' + b"x" * (gateway.max_body_bytes + 1) + b'"}'
+        answer = await http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert answer.status_code == 413
+        assert answer.headers.get("connection") == "close"
+        after = await http.post("/v1/completions", json={"model": "sim", "prompt": "a", "max_tokens": 1})
+        assert after.status_code == 200
+
+
+async def test_a_responses_input_role_that_is_not_a_string_is_a_400() -> None:
+    body = {
+        "model": "sim",
+        "input": [{"type": "message", "role": [], "content": "hi"}],
+        "max_output_tokens": 4,
+    }
+    async with gateway_on_sim() as (_, _, url), httpx.AsyncClient(base_url=url) as http:
+        answer = await http.post("/v1/responses", json=body)
+        assert answer.status_code == 400 and "role" in answer.text

@@ -73,7 +73,9 @@ def test_ollama_keep_alive_is_read_as_ollama_reads_it() -> None:
     cases = {None: None, 0: 0.0, 30: 30.0, -1: -1.0, "5m": 300.0, "1h30m": 5400.0, "-1": -1.0, "250ms": 0.25}
     for value, seconds in cases.items():
         assert keep_alive_seconds(value) == seconds, value
-    for bad in ("soon", "5x", True, [1]):
+    # Past a year (or not finite) /api/ps's timedelta overflowed for every client after it.
+    assert keep_alive_seconds("8760h") == 365 * 86400.0 and keep_alive_seconds(-1e308) == -1e308
+    for bad in ("soon", "5x", True, [1], "999999999999h", 1e308, float("inf"), float("nan")):
         with pytest.raises(ApiError) as refused:
             keep_alive_seconds(bad)
         assert refused.value.param == "keep_alive"
@@ -308,8 +310,14 @@ async def test_two_real_models_answer_as_each_does_alone(
             gone = await http.post("/api/generate", json={"model": tiny, "keep_alive": 0})
             assert gone.json()["done_reason"] == "unload"
             assert [m["name"] for m in (await http.get("/api/ps")).json()["models"]] == [default]
-            back = (await http.post("/load", json={"model": f"{tiny}.gguf"})).json()
+            # Kept for longer than a timedelta holds: /api/ps says a year, as for the primary.
+            back = (await http.post("/load", json={"model": f"{tiny}.gguf", "keep_alive": 1e300})).json()
             assert back["model"] == tiny and {m["id"]: m["state"] for m in back["models"]}[tiny] == "loaded"
+            listed_ps = await http.get("/api/ps")
+            assert listed_ps.status_code == 200 and [m["name"] for m in listed_ps.json()["models"]] == [
+                default,
+                tiny,
+            ]
             cli = [sys.executable, "-m", "uma_trio", "ps", "--socket", str(server.config.socket_path)]
             run_cli = partial(subprocess.run, cli, capture_output=True, text=True)
             shown = await trio.to_thread.run_sync(run_cli)

@@ -9,7 +9,6 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -92,10 +91,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def decode_body(data: bytes, kind: type[BodyT]) -> BodyT:
     """A request body as ``kind``; a 400 naming the field when it is not."""
-    try:
-        return msgspec.json.decode(data, type=kind)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise openai.validation_error(exc) from None
+    return openai.decode_json(data, kind)
 
 
 def answering_as(shape: str, handler: Handler) -> Handler:

@@ -24,7 +24,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import trio
@@ -254,10 +254,7 @@ class Gateway:
 
     async def priority(self, request: Request) -> Response:
         self._ready()
-        try:
-            body = msgspec.json.decode(await self._body(request), type=PriorityBody)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise openai.validation_error(exc) from None
+        body = openai.decode_json(await self._body(request), PriorityBody)
         flight = self._flights.get(body.id)
         if flight is None or flight.stream is None:
             raise openai.api_error(ErrorCode.UNKNOWN_ID, f"no HTTP request {body.id!r} in flight")
@@ -359,6 +356,7 @@ class Gateway:
             return await self._streamed_choices(body, translated, requests, arrived, owner, completion_id)
         collected: list[list[ServerEvent]] = [[] for _ in requests]
         flights: list[Flight] = []
+        refusal: list[ApiError] = []  # raised while being admitted: answered after the nurseries
 
         async def pump(i: int, flight: Flight, first: trio.Event | None) -> None:
             async with aclosing(self._events(flight)) as events:
@@ -373,18 +371,24 @@ class Gateway:
                 for i, choice in enumerate(requests):
                     if i == 1:
                         await first.wait()
-                    flights.append(
-                        await self._begin(
+                    try:
+                        flight = await self._begin(
                             choice, arrived, auto_max_tokens=translated.auto_max_tokens, owner=owner
                         )
-                    )
-                    nursery.start_soon(pump, i, flights[-1], first if i == 0 else None)
+                    except ApiError as exc:  # raised in here, a nursery would wrap it in a group
+                        refusal.append(exc)
+                        nursery.cancel_scope.cancel()
+                        return
+                    flights.append(flight)
+                    nursery.start_soon(pump, i, flight, first if i == 0 else None)
 
         try:
             await until_disconnect(request.receive, run)
         finally:
             for flight in flights:
                 self._end(flight)
+        if refusal:
+            raise refusal[0]
         for events in collected:
             completed(events)  # raises the error to answer instead, if a choice failed
         eos = [whole_eos(events) for events in collected]
@@ -497,10 +501,10 @@ class Gateway:
             data = await self._body(request)
         arrived = trio.current_time()
         rid = f"infill-{secrets.token_hex(12)}"
+        body = openai.decode_json(data, InfillBody)
         try:
-            body = msgspec.json.decode(data, type=InfillBody)
             generate_request = infill_request(body, rid, server.config.max_tokens)
-        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+        except (msgspec.ValidationError, ValueError) as exc:
             raise openai.validation_error(exc) from None
         async with self._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
             headers = {"x-request-id": rid}
@@ -586,11 +590,21 @@ class Gateway:
             )
             error.close_connection = True
             raise error
-        return b"".join(chunks)
+        data = b"".join(chunks)
+        try:  # every body is JSON: refused as a whole, whichever field the bad bytes are in
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise openai.api_error(
+                ErrorCode.INVALID_UTF8, f"the body is not valid UTF-8 (byte {exc.start})"
+            ) from None
+        return data
 
     def _too_large(self) -> ApiError:
         limit = self.max_body_bytes
-        return openai.api_error(ErrorCode.FRAME_TOO_LARGE, f"the body exceeds the limit of {limit} bytes")
+        error = openai.api_error(ErrorCode.FRAME_TOO_LARGE, f"the body exceeds the limit of {limit} bytes")
+        # The rest of the body is never read: the connection cannot carry another request.
+        error.close_connection = True
+        return error
 
     @asynccontextmanager
     async def _in_flight(
@@ -687,10 +701,7 @@ class _ModelBody(msgspec.Struct, forbid_unknown_fields=True):
 
 def _generate_request(data: bytes) -> GenerateRequest:
     """A socket-protocol generate request from an HTTP body; ``id`` is optional here."""
-    try:
-        obj = msgspec.json.decode(data)
-    except msgspec.DecodeError as exc:
-        raise openai.validation_error(exc) from None
+    obj = openai.decode_json(data, Any)
     if isinstance(obj, dict):
         obj.setdefault("id", f"gen-{secrets.token_hex(12)}")
         data = _json.encode(obj)

@@ -26,6 +26,8 @@ from .responses import json_response
 _json = msgspec.json.Encoder()
 Handler = Callable[[Request], Awaitable[Response]]
 
+YEAR_S = 365 * 86400.0  # /api/ps: how far off a model kept for good expires
+
 
 class OllamaApi:
     """The routes; they run requests through the gateway's lifecycle (admit, stream or
@@ -58,7 +60,7 @@ class OllamaApi:
     async def ps(self, request: Request) -> Response:
         # Loaded for good: it expires when the daemon stops, a year from now as far as a
         # client's countdown goes.
-        later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=365)
+        later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=YEAR_S)
         entry = self._entry()
         summary = self.gateway._ready().describe_engine()
         layers = summary["gpu_layers"]
@@ -70,7 +72,9 @@ class OllamaApi:
             if model["state"] == "loaded" and not model["primary"]:
                 other = self._other_entry(model)
                 keep = model.get("keep_alive_s")
-                left = 365 * 86400 if keep is None else max(0.0, keep - model.get("idle_s", 0.0))
+                # Kept for good, or longer than a year (a socket client's /load may ask for
+                # more): a year from now, as the primary model (a timedelta overflows past ~1e14 s).
+                left = YEAR_S if keep is None else min(YEAR_S, max(0.0, keep - model.get("idle_s", 0.0)))
                 expires = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=left)
                 other.expires_at = expires.isoformat().replace("+00:00", "Z")
                 loaded.append(other)

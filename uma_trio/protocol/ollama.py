@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import re
 from typing import Any, Literal, TypeVar
 
@@ -29,6 +30,9 @@ _DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)?")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
+KEEP_ALIVE_MAX_S = 365 * 86400.0  # past this, a timedelta in /api/ps could overflow
+
+
 def keep_alive_seconds(value: Any) -> float | None:
     """Ollama's ``keep_alive`` in seconds: a number of seconds or a duration (``"5m"``,
     ``"1h30m"``, ``"-1"``); negative keeps the model for good, 0 unloads it after the request;
@@ -38,14 +42,21 @@ def keep_alive_seconds(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise bad_request(f"keep_alive must be a duration or seconds, not {value!r}", "keep_alive")
     if isinstance(value, int | float):
-        return float(value)
-    total, rest = 0.0, value.strip()
-    while rest:
-        found = _DURATION.match(rest)
-        if found is None or not found.group(0):
-            raise bad_request(f"keep_alive {value!r} is not a duration such as 5m, 1h or -1", "keep_alive")
-        total += float(found.group(1)) * _UNIT_S[found.group(2)]
-        rest = rest[found.end() :]
+        total = float(value)
+    else:
+        total, rest = 0.0, value.strip()
+        while rest:
+            found = _DURATION.match(rest)
+            if found is None or not found.group(0):
+                message = f"keep_alive {value!r} is not a duration such as 5m, 1h or -1"
+                raise bad_request(message, "keep_alive")
+            total += float(found.group(1)) * _UNIT_S[found.group(2)]
+            rest = rest[found.end() :]
+    if not math.isfinite(total) or total > KEEP_ALIVE_MAX_S:
+        raise bad_request(
+            f"keep_alive {value!r} is longer than a year; a negative value keeps the model for good",
+            "keep_alive",
+        )
     return total
 
 

@@ -25,6 +25,7 @@ from .messages import EosEvent, GenerateRequest, Lane, TokenLogprob, ToolCall, T
 # The errors live in openai_errors.py; callers reach every OpenAI shape through this module.
 from .openai_errors import ApiError as ApiError
 from .openai_errors import api_error as api_error
+from .openai_errors import decode_json as decode_json
 from .openai_errors import from_uma_error as from_uma_error
 from .openai_errors import stop_param
 from .openai_errors import validation_error as validation_error
@@ -138,10 +139,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/compl
 
 
 def decode_body(data: bytes, kind: type[CompletionBody] | type[ChatBody]) -> CompletionBody | ChatBody:
-    try:
-        return msgspec.json.decode(data, type=kind)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise validation_error(exc) from None
+    return decode_json(data, kind)
 
 
 class Translated(Struct, kw_only=True):

@@ -4,7 +4,7 @@ validation failures become one.  Pure, like the rest of :mod:`.openai`."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -115,6 +115,23 @@ def validation_error(exc: msgspec.ValidationError | msgspec.DecodeError | ValueE
     found = _PATH.search(message)
     param = found.group(1) if found and found.group(1) else None
     return ApiError(400, message, param=param, code=ErrorCode.SCHEMA)
+
+
+BodyT = TypeVar("BodyT")
+
+
+def decode_json(data: bytes, kind: type[BodyT]) -> BodyT:
+    """An HTTP body as ``kind``, or a 400: not UTF-8 (msgspec raises UnicodeDecodeError, no
+    DecodeError), not JSON, nested too deeply (msgspec recurses per level), or not ``kind``."""
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except UnicodeDecodeError as exc:
+        raise api_error(ErrorCode.INVALID_UTF8, f"the body is not valid UTF-8 (byte {exc.start})") from None
+    except RecursionError:
+        message = "the body is not valid JSON: nested too deeply"
+        raise ApiError(400, message, code=ErrorCode.INVALID_JSON) from None
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise validation_error(exc) from None
 
 
 def stop_param(error: ApiError, stop: str | list[str] | None) -> ApiError:

@@ -61,7 +61,8 @@ def _turns(body: ResponsesBody) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         kind, where = item.get("type", "message"), f"input[{i}]"
         if kind == "message":
-            role = {"developer": "system"}.get(item.get("role", ""), item.get("role", ""))
+            asked = item.get("role", "")
+            role = {"developer": "system"}.get(asked, asked) if isinstance(asked, str) else None
             if role not in ("system", "user", "assistant"):
                 raise bad_request(
                     f"{where}.role must be user, assistant, system or developer", f"{where}.role"
