@@ -60,9 +60,31 @@ async def test_messages_whole_and_streamed(server: Server) -> None:
         ) as stream:
             text = "".join([piece async for piece in stream.text_stream])
             final = await stream.get_final_message()
-        assert text == whole.content[0].text and final.usage.input_tokens == whole.usage.input_tokens
+        assert text == whole.content[0].text
+        # Anthropic's input_tokens leaves out what the cache read: the prompt is the sum.
+        assert final.usage.cache_read_input_tokens and final.usage.cache_read_input_tokens > 0
+
+        def prompt(usage: anthropic.types.Usage) -> int:
+            return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+        assert (
+            prompt(final.usage) == prompt(whole.usage) and final.usage.input_tokens < whole.usage.input_tokens
+        )
         counted = await client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=ASK)
-        assert counted.input_tokens == whole.usage.input_tokens
+        assert counted.input_tokens == prompt(whole.usage)
+
+
+async def test_a_stop_sequence_is_named_as_the_reason(server: Server) -> None:
+    async with sdk(server) as client:
+        ask = {"model": MODEL, "system": SYSTEM, "messages": ASK, "max_tokens": 24, "extra_body": GREEDY}
+        whole = await client.messages.create(**ask, stop_sequences=["Paris", "Lyon"])
+        assert (whole.stop_reason, whole.stop_sequence) == ("stop_sequence", "Paris")
+        assert whole.content[0].type == "text" and "Paris" not in whole.content[0].text
+        async with client.messages.stream(**ask, stop_sequences=["Paris"]) as stream:
+            final = await stream.get_final_message()
+        assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "Paris")
+        ended = await client.messages.create(**ask, stop_sequences=["Lyon"])
+        assert ended.stop_reason in ("end_turn", "max_tokens") and ended.stop_sequence is None
 
 
 async def test_a_forced_tool_use_whole_and_streamed(server: Server) -> None:

@@ -52,3 +52,11 @@ def test_any_split_gives_text_before_the_first_stop(text: str, cuts: list[int], 
         assert stopped and out == text[: text.index(stop)]
     else:
         assert not stopped and out == text
+
+
+def test_the_stop_string_that_matched_is_named() -> None:
+    stream = TextStream(["end", "op", "stop"])
+    first = stream.push(b"do not st")
+    assert (first.text, first.stop) == ("do not ", None)
+    delta = stream.push(b"op here")
+    assert (delta.text, delta.stopped, delta.stop) == ("", True, "stop")  # "stop" starts before "op"

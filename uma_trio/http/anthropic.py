@@ -118,10 +118,13 @@ class AnthropicApi:
                             yield anthropic.event("content_block_delta", {"index": index, "delta": delta})
                             yield anthropic.event("content_block_stop", {"index": index})
                             index += 1
-                        delta_end = {"stop_reason": anthropic.stop_reason(event), "stop_sequence": None}
+                        delta_end = {
+                            "stop_reason": anthropic.stop_reason(event), "stop_sequence": event.stop_sequence,
+                        }  # fmt: skip
+                        # Cumulative: what the cache read is known only now (message_start
+                        # counted the whole prompt as input).
                         yield anthropic.event(
-                            "message_delta",
-                            {"delta": delta_end, "usage": {"output_tokens": event.usage.completion_tokens}},
+                            "message_delta", {"delta": delta_end, "usage": anthropic.usage_of(event)}
                         )
                         yield anthropic.event("message_stop", {})
                     case EosEvent(reason="cancelled"):

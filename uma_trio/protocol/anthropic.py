@@ -148,6 +148,8 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 def stop_reason(eos: EosEvent) -> StopReason:
     if eos.tool_calls:
         return "tool_use"
+    if eos.stop_sequence is not None:
+        return "stop_sequence"
     return "max_tokens" if eos.reason == "length" else "end_turn"
 
 
@@ -177,15 +179,18 @@ def _input(arguments: str) -> Any:
 
 
 def usage_of(eos: EosEvent) -> dict[str, int]:
-    return {"input_tokens": eos.usage.prompt_tokens, "output_tokens": eos.usage.completion_tokens,
-            "cache_read_input_tokens": eos.usage.cached_tokens, "cache_creation_input_tokens": 0}  # fmt: skip
+    """Anthropic's usage: ``input_tokens`` leaves out the tokens read from the cache (the whole
+    prompt is the sum of the three input figures)."""
+    cached = eos.usage.cached_tokens
+    return {"input_tokens": eos.usage.prompt_tokens - cached, "output_tokens": eos.usage.completion_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}  # fmt: skip
 
 
 def message(msg_id: str, model: str, eos: EosEvent, text: str) -> dict[str, Any]:
     return {
         "id": msg_id, "type": "message", "role": "assistant", "model": model,
-        "content": content_blocks(eos, text), "stop_reason": stop_reason(eos), "stop_sequence": None,
-        "usage": usage_of(eos),
+        "content": content_blocks(eos, text), "stop_reason": stop_reason(eos),
+        "stop_sequence": eos.stop_sequence, "usage": usage_of(eos),
     }  # fmt: skip
 
 

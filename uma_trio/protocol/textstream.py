@@ -20,6 +20,7 @@ from dataclasses import dataclass
 class TextDelta:
     text: str  # safe to send now (may be empty)
     stopped: bool  # a stop string matched; ``text`` ends right before it
+    stop: str | None = None  # the stop string that matched (Anthropic's answers name it)
 
 
 class TextStream:
@@ -35,10 +36,11 @@ class TextStream:
         if not self._stops:
             text, self._held = self._held, ""
             return TextDelta(text, False)
-        cut = _earliest_stop(self._held, self._stops)
-        if cut is not None:
+        found = _earliest_stop(self._held, self._stops)
+        if found is not None:
+            cut, stop = found
             text, self._held = self._held[:cut], ""
-            return TextDelta(text, True)
+            return TextDelta(text, True, stop)
         keep = _longest_stop_prefix_suffix(self._held, self._stops)
         split = len(self._held) - keep
         text, self._held = self._held[:split], self._held[split:]
@@ -51,9 +53,14 @@ class TextStream:
         return text
 
 
-def _earliest_stop(text: str, stops: Sequence[str]) -> int | None:
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
+def _earliest_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """Where the first stop string in ``text`` starts, and which (the first listed, of two
+    starting there)."""
+    found = [(i, n, s) for n, s in enumerate(stops) if (i := text.find(s)) >= 0]
+    if not found:
+        return None
+    i, _, stop = min(found)
+    return i, stop
 
 
 def _longest_stop_prefix_suffix(text: str, stops: Sequence[str]) -> int:

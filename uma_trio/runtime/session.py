@@ -108,6 +108,7 @@ class Session:
     pool: EmbeddingPool | None = None  # an embedding request's pooled hidden states so far
     error: ErrorEvent | None = None
     final: EosEvent | None = None
+    stop_sequence: str | None = None  # the stop string that ended it
 
     def __post_init__(self) -> None:
         self.text = TextStream(self.request.stop)
@@ -179,6 +180,7 @@ class Session:
             timings=Timings(queue_ms=0.0, total_ms=0.0),
             text="".join(self.pieces) if not self.request.stream else None,
             cancel_reason=cancel_reason,
+            stop_sequence=self.stop_sequence if reason == "stop" else None,
             logprobs=self.take_logprobs() if not self.request.stream else None,
         )
         if self.pool is not None and reason == "stop":

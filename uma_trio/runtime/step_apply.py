@@ -119,6 +119,7 @@ def _sampled(session: Session, sampled: Sampled, now: float) -> list[StepEvent]:
     delta = session.text.push(sampled.piece)
     events: list[StepEvent] = [Token(session, delta.text, sampled.token_id, ttft, gap)]
     if delta.stopped:
+        session.stop_sequence = delta.stop
         events.append(Ended(session, "stop"))
     elif session.generated >= session.request.max_tokens:
         events.append(Ended(session, "length"))
