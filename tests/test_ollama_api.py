@@ -147,6 +147,8 @@ async def test_generate_raw_templated_and_errors(open_server: Server) -> None:
     assert images.value.status_code == 400 and "images" in images.value.error
     loaded = await api.generate(model=MODEL, prompt="")  # Ollama's "load the model" call
     assert loaded.done and loaded.done_reason == "load"
+    chat_loaded = await api.chat(model=MODEL, messages=[])  # /api/chat's, the same
+    assert chat_loaded.done and chat_loaded.done_reason == "load" and chat_loaded.message.content == ""
     async with httpx.AsyncClient(base_url=str(open_server.http_url)) as http:
         bad = await http.post("/api/chat", json={"model": MODEL, "messages": "hi"})
         assert bad.status_code == 400 and isinstance(bad.json()["error"], str)

@@ -127,11 +127,17 @@ class OllamaApi:
             body = self._decode(data, ollama.GenerateBody)
         model = gateway.model_for(body.model)
         keep_alive = ollama.keep_alive_seconds(body.keep_alive)
-        if isinstance(body, ollama.GenerateBody) and not (body.prompt or body.suffix):
-            # Ollama's load call (an empty prompt), or with keep_alive 0 its unload call.
+        # Ollama's load call (an empty prompt, or no messages), with keep_alive 0 its unload call.
+        generate = isinstance(body, ollama.GenerateBody)
+        if not body.messages if isinstance(body, ollama.ChatBody) else not (body.prompt or body.suffix):
             done = await self._load_or_unload(model, keep_alive)
-            return json_response(ollama.Chunk(model=body.model, created_at=ollama.now_rfc3339(), done=True,
-                                              response="", done_reason=done))  # fmt: skip
+            now = ollama.now_rfc3339()
+            answer = ollama.Chunk(model=body.model, created_at=now, done=True, done_reason=done)
+            if generate:
+                answer.response = ""
+            else:
+                answer.message = ollama.AssistantMessage("")
+            return json_response(answer)
         translated = self._translate(body, rid)
         generate_request = msgspec.structs.replace(translated, model=model, keep_alive=keep_alive)
         # Without num_predict Ollama generates until the context is full (or the model ends).
