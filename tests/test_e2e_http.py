@@ -270,6 +270,40 @@ async def test_lanes_from_header_field_and_service_tier(http_server: Server) -> 
     assert requests == {"interactive": {"length": 1}, "background": {"length": 4}}
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": STORY, "n": 2}),
+        ("/v1/messages", {"messages": STORY}),
+        ("/v1/responses", {"input": "Write a long story about a dragon.", "max_output_tokens": 300}),
+    ],
+)
+async def test_priority_finds_a_stream_by_its_request_id(
+    http_server: Server, path: str, body: dict[str, Any]
+) -> None:
+    """/priority takes the X-Request-Id every endpoint answers with: with n > 1 it moves every
+    choice; Anthropic's and the Responses API's ids were the daemon's own, and a 404."""
+    auth = {"authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=http_server.http_url or "", headers=auth) as http:
+        request = {"model": "SmolLM2-135M-Instruct.Q4_1", "max_tokens": 300, "temperature": 0, "stream": True}
+        async with http.stream("POST", path, json=request | body) as response:
+            assert response.status_code == 200
+            rid = response.headers["x-request-id"]
+
+            def mine() -> list[dict[str, Any]]:
+                return [r for r in http_server.metrics_snapshot()["in_flight"] if r["id"].startswith(rid)]
+
+            async for _ in response.aiter_lines():
+                if len(mine()) == body.get("n", 1):  # every choice started (the others after the first)
+                    moved = await http.post("/priority", json={"id": rid, "priority": "background"})
+                    assert moved.status_code == 200, moved.text
+                    assert {r["lane"] for r in mine()} == {"background"}
+                    break
+            else:
+                raise AssertionError("the request ended before all its choices were seen in flight")
+        await wait_until_idle(http_server)
+
+
 async def test_generate_sse_and_priority(http_server: Server) -> None:
     auth = {"authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(base_url=http_server.http_url or "", headers=auth) as http:

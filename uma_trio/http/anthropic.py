@@ -3,7 +3,6 @@ same request path as the other routes; errors in Anthropic's error shape."""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
@@ -51,7 +50,7 @@ class AnthropicApi:
         data, arrived = await gateway._arriving(request)
         body = self._body(data)
         msg_id = anthropic.message_id()
-        generate_request = self._translate(body, f"anthropic-{secrets.token_hex(12)}")
+        generate_request = self._translate(body, msg_id)  # its X-Request-Id, for /priority
         async with gateway._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
             headers = {"x-request-id": msg_id}
             if not body.stream:

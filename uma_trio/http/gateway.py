@@ -255,10 +255,17 @@ class Gateway:
     async def priority(self, request: Request) -> Response:
         self._ready()
         body = openai.decode_json(await self._body(request), PriorityBody)
-        flight = self._flights.get(body.id)
-        if flight is None or flight.stream is None:
+        # The request the X-Request-Id names, or with n > 1 each of its choices ("ID-0", ...).
+        streams = [
+            flight.stream
+            for fid, flight in self._flights.items()
+            if flight.stream is not None
+            and (fid == body.id or (fid.startswith(f"{body.id}-") and fid[len(body.id) + 1 :].isdigit()))
+        ]
+        if not streams:
             raise openai.api_error(ErrorCode.UNKNOWN_ID, f"no HTTP request {body.id!r} in flight")
-        flight.stream.set_lane(body.priority)
+        for stream in streams:
+            stream.set_lane(body.priority)
         return JSONResponse({"id": body.id, "priority": body.priority})
 
     # -- generation --------------------------------------------------------------

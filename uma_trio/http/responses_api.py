@@ -3,7 +3,6 @@ on the same request path as the other routes."""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
@@ -35,7 +34,7 @@ class ResponsesApi:
         data, arrived = await gateway._arriving(request)
         body = self._body(data)
         response_id, created = api.new_id("resp"), api.now()
-        generate_request = self._translate(body, f"responses-{secrets.token_hex(12)}")
+        generate_request = self._translate(body, response_id)  # its X-Request-Id, for /priority
         auto = body.max_output_tokens is None
         async with gateway._in_flight(generate_request, arrived, auto, request_owner(request)) as flight:
             headers = {"x-request-id": response_id}
