@@ -97,6 +97,10 @@ ASK = [
         ("generic", '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}', "",
          [("get_weather", {"city": "Oslo"})]),
         ("generic", '{"response": "Hello!"}', "Hello!", []),
+        # Cut off (max_tokens) inside the answer: its text, never the JSON around it.
+        ("generic", '{"response": "Paris is', "Paris is", []),
+        ("generic", '{"response": "a \\"b\\" \\u00e9t\\u00', 'a "b" \u00e9t', []),
+        ("generic", '{"response": "done"', "done", []),
         ("generic", '{"tool_calls": [{"name": "get_weath', '{"tool_calls": [{"name": "get_weath', []),
         ("generic", '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "A"}}, {"name": "get_t',
          "", [("get_time", {"zone": "A"})]),

@@ -179,7 +179,10 @@ def parse_tool_calls(text: str, fmt: ToolFormat, names: Sequence[str]) -> tuple[
             return value["response"], []
         if isinstance(value, dict):
             objects = value.get("tool_calls", [])
-        else:  # cut off (max_tokens) in the middle of a list: the calls written whole
+        elif answer := re.match(r'\{\s*"response"\s*:\s*"', stripped):
+            # Cut off (max_tokens) inside the answer: its text, not the JSON around it.
+            return _cut_string(stripped[answer.end() :]), []
+        else:  # cut off in the middle of a list: the calls written whole
             opening = re.match(r'\{\s*"tool_calls"\s*:\s*\[', stripped)
             objects = _leading_items(stripped, opening.end()) if opening else []
     calls = [c for c in (_call(o, names) for o in objects) if c] if isinstance(objects, list) else []
@@ -201,6 +204,24 @@ def _leading_items(text: str, start: int) -> list[Any]:
         if not rest.startswith(","):
             return items
         at = len(text) - len(rest[1:].lstrip())
+
+
+def _cut_string(body: str) -> str:
+    """The text of a JSON string from after its opening quote, whose end may be missing: up
+    to its closing quote, or all that decodes (an escape cut short is dropped)."""
+    decoder = json.JSONDecoder(strict=False)
+    try:
+        text: str = decoder.raw_decode('"' + body)[0]
+        return text
+    except ValueError:
+        pass
+    for end in range(len(body), max(len(body) - len("\\uXXXX"), 0) - 1, -1):
+        try:
+            cut: str = decoder.decode('"' + body[:end] + '"')
+            return cut
+        except ValueError:
+            continue
+    return ""
 
 
 def _load(text: str) -> Any:
