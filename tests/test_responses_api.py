@@ -38,6 +38,17 @@ async def test_responses_whole_and_streamed(keyed_http_server: Server) -> None:
             deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
             final = await stream.get_final_response()
         assert "".join(deltas) == whole.output_text == final.output_text
+        async with client.responses.stream(
+            model=MODEL, instructions=INSTRUCTIONS, input="What is the capital of France?",
+            max_output_tokens=3, temperature=0, store=False,
+        ) as stream:  # fmt: skip
+            kinds = [e.type async for e in stream]
+            cut = await stream.get_final_response()
+        # OpenAI ends a cut answer with response.incomplete, but the SDK's get_final_response
+        # then raises ("Didn't receive a response.completed event", openai 3.57): the answer's
+        # status says it instead.
+        assert kinds[-1] == "response.completed"
+        assert cut.status == "incomplete" and cut.incomplete_details is not None
 
 
 async def test_a_forced_function_call_and_its_output(keyed_http_server: Server) -> None:
