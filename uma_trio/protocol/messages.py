@@ -351,8 +351,7 @@ class EosEvent(Struct, tag_field="event", tag="eos", omit_defaults=True):
     text: str | None = None
     # Why a request was cancelled: the client asked, hung up, or the daemon stopped.
     cancel_reason: CancelReason | None = None
-    # Ended by one of the request's stop strings: which one.
-    stop_sequence: str | None = None
+    stop_sequence: str | None = None  # ended by one of the request's stop strings: which one
     # Requests with tools: the answer's text outside its tool calls, and the calls.
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
