@@ -357,8 +357,7 @@ class EosEvent(Struct, tag_field="event", tag="eos", omit_defaults=True):
     tool_calls: list[ToolCall] | None = None
     # With `logprobs` and `"stream": false`: every generated token's.
     logprobs: list[TokenLogprob] | None = None
-    # An `embed` request's embedding.
-    embedding: list[float] | None = None
+    embedding: list[float] | None = None  # an `embed` request's embedding
 
 
 class ErrorEvent(Struct, tag_field="event", tag="error"):
