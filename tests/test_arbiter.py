@@ -5,6 +5,8 @@ trio's test clock."""
 from __future__ import annotations
 
 import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -82,10 +84,10 @@ async def chat_gaps(client: UmaClient, n: int, model: str | None) -> list[float]
     return gaps
 
 
-async def test_chats_on_one_model_keep_the_guard_beside_bulk_work_on_another(
-    autojump_clock: trio.abc.Clock,
-) -> None:
-    engines: dict[str, SimEngine] = {}
+@asynccontextmanager
+async def chat_and_bulk_models(engines: dict[str, SimEngine]) -> AsyncIterator[tuple[Server, UmaClient]]:
+    """A daemon of two simulated models, "chat" (``--model``'s) and "bulk" (loaded when asked,
+    its engine put in ``engines``), and a client of it."""
 
     def load(entry: StoreEntry) -> LoadedModel:
         engines[entry.id] = SimEngine(COST, n_ctx_seq=SIM_CONFIG.n_ctx, n_seq_max=SIM_CONFIG.max_sessions)
@@ -101,43 +103,47 @@ async def test_chats_on_one_model_keep_the_guard_beside_bulk_work_on_another(
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
             async with UmaClient.connect(config.socket_path) as client:
-                alone = await chat_gaps(client, 3, None)
-                await client.models("load", "bulk")
-                finished: list[float] = []
-
-                async def bulk() -> None:
-                    prompt = "long document text " * 900  # a few thousand prompt tokens
-                    done = await client.complete(
-                        prompt=prompt, max_tokens=4, model="bulk", priority="background"
-                    )
-                    finished.append(trio.current_time())
-                    assert done.eos.reason == "length"
-
-                held: set[str | None] = set()  # what the bulk request's row says holds it
-
-                async def watch() -> None:
-                    while True:
-                        await trio.sleep(0.01)
-                        for loop in server.models.loops():
-                            held.update(
-                                r["held"] for r in loop.gauges()["in_flight"] if r["lane"] == "background"
-                            )
-
-                async with trio.open_nursery() as load_nursery:
-                    load_nursery.start_soon(bulk)
-                    await trio.sleep(0.05)
-                    watcher = trio.CancelScope()
-
-                    async def watching() -> None:
-                        with watcher:
-                            await watch()
-
-                    load_nursery.start_soon(watching)
-                    started = trio.current_time()
-                    mixed = await chat_gaps(client, 3, None)
-                    chats_done = trio.current_time()
-                    watcher.cancel()
+                yield server, client
             server.request_shutdown(force=True)
+
+
+async def test_chats_on_one_model_keep_the_guard_beside_bulk_work_on_another(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engines: dict[str, SimEngine] = {}
+    async with chat_and_bulk_models(engines) as (server, client):
+        alone = await chat_gaps(client, 3, None)
+        await client.models("load", "bulk")
+        finished: list[float] = []
+
+        async def bulk() -> None:
+            prompt = "long document text " * 900  # a few thousand prompt tokens
+            done = await client.complete(prompt=prompt, max_tokens=4, model="bulk", priority="background")
+            finished.append(trio.current_time())
+            assert done.eos.reason == "length"
+
+        held: set[str | None] = set()  # what the bulk request's row says holds it
+
+        async def watch() -> None:
+            while True:
+                await trio.sleep(0.01)
+                for loop in server.models.loops():
+                    held.update(r["held"] for r in loop.gauges()["in_flight"] if r["lane"] == "background")
+
+        async with trio.open_nursery() as load_nursery:
+            load_nursery.start_soon(bulk)
+            await trio.sleep(0.05)
+            watcher = trio.CancelScope()
+
+            async def watching() -> None:
+                with watcher:
+                    await watch()
+
+            load_nursery.start_soon(watching)
+            started = trio.current_time()
+            mixed = await chat_gaps(client, 3, None)
+            chats_done = trio.current_time()
+            watcher.cancel()
     alone_p95 = float(np.percentile(alone, 95))
     assert float(np.percentile(mixed, 95)) <= 1.25 * alone_p95
     assert max(mixed) <= 2.0 * alone_p95
@@ -154,33 +160,17 @@ async def test_a_background_decode_on_another_model_does_not_run_ahead_inside_a_
 ) -> None:
     """A granted tick is one step's time: a run-ahead chain armed on it held the machine for up
     to 16 more steps while the chat model's streams waited (their worst gap 14x their p95)."""
+    async with chat_and_bulk_models({}) as (server, client):
+        assert server.config.run_ahead
+        alone = await chat_gaps(client, 3, None)
+        await client.models("load", "bulk")
 
-    def load(entry: StoreEntry) -> LoadedModel:
-        return LoadedModel(SimEngine(COST, n_ctx_seq=SIM_CONFIG.n_ctx, n_seq_max=SIM_CONFIG.max_sessions))
+        async def bulk() -> None:  # a short prompt, then a long background decode
+            await client.complete(prompt="x " * 20, max_tokens=3000, model="bulk", priority="background")
 
-    with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
-        config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock", keep_alive_s=1e6, run_ahead=True)
-        store = ModelStore(
-            [StoreEntry("chat", Path("chat.gguf"), 1, primary=True), StoreEntry("bulk", Path("b"), 1)]
-        )
-        primary = SimEngine(COST, n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
-        server = Server(primary, config, store=store, loading=Loading(load))
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
-            async with UmaClient.connect(config.socket_path) as client:
-                alone = await chat_gaps(client, 3, None)
-                await client.models("load", "bulk")
-
-                async def bulk() -> None:  # a short prompt, then a long background decode
-                    await client.complete(
-                        prompt="x " * 20, max_tokens=3000, model="bulk", priority="background"
-                    )
-
-                async with trio.open_nursery() as load_nursery:
-                    load_nursery.start_soon(bulk)
-                    await trio.sleep(0.2)
-                    mixed = await chat_gaps(client, 3, None)
-                    load_nursery.cancel_scope.cancel()
-            server.request_shutdown(force=True)
-    alone_p95 = float(np.percentile(alone, 95))
-    assert max(mixed) <= 2.0 * alone_p95
+        async with trio.open_nursery() as load_nursery:
+            load_nursery.start_soon(bulk)
+            await trio.sleep(0.2)
+            mixed = await chat_gaps(client, 3, None)
+            load_nursery.cancel_scope.cancel()
+    assert max(mixed) <= 2.0 * float(np.percentile(alone, 95))
