@@ -10,7 +10,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from functools import partial
@@ -28,9 +30,11 @@ from uma_trio.engine.llama import LlamaModel
 from uma_trio.engine.sim import SimEngine
 from uma_trio.loadgen.simulate import SIM_CONFIG
 from uma_trio.model_store import ModelStore, StoreEntry, StoreError
+from uma_trio.observability.metrics import Metrics
+from uma_trio.protocol.errors import ErrorCode, UmaError
 from uma_trio.protocol.ollama import keep_alive_seconds
 from uma_trio.protocol.openai_errors import ApiError
-from uma_trio.runtime.models import REAP_EVERY_S, LoadedModel, Loading
+from uma_trio.runtime.models import REAP_EVERY_S, LoadedModel, Loading, ModelHost
 from uma_trio.runtime.server import Server
 from uma_trio.sched.cost import CostCoefficients
 
@@ -259,6 +263,90 @@ async def test_models_are_listed_loaded_and_unloaded_on_request(autojump_clock: 
 
 
 # -- the real engine: the default model and a tiny random one --------------------------------
+
+
+def two_other_models() -> ModelStore:
+    return ModelStore([
+        StoreEntry("sim", Path("sim.gguf"), 1, primary=True),
+        StoreEntry("b", Path("b.gguf"), 2), StoreEntry("c", Path("c.gguf"), 2),
+    ])  # fmt: skip
+
+
+def sim_model(close: Callable[[], None] = lambda: None) -> LoadedModel:
+    engine = SimEngine(CostCoefficients(), n_ctx_seq=SIM_CONFIG.n_ctx, n_seq_max=SIM_CONFIG.max_sessions)
+    return LoadedModel(engine, close=close)
+
+
+@pytest.mark.parametrize("limit", [{"max_loaded": 2}, {"budget_bytes": 3}])
+async def test_two_models_loading_at_once_keep_the_limits(limit: dict[str, int]) -> None:
+    """Loads of two models take turns making room: together, both saw room for one (neither
+    was loaded yet) and both loaded, past --max-loaded 2 or a 3-byte budget."""
+
+    def load(entry: StoreEntry) -> LoadedModel:
+        time.sleep(0.2)  # a real load takes seconds
+        return sim_model()
+
+    config = replace(SIM_CONFIG, max_loaded=limit.get("max_loaded", SIM_CONFIG.max_loaded))
+    loading = Loading(load, budget_bytes=limit.get("budget_bytes"))
+    host = ModelHost(two_other_models(), loading, config, Metrics(60.0))
+    refused: list[ErrorCode] = []
+
+    async def want(name: str) -> None:  # each request holds its model (pending) meanwhile
+        try:
+            await host.acquire(name, -1)
+        except UmaError as exc:
+            refused.append(exc.code)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(host.run)
+        async with trio.open_nursery() as requests:
+            requests.start_soon(want, "b")
+            requests.start_soon(want, "c")
+        loaded = sorted(host.units)
+        nursery.cancel_scope.cancel()
+    assert len(loaded) == 1 and refused == [ErrorCode.SERVER_BUSY]
+
+
+async def test_the_keep_alive_reaper_never_unloads_a_model_a_request_took_meanwhile() -> None:
+    """Two models expire together; while the first is freed (a thread), a request takes the
+    second: it stays loaded, and the request is answered."""
+    closing_b = threading.Event()
+
+    def load(entry: StoreEntry) -> LoadedModel:
+        def close() -> None:
+            if entry.id == "b":
+                closing_b.set()
+                time.sleep(0.5)  # freeing a big model's weights takes a while
+
+        return sim_model(close)
+
+    with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
+        config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock", keep_alive_s=0.0)
+        primary = SimEngine(CostCoefficients(), n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
+        server = Server(primary, config, store=two_other_models(), loading=Loading(load))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            async with UmaClient.connect(config.socket_path) as client:
+                await client.complete(prompt="hi", max_tokens=2, model="b")
+                await client.complete(prompt="hi", max_tokens=2, model="c")
+                while not closing_b.is_set():
+                    await trio.sleep(0.01)
+                with trio.fail_after(5):  # it hung for good: c was unloaded under it
+                    done = await client.complete(prompt="word " * 50, max_tokens=50, model="c", keep_alive=60)
+            assert done.eos.reason == "length" and "c" in server.models.units
+            server.request_shutdown(force=True)
+
+
+async def test_max_loaded_1_refuses_other_models_for_good() -> None:
+    """--max-loaded 1 is --model's model alone: not "busy, try again later"."""
+    config = replace(SIM_CONFIG, max_loaded=1)
+    host = ModelHost(two_other_models(), Loading(lambda entry: sim_model()), config, Metrics(60.0))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(host.run)
+        with pytest.raises(UmaError) as refused:
+            await host.acquire("b")
+        nursery.cancel_scope.cancel()
+    assert refused.value.code == ErrorCode.MODEL_LOAD and "--max-loaded 1" in refused.value.message
 
 
 @pytest.fixture(scope="module")

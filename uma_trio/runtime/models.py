@@ -105,6 +105,9 @@ class ModelHost:
         self._clock = clock
         self.units: dict[str, ModelUnit] = {}
         self._loading: dict[str, trio.Lock] = {}
+        # Loads of different models take turns: each makes room counting the ones loaded
+        # before it (two at once both saw room for one and overshot --max-loaded / the budget).
+        self._room = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self.loads = self.unloads = 0
 
@@ -179,9 +182,11 @@ class ModelHost:
                 task_status.started()
                 while True:
                     await trio.sleep(REAP_EVERY_S)
-                    now = self._clock()
-                    for unit in [u for u in self.units.values() if u.expired(now)]:
-                        await self.unload(unit.id, reason=f"idle for {unit.keep_alive_s:g} s, its keep-alive")
+                    for unit in [u for u in self.units.values() if u.expired(self._clock())]:
+                        # Freeing one awaits a thread: a request may take the next meanwhile.
+                        if unit.expired(self._clock()):
+                            reason = f"idle for {unit.keep_alive_s:g} s, its keep-alive"
+                            await self.unload(unit.id, reason=reason)
         finally:
             self._nursery = None
             for unit in list(self.units.values()):  # shutting down: the loops are idle by now
@@ -202,15 +207,17 @@ class ModelHost:
         if unit.loop.idle and not unit.pending:
             await self.unload(model_id, reason="asked to")
 
-    async def unload(self, model_id: str, reason: str) -> None:
-        """Stop an idle unit's loop and free its engine."""
+    async def unload(self, model_id: str, reason: str) -> bool:
+        """Stop an idle unit's loop and free its engine; False (and nothing done) if it is not
+        loaded or a request has it (every caller picked an idle one, but before an await)."""
         unit = self.units.get(model_id)
-        if unit is None:
-            return
+        if unit is None or unit.pending or not unit.loop.idle:
+            return False
         unit.loop.stop_accepting()
         self._forget(unit)
         log.info("unloaded %s (%s)", model_id, reason)
         await trio.to_thread.run_sync(unit.loaded.close)
+        return True
 
     # -- loading -----------------------------------------------------------------------
 
@@ -224,14 +231,20 @@ class ModelHost:
         except Exception as exc:  # not a GGUF llama.cpp can read: refused before making room
             log.warning("cannot read %s: %s", model_id, exc)
             raise UmaError(ErrorCode.MODEL_LOAD, f"cannot load model {model_id!r}: {exc}") from None
-        await self._make_room(model_id, need)
-        began = self._clock()
-        log.info("loading %s (%s, %d MiB with its KV cache)", model_id, entry.path, need >> 20)
-        try:
-            loaded = await trio.to_thread.run_sync(loading.load, entry)
-        except Exception as exc:  # a corrupt or unloadable file: this request fails, the rest go on
-            log.warning("cannot load %s: %s", model_id, exc)
-            raise UmaError(ErrorCode.MODEL_LOAD, f"cannot load model {model_id!r}: {exc}") from None
+        async with self._room:
+            await self._make_room(model_id, need)
+            began = self._clock()
+            log.info("loading %s (%s, %d MiB with its KV cache)", model_id, entry.path, need >> 20)
+            try:
+                loaded = await trio.to_thread.run_sync(loading.load, entry)
+            except Exception as exc:  # a corrupt or unloadable file: this request fails, the rest go on
+                log.warning("cannot load %s: %s", model_id, exc)
+                raise UmaError(ErrorCode.MODEL_LOAD, f"cannot load model {model_id!r}: {exc}") from None
+            return self._start_unit(model_id, loaded, need, began)
+
+    def _start_unit(self, model_id: str, loaded: LoadedModel, need: int, began: float) -> ModelUnit:
+        """A loaded model's unit, registered and its decode loop started."""
+        assert self._nursery is not None
         share = self._machine.share(model_id) if self._machine is not None else None
         config = self._config
         if (trace := config.tick_trace) is not None:  # each model's steps in a file of their own
@@ -258,6 +271,12 @@ class ModelHost:
         loaded one is busy, E_MODEL_003 when it cannot fit even alone."""
         budget = self.loading.budget_bytes if self.loading is not None else None
         primary = self.loading.primary_bytes if self.loading is not None else 0
+        if self._config.max_loaded <= 1:  # no retry can help: say so, not "busy"
+            raise UmaError(
+                ErrorCode.MODEL_LOAD,
+                f"--max-loaded {self._config.max_loaded} leaves room for --model's model only: "
+                f"{model_id!r} cannot be loaded by this daemon",
+            )
         if budget is not None and primary + need > budget:
             raise UmaError(
                 ErrorCode.MODEL_LOAD,
