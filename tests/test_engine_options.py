@@ -157,6 +157,8 @@ def test_serve_refuses_bad_engine_options_naming_the_flag() -> None:
         (["--gpu-layers", "lots"], "--gpu-layers"),
         (["--deterministic", "--kv-type", "f16"], "--deterministic"),
         (["--tensor-split", "a,b"], "--tensor-split"),
+        (["--idle-timeout", "nan"], "--idle-timeout"),  # NaN passed every range check
+        (["--latency-cap", "nan", "--keep-alive", "nan"], "--keep-alive, --latency-cap"),
     ]:  # fmt: skip
         done = run_cli("serve", *args, "--socket", "/tmp/uma-never/x.sock")
         assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr

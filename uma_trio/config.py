@@ -10,7 +10,7 @@ import math
 import os
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
@@ -384,6 +384,11 @@ class ServerConfig:
     --http."""
 
     def __post_init__(self) -> None:
+        # NaN passes every comparison below (each is False) and broke later: a deadline of NaN.
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        nan = ["--" + n.removesuffix("_s").replace("_", "-") for n, v in values.items() if v != v]  # NaN only
+        if nan:
+            raise ConfigError(f"not a number: {', '.join(nan)}")
         positive = {
             "--n-ctx": self.n_ctx, "--n-batch": self.n_batch, "--n-ubatch": self.engine_n_ubatch,
             "--tick-ms": self.tick_ms,
