@@ -103,3 +103,16 @@ async def test_a_connection_waiting_for_a_snapshot_is_not_idle_and_counts_in_fli
         assert answer is not None and answer["event"] == "snapshot", answer
         assert answer["id"] == "s1" and answer["snapshots"][0]["tokens"] == 2000
         assert trio.current_time() - server.metrics.started > 2.0  # it did outlast the idle timeout
+
+
+def test_a_header_with_bytes_that_are_not_utf8_is_a_corrupt_snapshot(tmp_path: Path) -> None:
+    """One flipped byte in a header string made msgspec raise UnicodeDecodeError: listing
+    failed for every snapshot, and reading it was no E_SNAPSHOT_003."""
+    store = SnapshotStore(tmp_path / "snapshots")
+    store.write(header("good"), b"KV")
+    store.write(header("bad"), b"KV")
+    blob = bytearray(store.path("bad").read_bytes())
+    blob[blob.index(b'"m.gguf"') + 1] = 0xE1
+    store.path("bad").write_bytes(bytes(blob))
+    assert [info.name for info in store.list()] == ["good"]
+    assert code_of(lambda: store.read("bad")) == ErrorCode.SNAPSHOT_INVALID

@@ -68,7 +68,8 @@ def _header_length(prefix: bytes, name: str) -> int:
 def _parse_header(raw: bytes, name: str) -> SnapshotHeader:
     try:
         header = msgspec.json.decode(raw, type=SnapshotHeader)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError) as exc:
+        # msgspec raises UnicodeDecodeError for bad bytes in a string, not a DecodeError.
         raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} has a corrupt header: {exc}") from None
     if header.version != FORMAT_VERSION:
         version = f"format version {header.version}, not {FORMAT_VERSION}"
