@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -162,6 +163,20 @@ def test_serve_refuses_bad_engine_options_naming_the_flag() -> None:
     ]:  # fmt: skip
         done = run_cli("serve", *args, "--socket", "/tmp/uma-never/x.sock")
         assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_socket_path_too_long_to_bind_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    """98-107 bytes passed the kernel's limit only once the staging name was added: the daemon
+    failed at bind, after loading the model, with a traceback and exit 1."""
+    from uma_trio.runtime.unix_socket import STAGING_EXTRA, SUN_PATH_BYTES
+
+    most = SUN_PATH_BYTES - 1 - STAGING_EXTRA
+    name = "s" * (most + 1 - len(os.fsencode(tmp_path)) - 1)
+    too_long = tmp_path / name
+    assert len(os.fsencode(too_long)) == most + 1
+    done = run_cli("serve", "--socket", str(too_long))
+    assert done.returncode == 2 and "--socket" in done.stderr and "Traceback" not in done.stderr
+    assert "loading" not in done.stderr.lower()
 
 
 def test_no_cuda_graphs_parses_from_the_flag_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

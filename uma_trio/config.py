@@ -135,9 +135,10 @@ class ServerConfig:
     start-up fail (exit 2). Its directory is created 0700 if missing (only the last component)
     and must be a real directory (not a symbolic link) owned by the daemon's user that group
     and others cannot write to (or a sticky directory owned by root or the user, like /tmp),
-    else start-up fails (exit 2), before the model loads. XDG_RUNTIME_DIR is used when it is
-    an absolute path to a directory the user owns (SECURITY.md). Also read from the seeds'
-    UMA_SOCK."""
+    else start-up fails (exit 2), before the model loads; so does a path over 97 bytes (93 on
+    macOS: a Unix socket's limit less the 10 of the name it is bound under first).
+    XDG_RUNTIME_DIR is used when it is an absolute path to a directory the user owns
+    (SECURITY.md). Also read from the seeds' UMA_SOCK."""
 
     # Models (docs/MODELS.md)
     models_dir: Annotated[Path | None, Parameter(show_default="~/.local/share/uma-trio/models")] = None

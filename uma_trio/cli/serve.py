@@ -15,7 +15,7 @@ from cyclopts import Parameter
 
 from ..config import ConfigError, ServerConfig
 from ..model_files import ModelFileError, check_model_path, ensure_default_model
-from ..runtime.unix_socket import SocketInUseError, ensure_private_dir
+from ..runtime.unix_socket import SocketInUseError, check_socket_path, ensure_private_dir
 from .common import (
     DEFAULTS,
     EXIT_SERVER_ERROR,
@@ -77,7 +77,8 @@ def serve(
         return EXIT_SERVER_ERROR
     try:
         model_path = check_model_path(model) if model is not None else ensure_default_model()
-        ensure_private_dir(config.socket_path.parent)  # checked again at bind; fail before loading
+        check_socket_path(config.socket_path)  # both checked again at bind; fail before loading
+        ensure_private_dir(config.socket_path.parent)
     except (ModelFileError, SocketInUseError) as exc:
         log.error("%s", exc)
         return EXIT_SERVER_ERROR

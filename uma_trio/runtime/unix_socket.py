@@ -8,13 +8,36 @@ import os
 import secrets
 import socket
 import stat
+import sys
 from pathlib import Path
 
 import trio
 
 
 class SocketInUseError(Exception):
-    """Another daemon answers on the socket path, or the path is not ours to replace."""
+    """Another daemon answers on the socket path, or the path is not ours to replace (or it
+    cannot be a Unix socket's path at all)."""
+
+
+# A Unix socket's path, its terminating NUL included (``sun_path``): 104 bytes on macOS, 108
+# on Linux.  The socket is bound under a staging name first, ``.NAME.`` and 8 hex digits.
+SUN_PATH_BYTES = 104 if sys.platform == "darwin" else 108
+STAGING_EXTRA = len("..") + 8
+
+
+def staging_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+
+
+def check_socket_path(path: Path) -> None:
+    """A path the socket can be bound at, its staging name included; SocketInUseError if not
+    (it failed after the model had loaded, with a traceback)."""
+    most = SUN_PATH_BYTES - 1 - STAGING_EXTRA
+    if len(os.fsencode(path)) > most:
+        raise SocketInUseError(
+            f"--socket {path} is {len(os.fsencode(path))} bytes long; a Unix socket's path may have "
+            f"at most {most} here (with its {STAGING_EXTRA}-byte staging name while it binds)"
+        )
 
 
 class UnsafeSocketDirError(SocketInUseError):
@@ -112,9 +135,10 @@ async def bind_unix_listener(path: Path, backlog: int = 128) -> tuple[trio.Socke
     The socket is bound under a temporary name and renamed into place once it listens, so
     a client that sees ``path`` exist never meets "connection refused" (the window between
     ``bind`` and ``listen``)."""
+    check_socket_path(path)
     ensure_private_dir(path.parent)
     remove_stale_socket(path)
-    staging = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    staging = staging_path(path)
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o177)  # no window in which the socket is world-accessible
     try:
