@@ -211,3 +211,22 @@ def test_a_tool_conversation_renders_as_transformers_renders_it(name: str) -> No
     )
     rendered = template.render(template_turns(openai_style), tools=conversation["tools"])
     assert rendered == (FIXTURES / f"{name}.expected.txt").read_text()
+
+
+@pytest.mark.model
+def test_chat_template_is_for_the_model_flag_s_model_only(tmp_path: Path, model_path: Path) -> None:
+    """The store's other models keep their own template (--chat-template replaced them too)."""
+    from dataclasses import replace
+
+    from uma_trio.daemon import load_other_model
+    from uma_trio.model_store import StoreEntry
+
+    template = tmp_path / "primary-only.jinja"
+    template.write_text("PRIMARY-ONLY {% for m in messages %}{{ m['content'] }}{% endfor %}")
+    config = replace(ServerConfig(), chat_template=template, n_ctx=256, max_sessions=1, bmt_budget_gbps=0.0)
+    loaded = load_other_model(StoreEntry("other", model_path, model_path.stat().st_size), config)
+    try:
+        source = loaded.engine.chat_template_source or ""
+    finally:
+        loaded.close()
+    assert "PRIMARY-ONLY" not in source and "{%" in source  # the GGUF's own

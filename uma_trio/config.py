@@ -272,8 +272,9 @@ class ServerConfig:
     guard off."""
     chat_template: Annotated[Path | None, Parameter(show_default="the model's own")] = None
     """A Jinja chat template file to format chat messages with instead of the model's own
-    (its GGUF's tokenizer.chat_template), as HF transformers renders it. A file that cannot be
-    read or does not compile is refused at start-up."""
+    (its GGUF's tokenizer.chat_template), as HF transformers renders it; `--model`'s model only
+    (the other models of `--models-dir` keep their own). A file that cannot be read or does
+    not compile is refused at start-up."""
     cost_model: Annotated[Path | None, Parameter(show_default="the calibrated file if present")] = None
     """Tick-cost coefficients from `uma-trio calibrate` (default path: cost-model.json in the
     model cache directory). A file records the device, layers, model and engine settings it

@@ -8,6 +8,7 @@ import logging
 import resource
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -195,8 +196,10 @@ def loading_for(engine: LlamaEngine, config: ServerConfig) -> Loading:
 
 def load_other_model(entry: StoreEntry, config: ServerConfig) -> LoadedModel:
     """A model of the store other than --model, loaded as --model is (runtime/models.py calls
-    it in a worker thread when a request names the model)."""
-    engine = load_engine(entry.path, config)  # its vocabulary read here, not on the event loop
+    it in a worker thread when a request names the model), with its own chat template:
+    ``--chat-template`` is --model's."""
+    # Its vocabulary read here, not on the event loop.
+    engine = load_engine(entry.path, replace(config, chat_template=None))
     # One step now pages the weights in, so its first tick beside another model's streams is
     # not the slow one (a cold step took twice its prediction on the CPU).
     engine.step_sync([BatchEntry(0, engine.tokenize("Hello"), 0, None)])
