@@ -123,3 +123,51 @@ async def test_api_pull_then_the_daemon_serves_the_model(
         answer = await sdk.completions.create(model=pulled, prompt="The capital of France is", max_tokens=6)
         assert answer.model == pulled and answer.choices[0].text
         assert server.models.state(pulled) == "loaded"
+
+
+def test_pulls_at_once_keep_out_of_each_other_s_way(hub: Repos, tmp_path: Path, model_path: Path) -> None:
+    """Two files of one repository at once: they shared one staging folder and the first to
+    end removed the other's download.  The same file twice (a client that hung up and asked
+    again): the second waits for the first and finds the file, fetched once."""
+    import threading
+    import time
+
+    hub.add(REPO, "SmolLM2-135M-Instruct-Q8_0.gguf", model_path)
+    store = tmp_path / "store"
+    store.mkdir()
+    go_on = threading.Event()
+    results: dict[str, Path | str] = {}
+
+    def held(what: str, done: int, total: int) -> None:  # the first pull waits mid-download
+        if what == "downloading":
+            go_on.wait(60)
+
+    def first(reference: str) -> None:
+        try:
+            results["first"] = pull(reference, store, held)
+        except PullError as exc:
+            results["first"] = str(exc)
+
+    def under_way() -> None:
+        deadline = time.monotonic() + 30
+        while not any((store / ".pull").rglob("*")) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    worker = threading.Thread(target=first, args=(f"{REPO}:Q4_1",))
+    worker.start()
+    under_way()
+    other = pull(f"{REPO}:Q8_0", store)  # another file of the repository, meanwhile
+    go_on.set()
+    worker.join(60)
+    assert results["first"] == store / "SmolLM2-135M-Instruct-Q4_1.gguf" and other.exists()
+
+    go_on.clear()
+    (store / "SmolLM2-135M-Instruct-Q4_1.gguf").unlink()
+    worker = threading.Thread(target=first, args=(f"{REPO}:Q4_1",))
+    worker.start()
+    under_way()
+    threading.Timer(0.3, go_on.set).start()
+    again = pull(f"{REPO}:Q4_1", store)  # waits for the first, then finds the file there
+    worker.join(60)
+    assert again == results["first"] and hub.downloads.count(again.name) == 2  # once per round
+    assert not (store / ".pull").exists()

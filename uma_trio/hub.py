@@ -1,15 +1,16 @@
 """Pulling a GGUF from a model hub into the model store (``uma-trio pull``, ``POST /api/pull``).
 
 ``huggingface_hub`` does the talking: the repository's file list with each file's size and
-sha256 (``model_info(files_metadata=True)``), then a resumable, cache-aware download
+sha256 (``model_info(files_metadata=True)``), then a cache-aware download
 (``hf_hub_download``); ``HF_ENDPOINT`` points it at a mirror or a local server.  A reference is
 ``user/repo`` or ``user/repo:QUANT`` (Ollama's ``hf.co/user/repo:QUANT`` too): the file whose
 name carries that quantization, else the repository's only GGUF, else its Q4_K_M.
 
 Nothing half-written joins the store: the file is downloaded under ``.pull/`` in the store
 directory (not a ``*.gguf`` the store lists), checked (GGUF magic, size, and sha256 where the
-hub gives one), and only then renamed into place; a failed check deletes it.  Blocking: the
-daemon runs it in a worker thread.
+hub gives one), and only then renamed into place; a failed check deletes it.  Each pull has
+a staging folder of its own; a pull of a file already being pulled waits for that one.
+Blocking: the daemon runs it in a worker thread.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import io
 import os
 import re
 import shutil
+import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +102,16 @@ def hub_files(repo: str) -> list[HubFile]:
     return files
 
 
+_LOCKS_LOCK = threading.Lock()
+_LOCKS: dict[Path, threading.Lock] = {}
+
+
+def _lock_for(target: Path) -> threading.Lock:
+    """One lock per file pulled into a store (pulls run in worker threads)."""
+    with _LOCKS_LOCK:
+        return _LOCKS.setdefault(target.resolve(), threading.Lock())
+
+
 def pull(reference: str, store: Path, progress: Progress | None = None) -> Path:
     """Download ``reference``'s GGUF into ``store`` (checked, then renamed into place); the
     file's path.  A file already there with the same size is kept."""
@@ -106,20 +119,25 @@ def pull(reference: str, store: Path, progress: Progress | None = None) -> Path:
     repo, quant = parse_reference(reference)
     chosen = choose_file(hub_files(repo), quant, repo)
     target = store / chosen.name
-    if target.exists() and (chosen.size is None or target.stat().st_size == chosen.size):
-        report("done", target.stat().st_size, target.stat().st_size)
-        return target
-    staging = store / ".pull" / repo.replace("/", "--")
-    staging.mkdir(parents=True, exist_ok=True)
-    try:
-        downloaded = Path(_download(repo, chosen, staging, report))
-        report("verifying", 0, chosen.size or 0)
-        check(downloaded, chosen)
-        os.replace(downloaded, target)
-    finally:  # nothing half-written stays, whatever happened
-        shutil.rmtree(staging, ignore_errors=True)
-        with contextlib.suppress(OSError):  # the last pull under way leaves no .pull behind
-            staging.parent.rmdir()
+    # A second pull of a file being pulled (a client that hung up and asked again) waits for
+    # the first and then finds it there.
+    with _lock_for(target):
+        if target.exists() and (chosen.size is None or target.stat().st_size == chosen.size):
+            report("done", target.stat().st_size, target.stat().st_size)
+            return target
+        # A folder of its own: pulls of one repository's files shared one, and the first to
+        # end removed the other's download.
+        (store / ".pull").mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=repo.replace("/", "--") + ".", dir=store / ".pull"))
+        try:
+            downloaded = Path(_download(repo, chosen, staging, report))
+            report("verifying", 0, chosen.size or 0)
+            check(downloaded, chosen)
+            os.replace(downloaded, target)
+        finally:  # nothing half-written stays, whatever happened
+            shutil.rmtree(staging, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the last pull under way leaves no .pull behind
+                staging.parent.rmdir()
     size = target.stat().st_size
     report("done", size, size)
     return target

@@ -4,7 +4,7 @@
 manifest``, then ``downloading`` lines with ``total`` and ``completed`` bytes (at most four a
 second), ``verifying sha256 digest``, and ``success``, or one ``{"error"}`` line; with
 ``"stream": false`` only the last of them.  The download runs in a thread of its own and goes
-on if the client hangs up (a resumed pull picks up what it left); the daemon's store then
+on if the client hangs up (the same pull asked again waits for it and finds the file); the daemon's store then
 lists the model, and a request may name it by its file name without ``.gguf``.
 """
 
