@@ -73,6 +73,23 @@ def test_the_store_names_every_file_and_alias(tmp_path: Path) -> None:
         ModelStore.scan(primary, tmp_path / "absent")
 
 
+def test_an_alias_never_points_at_another_file_or_hides_a_model(tmp_path: Path) -> None:
+    """A path whose file name the store already has went to the store's file, silently; an
+    alias that is another model's id hid that model."""
+    primary, shelf, elsewhere = tmp_path / "main.gguf", tmp_path / "shelf", tmp_path / "elsewhere"
+    shelf.mkdir()
+    elsewhere.mkdir()
+    primary.write_bytes(b"GGUF")
+    for path in (shelf / "model.gguf", shelf / "aaa.gguf", shelf / "zzz.gguf", elsewhere / "model.gguf"):
+        path.write_bytes(b"GGUF" + path.parent.name.encode())
+    with pytest.raises(StoreError, match="not the store's"):
+        ModelStore.scan(primary, shelf, [f"mine={elsewhere / 'model.gguf'}"])
+    with pytest.raises(StoreError, match="already another model's id"):
+        ModelStore.scan(primary, shelf, ["zzz=aaa.gguf"])
+    same = ModelStore.scan(primary, shelf, [f"mine={shelf / 'model.gguf'}", "first=aaa.gguf"])
+    assert same.resolve("mine") == "model" and same.resolve("first") == "aaa" and same.resolve("zzz") == "zzz"
+
+
 def test_ollama_keep_alive_is_read_as_ollama_reads_it() -> None:
     cases = {None: None, 0: 0.0, 30: 30.0, -1: -1.0, "5m": 300.0, "1h30m": 5400.0, "-1": -1.0, "250ms": 0.25}
     for value, seconds in cases.items():

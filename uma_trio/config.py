@@ -146,7 +146,8 @@ class ServerConfig:
     without .gguf, or an --alias), and it is loaded for that request and unloaded when idle."""
     alias: Annotated[tuple[str, ...], _COMMA_LIST, Parameter(show_default="none")] = ()
     """Comma-separated NAME=FILE: more names for a model (FILE a file of --models-dir, or a
-    path, which joins the store), e.g. chat=SmolLM2-135M-Instruct.Q4_1.gguf."""
+    path, which joins the store), e.g. chat=SmolLM2-135M-Instruct.Q4_1.gguf. A NAME that is
+    another model's id, or a path to a file other than the store's of that name, is refused."""
     max_loaded: int = 3
     """Models loaded at once, --model's included: loading one more first unloads the least
     recently used idle one; a model with requests in flight is never unloaded."""

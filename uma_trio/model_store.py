@@ -65,12 +65,20 @@ class ModelStore:
             if not sep or not name or not target:
                 raise StoreError(f"--alias {alias!r}: write NAME=FILE")
             key = model_id(Path(target).name)
-            if key not in files:
-                path = Path(target).expanduser()
+            path = Path(target).expanduser()
+            if Path(target).name != target and path.is_file() and key in files:
+                if files[key].resolve() != path.resolve():  # a path: the file it names, or refused
+                    clash = f"{target} is not the store's {files[key]}, of the same name"
+                    raise StoreError(f"--alias {alias!r}: {clash}")
+            elif key not in files:
                 if not path.is_file():
                     raise StoreError(f"--alias {alias!r}: no model file {target!r} in the store or on disk")
                 files[key] = path
             named.setdefault(key, []).append(name)
+        for key, names in named.items():  # a name that is another model's id would hide it
+            for name in names:
+                if name in files and name != key:
+                    raise StoreError(f"--alias {name}={key}: {name!r} is already another model's id")
         primary_id = model_id(primary.name)
         return cls(
             (
