@@ -200,15 +200,20 @@ def load_other_model(entry: StoreEntry, config: ServerConfig) -> LoadedModel:
     ``--chat-template`` is --model's."""
     # Its vocabulary read here, not on the event loop.
     engine = load_engine(entry.path, replace(config, chat_template=None))
-    # One step now pages the weights in, so its first tick beside another model's streams is
-    # not the slow one (a cold step took twice its prediction on the CPU).
-    engine.step_sync([BatchEntry(0, engine.tokenize("Hello"), 0, None)])
-    engine.free_seq(0)
-    policy = policy_for(engine, config)
 
     def close() -> None:
         engine.close()
         engine.model.close()
+
+    try:
+        # One step now pages the weights in, so its first tick beside another model's streams
+        # is not the slow one (a cold step took twice its prediction on the CPU).
+        engine.step_sync([BatchEntry(0, engine.tokenize("Hello"), 0, None)])
+        engine.free_seq(0)
+        policy = policy_for(engine, config)
+    except BaseException:  # the request fails; the weights and context must not stay behind
+        close()
+        raise
 
     return LoadedModel(engine, policy, close, partial(engine.describe, deterministic=config.deterministic))
 
