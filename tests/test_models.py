@@ -460,3 +460,28 @@ async def test_on_the_real_engine_a_model_makes_room_and_expires(
             while server.models.state("tiny-b") == "loaded":
                 await trio.sleep(0.1)
         assert server.models.unloads == 2 and server.models.units == {}
+
+
+@pytest.mark.model
+def test_a_model_whose_warm_up_fails_frees_what_it_loaded(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from uma_trio import daemon
+    from uma_trio.engine.llama import LlamaEngine
+
+    closed: list[str] = []
+    real_close = LlamaEngine.close
+
+    def recorded(self: LlamaEngine) -> None:
+        closed.append("context")
+        real_close(self)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("injected: the cost model failed")
+
+    monkeypatch.setattr(LlamaEngine, "close", recorded)
+    monkeypatch.setattr(daemon, "policy_for", broken)
+    config = replace(ServerConfig(), n_ctx=256, max_sessions=1, bmt_budget_gbps=0.0)
+    with pytest.raises(RuntimeError, match="injected"):
+        daemon.load_other_model(StoreEntry("other", model_path, model_path.stat().st_size), config)
+    assert closed == ["context"]
