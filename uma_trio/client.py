@@ -20,8 +20,10 @@ before its ``eos`` cancels the request on the daemon.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ from .protocol.codec import decode_server_event, encode_message
 from .protocol.errors import UmaError
 from .protocol.framing import FrameDecoder
 from .protocol.messages import (
+    REQUEST_ID_PATTERN,
     EosEvent,
     ErrorEvent,
     MetricsEvent,
@@ -113,6 +116,7 @@ class UmaClient:
     async def stream(self, **request: Any) -> AsyncIterator[AsyncIterator[ServerEvent]]:
         """Send a generate request; iterate its events up to and including the last."""
         request_id = str(request.setdefault("id", f"req-{os.getpid()}-{next(_ids)}"))
+        _check_id(request_id)
         receive = self._route(request_id)
         finished = False
 
@@ -123,9 +127,11 @@ class UmaClient:
                     finished = True
                     raise item
                 # Mark the end before yielding: a caller may stop iterating at the eos itself,
-                # and a cancel for a finished request would be an E_PROTO_007 error.
+                # and a cancel for a finished request would be an E_PROTO_007 error.  An error
+                # without an id (the connection's, heard by every stream) ends the stream here
+                # but not the request: leaving sends its cancel if the connection is still up.
                 last = isinstance(item, (EosEvent, ErrorEvent))
-                finished = finished or last
+                finished = finished or (last and item.id == request_id)
                 yield item
                 if last:
                     return
@@ -136,7 +142,7 @@ class UmaClient:
         finally:
             self._routes.pop(request_id, None)
             if not finished and self._closed is None:
-                with anyio.CancelScope(shield=True):
+                with anyio.CancelScope(shield=True), contextlib.suppress(ConnectionLost):
                     await self.send({"type": "cancel", "id": request_id})
 
     async def complete(self, **request: Any) -> Completion:
@@ -153,6 +159,7 @@ class UmaClient:
         raise ConnectionLost("the stream ended without an eos event")
 
     async def cancel(self, request_id: str) -> None:
+        _check_id(request_id)
         await self.send({"type": "cancel", "id": request_id})
 
     async def metrics(self) -> dict[str, Any]:
@@ -246,6 +253,13 @@ class UmaClient:
             self._connection_error = event
             for other in list(self._routes.values()):
                 other.send_nowait(event)
+
+
+def _check_id(request_id: str) -> None:
+    """A request id the daemon accepts (PROTOCOL.md): a bad one was refused by an error with
+    no id, which every stream of the connection heard as its own end."""
+    if not re.match(REQUEST_ID_PATTERN, request_id):
+        raise ValueError(f"request id {request_id!r}: 1 to 128 printable ASCII characters, no spaces")
 
 
 def _check_daemon_user(stream: SocketStream, path: str | os.PathLike[str]) -> None:

@@ -1,0 +1,42 @@
+"""The anyio client (uma_trio/client.py): what it sends for a request whose stream ends early."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from uma_trio.client import UmaClient
+from uma_trio.protocol.messages import ErrorEvent, TokenEvent
+
+from .helpers import sim_daemon
+
+
+async def test_a_request_id_the_daemon_refuses_is_refused_before_it_is_sent(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The daemon refused "job 1" with an error that has no id; every stream of the
+    connection took it for its own end."""
+    async with sim_daemon() as server, UmaClient.connect(server.config.socket_path) as client:
+        for bad in ("job 1", "", "café", "x" * 129):
+            with pytest.raises(ValueError, match="request id"):
+                await client.complete(id=bad, prompt="hello", max_tokens=2)
+            with pytest.raises(ValueError, match="request id"):
+                await client.cancel(bad)
+        done = await client.complete(id="job-1", prompt="hello", max_tokens=2)
+        assert done.eos.reason == "length"
+
+
+async def test_a_stream_ended_by_a_connection_error_cancels_its_request(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """An error without an id ends every stream of the connection; a stream left that way
+    sends its cancel, so the daemon does not go on generating tokens nobody reads."""
+    async with sim_daemon() as server, UmaClient.connect(server.config.socket_path) as client:
+        async with client.stream(id="long", prompt="hello hello", max_tokens=2000) as events:
+            async for event in events:
+                if isinstance(event, TokenEvent):
+                    client._deliver(ErrorEvent(id=None, code="E_PROTO_002", message="someone else's"))
+                elif isinstance(event, ErrorEvent):
+                    assert event.id is None
+        await trio.sleep(0.5)
+        assert [row["id"] for row in (await client.metrics())["in_flight"]] == []
