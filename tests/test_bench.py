@@ -280,6 +280,31 @@ def test_unknown_scenarios_and_targets_are_one_line_errors(monkeypatch: pytest.M
         run("smoke", ["uma"], socket_path=Path("/tmp/nothing.sock"), api_key=None, out=Path("/tmp/unused"))
 
 
+def test_an_out_folder_that_cannot_be_made_is_refused_before_the_runs(tmp_path: Path) -> None:
+    """It failed with a traceback once every run was done, and the results were lost."""
+    from uma_trio.bench_cli import BenchError, run
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(BenchError, match="--out"):  # the socket is never tried: no target error
+        run("smoke", ["uma"], socket_path=tmp_path / "nothing.sock", api_key=None, out=a_file)
+
+
+@pytest.mark.parametrize(
+    ("line", "code"),
+    [
+        ('data: {"error": "Input validation error", "error_type": "validation"}', "validation"),
+        ('data: {"error": "overloaded"}', "error"),
+    ],
+)
+def test_other_servers_error_chunks_end_the_stream(line: str, code: str) -> None:
+    """An error that is a string (text-generation-inference's) was an AttributeError."""
+    r = record()
+    assert apply_chunk(line, r, 1.0) and r.error_code == code
+    quiet = record()  # "error": null is no error
+    assert not apply_chunk('data: {"choices": [], "error": null}', quiet, 1.0) and quiet.error_code is None
+
+
 async def test_a_shipped_suite_runs_in_the_simulator(autojump_clock: trio.abc.Clock) -> None:
     """The scenario files are the simulator's format too: copies and stagger included."""
     from uma_trio.loadgen.simulate import simulate

@@ -115,6 +115,23 @@ def test_metrics_without_daemon_exits_3(tmp_path: Path) -> None:
         assert done.returncode == 3 and "cannot talk to the daemon" in done.stderr
 
 
+def test_bad_client_options_are_one_line_usage_errors(tmp_path: Path) -> None:
+    """`top --interval nan` and `snapshot save --file` of a file that is not UTF-8 were
+    tracebacks; bad options exit 1 (CONFIG.md), before the daemon is asked."""
+    not_utf8 = tmp_path / "prompt.txt"
+    not_utf8.write_bytes(b"\xff\xfe not utf-8")
+    sock = str(tmp_path / "none.sock")
+    for args in (
+        ["top", "--interval", "nan"],
+        ["top", "--interval", "0"],
+        ["snapshot", "save", "s1", "--file", str(not_utf8)],
+        ["snapshot", "save", "s1"],
+    ):
+        done = run_cli(*args, "--socket", sock)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, (args, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 @pytest.mark.parametrize(
     ("content", "words"),
     [

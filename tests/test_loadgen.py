@@ -166,8 +166,18 @@ def test_scenario_from_dict_fills_defaults() -> None:
         {"name": "x", "clients": [{"name": "a", "prompt_tokens": 5, "max_tokens": 8, "colour": "red"}]},
         {"name": "x", "clients": []},
         {"name": "x", "clients": [{"name": "a", "prompt_tokens": 5, "max_tokens": 8}] * 2},
+        {"name": "x", "clients": [{"name": "chat 1", "prompt_tokens": 5, "max_tokens": 8}]},  # no request id
     ],
-    ids=["zero-prompt", "missing-field", "bad-lane", "negative-start", "unknown-field", "no-clients", "dup"],
+    ids=[
+        "zero-prompt",
+        "missing-field",
+        "bad-lane",
+        "negative-start",
+        "unknown-field",
+        "no-clients",
+        "dup",
+        "name-with-space",
+    ],
 )
 def test_bad_scenarios_are_rejected(bad: object) -> None:
     with pytest.raises(msgspec.ValidationError):

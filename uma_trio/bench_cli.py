@@ -55,6 +55,10 @@ def run(name: str, target_specs: list[str], *, socket_path: Path, api_key: str |
         raise BenchError(str(exc)) from None
     if len({t.label for t in targets}) != len(targets):
         raise BenchError("two targets have the same label; name them LABEL=...")
+    try:  # before the runs: a folder that cannot be made lost them all at the end
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BenchError(f"--out {out}: cannot write the results there ({exc})") from None
     total = sum(expected_tokens(s) for s in plan(suite)) * len(targets)
     columns = (
         TextColumn(suite.name),

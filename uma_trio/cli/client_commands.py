@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -126,9 +127,9 @@ async def _generate(socket: Path, request: dict[str, object]) -> int:
                 if isinstance(event, TokenEvent):
                     sys.stdout.write(event.text)
                     sys.stdout.flush()
-                elif isinstance(event, ErrorEvent):
+                elif isinstance(event, ErrorEvent):  # the request's, or the connection's (no id)
                     print(f"\nerror {event.code}: {event.message}", file=sys.stderr)
-                    return EXIT_SERVER_ERROR
+                    return EXIT_SERVER_ERROR if event.id is not None else EXIT_PROTOCOL_ERROR
                 elif isinstance(event, EosEvent):
                     if event.text is not None:
                         sys.stdout.write(event.text)
@@ -189,9 +190,9 @@ def top(*, socket: SocketPath = DEFAULT_SOCKET, interval: float = 1.0, once: boo
     """
     from ..top import run_top
 
-    if interval <= 0:
-        print("error: --interval must be positive", file=sys.stderr)
-        return EXIT_SERVER_ERROR
+    if not 0 < interval < math.inf:  # NaN too: trio's sleep refused it with a traceback
+        print("error: --interval must be a positive number of seconds", file=sys.stderr)
+        return EXIT_USAGE
     try:
         trio.run(run_top, socket, interval, once)
     except (RequestFailed, ConnectionLost, OSError) as exc:

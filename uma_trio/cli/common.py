@@ -30,11 +30,12 @@ def setup_logging(level: str) -> None:
 
 
 def daemon_failure(socket: Path, exc: Exception) -> int:
-    """Say why talking to the daemon at ``socket`` failed; returns the exit code.  An error
-    event (e.g. E_AUTH_001: this user is not on the daemon's --allow-uid) is the daemon's
-    answer; anything else means it could not be reached or hung up."""
+    """Say why talking to the daemon at ``socket`` failed; returns the exit code: 2 for an
+    error event answering the request, 3 when it could not be reached or hung up, or refused
+    the connection itself (an error with no request id, e.g. E_AUTH_001: this user is not on
+    its --allow-uid; whether that arrives as the error or as the hang-up after it is a race)."""
     if isinstance(exc, RequestFailed):
         print(f"error {exc.event.code}: {exc.event.message}", file=sys.stderr)
-        return EXIT_SERVER_ERROR
+        return EXIT_SERVER_ERROR if exc.event.id is not None else EXIT_PROTOCOL_ERROR
     print(f"cannot talk to the daemon at {socket}: {exc}", file=sys.stderr)
     return EXIT_PROTOCOL_ERROR

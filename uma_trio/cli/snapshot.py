@@ -13,7 +13,7 @@ from ..client import ConnectionLost, RequestFailed, UmaClient
 from ..config import DEFAULT_SOCKET
 from ..protocol.messages import SnapshotEvent
 from .common import (
-    EXIT_SERVER_ERROR,
+    EXIT_USAGE,
     SocketPath,
     daemon_failure,
 )
@@ -51,12 +51,12 @@ def snapshot_save(
     """
     if (prompt is None) == (file is None):
         print("error: give exactly one of --prompt and --file", file=sys.stderr)
-        return EXIT_SERVER_ERROR
+        return EXIT_USAGE
     try:
-        text = prompt if prompt is not None else Path(file or "").read_text()
-    except OSError as exc:
+        text = prompt if prompt is not None else Path(file or "").read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:  # not UTF-8 is a ValueError: it was a traceback
         print(f"error: cannot read {file}: {exc}", file=sys.stderr)
-        return EXIT_SERVER_ERROR
+        return EXIT_USAGE
     fields: dict[str, Any] = {"prompt": text}
     if system:
         fields = {"messages": [{"role": "system", "content": text}]}

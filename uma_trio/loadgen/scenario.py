@@ -23,7 +23,8 @@ Lane = Literal["interactive", "background"]
 # (tests/test_loadgen.py checks this on the real model).
 PROMPT_WORD = "hello"
 
-Name = Annotated[str, Meta(min_length=1, max_length=64)]
+# A client's requests are named "NAME-i": printable ASCII with no space, as request ids are.
+Name = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[!-~]+$")]
 PositiveInt = Annotated[int, Meta(ge=1)]
 Seconds = Annotated[float, Meta(ge=0.0)]
 

@@ -123,9 +123,9 @@ def apply_chunk(line: str, record: RequestRecord, now: float) -> bool:
     if not isinstance(chunk, dict):
         record.ended, record.error_code = now, "BAD_SSE"
         return True
-    if "error" in chunk:
-        error = chunk["error"]
-        record.ended, record.error_code = now, str(error.get("code") or error.get("type") or "error")
+    if (error := chunk.get("error")) is not None:  # OpenAI's {...}; other servers' a string
+        code = error.get("code") or error.get("type") if isinstance(error, dict) else chunk.get("error_type")
+        record.ended, record.error_code = now, str(code or "error")
         return True
     for choice in chunk.get("choices") or []:
         text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
