@@ -168,6 +168,53 @@ async def test_the_socket_protocol_takes_response_format_and_grammar(server: Ser
         assert failed.value.event.code == "E_GRAMMAR_001" and "grammar" in failed.value.event.message
 
 
+def chain_grammar(rules: int) -> str:
+    """A GBNF grammar of ``rules`` rules, each naming the next: llguidance recurses a level
+    per rule when it compiles one."""
+    return "root ::= r1\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(1, rules)) + f'r{rules} ::= "x"\n'
+
+
+async def test_a_deep_grammar_is_served_or_refused_and_never_kills_the_daemon(server: Server) -> None:
+    """A 4,000-rule chain (62 KB) overflowed the worker thread's stack inside llguidance and
+    the daemon died of SIGSEGV; past MAX_GBNF_RULES a grammar is refused by name."""
+    async with UmaClient.connect(server.config.socket_path) as client:
+        done = await client.complete(prompt="x", grammar=chain_grammar(4000), max_tokens=4)
+        assert done.text == "x"
+        with pytest.raises(RequestFailed) as failed:
+            await client.complete(prompt="x", grammar=chain_grammar(5000), max_tokens=4)
+        assert failed.value.event.code == "E_GRAMMAR_001" and "rules" in failed.value.event.message
+        assert (await client.complete(prompt="The capital of France is", max_tokens=2)).eos.reason == "length"
+
+
+async def test_a_grammar_is_compiled_off_the_event_loop(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GBNF's conversion ran on the event loop: a 228 KB grammar froze every stream for 24 s."""
+    import threading
+
+    from uma_trio.runtime import samplers
+
+    threads: list[str] = []
+
+    def recorded(text: str) -> Any:
+        threads.append(threading.current_thread().name)
+        return grammar_constraint(text)
+
+    monkeypatch.setattr(samplers, "grammar_constraint", recorded)
+    async with UmaClient.connect(server.config.socket_path) as client:
+        done = await client.complete(prompt="Colour:", grammar='root ::= " red" | " green"', max_tokens=4)
+    assert done.text in (" red", " green") and threads and threading.main_thread().name not in threads
+
+
+def test_a_schema_nested_too_deeply_is_refused_by_name() -> None:
+    """json.dumps raised RecursionError (not a ValueError): the connection dropped unanswered."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(5000):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(ConstraintError, match="nested too deeply"):
+        json_schema_constraint(schema)
+
+
 async def test_the_cli_sends_a_schema_or_a_grammar(server: Server, tmp_path: Path) -> None:
     schema = tmp_path / "city.json"
     schema.write_text(json.dumps(City.model_json_schema()))

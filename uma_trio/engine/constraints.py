@@ -17,17 +17,28 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import llguidance
 import numpy as np
 import numpy.typing as npt
+import outcome
 
 from .logprobs import LogprobSampler
 from .sampling import Sampler, SamplingParams
 
+T = TypeVar("T")
+
 # The largest grammar or schema text a request may send (a protection, not a format limit).
 MAX_GRAMMAR_BYTES = 256 * 1024
+# GBNF is turned into Lark by llguidance's Python converter, whose time grows with the square
+# of the rules (230 KB of them: 19 s of a core): a cap well above any hand-written grammar.
+MAX_GBNF_RULES = 4096
+# llguidance compiles a grammar recursively, a level per rule it goes through: a chain of
+# 4,000 rules (62 KB) overflowed a worker thread's 8 MiB stack and killed the process.  A
+# stack this size (reserved, touched only as deep as a grammar goes) holds any chain that
+# fits MAX_GRAMMAR_BYTES (~21,000 rules).
+COMPILE_STACK_BYTES = 512 << 20
 # JSON as models write it ({"a": 1, "b": 2}), and no free whitespace: with it a small model
 # can fill its whole budget with newlines between two keys.  A schema's own "x-guidance"
 # options override these.
@@ -48,7 +59,10 @@ class OutputConstraint:
 
 def json_schema_constraint(schema: dict[str, Any] | None) -> OutputConstraint:
     """Output that is one JSON value matching ``schema``; ``None``: any JSON object."""
-    text = json.dumps(schema if schema is not None else {"type": "object"})
+    try:
+        text = json.dumps(schema if schema is not None else {"type": "object"})
+    except RecursionError:  # not a ValueError: it dropped the connection with no answer
+        raise ConstraintError("invalid JSON schema: nested too deeply") from None
     if len(text) > MAX_GRAMMAR_BYTES:
         raise ConstraintError(f"the JSON schema is over {MAX_GRAMMAR_BYTES} bytes")
     try:
@@ -62,6 +76,8 @@ def grammar_constraint(text: str) -> OutputConstraint:
     """Output matching a grammar in llama.cpp's GBNF or in Lark (llguidance's syntax)."""
     if len(text.encode()) > MAX_GRAMMAR_BYTES:
         raise ConstraintError(f"the grammar is over {MAX_GRAMMAR_BYTES} bytes")
+    if (rules := text.count("::=")) > MAX_GBNF_RULES:
+        raise ConstraintError(f"the grammar has {rules} rules; at most {MAX_GBNF_RULES}")
     try:
         return OutputConstraint(llguidance.grammar_from("gbnf", text), "grammar")
     except ValueError as exc:
@@ -71,6 +87,24 @@ def grammar_constraint(text: str) -> OutputConstraint:
 def lark_constraint(text: str, kind: str) -> OutputConstraint:
     """A grammar in llguidance's Lark dialect (which may embed JSON schemas with ``%json``)."""
     return OutputConstraint(llguidance.LLMatcher.grammar_from_lark(text), kind)
+
+
+def on_big_stack(build: Callable[[], T]) -> T:
+    """``build()`` in a thread of its own with a :data:`COMPILE_STACK_BYTES` stack (blocking:
+    call it off the event loop)."""
+    result: list[outcome.Outcome[T]] = []
+    thread = threading.Thread(target=lambda: result.append(outcome.capture(build)), name="uma-grammar")
+    with _STACK_SIZE:  # the size applies to threads started while it is set: only this one
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    return result[0].unwrap()
+
+
+_STACK_SIZE = threading.Lock()
 
 
 class ModelVocabulary:

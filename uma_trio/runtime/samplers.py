@@ -8,6 +8,7 @@ from ..engine.constraints import (
     OutputConstraint,
     grammar_constraint,
     json_schema_constraint,
+    on_big_stack,
 )
 from ..engine.sampling import Sampler, SamplingParams, banned
 from ..protocol.errors import ErrorCode, UmaError
@@ -49,9 +50,15 @@ async def sampler_for(
     the problem (``E_GRAMMAR_001``)."""
     params = sampling_params(request)
     try:
-        constraint = tool_grammar or output_constraint(request)
+        # Turning a grammar or schema into llguidance's takes time (GBNF's converter is
+        # quadratic in its rules): done off the event loop, below, never on it.
+        constrained = (
+            tool_grammar is not None
+            or request.grammar is not None
+            or (isinstance(request.response_format, JsonSchemaFormat | JsonObjectFormat))
+        )
         top = request.top_logprobs if request.logprobs else None
-        if constraint is None and not params.needs_chain and top is None:
+        if not constrained and not params.needs_chain and top is None:
             return Sampler(params)
         vocabulary = engine.vocabulary
         if vocabulary is None:
@@ -68,8 +75,13 @@ async def sampler_for(
                 f"(0-{vocabulary.n_vocab - 1})",
                 request_id=request.id,
             )
-        if constraint is None:
+        if not constrained:
             return vocabulary.sampler(params, top_logprobs=top)  # microseconds to build
-        return await off_loop(engine, lambda: vocabulary.sampler(params, constraint, top))
+
+        def build() -> Sampler:
+            constraint = tool_grammar or output_constraint(request)
+            return vocabulary.sampler(params, constraint, top)
+
+        return await off_loop(engine, lambda: on_big_stack(build))
     except ConstraintError as exc:
         raise UmaError(ErrorCode.GRAMMAR, str(exc), request_id=request.id) from None
