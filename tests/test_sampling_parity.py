@@ -62,6 +62,20 @@ def test_each_chain_sampler_runs_seeded_and_reproducibly(
     assert first != draws(llama_model, sample_rows, temperature=0.9, seed=12, **params)
 
 
+def test_every_seed_repeats_and_every_bit_of_it_counts(llama_model: LlamaModel) -> None:
+    """4294967295 is llama.cpp's "random seed": a request with that seed did not repeat; and
+    seeds differing above bit 31 drew alike."""
+    sample_rows = rows(llama_model)
+    chain = {"temperature": 0.9, "repeat_penalty": 1.3}
+    for seed in (4294967295, 2**33 - 1, 0):
+        assert draws(llama_model, sample_rows, seed=seed, **chain) == draws(
+            llama_model, sample_rows, seed=seed, **chain
+        )
+    assert draws(llama_model, sample_rows, seed=7, **chain) != draws(
+        llama_model, sample_rows, seed=7 + 2**32, **chain
+    )
+
+
 def test_plain_parameters_keep_the_numpy_sampler(llama_model: LlamaModel) -> None:
     assert type(llama_model.vocabulary.sampler(SamplingParams(temperature=0.7))) is Sampler
 

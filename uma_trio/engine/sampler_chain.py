@@ -25,6 +25,14 @@ DRY_BREAKERS = ["\n", ":", '"', "*"]  # llama-server's default sequence breakers
 DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
 
 
+def chain_seed(seed: int) -> int:
+    """A request's seed as llama.cpp's 32-bit one: every bit of it counts (seeds differing
+    above bit 31 drew alike), and never DEFAULT_SEED, which llama.cpp takes as "random" (a
+    seed of 4294967295 did not repeat)."""
+    folded = int(np.random.SeedSequence(seed).generate_state(1, dtype=np.uint32)[0])
+    return folded if folded != DEFAULT_SEED else 0
+
+
 class ChainSampler(Sampler):
     """A request's sampler, run by llama.cpp; freed with the request."""
 
@@ -43,7 +51,7 @@ class ChainSampler(Sampler):
             llama.llama_sampler_chain_add(self._chain, sampler)
 
     def _samplers(self, p: SamplingParams, vocab: Any) -> list[Any]:
-        seed = DEFAULT_SEED if p.seed is None else p.seed & 0xFFFFFFFF
+        seed = DEFAULT_SEED if p.seed is None else chain_seed(p.seed)
         chain = []
         if p.logit_bias:
             biases = (llama.llama_logit_bias * len(p.logit_bias))(
