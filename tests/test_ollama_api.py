@@ -147,6 +147,13 @@ async def test_generate_raw_templated_and_errors(open_server: Server) -> None:
     assert images.value.status_code == 400 and "images" in images.value.error
     loaded = await api.generate(model=MODEL, prompt="")  # Ollama's "load the model" call
     assert loaded.done and loaded.done_reason == "load"
+    # Ollama's -1s: a random seed, and penalties over the whole context (both were 400s).
+    minus_one = await api.generate(
+        model=MODEL,
+        prompt="Hi",
+        options={"seed": -1, "repeat_last_n": -1, "repeat_penalty": 1.1, "num_predict": 4},
+    )
+    assert minus_one.done and minus_one.eval_count == 4
     chat_loaded = await api.chat(model=MODEL, messages=[])  # /api/chat's, the same
     assert chat_loaded.done and chat_loaded.done_reason == "load" and chat_loaded.message.content == ""
     async with httpx.AsyncClient(base_url=str(open_server.http_url)) as http:
@@ -211,3 +218,20 @@ async def test_ollama_on_a_port_of_its_own(llama_model: LlamaModel, server_confi
         assert (await ollama.AsyncClient(host=alone.http_url).list()).models
     with pytest.raises(ConfigError, match="--ollama"):
         ServerConfig(ollama="localhost:eleven")
+
+
+def test_minus_one_means_what_ollama_and_llama_server_say() -> None:
+    from uma_trio.protocol import ollama as protocol
+    from uma_trio.protocol.llama_server import InfillBody, infill_request
+
+    body = protocol.ChatBody(
+        model="m", messages=[protocol.OllamaMessage(role="user", content="hi")],
+        options=protocol.Options(seed=-1, repeat_last_n=-1),
+    )  # fmt: skip
+    for request in (
+        protocol.chat_request(body, "r1"),
+        infill_request(
+            InfillBody(input_prefix="def f(", input_suffix=")", seed=-1, repeat_last_n=-1), "r2", 128
+        ),
+    ):
+        assert request.seed is None and request.repeat_last_n == protocol.WHOLE_CONTEXT

@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Struct
 
 from .messages import EosEvent, GenerateRequest
+from .ollama import minus_one_means
 
 
 class InfillBody(Struct, kw_only=True):
@@ -62,7 +63,7 @@ def infill_request(body: InfillBody, request_id: str, max_tokens_limit: int) -> 
     for name in _PASSED:
         if (value := getattr(body, name)) is not None:
             fields[name] = value
-    return msgspec.convert(fields, GenerateRequest)
+    return msgspec.convert(minus_one_means(fields), GenerateRequest)
 
 
 class InfillAnswer(Struct, omit_defaults=True):

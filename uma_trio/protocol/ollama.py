@@ -127,6 +127,19 @@ _PASSED = (
 )  # fmt: skip
 
 
+WHOLE_CONTEXT = 1 << 20  # repeat_last_n: the daemon cuts it to the request's context
+
+
+def minus_one_means(fields: dict[str, Any]) -> dict[str, Any]:
+    """Ollama's and llama.cpp's documented -1 values in the daemon's terms: a negative seed is
+    a random one (no seed), repeat_last_n -1 the whole context (both were 400s)."""
+    if fields.get("seed") is not None and fields["seed"] < 0:
+        del fields["seed"]
+    if fields.get("repeat_last_n") == -1:
+        fields["repeat_last_n"] = WHOLE_CONTEXT
+    return fields
+
+
 def streams(body: _Common) -> bool:
     return body.stream is not False
 
@@ -139,6 +152,7 @@ def _common_fields(body: _Common, request_id: str) -> dict[str, Any]:
     for name in _PASSED:
         if (value := getattr(options, name)) is not None:
             fields[name] = value
+    minus_one_means(fields)
     if options.num_predict is not None and options.num_predict > 0:
         fields["max_tokens"] = options.num_predict
     if body.format not in (None, ""):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..engine.base import Engine
 from ..engine.constraints import (
     ConstraintError,
@@ -49,6 +51,8 @@ async def sampler_for(
     tools need), compiled off the event loop.  An invalid one is an :class:`UmaError` naming
     the problem (``E_GRAMMAR_001``)."""
     params = sampling_params(request)
+    if params.repeat_last_n > engine.n_ctx_seq:  # a look-back past the context: the context
+        params = replace(params, repeat_last_n=engine.n_ctx_seq)
     try:
         # Turning a grammar or schema into llguidance's takes time (GBNF's converter is
         # quadratic in its rules): done off the event loop, below, never on it.
