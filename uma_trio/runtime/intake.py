@@ -54,7 +54,14 @@ async def open_on(
         if request.prompt is not None
         else chat_text_bytes(request.messages or ())
     )  # fmt: skip
-    if text_bytes > config.max_prompt_tokens * engine.max_token_bytes:
+    limit_bytes = config.max_prompt_tokens * engine.max_token_bytes
+    if text_bytes > limit_bytes and request.embed and request.truncate and request.prompt is not None:
+        # To be cut anyway (below): no more text than the tokens kept can come from, cut at a
+        # character (Ollama's /api/embed truncates by default; this was refused).
+        prompt_text = request.prompt.encode()[:limit_bytes].decode(errors="ignore")
+        request = msgspec.structs.replace(request, prompt=prompt_text)
+        text_bytes = len(prompt_text.encode())
+    if text_bytes > limit_bytes:
         # Refused before tokenizing (a megabyte takes a worker thread a while): no token
         # is longer than max_token_bytes, so this text has more tokens than the limit.
         raise UmaError(
