@@ -176,6 +176,17 @@ async def test_the_socket_sends_logprobs_with_each_token(server: Server) -> None
         assert all(len(lp.top_logprobs) == 2 for e in tokens for lp in e.logprobs or [])
         done = await client.complete(messages=ASK, temperature=0, max_tokens=8, stream=False, logprobs=True)
         assert done.eos.logprobs and "".join(lp.token for lp in done.eos.logprobs) == done.text
+        # A stop string's tokens are not in the text, nor their logprobs, streamed or not
+        # (the whole answer kept them).
+        ask = {"prompt": "List the days of the week:\n1. Monday\n2.", "temperature": 0, "max_tokens": 16}
+        whole = await client.complete(**ask, stop=["\n"], stream=False, logprobs=True)
+        async with client.stream(**ask, stop=["\n"], logprobs=True) as events:
+            streamed = [
+                lp for e in [e async for e in events] if isinstance(e, TokenEvent) for lp in e.logprobs or []
+            ]
+        assert whole.eos.stop_sequence == "\n" and "\n" not in whole.text
+        assert [lp.token for lp in whole.eos.logprobs or []] == [lp.token for lp in streamed]
+        assert "".join(lp.token for lp in streamed) == whole.text
 
 
 async def test_n_choices_share_the_prompt_and_differ_by_seed(

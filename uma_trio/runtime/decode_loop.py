@@ -663,6 +663,7 @@ class DecodeLoop:
         if not session.request.stream or session.tool_format is not None:
             session.pieces.append(text)  # the whole text: the eos carries it, or its tool calls
         if not session.request.stream:
+            session.keep_logprobs()
             return
         try:
             event = TokenEvent(id=session.id, text=text, token_id=token_id, logprobs=session.take_logprobs())

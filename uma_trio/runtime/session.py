@@ -105,6 +105,7 @@ class Session:
     pieces: list[str] = field(default_factory=list)  # whole text: non-stream, or with tools
     tool_format: ToolFormat | None = None  # how the model writes tool calls, when offered tools
     logprobs: list[TokenLogprob] = field(default_factory=list)  # with `logprobs`: not yet sent
+    logprobs_kept: list[TokenLogprob] = field(default_factory=list)  # not streamed: in its text
     pool: EmbeddingPool | None = None  # an embedding request's pooled hidden states so far
     error: ErrorEvent | None = None
     final: EosEvent | None = None
@@ -163,6 +164,19 @@ class Session:
             )
         )
 
+    def keep_logprobs(self) -> None:
+        """Not streamed: the records so far are of tokens whose text is now the answer's."""
+        self.logprobs_kept += self.logprobs
+        self.logprobs = []
+
+    def whole_logprobs(self, reason: FinishReason) -> list[TokenLogprob] | None:
+        """Not streamed: the answer's records.  The tokens of a stop string that ended it are
+        not in its text, nor their records (as streamed, and as llama-server answers)."""
+        if not self.request.logprobs:
+            return None
+        cut = reason == "stop" and self.stop_sequence is not None
+        return [*self.logprobs_kept, *([] if cut else self.logprobs)]
+
     def take_logprobs(self) -> list[TokenLogprob] | None:
         """The log-probabilities to send with the next text (None without `logprobs`)."""
         if not self.request.logprobs:
@@ -181,7 +195,7 @@ class Session:
             text="".join(self.pieces) if not self.request.stream else None,
             cancel_reason=cancel_reason,
             stop_sequence=self.stop_sequence if reason == "stop" else None,
-            logprobs=self.take_logprobs() if not self.request.stream else None,
+            logprobs=self.whole_logprobs(reason) if not self.request.stream else None,
         )
         if self.pool is not None and reason == "stop":
             eos.embedding = self.pool.result(normalize=self.request.normalize)
