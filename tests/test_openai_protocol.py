@@ -228,3 +228,18 @@ def test_whole_answers() -> None:
 def test_sse_framing() -> None:
     assert openai.sse(b"{}") == b"data: {}\n\n"
     assert openai.SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_text_offsets_count_characters_not_the_u_fffd_of_split_ones() -> None:
+    """"é" (c3 a9) drawn as two byte tokens, each reading as U+FFFD: offsets were summed from
+    those and every later one was shifted."""
+    from uma_trio.protocol.messages import TokenLogprob
+    from uma_trio.protocol.openai_logprobs import completion_logprobs
+
+    entries = [
+        TokenLogprob("\ufffd", -0.1, [0xC3], []),
+        TokenLogprob("\ufffd", -0.1, [0xA9], []),
+        TokenLogprob("x", -0.1, [0x78], []),
+    ]
+    described = completion_logprobs(entries, offset=2)
+    assert described is not None and described.text_offset == [2, 2, 3]  # "ab" + "éx": "x" at 3

@@ -3,6 +3,7 @@ entries as they are) and the legacy completions' parallel lists.  Pure."""
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 from msgspec import Struct
@@ -29,10 +30,13 @@ def completion_logprobs(entries: Sequence[TokenLogprob] | None, offset: int = 0)
     """``offset``: the length of the completion text before these tokens (a stream's chunk)."""
     if entries is None:
         return None
+    # From the bytes: a character split across tokens reads as U+FFFD in each token's text
+    # (3 characters for one emoji), and counting those shifted every offset after it.
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     starts, at = [], offset
     for entry in entries:
         starts.append(at)
-        at += len(entry.token)
+        at += len(decoder.decode(bytes(entry.bytes)))
     return CompletionLogprobs(
         tokens=[e.token for e in entries],
         token_logprobs=[e.logprob for e in entries],
