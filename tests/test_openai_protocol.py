@@ -231,7 +231,7 @@ def test_sse_framing() -> None:
 
 
 def test_text_offsets_count_characters_not_the_u_fffd_of_split_ones() -> None:
-    """"é" (c3 a9) drawn as two byte tokens, each reading as U+FFFD: offsets were summed from
+    """ "é" (c3 a9) drawn as two byte tokens, each reading as U+FFFD: offsets were summed from
     those and every later one was shifted."""
     from uma_trio.protocol.messages import TokenLogprob
     from uma_trio.protocol.openai_logprobs import completion_logprobs

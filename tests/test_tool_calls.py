@@ -351,3 +351,38 @@ async def test_n_choices_each_call_tools_whole_and_streamed(keyed_http_server: S
         assert calls == {
             i: [c.function.name for c in whole.choices[i].message.tool_calls or []] for i in (0, 1)
         }
+
+
+def test_a_generic_history_shows_the_model_its_calls_and_their_results(llama_model: LlamaModel) -> None:
+    """The default model's template cannot render tools: an assistant turn that only called
+    one rendered empty, and the model never saw its call."""
+    from uma_trio.protocol.messages import GenerateRequest
+    from uma_trio.runtime.tool_use import chat_turns
+
+    request = msgspec.convert(
+        {
+            "id": "r",
+            "messages": [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "tool_calls": [
+                    {"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+                ]},
+                {"role": "tool", "content": "rain, 7C", "tool_call_id": "c1", "name": "get_weather"},
+            ],
+            "tools": [
+                {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+            ],
+        },
+        GenerateRequest,
+    )  # fmt: skip
+    turns, no_tools = chat_turns(request, "generic")
+    assert no_tools is None  # described in the system message instead
+    called, answered = turns[2], turns[3]
+    assert json.loads(called["content"]) == {
+        "tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
+    }
+    assert json.loads(answered["content"]) == {
+        "tool_response": {"tool": "get_weather", "content": "rain, 7C"}
+    }
+    prompt = llama_model.apply_chat_template([(t["role"], t["content"]) for t in turns])
+    assert '"tool_calls"' in prompt and "rain, 7C" in prompt

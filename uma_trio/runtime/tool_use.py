@@ -3,6 +3,7 @@ back out of the generated text (the families and formats are protocol/tools.py's
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any
 
@@ -25,6 +26,26 @@ def tool_format(engine: Engine, request: GenerateRequest) -> ToolFormat | None:
     return tool_format_of(engine.chat_template_source) if request.uses_tools else None
 
 
+def generic_turn(turn: dict[str, Any]) -> dict[str, Any]:
+    """A turn for a template that cannot render tools: the calls an assistant made, and a
+    tool's result, written into the text as the generic format's JSON (llama.cpp's
+    ``{"tool_calls": ...}`` and ``{"tool_response": ...}``); the template rendered an
+    assistant turn that only called a tool as an empty one."""
+    if turn.get("tool_calls"):
+        calls = [
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            for c in turn["tool_calls"]
+        ]
+        said = turn.get("content") or ""
+        content = json.dumps({"tool_calls": calls}, ensure_ascii=False)
+        rest = {k: v for k, v in turn.items() if k not in ("tool_calls", "content")}
+        return {**rest, "content": f"{said}\n{content}" if said else content}
+    if turn["role"] == "tool":
+        response = {"tool": turn.get("name") or "", "content": turn.get("content") or ""}
+        return {**turn, "content": json.dumps({"tool_response": response}, ensure_ascii=False)}
+    return turn
+
+
 def chat_turns(
     request: GenerateRequest, fmt: ToolFormat | None
 ) -> tuple[list[dict[str, Any]], list[Any] | None]:
@@ -36,6 +57,7 @@ def chat_turns(
         return turns, None
     if fmt != "generic":
         return turns, msgspec.to_builtins(request.tools)
+    turns = [generic_turn(turn) for turn in turns]
     instructions = generic_instructions(request.tools, request.tool_choice)
     if turns and turns[0]["role"] == "system":
         turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{instructions}"}
