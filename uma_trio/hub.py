@@ -127,8 +127,7 @@ def pull(reference: str, store: Path, progress: Progress | None = None) -> Path:
             return target
         # A folder of its own: pulls of one repository's files shared one, and the first to
         # end removed the other's download.
-        (store / ".pull").mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=repo.replace("/", "--") + ".", dir=store / ".pull"))
+        staging = _staging_folder(store / ".pull", repo.replace("/", "--") + ".")
         try:
             downloaded = Path(_download(repo, chosen, staging, report))
             report("verifying", 0, chosen.size or 0)
@@ -141,6 +140,16 @@ def pull(reference: str, store: Path, progress: Progress | None = None) -> Path:
     size = target.stat().st_size
     report("done", size, size)
     return target
+
+
+def _staging_folder(parent: Path, prefix: str) -> Path:
+    """A new folder in ``parent``, made again if another pull, ending, removed it meanwhile."""
+    while True:
+        parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        except FileNotFoundError:
+            continue
 
 
 def check(path: Path, expected: HubFile) -> None:

@@ -94,7 +94,7 @@ def on_big_stack(build: Callable[[], T]) -> T:
     call it off the event loop)."""
     result: list[outcome.Outcome[T]] = []
     thread = threading.Thread(target=lambda: result.append(outcome.capture(build)), name="uma-grammar")
-    with _STACK_SIZE:  # the size applies to threads started while it is set: only this one
+    with _STACK_SIZE:  # set only while this one starts (another starting then gets it too: harmless)
         previous = threading.stack_size(COMPILE_STACK_BYTES)
         try:
             thread.start()
