@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -200,3 +201,25 @@ def test_cli_calibrate_with_a_missing_model_exits_2(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "does not exist" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "c.json").exists()
+
+
+def test_the_device_key_names_threads_and_the_kv_layout_off_their_defaults(llama_model: LlamaModel) -> None:
+    """A cost file measured with 1 thread (2.3x the prefill time of 2) or a unified KV was read
+    back by a daemon with the defaults as its own."""
+    import os
+
+    from uma_trio.engine.calibrate import engine_device_key
+
+    def key(**settings: Any) -> str:
+        engine = LlamaEngine(llama_model, ContextConfig(n_ctx_seq=256, n_seq_max=2, **settings))
+        try:
+            return engine_device_key(engine)
+        finally:
+            engine.close()
+
+    default = key()
+    assert "threads" not in default and "kv_unified" not in default
+    assert key(n_threads=os.cpu_count()) == default
+    assert key(kv_unified=True) == default + "; kv_unified"
+    if (os.cpu_count() or 1) > 1:
+        assert key(n_threads=1) == default + "; threads 1"

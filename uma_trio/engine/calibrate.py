@@ -475,6 +475,16 @@ def engine_device_key(engine: LlamaEngine) -> str:
     # A tensor split runs through llama.cpp's split device even on one GPU.
     if len(used) > 1 or (used and p.split_mode == "tensor"):
         key += f"; split {p.split_mode} {share_text(p.split_mode, p.tensor_split)}"
+    # Where layers run on the CPU, its threads set a step's cost (1 thread: 2.3x 2's prefill);
+    # and one KV stream for all sequences reads differently.  Added only off their defaults.
+    threads = c.n_threads or os.cpu_count() or 1
+    if m.layers_offloaded < m.layers_total and threads != (os.cpu_count() or 1):
+        key += f"; threads {threads}"
+    all_on_gpu = m.layers_offloaded == m.layers_total and m.layers_total > 0
+    if c.kv_unified and not all_on_gpu:  # the auto default: unified only with every layer on a GPU
+        key += "; kv_unified"
+    elif not c.kv_unified and all_on_gpu:
+        key += "; kv per sequence"
     cuda = any(d.backend == "CUDA" for d in used)
     return f"{key}; cuda_graphs off" if cuda and not engine.captures_graphs else key
 
