@@ -100,15 +100,22 @@ async def test_snapshot_errors_are_clear(
                 failures[(op, name)] = failed.value.event.code
             assert (await client.snapshot("list")).snapshots == []  # the broken file is left out
             await client.snapshot("save", "f16", prompt=SYSTEM)
+    messages: dict[str, str] = {}
     for name, overrides in [
         ("cache off", {"kv_type": "f16", "prefix_cache_cells": 0}),
         ("q8_0", {"kv_type": "q8_0"}),
+        # llama.cpp refuses a state saved under another stream count or V layout: said by name
+        # (it was E_SNAPSHOT_003, "another model shape or KV type?").
+        ("other max-sessions", {"kv_type": "f16", "max_sessions": server_config.max_sessions + 1}),
+        ("flash attention off", {"kv_type": "f16", "flash_attn": "off"}),
     ]:
         async with running_server(llama_model, server_config, snapshot_dir=tmp_path, **overrides) as srv:
             async with UmaClient.connect(srv.config.socket_path) as client:
                 with pytest.raises(RequestFailed) as failed:
                     await client.snapshot("restore", "f16")
                 failures[("restore f16 into", name)] = failed.value.event.code
+                messages[name] = failed.value.event.message
+    assert "KV stream" in messages["other max-sessions"] and "V transposed" in messages["flash attention off"]
     assert failures == {
         ("restore", "missing"): ErrorCode.SNAPSHOT_NOT_FOUND,
         ("restore", "broken"): ErrorCode.SNAPSHOT_INVALID,
@@ -117,4 +124,6 @@ async def test_snapshot_errors_are_clear(
         ("list", None): ErrorCode.SCHEMA,
         ("restore f16 into", "cache off"): ErrorCode.SNAPSHOT_MISMATCH,
         ("restore f16 into", "q8_0"): ErrorCode.SNAPSHOT_MISMATCH,
+        ("restore f16 into", "other max-sessions"): ErrorCode.SNAPSHOT_MISMATCH,
+        ("restore f16 into", "flash attention off"): ErrorCode.SNAPSHOT_MISMATCH,
     }

@@ -259,6 +259,12 @@ class Engine(Protocol):
         """The KV cache's element type (``f16``, ``q8_0`` or ``q4_0``)."""
         ...
 
+    @property
+    def kv_layout(self) -> str:
+        """How a sequence's saved KV state is laid out beyond its type (llama.cpp refuses to
+        load one saved under another): its streams, and whether V is stored transposed."""
+        ...
+
     def fingerprint(self) -> str:
         """The model's identity for snapshots (the file's sha256); blocking, cached."""
         ...

@@ -279,6 +279,12 @@ class LlamaEngine:
     def kv_type(self) -> str:
         return self.config.kv_type
 
+    @property
+    def kv_layout(self) -> str:
+        streams = 1 if self.config.kv_unified else self._n_seq_max
+        v = "plain" if self.flash_attn else "transposed"  # llama.cpp transposes V without flash attention
+        return f"{streams} KV stream{'s' if streams > 1 else ''}, V {v}"
+
     def fingerprint(self) -> str:
         return self.model.fingerprint()
 

@@ -299,6 +299,10 @@ class SimEngine:
     def kv_type(self) -> str:
         return "q8_0"
 
+    @property
+    def kv_layout(self) -> str:
+        return "sim"
+
     def fingerprint(self) -> str:
         return "sim"
 

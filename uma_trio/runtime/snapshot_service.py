@@ -83,6 +83,7 @@ class SnapshotService:
         header = SnapshotHeader(
             name=request.name, model=self.engine.model_name, model_sha256=await self._fingerprint(),
             kv_type=self.engine.kv_type, tokens=pinned.tokens.tolist(), created_unix=time.time(),
+            kv_layout=self.engine.kv_layout,
         )  # fmt: skip
         try:
             return await trio.to_thread.run_sync(self.store.write, header, state)
@@ -113,6 +114,11 @@ class SnapshotService:
             )
         elif header.kv_type != self.engine.kv_type:
             problem = f"it holds a {header.kv_type} KV cache and this daemon runs --kv-type {engine.kv_type}"
+        elif header.kv_layout and header.kv_layout != engine.kv_layout:
+            problem = (
+                f"it was saved with {header.kv_layout} and this daemon has {engine.kv_layout} "
+                "(--max-sessions, --kv-unified and --flash-attn set them)"
+            )
         elif len(header.tokens) >= engine.n_ctx_seq:
             problem = f"it holds {len(header.tokens)} tokens and a request's context is {engine.n_ctx_seq}"
         if problem is not None:

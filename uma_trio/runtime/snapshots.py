@@ -38,6 +38,7 @@ class SnapshotHeader(msgspec.Struct, kw_only=True):
     kv_type: str
     tokens: list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]]  # what the cells hold, in order
     created_unix: float
+    kv_layout: str = ""  # Engine.kv_layout ("" in files from before it was recorded)
 
     def info(self, size: int) -> SnapshotInfo:
         return SnapshotInfo(
