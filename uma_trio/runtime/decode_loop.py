@@ -101,6 +101,7 @@ class DecodeLoop:
         )
         self._jobs: list[Callable[[], Awaitable[None]]] = []
         self._unpin: list[int] = []
+        self._copies_pending = False  # KV copies queued in llama.cpp until its next decode
         self._waiting: deque[Session] = deque()
         self.arrivals = Arrivals()  # requests on their way in (_gather_burst waits for them)
         self.clients = clients if clients is not None else Clients()  # the daemon's open connections
@@ -423,6 +424,7 @@ class DecodeLoop:
     def _absorb(self, plan: Plan, result: StepResult, whole: bool, *, ahead: bool = False) -> None:
         """Book one step's work (planned, or run ahead by the compute thread) and deliver its
         tokens."""
+        self._copies_pending = False  # the step made them
         if whole:  # a batch run in parts says nothing about the cost of the plan
             self.policy.observe(plan, self._state, result.decode_s)
         if self._shapes is not None:  # a batch run in parts ran other shapes: start over
@@ -542,6 +544,8 @@ class DecodeLoop:
         for seq_id in self._unpin:
             self._free_cells(self.kv.unpin(seq_id))
         self._unpin.clear()
+        if self._copies_pending and self._active:  # after the step that makes the copies
+            return
         jobs, self._jobs = self._jobs, []
         for job in jobs:
             await job()
@@ -613,6 +617,11 @@ class DecodeLoop:
                 running[session.seq_id] = (session.owner, session.kv_tokens())
 
     def _set_up_sequence(self, claim: Claim) -> int:
+        if claim.moved is not None or (claim.source is not None and not claim.adopted):
+            # llama.cpp copies between KV streams at its next decode, from what the source
+            # holds then: a snapshot restored before it (into a source just evicted, or a
+            # move's destination) would be copied instead.  Jobs wait for that step.
+            self._copies_pending = True
         reused, evicted = set_up_sequence(self.engine, claim)
         self._free_cells(evicted)
         return reused
