@@ -277,6 +277,45 @@ async def test_the_http_api_serves_https_with_tls_cert_and_key(tmp_path: Path) -
         async with httpx.AsyncClient(base_url=url.replace("https://", "http://")) as plain:
             with pytest.raises(httpx.HTTPError):
                 await plain.get("/health")
+    # A connection that never starts its handshake is idle: closed after 5 s like any idle
+    # one, freeing its slot (hypercorn's own handshake timeout held it 60 s).
+    async with gateway_on_sim(tls_cert=cert, tls_key=key, http_max_connections=1) as (_, _, url):
+        host, port = url.removeprefix("https://").split(":")
+        silent = await trio.open_tcp_stream(host, int(port.rstrip("/")))
+        await trio.sleep(6.5)
+        async with httpx.AsyncClient(base_url=url, verify=ssl.create_default_context(cafile=cert)) as https:
+            with trio.fail_after(5):
+                assert (await https.get("/health")).status_code == 200
+        await silent.aclose()
+    # A missing file, or a key that is not the certificate's, is a start-up error naming the
+    # flags (it was a traceback from inside the server once it began).
+    other = tmp_path / "other.pem"
+    await trio.run_process(
+        ["openssl", "genrsa", "-out", str(other), "2048"], capture_stdout=True, capture_stderr=True
+    )
+    from uma_trio.config import ServerConfig
+    from uma_trio.daemon import DaemonStartError
+
+    for bad_cert, bad_key in ((tmp_path / "missing.pem", key), (cert, other)):
+        config = ServerConfig(http="127.0.0.1:0", tls_cert=bad_cert, tls_key=bad_key)
+        with pytest.raises(DaemonStartError, match="--tls-cert"):
+            async with http_gateway(config, "sim.gguf"):
+                pytest.fail("served with bad TLS files")
+
+
+async def test_browser_sdks_preflights_from_an_allowed_origin_are_answered() -> None:
+    """The OpenAI and Anthropic browser SDKs send headers of their own (x-stainless-*,
+    anthropic-version, x-api-key): a 400 "Disallowed CORS headers" kept them off."""
+    async with gateway_on_sim() as (_, _, url), httpx.AsyncClient(base_url=url) as http:
+        for headers in (
+            "authorization, content-type, x-stainless-os, x-stainless-lang",
+            "x-api-key, anthropic-version, anthropic-dangerous-direct-browser-access, content-type",
+        ):
+            answer = await http.options("/v1/chat/completions", headers={
+                "origin": "http://localhost:3000", "access-control-request-method": "POST",
+                "access-control-request-headers": headers,
+            })  # fmt: skip
+            assert answer.status_code == 200, (headers, answer.text)
 
 
 def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:

@@ -6,6 +6,7 @@ import gc
 import ipaddress
 import logging
 import resource
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -239,6 +240,11 @@ async def http_gateway(config: ServerConfig, model_file: str) -> AsyncIterator[G
         file_keys = read_api_keys(config.api_key_file) if config.api_key_file is not None else ()
     except ValueError as exc:
         raise DaemonStartError(str(exc)) from None
+    if (cert := config.tls_cert) is not None and (key := config.tls_key) is not None:
+        try:  # checked here: once serving began, a bad file was a traceback
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise DaemonStartError(f"--tls-cert {cert} / --tls-key {key}: {exc}") from None
     socks = [
         (flag, bind_tcp(h, p, "the HTTP API" if flag == "http" else "the Ollama port"))
         for flag, (h, p) in addresses

@@ -143,7 +143,9 @@ class Gateway:
                     CORSMiddleware,
                     allow_origin_regex=origin_pattern(cors_origins).pattern,
                     allow_methods=["GET", "POST"],
-                    allow_headers=["authorization", "content-type", openai.LANE_HEADER],
+                    # The browser SDKs' own headers too (OpenAI's x-stainless-*, Anthropic's
+                    # key and version): the origin has passed OriginGuard by now.
+                    allow_headers=["*"],
                     expose_headers=["x-request-id", "retry-after"],
                     max_age=600,
                 ),

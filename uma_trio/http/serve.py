@@ -146,6 +146,9 @@ async def serve_asgi(
     config = Config()
     if tls is not None:
         config.certfile, config.keyfile = str(tls[0]), str(tls[1])
+    # A TLS connection that never completes its handshake is idle: closed as any idle one is
+    # (hypercorn's own default held its slot 60 s).
+    config.ssl_handshake_timeout = config.keep_alive_timeout
     config.accesslog = None
     config.errorlog = logging.getLogger(f"uma_trio.{name}")
     listener: trio.abc.Listener[Any] = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
