@@ -392,3 +392,27 @@ async def test_a_responses_input_role_that_is_not_a_string_is_a_400() -> None:
     async with gateway_on_sim() as (_, _, url), httpx.AsyncClient(base_url=url) as http:
         answer = await http.post("/v1/responses", json=body)
         assert answer.status_code == 400 and "role" in answer.text
+
+
+@pytest.mark.parametrize("n", [1, 4])
+async def test_a_stalled_reader_of_streamed_choices_is_parked(n: int) -> None:
+    """A client that stops reading is parked (left out of the batch) until the stall timeout;
+    with n > 1 the choices' events went through an unbounded channel and every choice ran on
+    to max_tokens while nobody read."""
+    import json
+    import socket
+
+    async with gateway_on_sim(stall_timeout_s=6.0) as (server, _, url):
+        host, port = url.removeprefix("http://").split(":")
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await sock.connect((host, int(port.rstrip("/"))))
+        body = json.dumps(
+            {"model": "sim", "prompt": "tell me everything", "max_tokens": 3000, "n": n, "stream": True}
+        )
+        head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        await sock.send(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        await trio.sleep(4)  # before the stall timeout
+        generated = server.metrics_snapshot()["tokens"]["generated"]["interactive"]
+        sock.close()
+    assert generated < n * 3000 // 2

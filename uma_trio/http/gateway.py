@@ -19,7 +19,6 @@ modules (responses.py, auth.py, event_stream.py).
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -418,7 +417,9 @@ class Gateway:
         its first token is out, beside the stream, a refusal then an error event."""
         auto, n = translated.auto_max_tokens, len(requests)
         flights = [await self._begin(requests[0], arrived, auto_max_tokens=auto, owner=owner)]
-        send, receive = trio.open_memory_channel[tuple[int, ServerEvent | ApiError]](math.inf)
+        # Bounded: a client that stops reading stops the pumps, so each choice's own channel
+        # fills and the loop parks it (unbounded, every choice ran on to max_tokens).
+        send, receive = trio.open_memory_channel[tuple[int, ServerEvent | ApiError]](n)
 
         async def pump(i: int, flight: Flight, started: trio.Event | None) -> None:
             async with aclosing(self._events(flight)) as events:
