@@ -7,7 +7,7 @@ import logging
 import shutil
 import ssl
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -416,3 +416,32 @@ async def test_a_stalled_reader_of_streamed_choices_is_parked(n: int) -> None:
         generated = server.metrics_snapshot()["tokens"]["generated"]["interactive"]
         sock.close()
     assert generated < n * 3000 // 2
+
+
+async def test_clients_that_never_read_their_answers_lose_their_slots() -> None:
+    """Two keyless clients pipelining requests and reading nothing held both of two slots for
+    good (hypercorn's write waited without a deadline); now a write that waits past the stall
+    timeout closes its connection."""
+    import socket
+
+    async with gateway_on_sim(http_max_connections=2, api_key="sk-good", stall_timeout_s=2.0) as (_, _, url):
+        host, port = url.removeprefix("http://").rstrip("/").split(":")
+        request = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 4000
+        hogs = []
+        for _ in range(2):
+            hog = socket.socket()
+            hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            hog.connect((host, int(port)))
+            hog.setblocking(False)
+            hogs.append([hog, request])
+        began = trio.current_time()
+        while any(left for _, left in hogs) and trio.current_time() - began < 3:
+            for pair in hogs:
+                with suppress(BlockingIOError, ConnectionError):
+                    pair[1] = pair[1][pair[0].send(pair[1]) :]
+            await trio.sleep(0.05)
+        async with httpx.AsyncClient(base_url=url, headers={"authorization": "Bearer sk-good"}) as http:
+            with trio.fail_after(15):
+                assert (await http.get("/v1/models")).status_code == 200
+        for hog, _ in hogs:
+            hog.close()

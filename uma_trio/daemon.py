@@ -275,6 +275,7 @@ async def http_gateway(config: ServerConfig, model_file: str) -> AsyncIterator[G
                 tls=tls,
                 max_connections=config.http_max_connections,
                 on_connection=gateway.watch_connection,
+                write_timeout_s=config.stall_timeout_s,
             )
             urls.append(await nursery.start(serve))
             log.info("HTTP API (OpenAI, Ollama, Anthropic) on %s (--%s)", urls[-1], flag)

@@ -23,7 +23,7 @@ import h11
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
-from hypercorn.events import Event, RawData
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ASGIFramework
@@ -77,6 +77,8 @@ class _EagerTCPServer(TCPServer):
     a request not yet read whole keep hypercorn's path.
     """
 
+    write_timeout_s = 30.0  # serve_asgi sets it: --stall-timeout
+
     async def protocol_send(self, event: Event) -> None:
         if isinstance(event, RawData) and not self.send_lock.locked() and self._request_read():
             data = event.data
@@ -87,7 +89,25 @@ class _EagerTCPServer(TCPServer):
             if sent == len(data):
                 return
             event = RawData(data=data[sent:])
+        if isinstance(event, RawData):
+            await self._send_within_deadline(event.data)
+            return
         await super().protocol_send(event)
+
+    async def _send_within_deadline(self, data: bytes) -> None:
+        """Hypercorn's write (under the send lock, shielded from cancellation), with a deadline:
+        a client that reads nothing, answers piling up unread (a keyless one's 401s too), held
+        its connection's slot for good.  Past it the connection is closed."""
+        async with self.send_lock:
+            try:
+                with trio.CancelScope(shield=True), trio.move_on_after(self.write_timeout_s) as deadline:
+                    await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
+                return
+            if deadline.cancelled_caught:
+                await trio.aclose_forcefully(self.stream)
+                await self.protocol.handle(Closed())
 
     def _request_read(self) -> bool:
         """Whether the HTTP/1.1 request being answered has been read whole.  Until it has,
@@ -136,6 +156,7 @@ async def serve_asgi(
     max_connections: int,
     tls: tuple[Path, Path] | None = None,
     on_connection: Callable[[Any], Awaitable[None]] | None = None,
+    write_timeout_s: float = 30.0,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on the bound ``sock`` until cancelled, at most ``max_connections``
@@ -162,7 +183,9 @@ async def serve_asgi(
             async with trio.open_nursery() as nursery:
                 if on_connection is not None:
                     nursery.start_soon(on_connection, stream)
-                await _EagerTCPServer(wrapped, config, context, {}, stream)
+                server = _EagerTCPServer(wrapped, config, context, {}, stream)
+                server.write_timeout_s = write_timeout_s
+                await server
                 nursery.cancel_scope.cancel()
         finally:
             slots.release()
