@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -34,11 +33,10 @@ import anyio
 from anyio.abc import SocketAttribute, SocketStream, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .protocol.codec import decode_server_event, encode_message
+from .protocol.codec import decode_server_event, encode_message, is_request_id
 from .protocol.errors import UmaError
 from .protocol.framing import FrameDecoder
 from .protocol.messages import (
-    REQUEST_ID_PATTERN,
     EosEvent,
     ErrorEvent,
     MetricsEvent,
@@ -258,7 +256,7 @@ class UmaClient:
 def _check_id(request_id: str) -> None:
     """A request id the daemon accepts (PROTOCOL.md): a bad one was refused by an error with
     no id, which every stream of the connection heard as its own end."""
-    if not re.match(REQUEST_ID_PATTERN, request_id):
+    if not is_request_id(request_id):
         raise ValueError(f"request id {request_id!r}: 1 to 128 printable ASCII characters, no spaces")
 
 

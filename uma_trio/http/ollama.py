@@ -26,8 +26,6 @@ from .responses import json_response
 _json = msgspec.json.Encoder()
 Handler = Callable[[Request], Awaitable[Response]]
 
-YEAR_S = 365 * 86400.0  # /api/ps: how far off a model kept for good expires
-
 
 class OllamaApi:
     """The routes; they run requests through the gateway's lifecycle (admit, stream or
@@ -60,7 +58,7 @@ class OllamaApi:
     async def ps(self, request: Request) -> Response:
         # Loaded for good: it expires when the daemon stops, a year from now as far as a
         # client's countdown goes.
-        later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=YEAR_S)
+        later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=ollama.KEEP_ALIVE_MAX_S)
         entry = self._entry()
         summary = self.gateway._ready().describe_engine()
         layers = summary["gpu_layers"]
@@ -74,7 +72,8 @@ class OllamaApi:
                 keep = model.get("keep_alive_s")
                 # Kept for good, or longer than a year (a socket client's /load may ask for
                 # more): a year from now, as the primary model (a timedelta overflows past ~1e14 s).
-                left = YEAR_S if keep is None else min(YEAR_S, max(0.0, keep - model.get("idle_s", 0.0)))
+                year = ollama.KEEP_ALIVE_MAX_S
+                left = year if keep is None else min(year, max(0.0, keep - model.get("idle_s", 0.0)))
                 expires = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=left)
                 other.expires_at = expires.isoformat().replace("+00:00", "Z")
                 loaded.append(other)

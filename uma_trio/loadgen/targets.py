@@ -124,7 +124,10 @@ def apply_chunk(line: str, record: RequestRecord, now: float) -> bool:
         record.ended, record.error_code = now, "BAD_SSE"
         return True
     if (error := chunk.get("error")) is not None:  # OpenAI's {...}; other servers' a string
-        code = error.get("code") or error.get("type") if isinstance(error, dict) else chunk.get("error_type")
+        if isinstance(error, dict):
+            code = error.get("code") or error.get("type")
+        else:
+            code = chunk.get("error_type")
         record.ended, record.error_code = now, str(code or "error")
         return True
     for choice in chunk.get("choices") or []:

@@ -53,11 +53,16 @@ def decode_client_message(payload: bytes) -> ClientMessage:
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 
+def is_request_id(value: str) -> bool:
+    """Whether the daemon accepts ``value`` as a request id (PROTOCOL.md)."""
+    return _REQUEST_ID.match(value) is not None
+
+
 def _request_id_of(obj: dict[str, Any]) -> str | None:
     """The id to put on an error event, when the message carried a usable one (a valid id:
     anything else may be what broke the message)."""
     value = obj.get("id")
-    return value if isinstance(value, str) and _REQUEST_ID.match(value) else None
+    return value if isinstance(value, str) and is_request_id(value) else None
 
 
 def encode_event(event: ServerEvent) -> bytes:

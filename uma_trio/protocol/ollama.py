@@ -30,7 +30,7 @@ _DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)?")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
-KEEP_ALIVE_MAX_S = 365 * 86400.0  # past this, a timedelta in /api/ps could overflow
+KEEP_ALIVE_MAX_S = 365 * 86400.0  # a year: past it a timedelta in /api/ps could overflow
 
 
 def keep_alive_seconds(value: Any) -> float | None:

@@ -166,8 +166,9 @@ class Session:
 
     def keep_logprobs(self) -> None:
         """Not streamed: the records so far are of tokens whose text is now the answer's."""
-        self.logprobs_kept += self.logprobs
-        self.logprobs = []
+        if self.logprobs:  # per token of every non-streamed request: nothing to move, no new list
+            self.logprobs_kept += self.logprobs
+            self.logprobs = []
 
     def whole_logprobs(self, reason: FinishReason) -> list[TokenLogprob] | None:
         """Not streamed: the answer's records.  The tokens of a stop string that ended it are
