@@ -176,3 +176,21 @@ async def test_metrics_for_routers_on_an_address_of_their_own(
     families = {f.name: f for f in text_string_to_metric_families(text.decode())}
     assert {"uma_num_requests_waiting", "uma_kv_cache_usage_ratio", "uma_p95_headroom_ratio"} <= set(families)
     assert b"sk-router-test" not in text
+
+
+@pytest.mark.model
+async def test_step_overhead_leaves_out_a_clients_pauses(
+    llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    """Short requests 0.12 s apart (a script, an editor's completions): the loop sleeps between
+    them, and that sleep is not per-step overhead (it once was, below the 0.25 s idle mark:
+    ``uma_engine_step_gap_ratio`` read 5.3)."""
+    async with running_server(llama_model, server_config) as server:
+        async with UmaClient.connect(server.config.socket_path) as client:
+            for _ in range(6):
+                await client.complete(prompt="Hi", max_tokens=2, temperature=0.0)
+                await trio.sleep(0.12)
+        overhead = server.metrics_snapshot()["engine"]["step_overhead"]
+    assert overhead["gaps"] >= 6
+    assert overhead["gap_ms_mean"] < 20.0, overhead
+    assert overhead["gap_share"] <= 1.0, overhead

@@ -209,6 +209,11 @@ class Engine(Protocol):
         otherwise.  Called from the event loop while the compute thread decodes."""
         ...
 
+    def went_idle(self) -> None:
+        """The caller has no step to run now: the time until the next one is not per-step
+        overhead (``step_overhead``)."""
+        ...
+
     async def step(
         self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False
     ) -> StepResult:

@@ -101,6 +101,9 @@ class FaultyEngine:
     def preempt(self) -> None:
         pass
 
+    def went_idle(self) -> None:
+        self.inner.went_idle()
+
     async def step(
         self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False
     ) -> StepResult:

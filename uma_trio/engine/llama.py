@@ -322,6 +322,9 @@ class LlamaEngine:
         if self._preemptible:
             self._abort.value = b"x"  # llama.cpp sees it at the next graph node
 
+    def went_idle(self) -> None:
+        self.step_gaps.idle()
+
     async def step(
         self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False
     ) -> StepResult:

@@ -182,6 +182,9 @@ class SimEngine:
     def can_preempt(self) -> bool:
         return self.preemptible_steps
 
+    def went_idle(self) -> None:
+        pass  # the simulation keeps no per-step overhead
+
     def preempt(self) -> None:
         if self._preempt_scope is not None:
             self._preempt_scope.cancel()

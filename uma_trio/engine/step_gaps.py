@@ -5,7 +5,8 @@ That gap is everything the daemon does on the critical path between two decodes:
 handing the results to the event loop, turning tokens into events, planning the next
 tick, filling the batch.  The device (or the CPU's compute threads) idles meanwhile, so
 it is measured here, on the compute thread, with the same clock as the steps.  A gap
-longer than :data:`IDLE_S` means the loop had nothing to run (it slept): not overhead.
+the decode loop reports (:meth:`StepGaps.idle`) means it had nothing to run and slept, and
+one longer than :data:`IDLE_S` is counted as such too: neither is overhead.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ class StepGaps:
             self.steps += 1
             self.step_s += ready - self._decode_started
         self._ready = ready
+
+    def idle(self) -> None:
+        """The decode loop had nothing to run: the next gap is its sleep (a client's think
+        time, say), not overhead."""
+        self._ready = None
 
     def snapshot(self) -> dict[str, float | int]:
         mean_step = self.step_s / self.steps if self.steps else 0.0

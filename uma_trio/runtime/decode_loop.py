@@ -293,6 +293,7 @@ class DecodeLoop:
             cap = self._turn()
             if cap == 0.0:  # another model's streams decode: wait for a turn, or new work here
                 self._skipped = tuple((seq_id, "share") for seq_id in self._active)
+                self.engine.went_idle()
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
                 continue
@@ -303,6 +304,7 @@ class DecodeLoop:
                     self._sharing.arbiter.quiet(self._sharing.name)
                 self._update_idle()
                 self._last_step_end = None
+                self.engine.went_idle()
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
                 await self._gather_burst()
