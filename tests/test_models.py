@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 import trio
+from prometheus_client import generate_latest
 
 from uma_trio.client import RequestFailed, UmaClient
 from uma_trio.config import ServerConfig
@@ -166,6 +167,32 @@ async def test_requests_to_two_models_run_each_on_its_own(autojump_clock: trio.a
         primary_steps = len(primary.steps)
         await client.complete(prompt="word " * 20, max_tokens=6, model="b.gguf")  # its file name too
         assert len(primary.steps) == primary_steps
+
+
+async def test_requests_to_other_models_count_in_the_daemons_gauges(autojump_clock: trio.abc.Clock) -> None:
+    """A router reads the daemon's queue and its requests in flight: a request to another
+    model once left them at 0 (the primary loop's alone), so a busy daemon looked idle."""
+    shelf = Shelf()
+    async with daemon(shelf) as (server, _), UmaClient.connect(server.config.socket_path) as client:
+        seen: list[dict[str, Any]] = []
+        texts: list[str] = []
+
+        async def watch(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            task_status.started()
+            while not seen or not seen[-1]["sessions"]["active"]:
+                seen.append(server.metrics_snapshot())
+                texts.append(generate_latest(server.registry).decode())
+                await trio.sleep(0.01)
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watch)
+            await client.complete(prompt="word " * 20, max_tokens=40, model="b")
+            nursery.cancel_scope.cancel()
+        busy = seen[-1]
+        assert [(r["model"], r["lane"]) for r in busy["in_flight"]] == [("b", "interactive")]
+        assert busy["sessions"]["active"] + busy["sessions"]["waiting"] == 1
+        assert busy["kv_loaded"]["cells_total"] == 2 * busy["kv"]["cells_total"]  # both models'
+        assert "uma_num_requests_running 1.0" in texts[-1] or "uma_num_requests_waiting 1.0" in texts[-1]
 
 
 async def test_an_idle_model_unloads_after_its_keep_alive(autojump_clock: trio.abc.Clock) -> None:

@@ -203,6 +203,24 @@ def test_views_render_a_snapshot() -> None:
     assert "counters (whole run)" in console.export_text()
 
 
+def test_views_print_a_clients_id_as_it_is_and_each_rows_model() -> None:
+    """An id is the client's: "[/b]" once raised rich's MarkupError in top and metrics for
+    every operator, and "[red]x" was restyled."""
+    from uma_trio.observability.views import sessions_table
+
+    row = {"connection": 1, "lane": "interactive", "phase": "decode", "parked": False, "prompt_tokens": 3,
+           "prefilled": 3, "generated": 1, "max_tokens": 9, "age_ms": 10.0, "gap_ms": 1.0}  # fmt: skip
+    ids = ("[/b]", "[red]x", "a[b]c")
+    in_flight = [{**row, "id": i, "model": "smol"} for i in ids]
+    console = Console(record=True, width=140)
+    console.print(sessions_table({"in_flight": in_flight}))
+    screen = console.export_text()
+    assert all(i in screen for i in ids) and "model" not in screen  # one model: no column
+    in_flight[0]["model"] = "second"
+    console.print(sessions_table({"in_flight": in_flight}))
+    assert "model" in (screen := console.export_text()) and "second" in screen
+
+
 def test_gc_pauses_count_every_collection_and_how_long_it_held_the_gil() -> None:
     ProcessSampler()
     sampler = ProcessSampler()

@@ -156,6 +156,7 @@ class SnapshotCollector(Collector):
         yield _gauge("uma_num_requests_running", "Requests holding a sequence", [], {"": sessions["active"]})
         # Cells running requests have reserved (prompt + max_tokens), of all: cached prefixes
         # are evictable and do not count.
+        kv = snap.get("kv_loaded", kv)  # every loaded model's (runtime/loop_gauges.py)
         usage = kv["cells_reserved"] / kv["cells_total"] if kv["cells_total"] else 0.0
         yield _gauge(
             "uma_kv_cache_usage_ratio", "KV cache share reserved by running requests, 0-1", [], {"": usage}

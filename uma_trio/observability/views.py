@@ -79,15 +79,20 @@ def latency_table(snap: dict[str, Any], scope: str = "window") -> Table:
 
 def sessions_table(snap: dict[str, Any]) -> Table:
     table = Table(title="requests in flight", title_justify="left")
-    for column in ("conn", "id", "lane", "phase", "prompt", "generated", "gap ms", "age s", "eta s"):
-        table.add_column(column, justify="left" if column in ("id", "lane", "phase") else "right")
+    several = len({row.get("model") for row in snap["in_flight"]}) > 1  # then each row says whose
+    columns = ("conn", "id", *(("model",) if several else ()), "lane", "phase", "prompt", "generated",
+               "gap ms", "age s", "eta s")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("id", "model", "lane", "phase") else "right")
     for row in snap["in_flight"]:
         held = row.get("held") or ("parked" if row["parked"] else None)
         phase = row["phase"] + (f" ({held})" if held else "")
         prompt = f"{row['prefilled']}/{row['prompt_tokens']}"
         style = "yellow" if row["lane"] == "background" else None
         table.add_row(
-            str(row["connection"]), row["id"], row["lane"], phase, prompt,
+            # Text: an id is the client's, and rich would read "[/b]" in it as markup (and raise).
+            str(row["connection"]), Text(row["id"]), *((Text(row["model"]),) if several else ()),
+            row["lane"], phase, prompt,
             f"{row['generated']}/{row['max_tokens']}", _num(row["gap_ms"]), f"{row['age_ms'] / 1000:,.1f}",
             "-" if row.get("eta_s") is None else f"{row['eta_s']:,.1f}", style=style,
         )  # fmt: skip

@@ -96,3 +96,21 @@ def kv_gauges(
             "moves": kv.stats.moves,
         },
     }
+
+
+def add_models_sessions(snapshot: dict[str, Any], primary: str, others: Mapping[str, dict[str, Any]]) -> None:
+    """Fold the other loaded models' requests into ``snapshot`` (the primary loop's gauges):
+    ``in_flight`` rows of every model, each naming its model, ``sessions`` summed, and
+    ``kv_loaded`` the running requests' reserved cells of every loaded model over their
+    cells, for the router's usage gauge.  Without it a daemon busy on another model read as
+    idle to a router (docs/FLEET.md)."""
+    for row in snapshot["in_flight"]:
+        row["model"] = primary
+    reserved, total = snapshot["kv"]["cells_reserved"], snapshot["kv"]["cells_total"]
+    for model, gauges in others.items():
+        snapshot["in_flight"] += [{**row, "model": model} for row in gauges["in_flight"]]
+        for key, count in gauges["sessions"].items():
+            snapshot["sessions"][key] += count
+        reserved += gauges["kv"]["cells_reserved"]
+        total += gauges["kv"]["cells_total"]
+    snapshot["kv_loaded"] = {"cells_reserved": reserved, "cells_total": total}

@@ -168,6 +168,10 @@ class ModelHost:
             described.append(item)
         return described
 
+    def units_gauges(self) -> dict[str, dict[str, Any]]:
+        """Each loaded unit's decode-loop gauges (sessions, in flight, KV), by model id."""
+        return {unit.id: unit.loop.gauges() for unit in list(self.units.values())}
+
     def loops(self) -> Iterator[DecodeLoop]:
         return (unit.loop for unit in list(self.units.values()))
 

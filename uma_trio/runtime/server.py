@@ -37,6 +37,7 @@ from .clients import Clients
 from .connection import Connection
 from .decode_loop import DecodeLoop
 from .intake import open_on, tokenize_request
+from .loop_gauges import add_models_sessions
 from .machine import Machine
 from .models import Loading, ModelHost, ModelUnit
 from .peer import peer_uid
@@ -140,6 +141,7 @@ class Server:
         snapshot["model"] = self.engine.model_name
         snapshot["engine"] = self.describe_engine()
         snapshot.update(self.loop.gauges())
+        add_models_sessions(snapshot, self.models.store.primary.id, self.models.units_gauges())
         snapshot["models"] = self.models.describe()
         snapshot["process"] = msgspec.to_builtins(process)
         snapshot["scorecard"] = msgspec.to_builtins(self.scorecard(now, process.rss_bytes))
