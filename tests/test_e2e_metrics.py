@@ -173,9 +173,14 @@ async def test_metrics_for_routers_on_an_address_of_their_own(
     ) as server:
         assert server.metrics_url is not None and server.metrics_url != f"{server.http_url}/metrics"
         text = await trio.to_thread.run_sync(lambda: urllib.request.urlopen(server.metrics_url).read())
+        # prometheus_client's `name[]` filter once answered nothing but histograms: now ignored.
+        named = f"{server.metrics_url}?name[]=uma_ticks_total&name[]=process_cpu_seconds_total"
+        filtered = await trio.to_thread.run_sync(lambda: urllib.request.urlopen(named).read())
     families = {f.name: f for f in text_string_to_metric_families(text.decode())}
     assert {"uma_num_requests_waiting", "uma_kv_cache_usage_ratio", "uma_p95_headroom_ratio"} <= set(families)
     assert b"sk-router-test" not in text
+    named_families = {f.name for f in text_string_to_metric_families(filtered.decode())}
+    assert {"uma_ticks", "process_cpu_seconds"} <= named_families
 
 
 @pytest.mark.model

@@ -127,3 +127,20 @@ async def test_a_request_in_flight_says_what_holds_it(autojump_clock: trio.abc.C
         rows = {row["id"]: row for row in server.loop.gauges()["in_flight"]}
         assert rows["job"]["phase"] == "prefill" and rows["job"]["held"] is None
         nursery.cancel_scope.cancel()
+
+
+async def test_an_idle_daemon_shows_its_whole_p95_headroom(autojump_clock: trio.abc.Clock) -> None:
+    """The slack window counts ticks, so it keeps the last streams' overruns while nothing
+    runs; a router reading headroom 0 from an idle daemon (until 400 more interactive ticks)
+    would send it nothing."""
+    from prometheus_client import generate_latest
+
+    clients = [ClientSpec(name="chat", prompt_tokens=30, max_tokens=20)]
+    result, server = await simulate(Scenario(name="idle", clients=clients), CostCoefficients())
+    assert all(r.ok for r in result.records)
+    for _ in range(server.loop.policy.slack.window):  # the window spent: every tick over the cap
+        server.loop.policy.slack.record(over_cap=True)
+    snapshot = server.metrics_snapshot()
+    assert snapshot["scheduler"]["slack"]["used"] >= snapshot["scheduler"]["slack"]["budget"]
+    assert not snapshot["sessions"]["active"] and not snapshot["sessions"]["waiting"]
+    assert "uma_p95_headroom_ratio 1.0" in generate_latest(server.registry).decode()

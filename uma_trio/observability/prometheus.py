@@ -63,13 +63,14 @@ class SnapshotCollector(Collector):
         yield _counter("uma_ticks", "Engine steps run", [], snap["ticks"])
         yield _counter("uma_batch_tokens", "Tokens fed to the engine", ["kind"], snap["batch_tokens"])
         yield _counter("uma_engine_busy_seconds", "Seconds inside engine steps", [], snap["decode_s_total"])
-        yield _counter("uma_connections", "Connections accepted", [], snap["connections"]["total"])
+        yield _counter("uma_connections", "Socket connections accepted", [], snap["connections"]["total"])
         yield _counter("uma_lane_changes", "Priority messages that moved a request", [], snap["lane_changes"])
         rebuilds = snap["context_rebuilds"]
         yield _counter("uma_context_rebuilds", "Contexts replaced after a failed decode", [], rebuilds)
 
         yield from self._engine(snap.get("engine") or {})
-        yield _gauge("uma_connections_open", "Connections open now", [], {"": snap["connections"]["open"]})
+        open_now = {"": snap["connections"]["open"]}
+        yield _gauge("uma_connections_open", "Socket connections open now", [], open_now)
         yield _gauge("uma_sessions", "Requests by state", ["state"], snap["sessions"])
         kv = snap["kv"]
         yield _gauge(
@@ -162,7 +163,12 @@ class SnapshotCollector(Collector):
             "uma_kv_cache_usage_ratio", "KV cache share reserved by running requests, 0-1", [], {"": usage}
         )
         # 1: no recent interactive tick ran past the latency cap; 0: the p95 slack is spent.
-        headroom = max(0.0, 1.0 - slack["used"] / slack["budget"]) if slack["budget"] else 0.0
+        # The window counts ticks, so it keeps the last streams' overruns while nothing runs:
+        # an idle daemon has all its headroom (a request's first tick beside no stream spends
+        # none), and once read 0 until 400 interactive ticks had run.
+        idle = not sessions["active"] and not sessions["waiting"]
+        left = max(0.0, 1.0 - slack["used"] / slack["budget"]) if slack["budget"] else 0.0
+        headroom = 1.0 if idle else left
         yield _gauge(
             "uma_p95_headroom_ratio",
             "Share of the p95 slack not spent (1: all of it left)",
