@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -85,6 +86,42 @@ async def test_sigterm_drains_running_requests_and_removes_the_socket() -> None:
                 await proc.wait()
         assert proc.returncode == 0
         assert not sock.exists()
+
+
+async def test_sigterm_does_not_wait_for_a_grammar_being_compiled() -> None:
+    """A 4,090-rule grammar compiles for tens of seconds on 2 cores; the daemon exited only
+    when it was done (27 s after SIGTERM, even after a second signal)."""
+    from uma_trio.engine.constraints import MAX_GBNF_RULES
+
+    rules = MAX_GBNF_RULES - 6
+    grammar = "root ::= r0\n" + "".join(f'r{i} ::= "a{i}" r{i + 1} | "b"\n' for i in range(rules))
+    grammar += f'r{rules} ::= "z"\n'
+    with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
+        sock = Path(tmp) / "d.sock"
+        env = {**os.environ, "UMA_SOCKET": str(sock), "UMA_SHUTDOWN_GRACE": "1"}
+        async with trio.open_nursery() as nursery:
+            proc: trio.Process = await nursery.start(
+                lambda task_status: trio.run_process(
+                    [*UMA, "serve"], env=env, check=False, stderr=subprocess.PIPE, task_status=task_status
+                )
+            )
+            with trio.fail_after(60):
+                while not sock.exists():
+                    await trio.sleep(0.05)
+            async with UmaClient.connect(sock) as client:
+
+                async def compile_it() -> None:
+                    with contextlib.suppress(Exception):  # refused or cut off by the shutdown
+                        await client.complete(prompt="x", max_tokens=1, grammar=grammar)
+
+                nursery.start_soon(compile_it)
+                await trio.sleep(1.5)  # the compile is under way
+                signalled = trio.current_time()
+                proc.send_signal(signal.SIGTERM)
+                with trio.fail_after(8):  # the 1 s grace, and room (the compile alone: 10-25 s)
+                    await proc.wait()
+        assert trio.current_time() - signalled < 8
+        assert proc.returncode == 0
 
 
 async def test_metrics_and_top_show_the_daemon(server: Server) -> None:

@@ -93,7 +93,10 @@ def on_big_stack(build: Callable[[], T]) -> T:
     """``build()`` in a thread of its own with a :data:`COMPILE_STACK_BYTES` stack (blocking:
     call it off the event loop)."""
     result: list[outcome.Outcome[T]] = []
-    thread = threading.Thread(target=lambda: result.append(outcome.capture(build)), name="uma-grammar")
+    # A daemon thread: a shutdown that stopped waiting for a long compile need not wait at exit.
+    thread = threading.Thread(
+        target=lambda: result.append(outcome.capture(build)), name="uma-grammar", daemon=True
+    )
     with _STACK_SIZE:  # set only while this one starts (another starting then gets it too: harmless)
         previous = threading.stack_size(COMPILE_STACK_BYTES)
         try:
@@ -122,6 +125,11 @@ class ModelVocabulary:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
 
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether :meth:`tokenizer` has been built (it reads llama.cpp's vocabulary once)."""
+        return self._tokenizer is not None
+
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
@@ -137,15 +145,20 @@ class ModelVocabulary:
         params: SamplingParams,
         constraint: OutputConstraint | None = None,
         top_logprobs: int | None = None,
+        *,
+        matcher: llguidance.LLMatcher | None = None,
     ) -> Sampler:
         """A request's sampler: numpy's, or llama.cpp's chain where the parameters need it
-        (engine/sampler_chain.py), under ``constraint`` if given.  Blocking: milliseconds,
-        more for a huge schema, and the grammar vocabulary's build the first time."""
+        (engine/sampler_chain.py), under ``constraint`` (or its ``matcher``, compiled
+        already) if given.  Blocking: milliseconds, more for a huge schema, and the grammar
+        vocabulary's build the first time."""
         from .sampler_chain import ChainSampler  # imports llama_cpp
 
         inner = ChainSampler(params, self._vocab, self.n_vocab) if params.needs_chain else Sampler(params)
-        if constraint is not None:
-            inner = ConstrainedSampler(inner, self.matcher(constraint), self.n_vocab)
+        if constraint is not None and matcher is None:
+            matcher = self.matcher(constraint)
+        if matcher is not None:
+            inner = ConstrainedSampler(inner, matcher, self.n_vocab)
         if top_logprobs is not None:  # outermost: the model's row before any mask or penalty
             inner = LogprobSampler(inner, top_logprobs, self._piece)
         return inner

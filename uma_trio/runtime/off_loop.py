@@ -18,10 +18,12 @@ R = TypeVar("R")
 INLINE_TEXT_CHARS = 4096
 
 
-async def off_loop(engine: Engine, fn: Callable[[], R], *, small: bool = False) -> R:
+async def off_loop(engine: Engine, fn: Callable[[], R], *, small: bool = False, abandon: bool = False) -> R:
     """``fn()`` in a worker thread, or inline when it is ``small`` or for an engine whose
     helpers never block: a simulated engine must stay on the loop, where under MockClock a
-    thread wait would let virtual time jump."""
+    thread wait would let virtual time jump.  ``abandon``: a cancelled caller stops waiting
+    and the thread's result is thrown away; only for work that touches nothing the daemon
+    frees (a grammar's compile, not llama.cpp's tokenizer), so a shutdown need not wait."""
     if small or not engine.tokenizer_blocks:
         return fn()
-    return await trio.to_thread.run_sync(fn)
+    return await trio.to_thread.run_sync(fn, abandon_on_cancel=abandon)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ..engine.base import Engine
 from ..engine.constraints import (
@@ -16,6 +17,9 @@ from ..engine.sampling import Sampler, SamplingParams, banned
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, JsonObjectFormat, JsonSchemaFormat
 from .off_loop import off_loop
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 def sampling_params(request: GenerateRequest) -> SamplingParams:
@@ -82,10 +86,18 @@ async def sampler_for(
         if not constrained:
             return vocabulary.sampler(params, top_logprobs=top)  # microseconds to build
 
-        def build() -> Sampler:
-            constraint = tool_grammar or output_constraint(request)
-            return vocabulary.sampler(params, constraint, top)
+        # llguidance's tokenizer is built once from llama.cpp's vocabulary: never abandoned
+        # (the model may be freed at shutdown).  The compile itself is llguidance's alone and
+        # can take seconds (a 4,000-rule grammar: ~20 s on 2 cores): a shutdown or a hang-up
+        # stops waiting for it.
+        await off_loop(engine, vocabulary.tokenizer, small=vocabulary.has_tokenizer)
 
-        return await off_loop(engine, lambda: on_big_stack(build))
+        def compile_matcher() -> llguidance.LLMatcher:
+            constraint = tool_grammar or output_constraint(request)
+            assert constraint is not None  # constrained, above
+            return vocabulary.matcher(constraint)
+
+        matcher = await off_loop(engine, lambda: on_big_stack(compile_matcher), abandon=True)
+        return vocabulary.sampler(params, top_logprobs=top, matcher=matcher)
     except ConstraintError as exc:
         raise UmaError(ErrorCode.GRAMMAR, str(exc), request_id=request.id) from None
