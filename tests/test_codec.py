@@ -99,3 +99,14 @@ def test_snapshot_names_refuse_a_trailing_newline() -> None:
     for bad in ("trail\n", "../x", ".hidden", "a/b"):
         with pytest.raises(UmaError):
             decode({"type": "snapshot", "op": "restore", "name": bad})
+
+
+def test_tool_call_arguments_nested_past_the_stack_are_kept_as_text() -> None:
+    """Arguments nested 1,000 deep raised RecursionError while the turn was rendered, which
+    ended the connection with no answer, and its other requests with it."""
+    from uma_trio.protocol.messages import ChatMessage, ToolCall, ToolCallFunction
+
+    deep = '{"a":' * 1000 + "1" + "}" * 1000
+    call = ToolCall(id="c1", function=ToolCallFunction(name="f", arguments=deep))
+    turn = ChatMessage(role="assistant", tool_calls=[call]).template_fields()
+    assert turn["tool_calls"][0]["function"]["arguments"] == deep

@@ -77,7 +77,7 @@ class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
 def _arguments(text: str) -> Any:
     try:
         value = msgspec.json.decode(text)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # nested past the stack: the text, as any non-object
         return text
     return value if isinstance(value, dict) else text
 
