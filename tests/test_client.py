@@ -6,7 +6,7 @@ import pytest
 import trio
 
 from uma_trio.client import UmaClient
-from uma_trio.protocol.messages import ErrorEvent, TokenEvent
+from uma_trio.protocol.messages import EosEvent, ErrorEvent, TokenEvent
 
 from .helpers import sim_daemon
 
@@ -40,3 +40,17 @@ async def test_a_stream_ended_by_a_connection_error_cancels_its_request(
                     assert event.id is None
         await trio.sleep(0.5)
         assert [row["id"] for row in (await client.metrics())["in_flight"]] == []
+
+
+async def test_an_id_already_in_flight_is_refused_and_the_first_stream_goes_on(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Two streams with one id: the second took over the first's route, and its end removed
+    it, so the first never saw its tokens or its end (it waited for good)."""
+    async with sim_daemon() as server, UmaClient.connect(server.config.socket_path) as client:
+        async with client.stream(id="job-1", prompt="hello", max_tokens=20) as events:
+            with pytest.raises(ValueError, match="already in flight"):
+                await client.complete(id="job-1", prompt="hello", max_tokens=2)
+            with trio.fail_after(30):
+                seen = [event async for event in events]
+        assert isinstance(seen[-1], EosEvent) and sum(isinstance(e, TokenEvent) for e in seen) == 20

@@ -213,6 +213,8 @@ class UmaClient:
     # -- plumbing ----------------------------------------------------------------
 
     def _route(self, request_id: str) -> MemoryObjectReceiveStream[ServerEvent | Exception]:
+        if request_id in self._routes:  # its events would go to the newer stream, then nowhere
+            raise ValueError(f"request id {request_id!r} is already in flight on this client")
         send, receive = anyio.create_memory_object_stream[ServerEvent | Exception](float("inf"))
         self._routes[request_id] = send
         return receive
