@@ -101,7 +101,9 @@ class Connection:
                 return
             arrived = trio.current_time()  # every frame of this read arrived now
             new_frame = bool(frames) or self._frame_deadline == math.inf
-            for payload in frames:
+            for i, payload in enumerate(frames):
+                if i:  # a read of many frames: the other connections get their turn between them
+                    await trio.lowlevel.checkpoint()
                 try:
                     await self._dispatch(decode_client_message(payload), arrived)
                 except UmaError as exc:
