@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import struct
 from typing import Any
 
@@ -126,3 +127,42 @@ async def test_requests_beyond_sessions_wait_in_the_queue(
                     nursery.start_soon(one, i)
         assert len(results) == 3
         assert max(r.eos.timings.queue_ms for r in results) > 0
+
+
+async def test_a_chat_of_many_empty_turns_is_refused_or_rendered_off_the_loop(
+    llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    """Empty turns counted as no text, so 40,000 of them were rendered and tokenized on the
+    event loop (33 s, every other client waiting) before the token count refused them."""
+    async with running_server(llama_model, server_config, max_prompt_tokens=16384) as server:
+        hog = await RawClient.connect(server.config.socket_path)
+        other = await RawClient.connect(server.config.socket_path)
+        await hog.send({"id": "huge", "messages": [{"role": "user"}] * 16385, "max_tokens": 1})
+        with trio.fail_after(5):
+            refused = await hog.next_event()
+        assert refused is not None and refused["code"] == "E_LIMIT_001"
+        assert "16385 messages" in refused["message"]
+
+        # Under the limit (16,000 turns render in ~4 s here): in a worker thread, so the loop
+        # goes on answering another client meanwhile.
+        answered: list[float] = []
+
+        async def ping() -> None:
+            for n in range(10**6):
+                await other.send({"type": "metrics", "id": f"p{n}"})
+                event = await other.next_event()
+                assert event is not None and event["event"] == "metrics"
+                answered.append(trio.current_time())
+                await trio.sleep(0.01)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ping)
+            await trio.sleep(0.1)
+            await hog.send({"id": "many", "messages": [{"role": "user"}] * 16000, "max_tokens": 1})
+            with trio.fail_after(60):
+                ended = await hog.next_event()
+            answered.append(trio.current_time())  # the pings' last stretch: up to its end
+            nursery.cancel_scope.cancel()
+        assert ended is not None and ended["code"] == "E_LIMIT_001"  # by its tokens, once rendered
+        longest = max(b - a for a, b in itertools.pairwise(answered))
+        assert longest < 1.0, longest

@@ -16,6 +16,7 @@ R = TypeVar("R")
 # thread, which on a machine whose cores run a step waits for that step to end (on 2 cores
 # a 30-token chat turn then missed the next tick: TTFT +13 ms, BENCHMARKS.md "Issue 19").
 INLINE_TEXT_CHARS = 4096
+INLINE_TURNS = 64  # a chat of more turns is rendered off the loop, however short their text
 
 
 async def off_loop(engine: Engine, fn: Callable[[], R], *, small: bool = False, abandon: bool = False) -> R:
