@@ -166,3 +166,32 @@ async def test_a_chat_of_many_empty_turns_is_refused_or_rendered_off_the_loop(
         assert ended is not None and ended["code"] == "E_LIMIT_001"  # by its tokens, once rendered
         longest = max(b - a for a, b in itertools.pairwise(answered))
         assert longest < 1.0, longest
+
+
+async def test_a_cancel_is_not_held_behind_another_requests_admission(
+    llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    """The reader admitted each request itself: behind a 4,090-rule grammar's compile (tens
+    of seconds) the client's cancel of its running stream waited, and the stream ran on."""
+    from uma_trio.engine.constraints import MAX_GBNF_RULES
+
+    rules = MAX_GBNF_RULES - 6
+    grammar = "root ::= r0\n" + "".join(f'r{i} ::= "a{i}" r{i + 1} | "b"\n' for i in range(rules))
+    grammar += f'r{rules} ::= "z"\n'
+    async with running_server(llama_model, server_config) as server:
+        client = await RawClient.connect(server.config.socket_path)
+        story = [{"role": "user", "content": "Write a long story about a dragon."}]
+        await client.send({"id": "s", "messages": story, "max_tokens": 400, "temperature": 0})
+        with trio.fail_after(30):
+            first = await client.next_event()
+        assert first is not None and first["event"] == "token"
+        await client.send({"id": "g", "prompt": "x", "max_tokens": 1, "grammar": grammar})
+        await client.send({"type": "priority", "id": "g", "priority": "background"})  # applied once admitted
+        await client.send({"type": "cancel", "id": "s"})
+        asked = trio.current_time()
+        with trio.fail_after(60):
+            while (event := await client.next_event()) is not None and event["event"] != "eos":
+                assert event["id"] == "s", event  # no error for the priority message
+        assert event is not None and event["id"] == "s" and event["reason"] == "cancelled"
+        assert trio.current_time() - asked < 2.0, trio.current_time() - asked
+        await client.aclose()  # the grammar's compile is abandoned with its connection

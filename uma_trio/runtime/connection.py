@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from contextlib import aclosing
 
 import trio
@@ -57,6 +58,9 @@ class Connection:
         self.stream = stream
         self.number = number
         self.requests: dict[str, RequestStream] = {}
+        # Requests being admitted (tokenized, their grammar compiled, their model loaded) in
+        # their own tasks, and what the client asked of each meanwhile (a cancel, a lane).
+        self._admitting: dict[str, list[Callable[[RequestStream], None]]] = {}
         self._send_lock = trio.Lock()
         # The socket's descriptor, for writes that need not wait (-1: not a socket stream).
         self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
@@ -121,9 +125,9 @@ class Connection:
             case GenerateRequest():
                 await self._start_request(message, arrived)
             case CancelRequest(id=request_id):
-                self._in_flight(request_id).cancel("client")
+                self._on_admitted(request_id, lambda stream: stream.cancel("client"))
             case PriorityRequest(id=request_id, priority=lane):
-                self._in_flight(request_id).set_lane(lane)
+                self._on_admitted(request_id, lambda stream: stream.set_lane(lane))
             case MetricsRequest(id=request_id):
                 await self._send(MetricsEvent(metrics=self.server.metrics_snapshot(), id=request_id))
             case SnapshotRequest() | ModelsRequest():
@@ -149,29 +153,50 @@ class Connection:
         idle = self.config.idle_timeout_s
         return UmaError(ErrorCode.IDLE_TIMEOUT, f"connection idle for {idle:g} s; closing")
 
-    def _in_flight(self, request_id: str) -> RequestStream:
-        stream = self.requests.get(request_id)
-        if stream is None:
+    def _on_admitted(self, request_id: str, action: Callable[[RequestStream], None]) -> None:
+        """``action`` on the request in flight, now, or once it is admitted."""
+        if (stream := self.requests.get(request_id)) is not None:
+            action(stream)
+        elif (pending := self._admitting.get(request_id)) is not None:
+            pending.append(action)
+        else:
             raise UmaError(
                 ErrorCode.UNKNOWN_ID, f"no request {request_id!r} in flight on this connection",
                 request_id=request_id,
             )  # fmt: skip
-        return stream
 
     async def _start_request(self, request: GenerateRequest, arrived: float) -> None:
         rid = request.id
-        if rid in self.requests:
+        if rid in self.requests or rid in self._admitting:
             raise UmaError(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight", request_id=rid)
         self._check_room(rid)
         self.server.clients.sent(self)
-        stream = await self.server.open_request(request, arrived, connection=self.number, owner=self.owner)
-        self.requests[rid] = stream
+        # Admitted in a task of its own: a long one (a big grammar's compile, a model loading)
+        # once held this reader, so the client's cancel of another request waited behind it.
+        self._admitting[rid] = []
         self._set_idle_deadline()
         assert self._nursery is not None
-        self._nursery.start_soon(self._pump, stream)
+        self._nursery.start_soon(self._admit, request, arrived)
+
+    async def _admit(self, request: GenerateRequest, arrived: float) -> None:
+        rid = request.id
+        try:
+            opened = self.server.open_request(request, arrived, connection=self.number, owner=self.owner)
+            stream = await opened
+        except UmaError as exc:
+            await self._send_error(exc)
+            return
+        else:
+            self.requests[rid] = stream
+            for action in self._admitting[rid]:
+                action(stream)
+        finally:
+            del self._admitting[rid]
+            self._set_idle_deadline()
+        await self._pump(stream)
 
     def _check_room(self, request_id: str | None) -> None:
-        if len(self.requests) + self._snapshots >= self.config.max_in_flight:
+        if len(self.requests) + len(self._admitting) + self._snapshots >= self.config.max_in_flight:
             raise UmaError(
                 ErrorCode.TOO_MANY_IN_FLIGHT,
                 f"at most {self.config.max_in_flight} requests may be in flight per connection",
@@ -276,6 +301,7 @@ class Connection:
 
     def _set_idle_deadline(self) -> None:
         idle = self.config.idle_timeout_s
-        self._idle_deadline = math.inf if self.requests or self._snapshots else trio.current_time() + idle
+        busy = self.requests or self._admitting or self._snapshots
+        self._idle_deadline = math.inf if busy else trio.current_time() + idle
         if self._read_scope is not None:
             self._read_scope.deadline = self._read_deadline()
