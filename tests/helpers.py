@@ -203,3 +203,13 @@ def draw_until_end(model: Any, sampler: Any, rng: Any, limit: int, scale: float)
             return text
         text += model.piece(token)
     pytest.fail(f"no end of generation: {text!r}")
+
+
+def slow_grammar() -> str:
+    """A GBNF grammar just under the rule limit, a chain of alternatives: llguidance takes
+    10-25 s to compile it on 2 cores (its converter is quadratic in the rules)."""
+    from uma_trio.engine.constraints import MAX_GBNF_RULES
+
+    rules = MAX_GBNF_RULES - 6
+    chain = "".join(f'r{i} ::= "a{i}" r{i + 1} | "b"\n' for i in range(rules))
+    return f'root ::= r0\n{chain}r{rules} ::= "z"\n'

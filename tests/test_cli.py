@@ -19,6 +19,8 @@ from uma_trio.client import UmaClient
 from uma_trio.protocol.messages import EosEvent, TokenEvent
 from uma_trio.runtime.server import Server
 
+from .helpers import slow_grammar
+
 pytestmark = pytest.mark.model
 
 UMA = [sys.executable, "-m", "uma_trio"]
@@ -58,19 +60,26 @@ async def test_generate_streams_an_answer(server: Server) -> None:
     assert "Paris" in done.stdout.decode()
 
 
+async def start_daemon(nursery: trio.Nursery, sock: Path, *, grace_s: int) -> trio.Process:
+    """``uma-trio serve`` as a process on ``sock``, once its socket is there."""
+    env = {**os.environ, "UMA_SOCKET": str(sock), "UMA_SHUTDOWN_GRACE": str(grace_s)}
+    proc: trio.Process = await nursery.start(
+        lambda task_status: trio.run_process(
+            [*UMA, "serve"], env=env, check=False, stderr=subprocess.PIPE, task_status=task_status
+        )
+    )
+    with trio.fail_after(60):
+        while not await trio.Path(sock).exists():
+            await trio.sleep(0.05)
+    return proc
+
+
 async def test_sigterm_drains_running_requests_and_removes_the_socket() -> None:
     with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
         sock = Path(tmp) / "d.sock"
-        env = {**os.environ, "UMA_SOCKET": str(sock), "UMA_SHUTDOWN_GRACE": "30"}
         async with trio.open_nursery() as nursery:
-            proc: trio.Process = await nursery.start(
-                lambda task_status: trio.run_process(
-                    [*UMA, "serve"], env=env, check=False, stderr=subprocess.PIPE, task_status=task_status
-                )
-            )
+            proc = await start_daemon(nursery, sock, grace_s=30)
             with trio.fail_after(60):
-                while not sock.exists():
-                    await trio.sleep(0.05)
                 async with UmaClient.connect(sock) as client:
                     async with client.stream(messages=[{"role": "user", "content": "Count to twenty."}],
                                              max_tokens=48, temperature=0.0) as events:  # fmt: skip
@@ -91,23 +100,11 @@ async def test_sigterm_drains_running_requests_and_removes_the_socket() -> None:
 async def test_sigterm_does_not_wait_for_a_grammar_being_compiled() -> None:
     """A 4,090-rule grammar compiles for tens of seconds on 2 cores; the daemon exited only
     when it was done (27 s after SIGTERM, even after a second signal)."""
-    from uma_trio.engine.constraints import MAX_GBNF_RULES
-
-    rules = MAX_GBNF_RULES - 6
-    grammar = "root ::= r0\n" + "".join(f'r{i} ::= "a{i}" r{i + 1} | "b"\n' for i in range(rules))
-    grammar += f'r{rules} ::= "z"\n'
+    grammar = slow_grammar()
     with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
         sock = Path(tmp) / "d.sock"
-        env = {**os.environ, "UMA_SOCKET": str(sock), "UMA_SHUTDOWN_GRACE": "1"}
         async with trio.open_nursery() as nursery:
-            proc: trio.Process = await nursery.start(
-                lambda task_status: trio.run_process(
-                    [*UMA, "serve"], env=env, check=False, stderr=subprocess.PIPE, task_status=task_status
-                )
-            )
-            with trio.fail_after(60):
-                while not sock.exists():
-                    await trio.sleep(0.05)
+            proc = await start_daemon(nursery, sock, grace_s=1)
             async with UmaClient.connect(sock) as client:
 
                 async def compile_it() -> None:

@@ -15,7 +15,7 @@ from uma_trio.engine.llama import LlamaModel
 from uma_trio.runtime.server import Server
 
 from .conftest import running_server
-from .helpers import RawClient, frame
+from .helpers import RawClient, frame, slow_grammar
 
 pytestmark = pytest.mark.model
 
@@ -173,11 +173,7 @@ async def test_a_cancel_is_not_held_behind_another_requests_admission(
 ) -> None:
     """The reader admitted each request itself: behind a 4,090-rule grammar's compile (tens
     of seconds) the client's cancel of its running stream waited, and the stream ran on."""
-    from uma_trio.engine.constraints import MAX_GBNF_RULES
-
-    rules = MAX_GBNF_RULES - 6
-    grammar = "root ::= r0\n" + "".join(f'r{i} ::= "a{i}" r{i + 1} | "b"\n' for i in range(rules))
-    grammar += f'r{rules} ::= "z"\n'
+    grammar = slow_grammar()
     async with running_server(llama_model, server_config) as server:
         client = await RawClient.connect(server.config.socket_path)
         story = [{"role": "user", "content": "Write a long story about a dragon."}]
