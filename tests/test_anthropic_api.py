@@ -133,3 +133,15 @@ async def test_errors_come_in_anthropic_s_shape(server: Server) -> None:
     async with anthropic.AsyncAnthropic(base_url=str(server.http_url), api_key="wrong", max_retries=0) as bad:
         with pytest.raises(anthropic.AuthenticationError):
             await bad.messages.create(model=MODEL, messages=ASK, max_tokens=4)
+
+
+def test_tool_calls_cut_off_by_max_tokens_stop_for_max_tokens() -> None:
+    """An answer whose calls max_tokens cut off said tool_use: a client then ran the calls
+    it had and never learnt that the answer was incomplete (Anthropic says max_tokens)."""
+    from uma_trio.protocol.anthropic import stop_reason
+    from uma_trio.protocol.messages import EosEvent, Timings, ToolCall, ToolCallFunction, Usage
+
+    call = ToolCall(id="c1", function=ToolCallFunction(name="get_weather", arguments='{"city": "Oslo"}'))
+    ended = {"id": "r", "usage": Usage(3, 70, 73), "timings": Timings(0.0, 1.0), "tool_calls": [call]}
+    assert stop_reason(EosEvent(reason="length", **ended)) == "max_tokens"
+    assert stop_reason(EosEvent(reason="stop", **ended)) == "tool_use"

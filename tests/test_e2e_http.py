@@ -133,6 +133,35 @@ async def test_completion_stop_strings_and_length(http_server: Server) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+async def test_streamed_text_offsets_after_held_back_text_are_the_whole_answer_s(
+    http_server: Server,
+) -> None:
+    """Streamed ``text_offset`` were counted from the text sent: " United" may start the stop
+    string, so its chunk sent " " with its entry, and every offset after it was shifted.  (A
+    character cut between chunks: test_openai_protocol.py, as the model's answer cannot be
+    chosen.)"""
+    client = async_client(http_server)
+    fields: dict[str, Any] = dict(
+        model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0, logprobs=1,
+        stop=["United Kingdom"],
+    )  # fmt: skip
+    whole = (await client.completions.create(**fields)).choices[0]
+    assert whole.logprobs is not None and whole.logprobs.tokens and whole.logprobs.text_offset
+    assert " United" in whole.logprobs.tokens  # the case is met
+    tokens: list[str] = []
+    offsets: list[int] = []
+    text = ""
+    async for chunk in await client.completions.create(**fields, stream=True):
+        for choice in chunk.choices:
+            text += choice.text
+            tokens += choice.logprobs.tokens or [] if choice.logprobs else []
+            offsets += choice.logprobs.text_offset or [] if choice.logprobs else []
+    assert (text, tokens) == (whole.text, whole.logprobs.tokens)
+    assert offsets == whole.logprobs.text_offset
+    for token, at in zip(tokens, offsets, strict=True):
+        assert "\ufffd" in token or text[at : at + len(token)] == token
+
+
 async def test_default_completion_length_is_openais_16(http_server: Server) -> None:
     prompt = "The three primary colors are"  # greedy, it goes on for 30 tokens and more
     reply = await in_thread(

@@ -9,7 +9,8 @@ import pytest
 
 from uma_trio.protocol import openai, openai_errors
 from uma_trio.protocol.errors import ErrorCode
-from uma_trio.protocol.messages import EosEvent, Timings, Usage
+from uma_trio.protocol.messages import EosEvent, Timings, TokenLogprob, ToolCall, ToolCallFunction, Usage
+from uma_trio.protocol.openai_logprobs import TextOffsets, completion_logprobs
 
 MODEL = "m"
 
@@ -233,13 +234,80 @@ def test_sse_framing() -> None:
 def test_text_offsets_count_characters_not_the_u_fffd_of_split_ones() -> None:
     """ "é" (c3 a9) drawn as two byte tokens, each reading as U+FFFD: offsets were summed from
     those and every later one was shifted."""
-    from uma_trio.protocol.messages import TokenLogprob
-    from uma_trio.protocol.openai_logprobs import completion_logprobs
-
     entries = [
         TokenLogprob("\ufffd", -0.1, [0xC3], []),
         TokenLogprob("\ufffd", -0.1, [0xA9], []),
         TokenLogprob("x", -0.1, [0x78], []),
     ]
-    described = completion_logprobs(entries, offset=2)
+    described = completion_logprobs(entries, TextOffsets(2))
     assert described is not None and described.text_offset == [2, 2, 3]  # "ab" + "éx": "x" at 3
+
+
+def lp(token: str, data: bytes | None = None) -> TokenLogprob:
+    return TokenLogprob(token, -0.5, list(token.encode() if data is None else data), [])
+
+
+def test_streamed_text_offsets_are_the_whole_answer_s() -> None:
+    """A chunk's text may hold back a pending stop string (" United" sent as " ", then
+    "United States" with " States"'s entry), or a character cut between two chunks' tokens:
+    offsets counted from the text sent, or afresh per chunk, were shifted."""
+    events = [
+        ("The", [lp("The")]),
+        (" ", [lp(" United")]),  # " United" held: it may start the stop string "United Kingdom"
+        ("United States", [lp(" States")]),
+        (" ", [lp(" \ufffd", b" \xf0")]),  # " 💑": three tokens, the emoji's bytes cut in two chunks
+        ("\U0001f491", [lp("\ufffd", b"\x9f\x92"), lp("\ufffd", b"\x91")]),
+        ("!", [lp("!")]),
+    ]
+    stream = openai.CompletionStream("c1", 7, MODEL, include_usage=False)
+    streamed = []
+    for text, entries in events:
+        (chunk,) = stream.token(text, entries)
+        described = chunk.choices[0].logprobs
+        assert described is not None
+        streamed += described.text_offset
+    whole = completion_logprobs([e for _, entries in events for e in entries])
+    assert whole is not None and streamed == whole.text_offset == [0, 3, 10, 17, 18, 18, 19]
+    text = "".join(text for text, _ in events)
+    assert text[10:17] == " States" and text[19] == "!"
+
+
+CALL = ToolCall(id="call_1", function=ToolCallFunction(name="f", arguments="{}"))
+
+
+@pytest.mark.parametrize(("reason", "finish"), [("stop", "tool_calls"), ("length", "length")])
+def test_calls_cut_off_by_max_tokens_finish_with_length(reason: Any, finish: str) -> None:
+    """Cut off, an answer's list of calls may be short (a call it was writing is lost): it
+    said tool_calls, as if the answer were whole."""
+    cut = msgspec.structs.replace(eos(reason), content="", tool_calls=[CALL])
+    answer = openai.chat_completion("c1", 7, MODEL, cut)
+    assert answer.choices[0].finish_reason == finish
+    assert answer.choices[0].message.tool_calls == [CALL]  # the whole calls are kept
+    stream = openai.ToolChatStream("c1", 7, MODEL, include_usage=False, fmt="generic")
+    chunks = [*stream.head(), *stream.token('{"tool_calls": [{"name": "f", "arguments": {}}, {"na'),
+              *stream.end(cut)]  # fmt: skip
+    assert [c.choices[0].finish_reason for c in chunks] == [None, None, finish]
+    assert chunks[1].choices[0].delta.tool_calls == [openai.ToolCallDelta(0, "call_1", CALL.function)]
+
+
+def test_a_tool_stream_sends_each_token_s_logprobs_with_its_text() -> None:
+    """Offered tools, a stream sent no logprobs at all; held text's go out with it (a
+    Hermes call's at the end, with the calls)."""
+    events = [
+        ("Sure", [lp("Sure")]),
+        (".\n", [lp("."), lp("\n")]),
+        ("<tool_call>", [lp("<tool_call>")]),
+        ('{"name": "f", "arguments": {}}</tool_call>', [lp("{...}")]),
+        ("\nDone", [lp("\nDone")]),
+    ]
+    stream = openai.ToolChatStream("c1", 7, MODEL, include_usage=False, fmt="hermes")
+    chunks = [chunk for text, entries in events for chunk in stream.token(text, entries)]
+    ended = msgspec.structs.replace(eos(), content="Sure.\n\nDone", tool_calls=[CALL])
+    chunks += stream.end(ended)
+    sent = [(c.choices[0].delta.content, [e.token for e in c.choices[0].logprobs.content])
+            for c in chunks if c.choices[0].logprobs]  # fmt: skip
+    assert sent == [
+        ("Sure", ["Sure"]),
+        (".", [".", "\n"]),  # "\n" held (it may be trimmed) but its token's text began here
+        ("\n\nDone", ["<tool_call>", "{...}", "\nDone"]),  # the held text and the call's tokens
+    ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import openai
 import pydantic
 import pytest
@@ -82,3 +83,16 @@ async def test_a_forced_function_call_and_its_output(keyed_http_server: Server) 
         with pytest.raises(openai.BadRequestError) as stored:
             await client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
         assert stored.value.param == "previous_response_id"
+
+
+def test_function_calls_cut_off_by_max_output_tokens_are_incomplete() -> None:
+    from uma_trio.protocol.messages import EosEvent, Timings, ToolCall, ToolCallFunction, Usage
+    from uma_trio.protocol.responses_api import ResponsesBody, response_object
+
+    call = ToolCall(id="c1", function=ToolCallFunction(name="get_weather", arguments='{"city": "Oslo"}'))
+    usage, timings = Usage(3, 70, 73), Timings(0.0, 1.0)
+    cut = EosEvent(id="r", reason="length", usage=usage, timings=timings, tool_calls=[call])
+    body = msgspec.convert({"model": MODEL, "input": "Weather in Oslo?"}, ResponsesBody)
+    answer = response_object("resp_1", 0, body, [], cut)
+    assert answer["status"] == "incomplete"
+    assert answer["incomplete_details"] == {"reason": "max_output_tokens"}

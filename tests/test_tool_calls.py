@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import msgspec
 import numpy as np
 import openai
@@ -125,8 +126,9 @@ def test_the_family_comes_from_the_template() -> None:
 @pytest.mark.parametrize(
     ("fmt", "pieces", "streamed"),
     [
-        ("hermes", ["Sure", ". <tool", "_call>\n{", '"name"'], ["Sure", ". "]),
-        ("hermes", ["a <tool", "box> b"], ["a ", "<toolbox> b"]),
+        ("hermes", ["Sure", ". <tool", "_call>\n{", '"name"'], ["Sure", "."]),
+        ("hermes", ["a <tool", "box> b"], ["a", " <toolbox> b"]),
+        ("hermes", ["Hi \n", "there\n"], ["Hi", " \nthere"]),  # whitespace waits: it may be trimmed
         ("llama3", ['{"name"', ": 1}"], []),
         ("llama3", ["Hi {", "x}"], ["Hi {", "x}"]),
         ("generic", ['{"response": ', '"hi"}'], []),
@@ -137,6 +139,25 @@ def test_streamed_content_stops_where_a_call_may_start(
 ) -> None:
     text_filter = ToolTextFilter(fmt)
     assert [out for piece in pieces if (out := text_filter.feed(piece))] == streamed
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["Let me check.", "\n<tool_call>\n", '{"name": "get_time", "arguments": {"zone": "A"}}',
+         "\n</tool_call>\n"],
+        [" Hi", " there.\n", "<tool_call>", '{"name": "get_time", "arguments": {}}</tool_call>'],
+        ["\n", "<tool_call>", '{"name": "get_time", "arguments": {}}</tool_call>\n', "Done. "],
+    ],
+)  # fmt: skip
+def test_streamed_hermes_content_is_the_whole_answer_s(pieces: list[str]) -> None:
+    """What a stream sends as it goes, and its rest at the end, make the content parsed from
+    the whole answer: the text after a call was lost (sent only without calls), and the
+    whitespace the parse strips was already sent."""
+    text_filter = ToolTextFilter("hermes")
+    streamed = "".join(text_filter.feed(piece) for piece in pieces)
+    content, _ = parse_tool_calls("".join(pieces), "hermes", NAMES)
+    assert streamed + text_filter.rest(content) == content
 
 
 # -- grammars -------------------------------------------------------------------------
@@ -386,3 +407,144 @@ def test_a_generic_history_shows_the_model_its_calls_and_their_results(llama_mod
     }
     prompt = llama_model.apply_chat_template([(t["role"], t["content"]) for t in turns])
     assert '"tool_calls"' in prompt and "rain, 7C" in prompt
+
+
+OSLO_HISTORY: list[dict[str, Any]] = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "tool_calls": [
+        {"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 3}'}}
+    ]},
+    {"role": "tool", "content": "rain, 7C", "tool_call_id": "c1", "name": "get_weather"},
+]  # fmt: skip
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("offered", [{}, {"tools": [WEATHER], "tool_choice": "none"}])
+async def test_a_generic_history_shows_its_calls_without_tools_offered(
+    server: Server, offered: dict[str, Any]
+) -> None:
+    """Sent without tools (or with ``tool_choice: none``), the earlier call was left to a
+    template that cannot render it: the prompt had as many tokens as with an empty turn."""
+    empty = [*OSLO_HISTORY[:1], {"role": "assistant", "content": ""}, *OSLO_HISTORY[2:]]
+    async with UmaClient.connect(server.config.socket_path) as client:
+        called = await client.complete(messages=OSLO_HISTORY, max_tokens=1, temperature=0, **offered)
+        bare = await client.complete(messages=empty, max_tokens=1, temperature=0, **offered)
+    # The call, its name and its arguments are in the prompt: a dozen tokens at least.
+    assert called.eos.usage.prompt_tokens >= bare.eos.usage.prompt_tokens + 12
+
+
+@pytest.mark.model
+async def test_calls_cut_off_by_max_tokens_finish_with_length(keyed_http_server: Server) -> None:
+    """Three calls asked for, cut off inside the second: the whole first one is kept, and
+    finish_reason says ``length`` (it said ``tool_calls``, and the cut call vanished)."""
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
+    fields: dict[str, Any] = dict(
+        model=MODEL, tools=[tool], tool_choice="required", temperature=0, max_tokens=70,
+        messages=[{"role": "system", "content": "Call get_weather once for every city the user names."},
+                  {"role": "user", "content": "What is the weather in Paris, in London and in Rome?"}],
+    )  # fmt: skip
+    async with openai_sdk(keyed_http_server) as client:
+        whole = await client.chat.completions.create(**fields)
+        assert whole.usage is not None and whole.usage.completion_tokens == 70
+        assert whole.choices[0].finish_reason == "length"
+        calls = whole.choices[0].message.tool_calls
+        assert calls and [c.function.name for c in calls] == ["get_weather"]
+        assert json.loads(calls[0].function.arguments)["city"] == "Paris"
+        finish, streamed = [], []
+        async for chunk in await client.chat.completions.create(**fields, stream=True):
+            finish += [c.finish_reason for c in chunk.choices if c.finish_reason]
+            streamed += [c.function.arguments for c in chunk.choices[0].delta.tool_calls or [] if c.function]
+        assert finish == ["length"] and streamed == [calls[0].function.arguments]
+
+
+@pytest.mark.model
+async def test_a_tool_stream_carries_the_logprobs_of_the_whole_answer(keyed_http_server: Server) -> None:
+    """Offered tools (the generic format holds the whole answer back), a stream with
+    ``logprobs: true`` sent none."""
+    fields: dict[str, Any] = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        temperature=0,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    async with openai_sdk(keyed_http_server) as client:
+        whole = await client.chat.completions.create(**fields)
+        expected = whole.choices[0].logprobs
+        assert expected is not None and expected.content and len(expected.content) == 12
+        streamed = []
+        async for chunk in await client.chat.completions.create(**fields, stream=True):
+            for choice in chunk.choices:
+                streamed += choice.logprobs.content or [] if choice.logprobs else []
+        # The same tokens (their logprobs vary a little from run to run).
+        assert [t.token for t in streamed] == [t.token for t in expected.content]
+
+
+@pytest.mark.model
+async def test_a_hermes_stream_sends_the_text_after_a_call_and_the_logprobs(
+    model_path: Path, server_config: ServerConfig
+) -> None:
+    """A Hermes model that writes on after its ``<tool_call>`` block (taught so by the
+    history): the stream lost that text, which the whole answer has, and sent no logprobs."""
+    model = LlamaModel(model_path)
+    try:
+        model.use_chat_template((TEMPLATES / "qwen2.5-instruct.jinja").read_text())
+
+        def said(city: str) -> str:
+            call = json.dumps({"name": "get_weather", "arguments": {"city": city}})
+            return f"Let me check.\n<tool_call>\n{call}\n</tool_call>\nI will tell you soon."
+
+        messages = []
+        for city in ("Rome", "Oslo"):
+            messages += [
+                {"role": "user", "content": f"Weather in {city}?"},
+                {"role": "assistant", "content": said(city)},
+            ]
+        messages.append({"role": "user", "content": "Weather in Paris?"})
+        fields: dict[str, Any] = dict(
+            model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=60, logprobs=True
+        )
+        async with (
+            running_server(model, server_config, http="127.0.0.1:0", api_key="k") as server,
+            openai_sdk(server) as client,
+        ):
+            whole = await client.chat.completions.create(**fields)
+            message, logprobs = whole.choices[0].message, whole.choices[0].logprobs
+            assert message.tool_calls and message.content == "Let me check.\n\nI will tell you soon."
+            assert whole.choices[0].finish_reason == "tool_calls"
+            content, streamed, calls = "", [], []
+            async for chunk in await client.chat.completions.create(**fields, stream=True):
+                for choice in chunk.choices:
+                    content += choice.delta.content or ""
+                    streamed += choice.logprobs.content or [] if choice.logprobs else []
+                    calls += [c.function.arguments for c in choice.delta.tool_calls or [] if c.function]
+            assert content == message.content
+            assert calls == [c.function.arguments for c in message.tool_calls]
+            assert logprobs is not None and logprobs.content
+            assert [t.token for t in streamed] == [t.token for t in logprobs.content]
+
+            # Anthropic's and OpenAI's Responses streams: the text after the call too.
+            function = WEATHER["function"]
+            claude = anthropic.AsyncAnthropic(base_url=str(server.http_url), api_key="k", max_retries=0)
+            asked: dict[str, Any] = dict(
+                model=MODEL, messages=messages, extra_body={"temperature": 0}, max_tokens=60,
+                tools=[{"name": function["name"], "input_schema": function["parameters"]}],
+            )  # fmt: skip
+            said_whole = await claude.messages.create(**asked)
+            async with claude.messages.stream(**asked) as stream:
+                said_streamed = "".join([text async for text in stream.text_stream])
+            assert said_streamed == "".join(b.text for b in said_whole.content if b.type == "text")
+            assert "I will tell you soon." in said_streamed and said_whole.stop_reason == "tool_use"
+            tools: Any = [{"type": "function", **function}]
+            answered: dict[str, Any] = dict(
+                model=MODEL, input=messages, tools=tools, temperature=0, max_output_tokens=60, store=False
+            )
+            replied = await client.responses.create(**answered)
+            async with client.responses.stream(**answered) as events:
+                deltas = [e.delta async for e in events if e.type == "response.output_text.delta"]
+            assert "".join(deltas) == replied.output_text and "I will tell you soon." in replied.output_text
+    finally:
+        model.close()

@@ -93,11 +93,9 @@ class AnthropicApi:
                         for chunk in text_events(shown):
                             yield chunk
                     case EosEvent(reason="stop" | "length"):
-                        rest = (
-                            text_filter.rest(event.content or "")
-                            if text_filter and not event.tool_calls
-                            else ""
-                        )
+                        # The text the filter held back, after the calls too (a hermes answer
+                        # may go on writing after its <tool_call>).
+                        rest = text_filter.rest(event.content or "") if text_filter else ""
                         for chunk in text_events(rest):
                             yield chunk
                         if text_open:

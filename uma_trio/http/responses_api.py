@@ -98,11 +98,8 @@ class ResponsesApi:
                         text += shown
                         yield event("response.output_text.delta", {**where, "delta": shown, "logprobs": []})
                     case EosEvent(reason="stop" | "length"):
-                        rest = (
-                            text_filter.rest(item.content or "")
-                            if text_filter and not item.tool_calls
-                            else ""
-                        )
+                        # The text the filter held back, after the calls too (as chat streams do).
+                        rest = text_filter.rest(item.content or "") if text_filter else ""
                         if rest and not opened:
                             for chunk in open_text():
                                 yield chunk

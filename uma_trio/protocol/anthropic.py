@@ -146,7 +146,7 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 def stop_reason(eos: EosEvent) -> StopReason:
-    if eos.tool_calls:
+    if eos.tool_calls and eos.reason == "stop":  # calls cut off by max_tokens: "max_tokens"
         return "tool_use"
     if eos.stop_sequence is not None:
         return "stop_sequence"

@@ -29,7 +29,7 @@ from .openai_errors import decode_json as decode_json
 from .openai_errors import from_uma_error as from_uma_error
 from .openai_errors import stop_param
 from .openai_errors import validation_error as validation_error
-from .openai_logprobs import ChatLogprobs, CompletionLogprobs, chat_logprobs, completion_logprobs
+from .openai_logprobs import ChatLogprobs, CompletionLogprobs, TextOffsets, chat_logprobs, completion_logprobs
 from .tools import ToolFormat, ToolTextFilter
 
 # -- request bodies ----------------------------------------------------------------
@@ -405,10 +405,12 @@ def usage_of(eos: EosEvent) -> Usage:
 
 
 def finish_reason(eos: EosEvent) -> str:
-    """OpenAI's finish_reason for an eos that completed (stop or length; tool_calls when the
-    answer called tools)."""
+    """OpenAI's finish_reason for an eos that completed: stop or length, and tool_calls when
+    an answer that called tools ended by itself.  One cut off by max_tokens is ``length``, as
+    OpenAI's: its whole calls are kept, but a call it was writing is lost, and the client must
+    know that the list may be short."""
     assert eos.reason in ("stop", "length"), eos.reason
-    return "tool_calls" if eos.tool_calls else eos.reason
+    return "tool_calls" if eos.tool_calls and eos.reason == "stop" else eos.reason
 
 
 ChunkT = TypeVar("ChunkT", "ChatCompletionChunk", "Completion")
@@ -477,31 +479,58 @@ class ChatStream(_Stream[ChatCompletionChunk]):
 
 class ToolChatStream(ChatStream):
     """A chat stream whose request offered tools: content is sent until it may be a tool
-    call (protocol/tools.py's ToolTextFilter); at the end the rest of the content, or the
-    calls, each whole in one delta."""
+    call (protocol/tools.py's ToolTextFilter); at the end the rest of the content, then the
+    calls, each whole in one delta.  A token's logprobs go out with the first chunk that
+    carries its text; those of text held to the end (the calls', too) with the last chunks."""
 
     def __init__(
         self, completion_id: str, created: int, model: str, include_usage: bool, fmt: ToolFormat
     ) -> None:
         super().__init__(completion_id, created, model, include_usage)
         self._filter = ToolTextFilter(fmt)
+        self._fed = 0  # characters fed to the filter
+        # Each token event's logprobs not sent yet, with where its text starts in what was fed.
+        self._held: list[tuple[int, list[TokenLogprob]]] = []
+        self._logprobs = False  # the request asked for them
 
     def token(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[ChatCompletionChunk]:
-        content = self._filter.feed(text)  # (a tool-call answer's logprobs are not sent)
-        return [self._chunk(content, None)] if content else []
+        if logprobs is not None:
+            self._logprobs = True
+            self._held.append((self._fed, logprobs))
+        self._fed += len(text)
+        content = self._filter.feed(text)
+        if not content:
+            return []
+        sent = len(self._filter.sent)
+        ready = [entry for start, entries in self._held if start < sent for entry in entries]
+        self._held = [(start, entries) for start, entries in self._held if start >= sent]
+        return [self._chunk(content, None, logprobs=ready if self._logprobs else None)]
 
     def end(self, eos: EosEvent, *, with_usage: bool = True) -> list[ChatCompletionChunk]:
-        rest = self._filter.rest(eos.content or "") if not eos.tool_calls else ""
-        chunks = [self._chunk(rest, None)] if rest else []
+        # Sent whether or not the answer called tools: a Hermes model may write on after its
+        # calls, and the whole answer's content has that text too.
+        rest = self._filter.rest(eos.content or "")
+        held = [entry for _, entries in self._held for entry in entries] if self._logprobs else None
+        self._held = []
+        chunks = [self._chunk(rest, None, logprobs=held)] if rest else []
         if eos.tool_calls:
             calls = [ToolCallDelta(i, c.id, c.function) for i, c in enumerate(eos.tool_calls)]
-            choice = ChatChunkChoice(index=self.index, delta=Delta(tool_calls=calls), finish_reason=None)
+            choice = ChatChunkChoice(
+                index=self.index, delta=Delta(tool_calls=calls), finish_reason=None,
+                logprobs=None if rest else chat_logprobs(held),
+            )  # fmt: skip
             chunks.append(ChatCompletionChunk(self.id, self.created, self.model, [choice], usage=self._usage))
+        elif held and not rest:  # text that is no content (a generic answer's JSON) had tokens
+            chunks.append(self._chunk("", None, logprobs=held))
         return chunks + super().end(eos, with_usage=with_usage)
 
 
 class CompletionStream(_Stream[Completion]):
-    _sent = 0  # characters of completion text sent so far (the logprobs' text_offset)
+    def __init__(self, completion_id: str, created: int, model: str, include_usage: bool) -> None:
+        super().__init__(completion_id, created, model, include_usage)
+        # Counted from the tokens, not from the text sent: a chunk's text may hold back a
+        # pending stop string, or half of a character, while its logprobs are the tokens'.
+        self._offsets = TextOffsets()
 
     def _chunk(
         self, text: str | None, finish: str | None, *, usage: Usage | None = None,
@@ -509,8 +538,7 @@ class CompletionStream(_Stream[Completion]):
     ) -> Completion:  # fmt: skip
         if usage is not None:
             return Completion(self.id, self.created, self.model, [], usage=usage)
-        described = completion_logprobs(logprobs, self._sent)
-        self._sent += len(text or "")
+        described = completion_logprobs(logprobs, self._offsets)
         choice = CompletionChoice(index=self.index, text=text or "", finish_reason=finish, logprobs=described)
         return Completion(self.id, self.created, self.model, [choice], usage=self._usage)
 

@@ -26,20 +26,34 @@ def chat_logprobs(entries: Sequence[TokenLogprob] | None) -> ChatLogprobs | None
     return None if entries is None else ChatLogprobs(list(entries))
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
-    """``offset``: the length of the completion text before these tokens (a stream's chunk)."""
+class TextOffsets:
+    """Where each token's text starts in a completion, counted from the tokens' bytes: a
+    character split across tokens reads as U+FFFD in each token's text (3 characters for one
+    emoji), and counting those shifted every offset after it.  One per completion, so a
+    stream's chunks count on from where the last one stopped, whatever text was held back
+    (a pending stop string) or a character was cut between chunks."""
+
+    def __init__(self, at: int = 0) -> None:
+        self.at = at
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def starts(self, entries: Sequence[TokenLogprob]) -> list[int]:
+        starts = []
+        for entry in entries:
+            starts.append(self.at)
+            self.at += len(self._decoder.decode(bytes(entry.bytes)))
+        return starts
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprob] | None, offsets: TextOffsets | None = None
+) -> CompletionLogprobs | None:
+    """``offsets``: the completion's (a stream's, across its chunks); by default a fresh one."""
     if entries is None:
         return None
-    # From the bytes: a character split across tokens reads as U+FFFD in each token's text
-    # (3 characters for one emoji), and counting those shifted every offset after it.
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    starts, at = [], offset
-    for entry in entries:
-        starts.append(at)
-        at += len(decoder.decode(bytes(entry.bytes)))
     return CompletionLogprobs(
         tokens=[e.token for e in entries],
         token_logprobs=[e.logprob for e in entries],
         top_logprobs=[{t.token: t.logprob for t in e.top_logprobs} for e in entries],
-        text_offset=starts,
+        text_offset=(offsets or TextOffsets()).starts(entries),
     )

@@ -173,7 +173,7 @@ def response_object(
     response_id: str, created: int, body: ResponsesBody, output: list[dict[str, Any]], eos: EosEvent | None
 ) -> dict[str, Any]:
     """The response; ``eos`` None: just created (``in_progress``)."""
-    incomplete = eos is not None and eos.reason == "length" and not eos.tool_calls
+    incomplete = eos is not None and eos.reason == "length"  # tool calls cut off too
     usage = None
     if eos is not None:
         u = eos.usage

@@ -162,8 +162,14 @@ def parse_tool_calls(text: str, fmt: ToolFormat, names: Sequence[str]) -> tuple[
     """The content outside tool calls and the calls, from a generated text.  A call that does
     not parse, or names no tool of the request, stays content: nothing is lost."""
     if fmt == "hermes":
-        calls = [c for c in (_call(_load(m.group(1)), names) for m in _HERMES.finditer(text)) if c]
-        return (_HERMES.sub("", text).strip() if calls else text), calls
+        blocks = list(_HERMES.finditer(text))
+        calls = [c for c in (_call(_load(m.group(1)), names) for m in blocks) if c]
+        if not calls:
+            return text, calls
+        # Trimmed as ToolTextFilter streams it, so streamed content is this too: whitespace at
+        # the end, and before the first call if nothing else is (it held both back).
+        content = _HERMES.sub("", text).rstrip()
+        return (content if text[: blocks[0].start()].strip() else content.lstrip()), calls
     stripped = text.strip()
     if fmt == "llama3":
         body = stripped.removeprefix("<|python_tag|>")
@@ -252,7 +258,9 @@ _MARKERS: dict[ToolFormat, str] = {
 class ToolTextFilter:
     """Streams the content of an answer that may hold tool calls: text is passed on until it
     could be the start of a call, and from a call's marker on held until the end, when the
-    parsed answer says what it was (a generic answer is JSON: held from its start)."""
+    parsed answer says what it was (a generic answer is JSON: held from its start).  Hermes
+    content is trimmed around its calls (parse_tool_calls): whitespace is held until text
+    follows it, as it may be what is trimmed."""
 
     def __init__(self, fmt: ToolFormat) -> None:
         self._fmt = fmt
@@ -267,6 +275,8 @@ class ToolTextFilter:
             return ""
         pending = self._held + text
         start, whole = self._call_start(pending)
+        if self._fmt == "hermes":
+            start = len(pending[:start].rstrip())
         out, self._held = pending[:start], pending[start:]
         self._holding = whole
         self.sent += out
@@ -286,5 +296,6 @@ class ToolTextFilter:
         return len(text), False
 
     def rest(self, content: str) -> str:
-        """At the end: what of the answer's ``content`` has not been sent yet."""
+        """At the end: what of the answer's ``content`` has not been sent yet (with or without
+        calls: a Hermes answer may go on after them)."""
         return content[len(self.sent) :] if content.startswith(self.sent) else ""

@@ -22,7 +22,7 @@ from .off_loop import INLINE_TEXT_CHARS, INLINE_TURNS, off_loop
 from .samplers import sampler_for
 from .session import END_SLOTS, Session, StreamItem
 from .stream import RequestStream
-from .tool_use import chat_turns, tool_constraint, tool_format
+from .tool_use import chat_turns, template_format, tool_constraint, tool_format
 
 
 async def open_on(
@@ -128,7 +128,7 @@ async def tokenize_request(
     the way ``fmt`` says), off the event loop."""
     try:
         if request.messages is not None:
-            turns, tools = chat_turns(request, fmt)
+            turns, tools = chat_turns(request, fmt, template_format(engine))
             # Few turns of little text: rendered and tokenized on the loop.  Turns cost the
             # template's work however empty they are (4,000 empty ones: 0.6 s).
             small = (

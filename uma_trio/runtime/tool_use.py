@@ -23,7 +23,12 @@ from ..protocol.tools import (
 
 def tool_format(engine: Engine, request: GenerateRequest) -> ToolFormat | None:
     """How the model writes tool calls, for a request that offers it tools; else None."""
-    return tool_format_of(engine.chat_template_source) if request.uses_tools else None
+    return template_format(engine) if request.uses_tools else None
+
+
+def template_format(engine: Engine) -> ToolFormat:
+    """The tool call family of the engine's chat template, offered tools or not."""
+    return tool_format_of(engine.chat_template_source)
 
 
 def generic_turn(turn: dict[str, Any]) -> dict[str, Any]:
@@ -47,17 +52,21 @@ def generic_turn(turn: dict[str, Any]) -> dict[str, Any]:
 
 
 def chat_turns(
-    request: GenerateRequest, fmt: ToolFormat | None
+    request: GenerateRequest, fmt: ToolFormat | None, template: ToolFormat | None = None
 ) -> tuple[list[dict[str, Any]], list[Any] | None]:
     """The turns and the tools for the chat template.  A template that cannot render tools
-    (``generic``) gets them described in the system message instead."""
+    (``generic``) gets them described in the system message instead.  ``template``: the
+    family of the template itself (``template_format``), ``fmt``'s when not given; one that
+    cannot render tools gets the earlier calls and results written into the turns' text
+    whether or not this request offers tools, or the model would not see them."""
     assert request.messages is not None
     turns = [m.template_fields() for m in request.messages]
+    if (template or fmt) == "generic":
+        turns = [generic_turn(turn) for turn in turns]
     if fmt is None or request.tools is None:
         return turns, None
     if fmt != "generic":
         return turns, msgspec.to_builtins(request.tools)
-    turns = [generic_turn(turn) for turn in turns]
     instructions = generic_instructions(request.tools, request.tool_choice)
     if turns and turns[0]["role"] == "system":
         turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{instructions}"}
