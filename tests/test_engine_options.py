@@ -445,3 +445,11 @@ def test_a_failed_load_says_what_llama_cpp_said() -> None:
         load_failure(["llama_model_load_from_file_impl: failed to load model"])
         == "corrupt or unsupported GGUF"
     )
+
+
+def test_a_batch_smaller_than_the_sessions_is_refused_at_start_up() -> None:
+    """Every running request decodes a token a tick: llama.cpp aborted the daemon at start-up
+    (n_outputs_max) with --n-batch 4 beside the default 8 sessions."""
+    with pytest.raises(ConfigError, match=r"--n-batch \(4\) must be at least --max-sessions \(8\)"):
+        ServerConfig(n_batch=4, max_sessions=8)
+    assert ServerConfig(n_batch=8, max_sessions=8).n_batch == 8

@@ -512,3 +512,14 @@ def test_a_model_whose_warm_up_fails_frees_what_it_loaded(
     with pytest.raises(RuntimeError, match="injected"):
         daemon.load_other_model(StoreEntry("other", model_path, model_path.stat().st_size), config)
     assert closed == ["context"]
+
+
+async def test_a_latency_cap_over_the_arbiters_pause_serves_several_models(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """SCHEDULER.md lets users raise --latency-cap; with a second model in the store a cap
+    over 1.8 was a start-up traceback (the arbiter's pause must not be under the cap)."""
+    async with daemon(Shelf(), latency_cap=2.0) as (server, _):
+        async with UmaClient.connect(socket_of(server)) as client:
+            done = await client.complete(prompt="word " * 20, max_tokens=4, model="b")
+    assert done.eos.reason == "length"

@@ -721,3 +721,27 @@ def test_the_slack_says_how_many_on_cap_ticks_it_needs_before_it_allows_a_rescue
     assert not slack.for_rescue and slack.ticks_until_allows(0.03) == 1
     slack.record(False)
     assert slack.for_rescue and slack.ticks_until_allows(0.03) == 0
+
+
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.integers(0, 600), st.integers(0, 2 * CONFIG.starve_ticks)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(0, 3),
+)
+def test_a_plan_never_holds_more_tokens_than_the_batch(
+    sessions: list[tuple[bool, int, int]], spare: int
+) -> None:
+    """With --n-batch at --max-sessions, a new chat's forced first token and a starving
+    session's rescue token went past n_batch: the step failed, and with it every running
+    request (E_RUNTIME_004, the context rebuilt)."""
+    states = tuple(
+        SessionState(key=k, lane="interactive" if chat else "background", prompt_remaining=prompt,
+                     n_past=0 if prompt else 30, ticks_waiting=waiting)
+        for k, (chat, prompt, waiting) in enumerate(sessions)
+    )  # fmt: skip
+    max_batch = len(states) + spare
+    result = plan_tick(SchedulerState(states, max_batch=max_batch, micro_batch=max_batch), CONFIG, COST)
+    assert len(result.decode) + result.prefill_tokens <= max_batch

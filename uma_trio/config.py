@@ -241,7 +241,8 @@ class ServerConfig:
     """Where KV snapshots are saved, restored and listed from (`uma-trio snapshot`; created
     0700)."""
     n_batch: int = 2048
-    """Most tokens in one tick (llama-server's default: a burst of prompts fits)."""
+    """Most tokens in one tick (llama-server's default: a burst of prompts fits); at least
+    --max-sessions."""
     n_ubatch: Annotated[int | None, Parameter(show_default="512 (32 with --deterministic)")] = None
     """llama.cpp micro-batch: the weights are read once per micro-batch, so 512 prefills
     several times faster than 32; under 64 for --deterministic (SCHEDULER.md "Batch
@@ -264,8 +265,9 @@ class ServerConfig:
     burst_quiet_ms: Annotated[float, _HIDDEN] = 2.0
     burst_max_ms: Annotated[float, _HIDDEN] = 25.0
     interactive_reserve: int = 1
-    """Sessions background requests never take (they always keep at least one), so
-    interactive ones always find one."""
+    """Sessions background requests never take, so interactive ones find one; but background
+    work always keeps one, so with --max-sessions at or under this a chat may wait for a
+    background request to end."""
     bmt_budget_gbps: Annotated[float | None, Parameter(show_default="probed")] = None
     """Memory bandwidth (GB/s) for the ΣBMT guard. When not given it is probed at start-up
     where the weights live: a 256 MB host copy for a CPU engine, the weight bytes over the
@@ -406,6 +408,12 @@ class ServerConfig:
         bad = [name for name, value in positive.items() if value <= 0]
         if bad:
             raise ConfigError(f"must be positive: {', '.join(bad)}")
+        if self.n_batch < self.max_sessions:
+            # Every running request decodes a token a tick: the batch holds one of each at
+            # least (llama.cpp aborts at start-up otherwise: n_outputs_max).
+            raise ConfigError(
+                f"--n-batch ({self.n_batch}) must be at least --max-sessions ({self.max_sessions})"
+            )
         if self.stream_buffer < 2:
             raise ConfigError("stream_buffer must be at least 2")
         if self.max_queue < 0 or self.shutdown_grace_s < 0 or self.keep_alive_s < 0:

@@ -73,7 +73,10 @@ class Server:
             name = engine.model_name
             store = ModelStore([StoreEntry(model_id(name), Path(name), 0, primary=True)])
         # With other models to load, every loop's steps take turns under one arbiter.
-        machine = Machine(Arbiter(latency_cap=config.latency_cap)) if len(store.entries()) > 1 else None
+        # A cap over the arbiter's 1.8 pause (SCHEDULER.md lets users raise it) raises the pause
+        # with it: it was a start-up traceback whenever the store held a second model.
+        arbiter = Arbiter(latency_cap=config.latency_cap, max_pause=max(1.8, config.latency_cap))
+        machine = Machine(arbiter) if len(store.entries()) > 1 else None
         share = machine.share(store.primary.id) if machine is not None else None
         # Open connections on every front end: a lone client's next request needs no burst wait.
         self.clients = Clients()

@@ -308,7 +308,7 @@ def plan_pipeline(
     if nobody_decodes and interactive_prompts:
         whole = min(state.micro_batch, state.max_batch - batch.n_tokens)
         room = max(room, whole, batch.prefill_room(config.burst_tick_s, interactive_prompts))
-    room = max(room, min(1, len(interactive_prompts)))
+    room = max(room, min(1, len(interactive_prompts), state.max_batch - batch.n_tokens))
     batch.prefill.extend(water_fill(interactive_prompts, room))
     # A new interactive request's first tick with no stream decoding: time to first token
     # comes first, so background work only takes what adds nothing to it (under a GPU's
@@ -487,6 +487,8 @@ def _rescue(batch: _Batch, starving: Sequence[SessionState], limit_s: float) -> 
     the first one always gets at least one token."""
     rescued = False
     for session in sorted(starving, key=lambda s: (-s.ticks_waiting, s.key)):
+        if batch.n_tokens >= batch.max_batch:  # a batch over n_batch fails the whole step
+            break
         if session.decoding:
             if rescued and batch.predicted([session]) > limit_s:
                 break
@@ -497,7 +499,7 @@ def _rescue(batch: _Batch, starving: Sequence[SessionState], limit_s: float) -> 
                 if rescued:
                     break
                 take = 1
-            batch.prefill.append((session, take))
+            batch.prefill.append((session, min(take, batch.max_batch - batch.n_tokens)))
         rescued = True
     return rescued
 
