@@ -5,9 +5,16 @@ its HTTP gateway."""
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import math
+import re
+import signal
+import warnings
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -19,6 +26,7 @@ from uma_trio.loadgen import ClientSpec, RequestRecord, Scenario, ScenarioResult
 from uma_trio.loadgen.bench import (
     SUMMARY_FIELDS,
     expected_tokens,
+    failure_tally,
     plan,
     run_bench,
     side_by_side,
@@ -26,7 +34,15 @@ from uma_trio.loadgen.bench import (
     write_results,
 )
 from uma_trio.loadgen.stats import TOKEN_CSV_FIELDS, lane_stats, token_rows
-from uma_trio.loadgen.targets import OpenAITarget, UmaTarget, apply_chunk, completion_body, parse_target
+from uma_trio.loadgen.targets import (
+    DEFAULT_TIMEOUT_S,
+    Connection,
+    OpenAITarget,
+    UmaTarget,
+    apply_chunk,
+    completion_body,
+    parse_target,
+)
 
 from .conftest import running_server
 
@@ -107,6 +123,18 @@ def test_targets_parse() -> None:
     for bad in ("ollama", "openai:", "openai:ftp://x", "x=uma-https:http://h"):
         with pytest.raises(ValueError, match="target"):
             parse_target(bad, socket_path=sock)
+
+
+def test_the_timeout_reaches_both_kinds_of_target(capsys: pytest.CaptureFixture[str]) -> None:
+    from uma_trio.cli.client_commands import bench
+
+    sock = Path("/tmp/x.sock")
+    for text in ("uma", "openai:http://h:1"):
+        target = parse_target(text, socket_path=sock, timeout_s=5.0)
+        assert isinstance(target, UmaTarget | OpenAITarget) and target.timeout_s == 5.0
+        assert parse_target(text, socket_path=sock).timeout_s == DEFAULT_TIMEOUT_S == 600.0
+    assert bench("smoke", socket=sock, timeout=0.0) == 2  # `uma-trio bench --timeout 0`
+    assert "--timeout" in capsys.readouterr().err
 
 
 def record(**kw: object) -> RequestRecord:
@@ -190,7 +218,7 @@ def test_summary_rows_percentiles_ratios_and_table() -> None:
     )
     assert peer_alone["gap_max_vs_alone_p95"] == pytest.approx(1.0) and "gap_p95_vs_alone" not in peer_alone
     every = next(r for r in rows if (r["target"], r["scenario"], r["lane"]) == ("uma", "hand", "all"))
-    assert every["tokens"] == 6 and every["tokens_per_s"] == 3.0 and every["completed"] == 2
+    assert every["tokens"] == 6 and every["tokens_per_s"] == 4.0 and every["completed"] == 2  # 10.0-11.5
     assert lane_stats(results[1], "background").ttft == (1.0,)
 
     header, body = side_by_side(rows)
@@ -276,7 +304,11 @@ def test_unknown_scenarios_and_targets_are_one_line_errors(monkeypatch: pytest.M
     assert (
         run("long_ctx", ["uma"], socket_path=Path("/tmp/x.sock"), api_key=None, out=Path("/tmp/unused")) == 0
     )
-    with pytest.raises(BenchError, match="cannot run on a target"):
+    # A missing daemon: which socket, and what to do about it (it said "[Errno 2] No such file
+    # or directory" alone).
+    with pytest.raises(
+        BenchError, match=r"uma: no daemon listening on /tmp/nothing\.sock .*`uma-trio serve`"
+    ):
         run("smoke", ["uma"], socket_path=Path("/tmp/nothing.sock"), api_key=None, out=Path("/tmp/unused"))
 
 
@@ -314,3 +346,157 @@ async def test_a_shipped_suite_runs_in_the_simulator(autojump_clock: trio.abc.Cl
     result, _ = await simulate(scenario, CostCoefficients())
     assert [r.client for r in result.records] == ["chat-0", "chat-0", "chat-1", "chat-1", "bulk"]
     assert all(r.ok and len(r.token_times) == scenario.client(r.client).max_tokens for r in result.records)
+
+
+def test_every_shipped_scenario_names_the_limits_it_needs_raised() -> None:
+    """storm's 8,000-token prompt is refused under the default --max-prompt-tokens (4096), and
+    its description named only --n-ctx."""
+    defaults = ServerConfig()
+    for path in SCENARIOS.glob("*.json"):
+        suite = load_suite(path)
+        clients = [c for run in suite.runs for c in run.clients]
+        prompt = max((c.prompt_tokens for c in clients), default=0)
+        context = max((c.prompt_tokens + c.max_tokens for c in clients), default=0)
+        needs = {
+            "--max-prompt-tokens": (prompt, defaults.max_prompt_tokens),
+            "--n-ctx": (context, defaults.n_ctx),
+        }
+        for flag, (need, default) in needs.items():
+            if need > default:
+                said = re.search(rf"{flag} >= ([\d,]+)", suite.description)
+                assert said and int(said[1].replace(",", "")) >= need, (path.name, flag, need)
+
+
+def test_plots_of_scenarios_whose_names_slug_alike_do_not_overwrite_each_other(tmp_path: Path) -> None:
+    runs = [result("uma", "a/b", [10.1, 10.2]), result("uma", "a_b", [10.1, 10.3])]
+    pngs = sorted(p.name for p in write_results(runs, tmp_path) if p.suffix == ".png")
+    assert pngs == ["gap_cdf-a_b-2.png", "gap_cdf-a_b.png", "timeline-a_b-2.png", "timeline-a_b.png"]
+
+
+def test_a_scenario_without_interactive_gaps_plots_without_a_warning(tmp_path: Path) -> None:
+    """matplotlib warned "No artists with labels found to put in legend"."""
+    run = result("uma", "hand", [10.1])  # one token: no gap
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        write_results([run], tmp_path)
+
+
+def test_failure_tally_names_the_codes() -> None:
+    run = result("uma", "hand", [10.1, 10.2])
+    run.records += [
+        record(client="x", error_code="E_LIMIT_006"),
+        record(client="y", error_code="CONNECT_FAILED", error_message="no daemon"),
+        record(client="z", error_code="CONNECT_FAILED", error_message="no daemon"),
+    ]
+    assert failure_tally([run, result("uma", "fine", [10.1])]) == [
+        "uma hand: CONNECT_FAILED x2, E_LIMIT_006 x1 (no daemon)"
+    ]
+
+
+# -- `uma-trio bench` when targets fail or Ctrl-C comes ------------------------------------
+
+
+class FakeTarget:
+    """A server in the bench's own process: each request streams its tokens 1 ms apart.
+    From its ``refuse_from``-th connection (the warm-up's is the first) it refuses to connect;
+    request ``interrupt_at`` (a request id) sends the bench SIGINT, as Ctrl-C does."""
+
+    def __init__(
+        self, label: str, *, refuse_from: int | None = None, interrupt_at: str | None = None
+    ) -> None:
+        self.label, self.refuse_from, self.interrupt_at = label, refuse_from, interrupt_at
+        self.connections = 0
+
+    @asynccontextmanager
+    async def connect(self) -> AsyncIterator[Connection]:
+        self.connections += 1
+        if self.refuse_from is not None and self.connections >= self.refuse_from:
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+        yield self
+
+    async def run(
+        self, spec: ClientSpec, index: int, rec: RequestRecord, clock: Callable[[], float],
+        on_token: Callable[[], None],
+    ) -> bool:  # fmt: skip
+        if spec.request_id(index) == self.interrupt_at:
+            signal.raise_signal(signal.SIGINT)
+            await trio.sleep_forever()
+        for _ in range(spec.max_tokens):
+            await trio.sleep(0.001)
+            rec.token_times.append(clock())
+            on_token()
+        rec.ended, rec.eos_reason = clock(), "length"
+        return True
+
+
+TWO_RUNS = {
+    "name": "two",
+    "runs": [
+        {"name": "first", "clients": [{"name": "a", "prompt_tokens": 4, "max_tokens": 3}]},
+        {"name": "second", "clients": [{"name": "b", "prompt_tokens": 4, "max_tokens": 3, "requests": 2},
+                                       {"name": "c", "prompt_tokens": 4, "max_tokens": 50}]},
+    ],
+}  # fmt: skip
+
+
+def bench_with(
+    targets: dict[str, FakeTarget], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, Path]:
+    """`uma-trio bench two.json --target NAME ...` on fake targets: the exit status and --out."""
+    from uma_trio import bench_cli
+    from uma_trio.cli.client_commands import bench
+
+    suite = tmp_path / "two.json"
+    suite.write_text(json.dumps(TWO_RUNS))
+    monkeypatch.setattr(bench_cli, "parse_target", lambda text, **_: targets[text])
+    out = tmp_path / "out"
+    return bench(str(suite), target=list(targets), socket=tmp_path / "unused.sock", out=out), out
+
+
+def csv_rows(path: Path) -> list[dict[str, Any]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_dead_target_keeps_the_other_targets_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One target that could not be reached aborted the whole bench, and nothing was written."""
+    targets = {"live": FakeTarget("live"), "dead": FakeTarget("dead", refuse_from=1)}
+    status, out = bench_with(targets, tmp_path, monkeypatch)
+    assert status == 1
+    assert "error: dead: [Errno 111] Connection refused" in capsys.readouterr().err
+    summary = csv_rows(out / "summary.csv")
+    assert {(r["target"], r["scenario"]) for r in summary} == {("live", "first"), ("live", "second")}
+    assert all(r["failed"] == "0" for r in summary)
+
+
+def test_a_target_that_dies_mid_run_is_recorded_and_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """From its third connection (the second run's clients) the target refuses: those clients'
+    requests are CONNECT_FAILED, the first run's results are kept, and the console says which
+    codes failed (the table shows only counts)."""
+    status, out = bench_with({"uma": FakeTarget("uma", refuse_from=3)}, tmp_path, monkeypatch)
+    assert status == 1
+    printed = capsys.readouterr().out
+    assert "failed: uma second: CONNECT_FAILED x3 ([Errno 111] Connection refused)" in printed
+    requests = csv_rows(out / "requests.csv")
+    assert [(r["scenario"], r["client"], r["error_code"]) for r in requests] == [
+        ("first", "a", ""), ("second", "b", "CONNECT_FAILED"), ("second", "b", "CONNECT_FAILED"),
+        ("second", "c", "CONNECT_FAILED"),
+    ]  # fmt: skip
+
+
+def test_ctrl_c_prints_one_line_writes_what_ran_and_exits_130(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It printed a 35-line BaseExceptionGroup traceback and wrote nothing."""
+    status, out = bench_with({"uma": FakeTarget("uma", interrupt_at="b-1")}, tmp_path, monkeypatch)
+    assert status == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    requests = csv_rows(out / "requests.csv")
+    assert [(r["scenario"], r["client"], r["index"], r["error_code"]) for r in requests] == [
+        ("first", "a", "0", ""), ("second", "b", "0", ""), ("second", "b", "1", "INTERRUPTED"),
+        ("second", "c", "0", "INTERRUPTED"),  # in flight then
+    ]  # fmt: skip

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import llama_cpp as llama
@@ -14,6 +19,8 @@ import trio
 from uma_trio.config import ServerConfig
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.loadgen import (
+    CONNECT_FAILED,
+    TIMEOUT,
     ClientSpec,
     RequestRecord,
     Scenario,
@@ -28,9 +35,13 @@ from uma_trio.loadgen import (
     to_csv_rows,
     worst_pause,
 )
+from uma_trio.loadgen.scenario import MAX_COPIES
 from uma_trio.loadgen.stats import CSV_FIELDS, completion_time, gaps, tokens_per_s, ttft, window_gaps
+from uma_trio.loadgen.targets import UmaTarget
+from uma_trio.protocol.framing import FrameDecoder
 
 from .conftest import running_server
+from .helpers import frame, sim_daemon
 
 # -- hand-made records ---------------------------------------------------------------
 
@@ -95,7 +106,17 @@ def test_lane_stats_split_lanes_and_take_percentiles() -> None:
     assert bg.gap_p50 == bg.gap_max == pytest.approx(0.5)
     assert bg.ttft == pytest.approx((2.0,)) and bg.completion == pytest.approx((2.6,))
     assert bg.tokens_per_s == pytest.approx(2 / 2.6)
-    assert tokens_per_s(hand_result()) == pytest.approx(8 / 4.0)
+    assert tokens_per_s(hand_result()) == pytest.approx(8 / 3.6)  # all requests: 10.0 to 13.6
+
+
+def test_all_lanes_tokens_per_s_leave_out_the_wait_before_the_first_send() -> None:
+    """Clients that all start 2 s in: the `all` row counted those idle 2 s, and showed fewer
+    tokens/s than its only lane."""
+    result = hand_result()
+    result.started = 8.0
+    assert tokens_per_s(result) == pytest.approx(8 / 3.6)
+    result.records = [r for r in result.records if r.lane == "interactive"]
+    assert tokens_per_s(result) == pytest.approx(tokens_per_s(result, "interactive"))
 
 
 def test_failures_and_empty_lanes() -> None:
@@ -104,7 +125,13 @@ def test_failures_and_empty_lanes() -> None:
     inter = lane_stats(result, "interactive")
     assert (inter.completed, inter.failed, inter.tokens) == (1, 1, 4)
     assert inter.ttft == pytest.approx((0.5,))  # no first token, no TTFT
-    assert inter.completion == pytest.approx((1.2, 0.1))
+    # Nor a completion: an instant refusal is no fast completion (three refusals showed a
+    # completion p50 of 2 ms beside completed 0).
+    assert inter.completion == pytest.approx((1.2,))
+    result.records[0] = record("a", 10.0, [10.5], 10.6, eos_reason=None, error_code="CONNECTION_LOST")
+    assert lane_stats(result, "interactive").completion == () and math.isnan(
+        lane_stats(result, "interactive").completion_p50
+    )
     result.records = [r for r in result.records if r.lane == "interactive"]
     assert set(summarize(result)) == {"interactive"}
     none = lane_stats(result, "background")
@@ -184,6 +211,20 @@ def test_bad_scenarios_are_rejected(bad: object) -> None:
         scenario_from_dict(bad)
 
 
+def test_copies_are_bounded_and_many_load_fast() -> None:
+    """1e9 copies ran out of memory, and the duplicate-name check was quadratic (20,000
+    copies took 9 s to load)."""
+    client = {"name": "a", "prompt_tokens": 4, "max_tokens": 4}
+    for copies in (MAX_COPIES + 1, 10**9):
+        with pytest.raises(msgspec.ValidationError, match="copies"):
+            scenario_from_dict({"name": "x", "clients": [client | {"copies": copies}]})
+    many = {"name": "x", "clients": [client | {"name": f"c{i}", "copies": MAX_COPIES} for i in range(8)]}
+    began = time.perf_counter()
+    scenario = scenario_from_dict(many)
+    assert time.perf_counter() - began < 3.0  # ~0.1 s; quadratically ~25 s
+    assert len(scenario.expanded().clients) == 8 * MAX_COPIES
+
+
 def test_load_scenario_from_json(tmp_path: Path) -> None:
     path = tmp_path / "mixed.json"
     path.write_bytes(msgspec.json.encode(mixed_scenario(2000, 200)))
@@ -253,7 +294,8 @@ async def test_tiny_scenario_against_the_real_daemon(
         assert lane.tokens_per_s > 0
     all_gaps = np.concatenate([gaps(r) for r in result.records])
     assert (all_gaps > 0).all()
-    assert tokens_per_s(result) == pytest.approx(24 / (result.finished - result.started))
+    first, last = min(r.sent for r in result.records), max(r.ended or 0.0 for r in result.records)
+    assert tokens_per_s(result) == pytest.approx(24 / (last - first))  # from the first send
     assert len(to_csv_rows(result)) == 3
 
 
@@ -272,3 +314,117 @@ async def test_refused_requests_are_recorded_and_the_chain_goes_on(
         (1, "E_LIMIT_003", None, []),
     ]
     assert lane_stats(result, "interactive").failed == 2
+
+
+# -- failures: connect, stall, refusal -----------------------------------------------
+
+
+@asynccontextmanager
+async def fake_daemon(handler: Callable[[trio.SocketStream], Awaitable[None]]) -> AsyncIterator[Path]:
+    """A Unix socket served by ``handler`` (one task per connection): a daemon that misbehaves
+    in ways the simulated one does not."""
+    with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
+        path = Path(tmp) / "fake.sock"
+        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        await sock.bind(str(path))
+        sock.listen()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.serve_listeners, handler, [trio.SocketListener(sock)])
+            yield path
+            nursery.cancel_scope.cancel()
+
+
+async def read_request_id(stream: trio.SocketStream) -> str:
+    decoder = FrameDecoder(1 << 20)
+    while True:
+        for payload in decoder.feed(await stream.receive_some(65536)):
+            return str(json.loads(payload)["id"])
+
+
+CHAIN = scenario_from_dict({"name": "s", "clients": [{"name": "a", "prompt_tokens": 4, "max_tokens": 8,
+                                                      "requests": 2}]})  # fmt: skip
+
+
+async def test_a_client_that_cannot_connect_gets_a_failed_record_per_request(tmp_path: Path) -> None:
+    """It raised out of the whole run: a bench lost every run already done."""
+    scenario = scenario_from_dict(
+        {"name": "s", "clients": [{"name": "a", "prompt_tokens": 4, "max_tokens": 8, "requests": 2},
+                                  {"name": "b", "prompt_tokens": 4, "max_tokens": 8}]}
+    )  # fmt: skip
+    missing = tmp_path / "none.sock"
+    result = await run_scenario(missing, scenario)
+    assert [(r.client, r.index, r.error_code) for r in result.records] == [
+        ("a", 0, CONNECT_FAILED), ("a", 1, CONNECT_FAILED), ("b", 0, CONNECT_FAILED),
+    ]  # fmt: skip
+    message = result.records[0].error_message or ""
+    assert str(missing) in message and "uma-trio serve" in message  # which socket, and what to do
+    assert lane_stats(result, "interactive").failed == 3
+
+
+async def test_a_daemon_that_dies_mid_run_keeps_what_ran(autojump_clock: trio.abc.Clock) -> None:
+    scenario = scenario_from_dict(
+        {"name": "die", "clients": [{"name": "long", "prompt_tokens": 4, "max_tokens": 4000},
+                                    {"name": "late", "prompt_tokens": 4, "max_tokens": 4, "start_s": 4}]}
+    )  # fmt: skip
+    async with sim_daemon() as server, trio.open_nursery() as nursery:
+
+        async def die() -> None:
+            await trio.sleep(2.0)
+            server.request_shutdown(force=True)
+
+        nursery.start_soon(die)
+        result = await run_scenario(server.config.socket_path, scenario)
+    long, late = result.records
+    assert long.token_times and not long.ok  # what it streamed before the daemon went is kept
+    assert (late.error_code, late.sent - result.started) == (CONNECT_FAILED, 4.0)
+    assert str(server.config.socket_path) in (late.error_message or "")
+
+
+async def silent(stream: trio.SocketStream) -> None:
+    """Reads the request, never answers: a daemon stopped with SIGSTOP."""
+    await read_request_id(stream)
+    await trio.sleep_forever()
+
+
+async def test_a_daemon_that_stops_answering_times_the_request_out(autojump_clock: trio.abc.Clock) -> None:
+    """The bench hung forever on it.  The default is the HTTP target's 600 s; the chain stops
+    there (its next request would wait as long)."""
+    async with fake_daemon(silent) as path:
+        with trio.fail_after(10_000):
+            result = await run_scenario(path, CHAIN)
+    (only,) = result.records
+    assert only.error_code == TIMEOUT and only.ended is not None
+    assert only.ended - only.sent == pytest.approx(600.0)
+
+
+async def test_the_timeout_is_per_event(autojump_clock: trio.abc.Clock) -> None:
+    async def slow_then_silent(stream: trio.SocketStream) -> None:
+        request_id = await read_request_id(stream)
+        for _ in range(3):  # each 4 s apart, within a 5 s timeout; the whole request is longer
+            await trio.sleep(4.0)
+            await stream.send_all(frame({"event": "token", "id": request_id, "text": "x", "token_id": 1}))
+        await trio.sleep_forever()
+
+    async with fake_daemon(slow_then_silent) as path:
+        with trio.fail_after(10_000):
+            result = await run_scenario(UmaTarget(path, timeout_s=5.0), CHAIN)
+    (only,) = result.records
+    assert [t - only.sent for t in only.token_times] == pytest.approx([4.0, 8.0, 12.0])
+    assert only.error_code == TIMEOUT and only.ended == pytest.approx(only.token_times[-1] + 5.0)
+
+
+async def test_a_connection_the_daemon_refused_records_its_code(autojump_clock: trio.abc.Clock) -> None:
+    """Over --max-connections the daemon says E_LIMIT_006 and hangs up; when both came before
+    the request was sent, the record said CONNECTION_LOST."""
+
+    async def refuse(stream: trio.SocketStream) -> None:
+        refusal = {"event": "error", "id": None, "code": "E_LIMIT_006", "message": "too many connections"}
+        await stream.send_all(frame(refusal))
+        await stream.aclose()
+
+    spec = CHAIN.clients[0]
+    async with fake_daemon(refuse) as path, UmaTarget(path).connect() as connection:
+        await trio.sleep(1.0)  # the refusal and the hang-up are read before anything is sent
+        rec = RequestRecord(client=spec.name, lane=spec.lane, index=0, sent=trio.current_time())
+        assert not await connection.run(spec, 0, rec, trio.current_time, lambda: None)
+    assert rec.error_code == "E_LIMIT_006"

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 from functools import partial
 
+import pytest
 import trio
 
-from uma_trio.loadgen import CONNECTION_LOST, Scenario, run_scenario, scenario_from_dict
+from uma_trio.loadgen import CONNECTION_LOST, TIMEOUT, Scenario, run_scenario, scenario_from_dict
 from uma_trio.loadgen.targets import STALE_CONNECTION_RETRIES, OpenAITarget
 
 TOKENS = 3
@@ -134,3 +135,32 @@ async def test_the_retries_are_bounded() -> None:
         nursery.cancel_scope.cancel()
     assert result.records[0].error_code == CONNECTION_LOST
     assert server.connections == 1 + STALE_CONNECTION_RETRIES
+
+
+async def test_a_server_that_stops_answering_times_out_and_is_not_retried(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """`uma-trio bench --timeout` reaches the HTTP target: a stall past it is TIMEOUT (not
+    CONNECTION_LOST), and the request is not sent again as a stale connection's is."""
+    requests = 0
+
+    async def stall(stream: trio.SocketStream) -> None:
+        nonlocal requests
+        if await read_request(stream, bytearray()):
+            requests += 1
+            body = sse_body()
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n"
+            first = body.index(b"\n\n") + 2  # one token, then nothing
+            await stream.send_all(head % len(body) + body[:first])
+            await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, stall, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        target = OpenAITarget(f"http://127.0.0.1:{port}", "stalls", model="m", timeout_s=5.0)
+        result = await run_scenario(target, chain(2))
+        nursery.cancel_scope.cancel()
+    (only,) = result.records  # the chain stops there
+    assert only.error_code == TIMEOUT and len(only.token_times) == 1
+    assert only.ended == pytest.approx(only.token_times[0] + 5.0, abs=0.01)
+    assert requests == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import sys
 from pathlib import Path
 
 import msgspec
@@ -10,11 +12,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .client import ConnectionLost
-from .exception_groups import first_leaf
-from .loadgen.bench import expected_tokens, plan, run_bench, side_by_side, summary_rows, write_results
+from .loadgen.bench import (
+    expected_tokens,
+    failure_tally,
+    plan,
+    run_bench,
+    side_by_side,
+    summary_rows,
+    write_results,
+)
+from .loadgen.runner import ScenarioResult
 from .loadgen.scenario import Suite, load_suite
-from .loadgen.targets import Target, parse_target
+from .loadgen.targets import DEFAULT_TIMEOUT_S, Target, parse_target
 
 # Scenario names are looked up under the current directory, then in the checkout this
 # package was installed from (an editable install), so `uma-trio bench mixed` works anywhere.
@@ -41,15 +50,32 @@ def find_suite(name: str) -> Suite:
         raise BenchError(f"{path}: {exc}") from None
 
 
-def run(name: str, target_specs: list[str], *, socket_path: Path, api_key: str | None, out: Path) -> int:
+# The exit status after Ctrl-C (128 + SIGINT), as a shell reports it.
+EXIT_INTERRUPTED = 130
+
+
+def run(
+    name: str,
+    target_specs: list[str],
+    *,
+    socket_path: Path,
+    api_key: str | None,
+    out: Path,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> int:
+    """Run the suite ``name`` on every target and write what ran: 0 if every request completed,
+    1 if any failed (or a target could not be run), 130 if interrupted by Ctrl-C."""
     suite = find_suite(name)
     console = Console()
     if suite.skip is not None:
         console.print(f"{suite.name}: not run: {suite.skip}")
         return 0
+    if not 0 < timeout_s < math.inf:  # NaN too
+        raise BenchError("--timeout must be a positive number of seconds")
     try:
         targets: list[Target] = [
-            parse_target(t, socket_path=socket_path, api_key=api_key) for t in target_specs
+            parse_target(t, socket_path=socket_path, api_key=api_key, timeout_s=timeout_s)
+            for t in target_specs
         ]
     except ValueError as exc:
         raise BenchError(str(exc)) from None
@@ -67,12 +93,35 @@ def run(name: str, target_specs: list[str], *, socket_path: Path, api_key: str |
         TextColumn("tokens"),
         TimeElapsedColumn(),
     )
+    # Filled in as the runs go: what ran is written whatever stops the bench.
+    results: list[ScenarioResult] = []
+    target_errors: dict[str, str] = {}
+    interrupted = False
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("tokens", total=total)
         try:
-            results = trio.run(lambda: run_bench(suite, targets, on_token=lambda: progress.advance(task)))
-        except* (ConnectionLost, OSError, RuntimeError, ValueError) as group:
-            raise BenchError(f"cannot run on a target: {first_leaf(group)}") from None
+            trio.run(
+                lambda: run_bench(
+                    suite,
+                    targets,
+                    on_token=lambda: progress.advance(task),
+                    into=results,
+                    target_errors=target_errors,
+                )
+            )
+        except* KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        print("interrupted", file=sys.stderr)
+    results = [r for r in results if r.records]  # one interrupted before its first request
+    errors = [f"{label}: {message}" for label, message in target_errors.items()]
+    if not results:
+        if interrupted:
+            return EXIT_INTERRUPTED
+        if errors:
+            raise BenchError("; ".join(errors))
+    for error in errors:  # a target that failed as a whole; the others' results follow
+        print(f"error: {error}", file=sys.stderr)
     rows = summary_rows(results)
     header, body = side_by_side(rows)
     table = Table(title=f"{suite.name}: {suite.description}" if suite.description else suite.name)
@@ -81,7 +130,11 @@ def run(name: str, target_specs: list[str], *, socket_path: Path, api_key: str |
     for line in body:
         table.add_row(*line)
     console.print(table)
+    for failure in failure_tally(results):  # the table counts failures; this says which
+        console.print(f"failed: {failure}", markup=False, highlight=False)
     for path in write_results(results, out):
         console.print(f"wrote {path}")
+    if interrupted:
+        return EXIT_INTERRUPTED
     failed = sum(not r.ok for result in results for r in result.records)
-    return 1 if failed else 0
+    return 1 if failed or errors else 0

@@ -108,6 +108,12 @@ class UmaClient:
                 raise group.exceptions[0] from None
             raise
 
+    @property
+    def connection_error_code(self) -> str | None:
+        """The code of the last connection-level error the daemon sent (one with no request id,
+        e.g. E_LIMIT_006 before it hangs up), or None: why a lost connection was lost."""
+        return None if self._connection_error is None else self._connection_error.code
+
     # -- requests ----------------------------------------------------------------
 
     @asynccontextmanager

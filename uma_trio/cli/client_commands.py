@@ -209,9 +209,11 @@ def bench(
     socket: SocketPath = DEFAULT_SOCKET,
     api_key: Annotated[str | None, Parameter(env_var="UMA_API_KEY")] = None,
     out: Path = Path("benches/results/bench"),
+    timeout: float = 600.0,
 ) -> int:
     """Run a benchmark scenario against one or more servers, one after the other, and print
-    them side by side (docs/BENCHMARKS.md). Exit status 1 if any request failed.
+    them side by side (docs/BENCHMARKS.md). Exit status 1 if any request failed, 130 if
+    interrupted (Ctrl-C; what ran is written).
 
     Parameters
     ----------
@@ -228,11 +230,19 @@ def bench(
         Bearer key for HTTP targets.
     out
         Directory for tokens.csv, requests.csv, summary.csv and the PNG plots.
+    timeout
+        Seconds a request may wait for its next event before it is recorded failed (TIMEOUT):
+        a server that stops answering does not hang the bench.
     """
-    from ..bench_cli import BenchError, run
+    from ..bench_cli import EXIT_INTERRUPTED, BenchError, run
 
     try:
-        return run(scenario, target or ["uma"], socket_path=socket, api_key=api_key, out=out)
+        return run(
+            scenario, target or ["uma"], socket_path=socket, api_key=api_key, out=out, timeout_s=timeout
+        )
+    except KeyboardInterrupt:  # outside the runs (they write what ran): nothing more to say
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_SERVER_ERROR

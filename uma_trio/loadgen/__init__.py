@@ -7,7 +7,7 @@ and the real-daemon benchmarks, so both measure the same scenario the same way.
 from __future__ import annotations
 
 from .records import RequestRecord
-from .runner import CONNECTION_LOST, ScenarioResult, run_scenario
+from .runner import CONNECT_FAILED, CONNECTION_LOST, INTERRUPTED, ScenarioResult, run_scenario
 from .scenario import (
     ClientSpec,
     Lane,
@@ -20,9 +20,13 @@ from .scenario import (
     scenario_from_dict,
 )
 from .stats import LaneStats, lane_stats, summarize, to_csv_rows, worst_pause
+from .targets import TIMEOUT
 
 __all__ = [
     "CONNECTION_LOST",
+    "CONNECT_FAILED",
+    "INTERRUPTED",
+    "TIMEOUT",
     "ClientSpec",
     "Lane",
     "LaneStats",

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import csv
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .runner import ScenarioResult, run_scenario
+from ..client import ConnectionLost
+from ..exception_groups import first_leaf
+from .runner import CONNECT_FAILED, ScenarioResult, run_scenario
 from .scenario import ClientSpec, Scenario, Suite
 from .stats import CSV_FIELDS, LANES, TOKEN_CSV_FIELDS, lane_stats, to_csv_rows, token_rows, tokens_per_s
 from .targets import Target
@@ -55,16 +58,40 @@ def plan(suite: Suite) -> list[Scenario]:
 WARM_UP = Scenario(name="warm-up", clients=[ClientSpec(name="warm-up", prompt_tokens=8, max_tokens=4)])
 
 
+# A target's failures that end its runs (a dead server, a missing package), not the bench's.
+TARGET_ERRORS: tuple[type[Exception], ...] = (ConnectionLost, OSError, RuntimeError, ValueError)
+
+
 async def run_bench(
-    suite: Suite, targets: Sequence[Target], *, on_token: Callable[[], None] | None = None
+    suite: Suite,
+    targets: Sequence[Target],
+    *,
+    on_token: Callable[[], None] | None = None,
+    into: list[ScenarioResult] | None = None,
+    target_errors: dict[str, str] | None = None,
 ) -> list[ScenarioResult]:
     """Each target in turn: one short warm-up request (not reported; a fresh server's first
-    request pays one-off costs), then the suite's scenarios in :func:`plan` order."""
-    results = []
+    request pays one-off costs), then the suite's scenarios in :func:`plan` order.
+
+    ``into``: each run is appended to it as it starts (see :func:`run_scenario`), so what
+    ran survives an interruption.  ``target_errors``: a target that cannot be reached at its
+    warm-up, or whose run fails as a whole (:data:`TARGET_ERRORS`), is skipped and its error
+    written there under its label, the other targets' runs going on; without it, raised.
+    """
+    results = [] if into is None else into
     for target in targets:
-        await run_scenario(target, WARM_UP)
-        for scenario in plan(suite):
-            results.append(await run_scenario(target, scenario, on_token=on_token))
+        try:
+            warm_up = await run_scenario(target, WARM_UP)
+            if all(r.error_code == CONNECT_FAILED for r in warm_up.records):
+                raise ConnectionError(warm_up.records[0].error_message or CONNECT_FAILED)
+            for scenario in plan(suite):
+                await run_scenario(target, scenario, on_token=on_token, into=results)
+        except Exception as exc:
+            group = exc if isinstance(exc, ExceptionGroup) else ExceptionGroup("", [exc])
+            matched, rest = group.split(TARGET_ERRORS)
+            if target_errors is None or matched is None or rest is not None:
+                raise
+            target_errors[target.label] = str(first_leaf(matched))
     return results
 
 
@@ -116,6 +143,22 @@ def summary_rows(results: Iterable[ScenarioResult]) -> list[dict[str, Any]]:
             "span_s": round(result.finished - result.started, 3),
         })  # fmt: skip
     return rows
+
+
+def failure_tally(results: Iterable[ScenarioResult]) -> list[str]:
+    """One line per target and scenario with failed requests: how many of each error code (or
+    end reason), and the first client-side error message; the table shows only counts."""
+    lines = []
+    for result in results:
+        failed = [r for r in result.records if not r.ok]
+        if not failed:
+            continue
+        counts = Counter(r.error_code or r.eos_reason or "NO_END" for r in failed)
+        tally = ", ".join(f"{code} x{n}" for code, n in counts.most_common())
+        message = next((r.error_message for r in failed if r.error_message), None)
+        why = f" ({message})" if message else ""
+        lines.append(f"{result.target} {result.scenario.name}: {tally}{why}")
+    return lines
 
 
 def write_csv(path: Path, rows: Iterable[Mapping[str, Any]], fields: Sequence[str]) -> None:

@@ -21,6 +21,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     ended: float | None = None  # when the eos (or error) arrived
     eos_reason: FinishReason | str | None = None  # the daemon's reason, or an OpenAI finish_reason
     error_code: str | None = None
+    error_message: str | None = None  # the client's own failures' (CONNECT_FAILED: the OS error)
     prompt_tokens: int | None = None  # from the eos usage
     completion_tokens: int | None = None  # from the eos usage (a token event may carry several)
 

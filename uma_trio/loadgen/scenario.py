@@ -10,6 +10,7 @@ input raises :class:`msgspec.ValidationError`.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -27,6 +28,9 @@ PROMPT_WORD = "hello"
 Name = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[!-~]+$")]
 PositiveInt = Annotated[int, Meta(ge=1)]
 Seconds = Annotated[float, Meta(ge=0.0)]
+# Each copy is a connection (and a task) of its own: far more than any daemon admits
+# (--max-connections), and a typo such as 1e9 was an out-of-memory instead of an error.
+MAX_COPIES = 4096
 
 
 class ClientSpec(Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -34,8 +38,8 @@ class ClientSpec(Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
 
     Each request starts ``think_s`` after the previous one ended (an "agent
     chain"), so a client never has more than one request in flight.  ``copies``
-    makes that many identical clients (``name-0``, ``name-1``, ...), the k-th
-    starting ``k * stagger_s`` after ``start_s``.
+    makes that many identical clients (``name-0``, ``name-1``, ...; at most
+    :data:`MAX_COPIES`), the k-th starting ``k * stagger_s`` after ``start_s``.
     """
 
     name: Name
@@ -45,7 +49,7 @@ class ClientSpec(Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     start_s: Seconds = 0.0  # connect and send the first request this long after the scenario starts
     requests: PositiveInt = 1
     think_s: Seconds = 0.0
-    copies: PositiveInt = 1
+    copies: Annotated[int, Meta(ge=1, le=MAX_COPIES)] = 1
     stagger_s: Seconds = 0.0
     model: str | None = None  # which of the daemon's models (docs/MODELS.md); None: its default
 
@@ -77,8 +81,8 @@ class Scenario(Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
 
     def __post_init__(self) -> None:
         # Names key the results (and the request ids); duplicates would merge two clients.
-        names = [c.name for c in self.expanded().clients]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
+        counts = Counter(c.name for c in self.expanded().clients)  # names.count was quadratic
+        duplicates = sorted(n for n, k in counts.items() if k > 1)
         if duplicates:
             raise ValueError(f"duplicate client names: {', '.join(duplicates)}")
 

@@ -8,10 +8,12 @@ records, and simulation tests can assert on exact virtual-time figures.
   (its wait is the TTFT).
 * **TTFT**: first token event - send.
 * **completion**: eos (or error) arrival - send; the last token when neither
-  arrived.
+  arrived.  A lane's completion figures are its completed requests' only: an
+  instant refusal is no fast completion.
 * **tokens/s**: a lane's token events over the lane's own span (its first send
   to its last end), so a late request of the other lane does not dilute it; all
-  lanes together over the scenario's span (start to the last client done).
+  lanes together over all requests' span (the first send to the last end), so
+  clients that all start late do not count the idle time before.
 
 Percentiles are numpy's default (linear interpolation); figures with no data
 are ``nan``.
@@ -97,18 +99,19 @@ def span(result: ScenarioResult) -> float:
     return result.finished - result.started
 
 
-def lane_span(result: ScenarioResult, lane: Lane) -> float:
-    """Seconds from the lane's first send to its last end (eos, error or last token)."""
-    records = [r for r in result.records if r.lane == lane]
+def lane_span(result: ScenarioResult, lane: Lane | None) -> float:
+    """Seconds from the lane's first send to its last end (eos, error or last token); with
+    ``lane=None``, of all lanes' requests."""
+    records = [r for r in result.records if lane is None or r.lane == lane]
     ends = [r.sent + c for r in records if (c := completion_time(r)) is not None]
     return max(ends) - min(r.sent for r in records) if ends else math.nan
 
 
 def tokens_per_s(result: ScenarioResult, lane: Lane | None = None) -> float:
     """Token events of ``lane`` per second of the lane's own span; with ``lane=None``, of
-    all lanes per second of the scenario's span."""
+    all lanes per second of their span together (:func:`lane_span`)."""
     tokens = sum(len(r.token_times) for r in result.records if lane is None or r.lane == lane)
-    seconds = span(result) if lane is None else lane_span(result, lane)
+    seconds = lane_span(result, lane)
     return tokens / seconds if seconds > 0 else math.nan
 
 
@@ -128,7 +131,7 @@ class LaneStats:
     gap_max: float
     gap_p99: float
     ttft: tuple[float, ...]  # per request with a first token, in record order
-    completion: tuple[float, ...]  # per request, in record order
+    completion: tuple[float, ...]  # per completed request (``ok``), in record order
     tokens_per_s: float  # over the lane's own span (first send to last end)
 
     @property
@@ -160,7 +163,7 @@ def lane_stats(result: ScenarioResult, lane: Lane, *, window: tuple[float, float
     else:
         all_gaps = window_gaps(records, window)
     ttfts = [t for t in map(ttft, records) if t is not None]
-    completions = [c for c in map(completion_time, records) if c is not None]
+    completions = [c for r in records if r.ok and (c := completion_time(r)) is not None]
     completed = sum(r.ok for r in records)
     return LaneStats(
         lane=lane,

@@ -10,11 +10,14 @@ server.  Parsing the SSE lines is pure (:func:`apply_chunk`) and tested alone.
 
 from __future__ import annotations
 
+import errno
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
 
 from ..client import ConnectionLost, UmaClient
 from ..protocol.messages import EosEvent, ErrorEvent, TokenEvent
@@ -29,6 +32,13 @@ Clock = Callable[[], float]
 
 # ``error_code`` of a request whose connection died under it (not a daemon error code).
 CONNECTION_LOST = "CONNECTION_LOST"
+# ... of each request of a client whose connection could not be opened (the runner's).
+CONNECT_FAILED = "CONNECT_FAILED"
+# ... of a request that went ``timeout_s`` without an event (a stopped or wedged server).
+TIMEOUT = "TIMEOUT"
+# Seconds a request may wait for its next event: long enough for an 8,000-token prefill on a
+# slow CPU, short enough that a server that stopped answering does not hang the bench forever.
+DEFAULT_TIMEOUT_S = 600.0
 
 
 class Connection(Protocol):
@@ -50,27 +60,64 @@ class Target(Protocol):
 
 
 class UmaTarget:
-    """The daemon's Unix socket, one :class:`UmaClient` connection per client."""
+    """The daemon's Unix socket, one :class:`UmaClient` connection per client.  A request
+    that waits ``timeout_s`` for its next event is given up (:data:`TIMEOUT`)."""
 
-    def __init__(self, socket_path: Path, label: str = "uma") -> None:
-        self.socket_path, self.label = socket_path, label
+    def __init__(
+        self, socket_path: Path, label: str = "uma", *, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        self.socket_path, self.label, self.timeout_s = socket_path, label, timeout_s
 
     @asynccontextmanager
     async def connect(self) -> AsyncIterator[Connection]:
-        async with UmaClient.connect(self.socket_path) as client:
-            yield _UmaConnection(client)
+        opened = False
+        try:
+            async with UmaClient.connect(self.socket_path) as client:
+                opened = True
+                yield _UmaConnection(client, self.timeout_s)
+        except OSError as exc:
+            if opened:  # not the connect's: the caller's own error
+                raise
+            # The bare OS error ("[Errno 2] No such file or directory") does not say which
+            # socket, nor what to do about it.
+            if exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
+                raise ConnectionError(
+                    f"no daemon listening on {self.socket_path} ({exc.strerror}): "
+                    "start one with `uma-trio serve`, or give --socket"
+                ) from exc
+            raise ConnectionError(f"cannot connect to {self.socket_path}: {exc}") from exc
 
 
 class _UmaConnection:
-    def __init__(self, client: UmaClient) -> None:
-        self.client = client
+    def __init__(self, client: UmaClient, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.client, self.timeout_s = client, timeout_s
 
     async def run(
         self, spec: ClientSpec, index: int, record: RequestRecord, clock: Clock, on_token: Callable[[], None]
     ) -> bool:
+        # One deadline, pushed back at every event: a stall, not the whole request, is timed.
+        with trio.CancelScope(deadline=trio.current_time() + self.timeout_s) as stall:
+            alive = await self._stream(spec, index, record, clock, on_token, stall)
+        if stall.cancelled_caught:
+            # The connection is left as it is: a server that stopped answering gets no more
+            # requests from this client (the rest of its chain would wait as long each).
+            record.ended, record.error_code = clock(), TIMEOUT
+            return False
+        return alive
+
+    async def _stream(
+        self,
+        spec: ClientSpec,
+        index: int,
+        record: RequestRecord,
+        clock: Clock,
+        on_token: Callable[[], None],
+        stall: trio.CancelScope,
+    ) -> bool:
         try:
             async with self.client.stream(**spec.request(index)) as events:
                 async for event in events:
+                    stall.deadline = trio.current_time() + self.timeout_s
                     now = clock()
                     if isinstance(event, TokenEvent):
                         record.token_times.append(now)
@@ -83,10 +130,15 @@ class _UmaConnection:
                         # The client's stream ends at an error event (a following eos is not seen).
                         record.ended, record.error_code = now, event.code
         except ConnectionLost:
-            record.ended, record.error_code = clock(), CONNECTION_LOST
+            # The daemon may have said why before hanging up (E_LIMIT_006: over
+            # --max-connections); when that came before this request was sent, only the
+            # client heard it.
+            record.ended = clock()
+            record.error_code = self.client.connection_error_code or CONNECTION_LOST
             return False
         if record.ended is None:  # the stream ended without eos or error
-            record.ended, record.error_code = clock(), CONNECTION_LOST
+            record.ended = clock()
+            record.error_code = self.client.connection_error_code or CONNECTION_LOST
             return False
         return True
 
@@ -148,14 +200,21 @@ class OpenAITarget:
     """An OpenAI-compatible server at ``base_url`` (e.g. ``http://127.0.0.1:8080``).
 
     The lane travels in the ``X-Uma-Priority`` header, which other servers ignore.
-    The model name comes from ``GET /v1/models`` unless given.
+    The model name comes from ``GET /v1/models`` unless given.  ``timeout_s``: as
+    :class:`UmaTarget`'s (httpx's timeout for each read, connect and write).
     """
 
     def __init__(
-        self, base_url: str, label: str = "openai", *, api_key: str | None = None, model: str | None = None
+        self,
+        base_url: str,
+        label: str = "openai",
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.base_url, self.label = base_url.rstrip("/").removesuffix("/v1"), label
-        self.api_key, self.model = api_key, model
+        self.api_key, self.model, self.timeout_s = api_key, model, timeout_s
 
     @asynccontextmanager
     async def connect(self) -> AsyncIterator[Connection]:
@@ -167,7 +226,7 @@ class OpenAITarget:
         headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         limits = httpx.Limits(max_connections=1)  # one connection per client, like the socket
         async with httpx.AsyncClient(
-            base_url=self.base_url, headers=headers, timeout=600, limits=limits
+            base_url=self.base_url, headers=headers, timeout=self.timeout_s, limits=limits
         ) as http:
             if self.model is None:
                 try:
@@ -201,6 +260,9 @@ class _OpenAIConnection:
                 ) as response:
                     answered = True
                     return await self._read(response, record, clock, on_token)
+            except httpx.TimeoutException:  # a stall, not a stale connection: not sent again
+                record.ended, record.error_code = clock(), TIMEOUT
+                return False
             except httpx.TransportError:
                 # A kept-alive connection the server closed between two requests (llama-server's
                 # HTTP library does) fails before any answer: the request never reached the
@@ -232,15 +294,19 @@ class _OpenAIConnection:
         return True
 
 
-def parse_target(text: str, *, socket_path: Path, api_key: str | None = None) -> Target:
+def parse_target(
+    text: str, *, socket_path: Path, api_key: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> Target:
     """``uma`` (the socket at ``socket_path``), ``uma-http:URL`` or ``openai:URL``, each
-    optionally labelled ``LABEL=...`` (e.g. ``llama-server=openai:http://127.0.0.1:8081``)."""
+    optionally labelled ``LABEL=...`` (e.g. ``llama-server=openai:http://127.0.0.1:8081``);
+    ``timeout_s``: how long a request may wait for its next event."""
     label, sep, spec = text.partition("=")
     if not sep or ":" in label:  # no label (an "=" inside a URL is not one)
         label, spec = "", text
     if spec == "uma":
-        return UmaTarget(socket_path, label or "uma")
+        return UmaTarget(socket_path, label or "uma", timeout_s=timeout_s)
     kind, colon, url = spec.partition(":")
     if colon and kind in ("openai", "uma-http") and url.startswith("http"):
-        return OpenAITarget(url, label or (kind if kind == "uma-http" else url), api_key=api_key)
+        label = label or (kind if kind == "uma-http" else url)
+        return OpenAITarget(url, label, api_key=api_key, timeout_s=timeout_s)
     raise ValueError(f"a target is uma, uma-http:URL or openai:URL (optionally LABEL=...), not {text!r}")
