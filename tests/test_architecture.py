@@ -97,8 +97,9 @@ WIDE_CLASSES = {
     # next_ahead, preempt and rebuild, six KV-sequence operations, four text operations
     # (tokenize, a chat, an infill, the chat template) and the model's fingerprint.  Its
     # implementations carry exactly it (LlamaEngine adds step_sync for calibration, describe
-    # for the start-up line, close).
-    "Engine": 15, "LlamaEngine": 18, "SimEngine": 16, "FaultyEngine": 16,
+    # for the start-up line, close), and went_idle (the loop has no step: the next gap is not
+    # per-step overhead).
+    "Engine": 16, "LlamaEngine": 19, "SimEngine": 17, "FaultyEngine": 17,
 }  # fmt: skip
 
 

@@ -61,6 +61,7 @@ class Connection:
         # Requests being admitted (tokenized, their grammar compiled, their model loaded) in
         # their own tasks, and what the client asked of each meanwhile (a cancel, a lane).
         self._admitting: dict[str, list[Callable[[RequestStream], None]]] = {}
+        self._admitted_last: trio.Event | None = None  # set once the last one sent is queued
         self._send_lock = trio.Lock()
         # The socket's descriptor, for writes that need not wait (-1: not a socket stream).
         self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
@@ -175,15 +176,23 @@ class Connection:
         # once held this reader, so the client's cancel of another request waited behind it.
         self._admitting[rid] = []
         self._set_idle_deadline()
+        before, self._admitted_last = self._admitted_last, trio.Event()
         assert self._nursery is not None
-        self._nursery.start_soon(self._admit, request, arrived)
+        self._nursery.start_soon(self._admit, request, arrived, before, self._admitted_last)
 
-    async def _admit(self, request: GenerateRequest, arrived: float) -> None:
+    async def _admit(
+        self, request: GenerateRequest, arrived: float, before: trio.Event | None, done: trio.Event
+    ) -> None:
+        """Queue the request once the one sent before it on this connection is queued (in the
+        order the client sent them), then pump its events."""
         rid = request.id
         try:
+            if before is not None:
+                await before.wait()
             opened = self.server.open_request(request, arrived, connection=self.number, owner=self.owner)
             stream = await opened
         except UmaError as exc:
+            done.set()
             await self._send_error(exc)
             return
         else:
@@ -191,6 +200,7 @@ class Connection:
             for action in self._admitting[rid]:
                 action(stream)
         finally:
+            done.set()
             del self._admitting[rid]
             self._set_idle_deadline()
         await self._pump(stream)

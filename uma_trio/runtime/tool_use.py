@@ -23,12 +23,15 @@ from ..protocol.tools import (
 
 def tool_format(engine: Engine, request: GenerateRequest) -> ToolFormat | None:
     """How the model writes tool calls, for a request that offers it tools; else None."""
-    return template_format(engine) if request.uses_tools else None
+    return tool_format_of(engine.chat_template_source) if request.uses_tools else None
 
 
-def template_format(engine: Engine) -> ToolFormat:
-    """The tool call family of the engine's chat template, offered tools or not."""
-    return tool_format_of(engine.chat_template_source)
+def template_format(engine: Engine) -> ToolFormat | None:
+    """``generic`` when the engine's chat template cannot render earlier tool calls itself
+    (its source never reads ``tool_calls``), whatever the request offers; else None.  A
+    template may render calls and results without rendering a tools list."""
+    source = engine.chat_template_source
+    return "generic" if not source or "tool_calls" not in source else None
 
 
 def generic_turn(turn: dict[str, Any]) -> dict[str, Any]:
@@ -55,13 +58,13 @@ def chat_turns(
     request: GenerateRequest, fmt: ToolFormat | None, template: ToolFormat | None = None
 ) -> tuple[list[dict[str, Any]], list[Any] | None]:
     """The turns and the tools for the chat template.  A template that cannot render tools
-    (``generic``) gets them described in the system message instead.  ``template``: the
-    family of the template itself (``template_format``), ``fmt``'s when not given; one that
-    cannot render tools gets the earlier calls and results written into the turns' text
-    whether or not this request offers tools, or the model would not see them."""
+    (``generic``) gets them described in the system message instead.  ``template``:
+    ``generic`` when the template cannot render earlier calls (``template_format``): they and
+    their results are then written into the turns' text whether or not this request offers
+    tools, or the model would not see them."""
     assert request.messages is not None
     turns = [m.template_fields() for m in request.messages]
-    if (template or fmt) == "generic":
+    if "generic" in (fmt, template):
         turns = [generic_turn(turn) for turn in turns]
     if fmt is None or request.tools is None:
         return turns, None
