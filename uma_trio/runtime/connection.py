@@ -192,7 +192,6 @@ class Connection:
             opened = self.server.open_request(request, arrived, connection=self.number, owner=self.owner)
             stream = await opened
         except UmaError as exc:
-            done.set()
             await self._send_error(exc)
             return
         else:
