@@ -339,8 +339,9 @@ def run_servers(name: str, args: argparse.Namespace, model: Path, out: Path, rep
 
 
 def run_suite(suite_name: str, targets: list[Target]) -> tuple[list[ScenarioResult], str]:
-    """The suite on each target in turn, and a line saying how much CPU time the hypervisor
-    took during each run (a step 4x its usual length with nothing in it is usually that)."""
+    """The suite on the targets (each scenario on every one in turn), and a line saying how
+    much CPU time the hypervisor took during each run (a step 4x its usual length with nothing
+    in it is usually that)."""
     suite = load_suite(SCENARIOS / f"{suite_name}.json")
 
     async def bench() -> tuple[list[ScenarioResult], float]:

@@ -1,9 +1,9 @@
 """``uma-trio bench``: a suite of scenarios on one or more targets, side by side.
 
-Targets run one after the other (never at once: they would share the CPU), each
-scenario of the suite in turn; with ``alone`` a suite first runs each scenario
-without its background clients, so interactive gaps can be reported relative to
-the same clients alone.  Writes, under ``out``:
+Targets run one after the other (never at once: they would share the CPU): each
+scenario of the suite on every target before the next scenario.  With ``alone`` a
+suite first runs each scenario without its background clients, so interactive gaps
+can be reported relative to the same clients alone.  Writes, under ``out``:
 
 * ``tokens.csv``: one row per token event (target, scenario, client, request,
   token_idx, t_ms, lane);
@@ -70,21 +70,28 @@ async def run_bench(
     into: list[ScenarioResult] | None = None,
     target_errors: dict[str, str] | None = None,
 ) -> list[ScenarioResult]:
-    """Each target in turn: one short warm-up request (not reported; a fresh server's first
-    request pays one-off costs), then the suite's scenarios in :func:`plan` order.
+    """The suite on every target: each target's one short warm-up request first (not
+    reported; a fresh server's first request pays one-off costs), then each scenario of
+    :func:`plan` on every target in turn before the next scenario, so the runs compared side
+    by side are minutes closer in time than target after target (a VM's speed drifts by tens
+    of percent over a suite; the later target was measured in another minute of it).
 
     ``into``: each run is appended to it as it starts (see :func:`run_scenario`), so what
     ran survives an interruption.  ``target_errors``: a target that cannot be reached at its
-    warm-up, or whose run fails as a whole (:data:`TARGET_ERRORS`), is skipped and its error
-    written there under its label, the other targets' runs going on; without it, raised.
+    warm-up, or whose run fails as a whole (:data:`TARGET_ERRORS`), is skipped from then on
+    and its error written there under its label, the other targets' runs going on; without
+    it, raised.
     """
     results = [] if into is None else into
-    for target in targets:
+    failed: set[str] = set()
+
+    async def attempt(target: Target, scenario: Scenario | None) -> None:
         try:
-            warm_up = await run_scenario(target, WARM_UP)
-            if all(r.error_code == CONNECT_FAILED for r in warm_up.records):
-                raise ConnectionError(warm_up.records[0].error_message or CONNECT_FAILED)
-            for scenario in plan(suite):
+            if scenario is None:
+                warm_up = await run_scenario(target, WARM_UP)
+                if all(r.error_code == CONNECT_FAILED for r in warm_up.records):
+                    raise ConnectionError(warm_up.records[0].error_message or CONNECT_FAILED)
+            else:
                 await run_scenario(target, scenario, on_token=on_token, into=results)
         except Exception as exc:
             group = exc if isinstance(exc, ExceptionGroup) else ExceptionGroup("", [exc])
@@ -92,6 +99,12 @@ async def run_bench(
             if target_errors is None or matched is None or rest is not None:
                 raise
             target_errors[target.label] = str(first_leaf(matched))
+            failed.add(target.label)
+
+    for step in [None, *plan(suite)]:
+        for target in targets:
+            if target.label not in failed:
+                await attempt(target, step)
     return results
 
 
