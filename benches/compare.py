@@ -27,8 +27,9 @@ Extra comparisons:
   the time the server had work (uma_trio/loadgen/efficiency.py);
 * ``scaling`` also runs ``llama-batched-bench`` (the engine's ceiling, no server) at
   the same batch sizes;
-* ``mixed`` also gets, per run, the most of the background prompt any schedule within the
-  latency guard could read by twice llama-server's completion (benches/guard_bound.py);
+* ``mixed`` and ``storm`` also get, per run, the most of the background prompts any schedule
+  within the latency guard could read by twice llama-server's completion of each
+  (benches/guard_bound.py);
 * ``each_app_separate`` runs the mixed load with one server process per client
   (``llama-server --parallel 1`` each, every one loading the model) against one
   shared uma-trio, and compares aggregate tokens/s and total RSS;
@@ -270,27 +271,28 @@ class Rep:
 
 
 def guard_bound_table(runs: Sequence[Path]) -> str:
-    """For each mixed run, the most of the background prompt any schedule within the latency
-    guard reads by twice llama-server's completion, the chats kept at their pace
-    (benches/guard_bound.py)."""
+    """For each run of a scenario with background prompts, the most of them any schedule within
+    the latency guard reads by each one's deadline (twice llama-server's completion of it), the
+    chats kept at their pace (benches/guard_bound.py)."""
     lines = [
-        "\nWhat the latency guard leaves the background prompt by 2 × llama-server's completion "
+        "\nWhat the latency guard leaves the background prompts by 2 × llama-server's completion "
         "(`benches/guard_bound.py`: every figure in the scheduler's favour but the chats' own pace; "
         '"short": no scheduler within the guard that keeps the chats at that pace meets the deadline '
         "on this machine):\n",
-        "| run | prompt tokens due | the most any schedule reads | of which beside the chats | verdict |",
-        "| --- | --- | --- | --- | --- |",
+        "| run | deadline | prompt tokens due | the most any schedule reads | of which beside the chats "
+        "| verdict |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for index, run in enumerate(runs):
         try:
             rows = guard_bound.compare_rows(run)
         except Exception as exc:
-            lines.append(f"| {index + 1} | | | | not computed: {exc!r} |")
+            lines.append(f"| {index + 1} | | | | | not computed: {exc!r} |")
             continue
         for r in rows:
             lines.append(
-                f"| {index + 1} | {r['needed_tokens']} | {r['room_tokens']} | {r['beside_chats_gain']} "
-                f"| {r['verdict']} |"
+                f"| {index + 1} | {r['deadline']} | {r['needed_tokens']} | {r['room_tokens']} "
+                f"| {r['beside_chats_gain']} | {r['verdict']} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -437,7 +439,7 @@ def main() -> None:
             extra += "\n" + spread_line(
                 rep_ratios(per_rep_rows, "uma-trio", "llama-server"), "uma-trio / llama-server tokens/s"
             )
-        if name == "mixed":
+        if name in ("mixed", "storm"):
             extra += guard_bound_table([rep.out for rep in reps])
         if name == "scaling":
             sizes = [len(r.scenario.expanded().clients) for r in reps[0].results if r.target == "uma-trio"]

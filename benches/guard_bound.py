@@ -1,6 +1,6 @@
 """Could any scheduler within the latency guard finish the background prompts by the target?
 
-Reads one mixed run's tick trace and figures and prints, for each background prompt's
+Reads one mixed (or storm) run's tick trace and figures and prints, for each background prompt's
 deadline (the target ratio × the peer's completion time), the prompt tokens due by then
 against the most any schedule within the guard could read by then on that machine
 (``uma_trio/loadgen/guard_bound.py`` says how the bound is taken: every figure in the
@@ -12,7 +12,9 @@ guard; "within reach" means the bound does not rule it out.
     python benches/guard_bound.py --compare RUN_DIR [--ratio 2.0]   # compare.py's OUT/mixed[/run-K]/
 
 With ``--gpu`` the prompts are gpu_compare.py's (2,000 and 8,000 words at 1 s and 2 s), with
-``--compare`` benches/scenarios/mixed.json's, and compare.py's ``capacity.csv`` (the engine
+``--compare`` those of the run's scenario in benches/scenarios/ (``mixed``, ``storm``: the
+directory's name, or its parent's for ``run-K``), each due by the ratio × llama-server's
+completion of the same prompt (the run's requests.csv), and compare.py's ``capacity.csv`` (the engine
 alone; in the run's folder or up to two above it) then gives the fastest prefill of those
 prompts and of each batch width.  The first prompt's arrival is the first tick that left a
 session out or read 100+ prompt tokens (``--arrival-tick`` overrides it); the others arrive
@@ -72,8 +74,27 @@ def gpu_inputs(results: Path) -> Inputs:
     return results / "ticks-mixed.jsonl", uma["alone_gap_ms_p95"] / 1000.0, prompts
 
 
+def scenario_of(run: Path) -> str:
+    """The scenario a compare.py run directory holds: ``OUT/NAME`` or ``OUT/NAME/run-K``."""
+    return run.parent.name if run.name.startswith("run-") else run.name
+
+
+def peer_completions(run: Path, scenario: str) -> dict[str, float]:
+    """llama-server's completion time (s) of each background client's request in ``run``."""
+    with (run / "requests.csv").open() as f:
+        return {
+            r["client"]: float(r["completion_ms"]) / 1000.0
+            for r in csv.DictReader(f)
+            if (r["target"], r["scenario"], r["lane"]) == ("llama-server", scenario, "background")
+            and r["completion_ms"]
+            and not r["error_code"]
+        }
+
+
 def compare_inputs(run: Path) -> Inputs:
-    """compare.py's mixed scenario: the same, from summary.csv and benches/scenarios/mixed.json."""
+    """A compare.py scenario with background prompts (``mixed``, ``storm``): the same, from the
+    run's summary.csv and requests.csv and the scenario's file in benches/scenarios/; each
+    prompt's deadline is against llama-server's completion of that same prompt."""
     with (run / "summary.csv").open() as f:
         summary = [r for r in csv.DictReader(f) if r["target"] != "target"]
 
@@ -83,12 +104,16 @@ def compare_inputs(run: Path) -> Inputs:
                 return float(r[column])
         raise SystemExit(f"{run}/summary.csv has no {target} {scenario} {lane} row")
 
-    scenario = json.loads((SCENARIOS / "mixed.json").read_text())
+    name = scenario_of(run)
+    scenario = json.loads((SCENARIOS / f"{name}.json").read_text())
     bulk = [c for c in scenario["runs"][0]["clients"] if c.get("lane") == "background"]
-    peer_s = figure("llama-server", "mixed", "background", "completion_p50_ms") / 1000.0
+    peer = peer_completions(run, name)
+    missing = [c["name"] for c in bulk if c["name"] not in peer]
+    if missing:
+        raise SystemExit(f"{run}/requests.csv has no completed llama-server request of {', '.join(missing)}")
     first = min(c["start_s"] for c in bulk)
-    prompts = [(c["prompt_tokens"], c["start_s"] - first, peer_s) for c in bulk]
-    alone_p95 = figure("uma-trio", "mixed-alone", "interactive", "gap_p95_ms") / 1000.0
+    prompts = [(c["prompt_tokens"], c["start_s"] - first, peer[c["name"]]) for c in bulk]
+    alone_p95 = figure("uma-trio", f"{name}-alone", "interactive", "gap_p95_ms") / 1000.0
     return run / "ticks.jsonl", alone_p95, prompts
 
 
@@ -157,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = ap.add_mutually_exclusive_group(required=True)
     source.add_argument("--gpu", type=Path, help="benches/gpu/run.sh's results directory")
-    source.add_argument("--compare", type=Path, help="compare.py's mixed run directory")
+    source.add_argument("--compare", type=Path, help="compare.py's mixed or storm run directory")
     ap.add_argument(
         "--ratio", type=float, help="the target: completion ≤ RATIO × the peer's (GPU 1.5, CPU 2.0)"
     )
