@@ -100,6 +100,10 @@ WIDE_CLASSES = {
     # for the start-up line, close), and went_idle (the loop has no step: the next gap is not
     # per-step overhead).
     "Engine": 16, "LlamaEngine": 19, "SimEngine": 17, "FaultyEngine": 17,
+    # The decode loop's surface: a request's life (submit, cancel, set_lane, wake, unpin,
+    # restore), its task (run, exclusive, wait_idle, gauges) and its ending: stop_accepting,
+    # cancel_all at shutdown, fail_all once its task died (several models: the others serve on).
+    "DecodeLoop": 13,
 }  # fmt: skip
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -55,6 +56,11 @@ class ConfigError(ValueError):
 
 GpuLayersMode = Literal["auto", "all"]
 
+# ASCII only: str.isdigit() is True for "²" (which int() refuses) and float() reads "inf",
+# "nan", "1_000" and other scripts' digits; a setting is written in ASCII digits.
+_DIGITS = re.compile(r"[0-9]+")
+_DECIMAL = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?")
+
 
 def parse_gpu_layers(value: str) -> GpuLayersMode | int:
     """``auto``, ``all`` or a layer count (0 or more); anything else is a ConfigError
@@ -62,7 +68,7 @@ def parse_gpu_layers(value: str) -> GpuLayersMode | int:
     text = value.strip().lower()
     if text in ("auto", "all"):
         return "auto" if text == "auto" else "all"
-    if text.isdigit():
+    if _DIGITS.fullmatch(text):
         return int(text)
     raise ConfigError(f"--gpu-layers must be auto, all or a number of layers (0 or more), not {value!r}")
 
@@ -74,16 +80,16 @@ def parse_memory_budget(value: str, total_bytes: int) -> int:
     """``--memory-budget``: bytes (``24G``, ``512M``, ``8000000000``) or a fraction of
     ``total_bytes`` (``0.8``); a ConfigError naming the flag otherwise."""
     text = value.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        number = float(text.rstrip("kmgt"))
-    except ValueError:
-        number = -1.0
-    unit = text[len(text.rstrip("kmgt")) :]
-    if number <= 0 or unit not in _SIZE_UNITS or (not unit and "." in text and number > 1):
+    digits = text.rstrip("kmgt")
+    unit = text[len(digits) :]
+    number = float(digits) if _DECIMAL.fullmatch(digits) else math.nan
+    fraction = not unit and number <= 1
+    size = number * (total_bytes if fraction else _SIZE_UNITS.get(unit, 0))
+    # int() of 1e400 (infinity) raised OverflowError, a traceback rather than a ConfigError.
+    finite = number > 0 and (fraction or 1 <= size < math.inf)  # 1e-9K: under a byte
+    if not finite or unit not in _SIZE_UNITS or (not unit and "." in text and number > 1):
         raise ConfigError(f"--memory-budget must be a size (24G, 512M) or a fraction (0.8), not {value!r}")
-    if not unit and number <= 1:
-        return int(number * total_bytes)
-    return int(number * _SIZE_UNITS[unit])
+    return int(size)
 
 
 def _comma_separated(_type: object, tokens: Sequence[Token]) -> tuple[str, ...]:
@@ -540,7 +546,7 @@ def _host_port(value: str, flag: str) -> tuple[str, int]:
         host, port = "", value
     bracketed = host.startswith("[") and host.endswith("]")
     host = (host[1:-1] if bracketed else host) or "127.0.0.1"
-    if not port.isdigit() or not 0 <= int(port) <= 65535 or (":" in host and not bracketed):
+    if not _DIGITS.fullmatch(port) or not 0 <= int(port) <= 65535 or (":" in host and not bracketed):
         raise ConfigError(f"{flag} must be HOST:PORT with a TCP port (0: any free one): {value!r}")
     return host, int(port)
 

@@ -218,6 +218,21 @@ class DecodeLoop:
         for session in [*self._waiting, *self._active.values()]:
             self.cancel(session, reason)
 
+    def fail_all(self, code: ErrorCode, message: str) -> list[Session]:
+        """After this loop's task died (only it ends its sessions otherwise): end every
+        waiting and running session with ``code``; those whose own ending raised too (their
+        bookkeeping is in doubt) are returned for the caller to close."""
+        sessions = [*self._waiting, *self._active.values()]
+        self._waiting.clear()
+        left = []
+        for session in sessions:
+            try:
+                self._fail(session, code, message)
+            except Exception:
+                log.exception("ending %s of a failed loop", session.id)
+                left.append(session)
+        return left
+
     async def wait_idle(self) -> None:
         """Return once no session is waiting or running."""
         await self._idle.wait()

@@ -16,6 +16,7 @@ idle unit goes first, and a unit with requests in flight never goes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -29,10 +30,12 @@ from ..engine.base import Engine
 from ..model_store import ModelStore, StoreEntry
 from ..observability.metrics import Metrics
 from ..protocol.errors import ErrorCode, UmaError
+from ..protocol.messages import ErrorEvent
 from ..sched.policy import Policy
 from .clients import Clients
 from .decode_loop import DecodeLoop
 from .machine import Machine
+from .session import Session, StreamEnd
 
 log = logging.getLogger(__name__)
 
@@ -308,8 +311,21 @@ class ModelHost:
             await self.unload(victim.id, reason=f"room for {model_id}")
 
     async def _run_unit(self, unit: ModelUnit) -> None:
-        with unit.scope:
-            await unit.loop.run()
+        try:
+            with unit.scope:
+                await unit.loop.run()
+        except Exception as exc:  # raised through our nursery, it stopped --model's model too
+            log.exception("model %s failed; unloading it", unit.id)
+            await self._drop_failed(unit, exc)
+
+    async def _drop_failed(self, unit: ModelUnit, exc: Exception) -> None:
+        """End the requests a unit whose loop died still holds, and free it: the next
+        request that names its model loads it afresh."""
+        unit.loop.stop_accepting()
+        message = f"model {unit.id!r} failed ({exc}) and was unloaded; a new request loads it again"
+        _fail_sessions(unit.loop, message)
+        self._forget(unit)
+        await trio.to_thread.run_sync(unit.loaded.close)
 
     def _forget(self, unit: ModelUnit) -> None:
         if self._machine is not None:  # the others no longer wait for its streams
@@ -318,6 +334,23 @@ class ModelHost:
             del self.units[unit.id]
             self.unloads += 1
         unit.scope.cancel()
+
+
+def _fail_sessions(loop: DecodeLoop, message: str) -> None:
+    """End every request waiting or running in ``loop``, whose task has died, with
+    E_MODEL_003; their clients would wait for good."""
+    for session in loop.fail_all(ErrorCode.MODEL_LOAD, message):
+        _end_stream(session, message)
+
+
+def _end_stream(session: Session, message: str) -> None:
+    if session.finished:
+        return
+    session.error = ErrorEvent(id=session.id, code=ErrorCode.MODEL_LOAD, message=message)
+    session.final = session.eos_event("error", None)
+    with contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):  # END_SLOTS keeps room
+        session.events.send_nowait(StreamEnd(session.final, session.error))
+    session.events.close()
 
 
 def _gib(size: int) -> str:

@@ -5,6 +5,9 @@ length, the JSON header, then llama.cpp's bytes for the sequence
 (``llama_state_seq_get_data``).  The header names the model file's sha256 and
 the KV type: llama.cpp only checks tensor shapes, so without it a snapshot of
 another model with the same shape would load and silently answer nonsense.
+A snapshot's name is its file's: a file renamed or copied is listed and restored
+under its new name (the header's ``name``, the one it was saved under, is not used),
+so ``list`` shows exactly the names ``restore`` accepts.
 :func:`encode` and :func:`decode` are pure; :class:`SnapshotStore` does the I/O.
 """
 
@@ -21,7 +24,7 @@ import msgspec
 import platformdirs
 
 from ..protocol.errors import ErrorCode, UmaError
-from ..protocol.messages import SnapshotInfo
+from ..protocol.messages import SnapshotInfo, SnapshotName
 from .unix_socket import UnsafeSocketDirError, ensure_private_dir
 
 MAGIC = b"UMA-TRIO KV SNAPSHOT\n"
@@ -75,7 +78,18 @@ def _parse_header(raw: bytes, name: str) -> SnapshotHeader:
     if header.version != FORMAT_VERSION:
         version = f"format version {header.version}, not {FORMAT_VERSION}"
         raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} has {version}")
-    return header
+    # The file's name, not the saved one: a renamed file was listed as its old name, which
+    # restore then could not find, and two copies were listed under one name.
+    return msgspec.structs.replace(header, name=name)
+
+
+def _restorable(name: str) -> bool:
+    """Whether ``restore`` accepts ``name`` (protocol/messages.py's SnapshotName)."""
+    try:
+        msgspec.convert(name, type=SnapshotName)
+    except msgspec.ValidationError:
+        return False
+    return True
 
 
 def decode(blob: bytes, name: str) -> tuple[SnapshotHeader, bytes]:
@@ -182,12 +196,15 @@ class SnapshotStore:
         return decode(blob, name)
 
     def list(self) -> list[SnapshotInfo]:
-        """Every snapshot whose header reads, by name; other files are left out."""
+        """Every snapshot whose header reads, by its file's name; other files, and those
+        whose name ``restore`` would refuse (``_x.umakv``), are left out."""
         if not self._check_directory():
             return []
         infos = []
         for path in sorted(self.directory.glob(f"*{SUFFIX}")):
             name = path.name.removesuffix(SUFFIX)
+            if not _restorable(name):
+                continue
             try:  # the header only: the KV bytes after it may be hundreds of MB
                 fd, size = self._open(path, name)
                 with os.fdopen(fd, "rb") as file:
