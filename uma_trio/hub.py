@@ -34,7 +34,13 @@ _PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$")  # split GGUFs: not supported yet
 
 
 class PullError(Exception):
-    """The reference, the hub or the file is not right; the message says which."""
+    """The reference, the hub or the file is not right; the message says which, and ``status``
+    is the HTTP status ``/api/pull`` answers with (400 the reference, 404 nothing to pull
+    there, 502 the hub or what it sent)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -63,16 +69,16 @@ def choose_file(files: list[HubFile], quant: str | None, repo: str) -> HubFile:
     ggufs = [f for f in files if f.name.endswith(".gguf") and "/" not in f.name and "mmproj" not in f.name]
     whole = [f for f in ggufs if not _PART.search(f.name)]
     if not ggufs:
-        raise PullError(f"{repo} has no GGUF file")
+        raise PullError(f"{repo} has no GGUF file", 404)
     if not whole:
         raise PullError(
-            f"{repo} has only split GGUF files ({ggufs[0].name}, ...), which uma-trio cannot pull yet"
+            f"{repo} has only split GGUF files ({ggufs[0].name}, ...), which uma-trio cannot pull yet", 404
         )
     if quant is not None:
         matching = [f for f in whole if quant.lower() in f.name.lower()]
         if not matching:
             names = ", ".join(f.name for f in whole)
-            raise PullError(f"{repo} has no {quant} GGUF; it has {names}")
+            raise PullError(f"{repo} has no {quant} GGUF; it has {names}", 404)
         return min(matching, key=lambda f: len(f.name))
     if len(whole) == 1:
         return whole[0]
@@ -86,14 +92,18 @@ def choose_file(files: list[HubFile], quant: str | None, repo: str) -> HubFile:
 def hub_files(repo: str) -> list[HubFile]:
     """The repository's files, with sizes and sha256 where the hub has them."""
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 
     try:
         info = HfApi(endpoint=os.environ.get("HF_ENDPOINT")).model_info(repo, files_metadata=True)
     except RepositoryNotFoundError:
-        raise PullError(f"{repo}: no such repository on the hub (or it is private)") from None
-    except (HfHubHTTPError, OSError) as exc:
-        raise PullError(f"{repo}: the hub did not answer ({exc})") from None
+        raise PullError(f"{repo}: no such repository on the hub (or it is private)", 404) from None
+    except HFValidationError as exc:  # a ValueError: the id is not one the hub allows
+        raise PullError(f"{repo!r} is not a repository id: {exc}") from None
+    # huggingface_hub 1.x raises httpx's errors (no OSError) for a hub it cannot reach, and
+    # others of its own: every one is the hub's failure, not an internal error.
+    except Exception as exc:
+        raise PullError(f"{repo}: the hub at {_endpoint()} did not answer ({_reason(exc)})", 502) from None
     files = []
     for sibling in info.siblings or []:
         lfs: Any = sibling.lfs
@@ -157,9 +167,9 @@ def check(path: Path, expected: HubFile) -> None:
     size = path.stat().st_size
     with path.open("rb") as f:
         if f.read(4) != GGUF_MAGIC:
-            raise PullError(f"{expected.name} is not a GGUF file (its first bytes are not GGUF)")
+            raise PullError(f"{expected.name} is not a GGUF file (its first bytes are not GGUF)", 502)
     if expected.size is not None and size != expected.size:
-        raise PullError(f"{expected.name}: {size} bytes arrived, the hub says {expected.size}")
+        raise PullError(f"{expected.name}: {size} bytes arrived, the hub says {expected.size}", 502)
     if expected.sha256 is not None:
         digest = hashlib.sha256()
         with path.open("rb") as f:
@@ -167,13 +177,24 @@ def check(path: Path, expected: HubFile) -> None:
                 digest.update(chunk)
         if digest.hexdigest() != expected.sha256:
             raise PullError(
-                f"{expected.name}: sha256 {digest.hexdigest()} is not the hub's {expected.sha256}"
+                f"{expected.name}: sha256 {digest.hexdigest()} is not the hub's {expected.sha256}", 502
             )
+
+
+def _endpoint() -> str:
+    """The hub's address, for an error that says which hub failed."""
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+
+
+def _reason(exc: Exception) -> str:
+    """An exception as one line: httpx's errors may have an empty message."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _download(repo: str, chosen: HubFile, staging: Path, report: Progress) -> str:
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import HfHubHTTPError
     from tqdm.auto import tqdm
 
     class Reported(tqdm):  # type: ignore[misc]  # huggingface_hub's progress, to the caller
@@ -196,5 +217,5 @@ def _download(repo: str, chosen: HubFile, staging: Path, report: Progress) -> st
                 tqdm_class=Reported,
             )
         )
-    except (HfHubHTTPError, OSError) as exc:
-        raise PullError(f"{repo}/{chosen.name}: the download failed ({exc})") from None
+    except Exception as exc:  # as in hub_files: httpx's errors and the hub client's own
+        raise PullError(f"{repo}/{chosen.name}: the download failed ({_reason(exc)})", 502) from None

@@ -1,16 +1,22 @@
 """The models a daemon may serve: the ``--model`` file, every GGUF in ``--models-dir``, and
 ``--alias NAME=FILE`` names for them, each under a stable id (the file name without
 ``.gguf``, as llama-server and LM Studio name theirs), so every daemon of a fleet answers the
-same name.  Reading the directory is the only I/O; resolving a name is a dict look-up.
+same name.  Reading the directory is the only I/O, and a look-up whether a file found there
+is still there when a request names it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
+
+log = logging.getLogger(__name__)
+
+_WARNED: set[str] = set()  # the names not UTF-8 already warned about: once each, not per rescan
 
 
 class StoreError(ValueError):
@@ -34,6 +40,7 @@ class StoreEntry:
     size: int  # the file's bytes
     aliases: tuple[str, ...] = ()
     primary: bool = False  # the --model file: loaded at start-up, for good
+    found: bool = False  # found in the directory: forgotten once its file is gone
 
 
 class ModelStore:
@@ -55,49 +62,39 @@ class ModelStore:
         directory = models_dir if models_dir is not None else default_models_dir()
         if models_dir is not None and not directory.is_dir():
             raise StoreError(f"--models-dir {directory}: not a directory")
-        if directory.is_dir():
-            for path in sorted(directory.glob("*.gguf")):
-                if path.is_file():
-                    files.setdefault(model_id(path.name), path)
-        named: dict[str, list[str]] = {}
-        for alias in aliases:
-            name, sep, target = alias.partition("=")
-            if not sep or not name or not target:
-                raise StoreError(f"--alias {alias!r}: write NAME=FILE")
-            key = model_id(Path(target).name)
-            path = Path(target).expanduser()
-            if Path(target).name != target and path.is_file() and key in files:
-                if files[key].resolve() != path.resolve():  # a path: the file it names, or refused
-                    clash = f"{target} is not the store's {files[key]}, of the same name"
-                    raise StoreError(f"--alias {alias!r}: {clash}")
-            elif key not in files:
-                if not path.is_file():
-                    raise StoreError(f"--alias {alias!r}: no model file {target!r} in the store or on disk")
-                files[key] = path
-            named.setdefault(key, []).append(name)
-        for key, names in named.items():  # a name that is another model's id would hide it
-            for name in names:
-                if name in files and name != key:
-                    raise StoreError(f"--alias {name}={key}: {name!r} is already another model's id")
+        found = {model_id(path.name): path for path in _gguf_files(directory)}
+        for key, path in found.items():
+            files.setdefault(key, path)
+        named = _aliases(aliases, files)
+        _refuse_hiding(files, named)
         primary_id = model_id(primary.name)
         return cls(
             (
-                StoreEntry(key, path, _size(path), tuple(named.get(key, ())), primary=key == primary_id)
+                StoreEntry(
+                    key, path, _size(path), tuple(named.get(key, ())), primary=key == primary_id,
+                    found=key != primary_id and found.get(key) == path,
+                )
                 for key, path in files.items()
             ),
             directory,
-        )
+        )  # fmt: skip
 
     def rescanned(self) -> ModelStore:
-        """This store with the directory's new ``*.gguf`` files (pulled, or copied in since)."""
-        if self.directory is None or not self.directory.is_dir():
+        """This store with the directory's new ``*.gguf`` files (pulled, or copied in since),
+        less those found there before and deleted since (a request for one is then refused as
+        a name the store has not, not as a corrupt file)."""
+        if self.directory is None:
             return self
+        kept = [e for e in self._entries.values() if not _gone(e)]
+        known = {e.id for e in kept}
         new = [
-            StoreEntry(model_id(path.name), path, _size(path))
-            for path in sorted(self.directory.glob("*.gguf"))
-            if path.is_file() and model_id(path.name) not in self._entries
+            StoreEntry(model_id(path.name), path, _size(path), found=True)
+            for path in _gguf_files(self.directory)
+            if model_id(path.name) not in known
         ]
-        return ModelStore([*self._entries.values(), *new], self.directory) if new else self
+        if not new and len(kept) == len(self._entries):
+            return self
+        return ModelStore([*kept, *new], self.directory)
 
     @property
     def primary(self) -> StoreEntry:
@@ -114,11 +111,85 @@ class ModelStore:
         clients add ``:latest`` to a bare name, which is dropped."""
         if name is None or name == "":
             return self.primary.id
-        return self._names.get(name) or self._names.get(name.removesuffix(":latest"))
+        found = self._names.get(name) or self._names.get(name.removesuffix(":latest"))
+        # A file deleted since the last scan: None, so the caller rescans and the store forgets it.
+        return None if found is None or _gone(self._entries[found]) else found
 
     def names(self) -> list[str]:
         """The ids, for an error that lists them."""
         return list(self._entries)
+
+
+def _aliases(aliases: Sequence[str], files: dict[str, Path]) -> dict[str, list[str]]:
+    """Each model's ``--alias`` names by id; a path to a file not in the store joins
+    ``files``.  A :class:`StoreError` for a bad one, or a name given twice for two files."""
+    named: dict[str, list[str]] = {}
+    first: dict[str, tuple[str, str]] = {}  # alias name → (id, the --alias that gave it)
+    for alias in aliases:
+        name, sep, target = alias.partition("=")
+        if not sep or not name or not target:
+            raise StoreError(f"--alias {alias!r}: write NAME=FILE")
+        key = _alias_target(alias, target, files)
+        key_before, given = first.setdefault(name, (key, alias))
+        if key_before != key:  # the first one silently won
+            raise StoreError(f"--alias {alias!r}: {name!r} is already --alias {given}, another model")
+        if name not in named.setdefault(key, []):
+            named[key].append(name)
+    return named
+
+
+def _alias_target(alias: str, target: str, files: dict[str, Path]) -> str:
+    """The id of the model ``target`` names (a file of the store, or a path that joins it)."""
+    key = model_id(Path(target).name)
+    path = Path(target).expanduser()
+    if Path(target).name != target and path.is_file() and key in files:
+        if files[key].resolve() != path.resolve():  # a path: the file it names, or refused
+            clash = f"{target} is not the store's {files[key]}, of the same name"
+            raise StoreError(f"--alias {alias!r}: {clash}")
+    elif key not in files:
+        if not path.is_file():
+            raise StoreError(f"--alias {alias!r}: no model file {target!r} in the store or on disk")
+        files[key] = path
+    return key
+
+
+def _refuse_hiding(files: dict[str, Path], named: dict[str, list[str]]) -> None:
+    """A :class:`StoreError` for an alias that is another model's id or file name: the
+    first of them in the store's order answered for it, so one of the two was unreachable."""
+    owner = {name: key for key, path in files.items() for name in (key, path.name)}
+    for key, names in named.items():
+        for name in names:
+            if owner.get(name, key) != key:
+                other = "id" if name == owner[name] else "file name"
+                raise StoreError(f"--alias {name}={key}: {name!r} is already another model's {other}")
+
+
+def _gguf_files(directory: Path) -> Iterator[Path]:
+    """The directory's ``*.gguf`` files, sorted, less those whose name is not UTF-8: every
+    answer that lists the models (JSON, metrics, an error naming them) would fail on it."""
+    if not directory.is_dir():
+        return
+    for path in sorted(directory.glob("*.gguf")):
+        try:
+            path.name.encode("utf-8")
+        except UnicodeEncodeError:
+            _warn_once(path)
+            continue
+        if path.is_file():
+            yield path
+
+
+def _warn_once(path: Path) -> None:
+    if str(path) in _WARNED:
+        return
+    _WARNED.add(str(path))
+    shown = repr(path.name.encode("utf-8", "surrogateescape"))  # a log line must be UTF-8 too
+    log.warning("skipping the model file %s in %s: its name is not UTF-8", shown, path.parent)
+
+
+def _gone(entry: StoreEntry) -> bool:
+    """Found in the directory and deleted since (the --model file and aliased paths stay)."""
+    return entry.found and not entry.path.is_file()
 
 
 def _size(path: Path) -> int:

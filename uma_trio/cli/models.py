@@ -15,7 +15,9 @@ from ..hub import PullError
 from ..hub import pull as hub_pull
 from ..model_store import default_models_dir, model_id
 from ..protocol.messages import ModelsEvent
-from .common import EXIT_SERVER_ERROR, SocketPath, daemon_failure
+from .common import EXIT_SERVER_ERROR, EXIT_USAGE, SocketPath, daemon_failure
+
+_NEWLINE = {True: "\n", False: ""}  # ends a progress line before an error, so it has a line of its own
 
 
 def ps(*, socket: SocketPath = DEFAULT_SOCKET) -> int:
@@ -86,21 +88,26 @@ def pull(reference: str, *, models_dir: Path | None = None) -> int:
     """
     store = models_dir or default_models_dir()
     shown = [0.0]
+    mid_line = [False]  # a progress line is drawn, its newline not yet written
 
     def progress(what: str, done: int, total: int) -> None:
         now = time.monotonic()
         if what == "downloading" and now - shown[0] > 0.5:
-            shown[0] = now
+            shown[0], mid_line[0] = now, True
             share = f"{100 * done / total:5.1f} %" if total else ""
             print(f"\rdownloading {done / 2**20:8.1f} MiB {share}", end="", file=sys.stderr, flush=True)
         elif what == "verifying":
+            mid_line[0] = False
             print("\nverifying sha256", file=sys.stderr, flush=True)
 
     try:
         store.mkdir(parents=True, exist_ok=True)
         path = hub_pull(reference, store, progress)
-    except (PullError, OSError) as exc:
-        print(f"\nerror: {exc}", file=sys.stderr)
+    except PullError as exc:  # every hub failure is one (uma_trio/hub.py)
+        print(f"{_NEWLINE[mid_line[0]]}error: {exc}", file=sys.stderr)
+        return EXIT_USAGE if exc.status == 400 else EXIT_SERVER_ERROR  # 400: the reference
+    except OSError as exc:
+        print(f"{_NEWLINE[mid_line[0]]}error: the model store {store}: {exc}", file=sys.stderr)
         return EXIT_SERVER_ERROR
     print(f"{path} ({path.stat().st_size / 2**20:.0f} MiB): a request may name it {model_id(path.name)}")
     return 0

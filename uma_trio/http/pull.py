@@ -3,13 +3,16 @@
 ``{"model": "user/repo:QUANT", "stream": true}`` answers NDJSON as Ollama's does: ``pulling
 manifest``, then ``downloading`` lines with ``total`` and ``completed`` bytes (at most four a
 second), ``verifying sha256 digest``, and ``success``, or one ``{"error"}`` line; with
-``"stream": false`` only the last of them.  The download runs in a thread of its own and goes
-on if the client hangs up (the same pull asked again waits for it and finds the file); the daemon's store then
-lists the model, and a request may name it by its file name without ``.gguf``.
+``"stream": false`` only the last of them, an error with its status (400 a bad reference, 404
+nothing to pull there, 502 the hub unreachable or its file wrong, 500 anything else).  The
+download runs in a thread of its own and goes on if the client hangs up (the same pull asked
+again waits for it and finds the file); the daemon's store then lists the model, and a request
+may name it by its file name without ``.gguf``.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -27,6 +30,8 @@ from ..hub import PullError, pull
 from ..model_store import default_models_dir, model_id
 from .flight import GatewayCore, answering_as, decode_body
 from .responses import json_response
+
+log = logging.getLogger(__name__)
 
 _REPORT_EVERY_S = 0.25
 
@@ -50,18 +55,21 @@ class PullApi:
         reference = body.model or body.name or ""
         models = self.gateway._ready().models
         store = models.store.directory or default_models_dir()
-        lines = self._pulling(reference, store)
+        outcome: dict[str, Any] = {}
+        lines = self._pulling(reference, store, outcome)
         if body.stream:
             return StreamingResponse(_ndjson(lines), media_type="application/x-ndjson")
         last: dict[str, Any] = {}
         async for line in lines:
             last = line
-        return json_response(last, status=500 if "error" in last else 200)
+        return json_response(last, status=outcome.get("status", 200))
 
-    async def _pulling(self, reference: str, store: Path) -> AsyncIterator[dict[str, Any]]:
-        """Progress lines while ``pull`` runs in a thread; then the store learns the file."""
+    async def _pulling(
+        self, reference: str, store: Path, outcome: dict[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Progress lines while ``pull`` runs in a thread; then the store learns the file.
+        ``outcome`` gets the pulled ``path``, or the ``error`` and its HTTP ``status``."""
         progress: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-        outcome: dict[str, Any] = {}
         last = [0.0]
 
         def report(what: str, done: int, total: int) -> None:
@@ -78,8 +86,13 @@ class PullApi:
             try:
                 store.mkdir(parents=True, exist_ok=True)
                 outcome["path"] = pull(reference, store, report)
-            except (PullError, OSError) as exc:
-                outcome["error"] = str(exc)
+            except PullError as exc:
+                outcome.update(error=str(exc), status=exc.status)
+            except OSError as exc:  # the store: not writable, full
+                outcome.update(error=f"the model store {store}: {exc}", status=500)
+            except Exception as exc:  # a bug: an error line, not a thread dying in silence
+                log.exception("pull of %r failed", reference)
+                outcome.update(error=f"internal error: {type(exc).__name__}: {exc}", status=500)
 
         yield {"status": "pulling manifest"}
         thread = threading.Thread(target=work, name="uma-pull", daemon=True)
@@ -89,7 +102,9 @@ class PullApi:
                 yield progress.get()
             if thread.is_alive():
                 await trio.sleep(_REPORT_EVERY_S / 2)
-        if "error" in outcome:
+        if "path" not in outcome:  # the thread ended with neither a file nor an error
+            outcome.setdefault("error", "internal error: the pull ended without a file")
+            outcome.setdefault("status", 500)
             yield {"error": outcome["error"]}
             return
         models = self.gateway._ready().models
