@@ -205,6 +205,19 @@ def test_a_deleted_file_leaves_the_store_and_the_others_stay(tmp_path: Path) -> 
     assert rescanned.rescanned().names() == ["main", "kept", "far"] and rescanned.resolve("f") == "far"
 
 
+def test_a_loaded_model_whose_file_is_deleted_serves_on_from_memory(tmp_path: Path) -> None:
+    """Deleting (or pulling over) a loaded model's file made its next request a 404 and, after
+    a rescan, left the loaded unit without a store entry; it serves until it unloads."""
+    primary, shelf = shelf_of(tmp_path, "gone.gguf")
+    store = ModelStore.scan(primary, shelf, ["g=gone.gguf"])
+    (shelf / "gone.gguf").unlink()
+    loaded = {"gone"}
+    assert store.resolve("gone", loaded=loaded) == "gone" and store.resolve("g", loaded=loaded) == "gone"
+    kept = store.rescanned(loaded=loaded)
+    assert kept.entry("gone").id == "gone" and kept.resolve("gone", loaded=loaded) == "gone"
+    assert kept.rescanned().resolve("gone") is None  # once unloaded, it goes
+
+
 @pytest.mark.model
 async def test_a_request_for_a_deleted_model_is_model_not_found(
     tmp_path: Path, llama_model: LlamaModel, server_config: ServerConfig

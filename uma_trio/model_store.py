@@ -8,7 +8,7 @@ is still there when a request names it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,13 +79,13 @@ class ModelStore:
             directory,
         )  # fmt: skip
 
-    def rescanned(self) -> ModelStore:
+    def rescanned(self, loaded: Container[str] = ()) -> ModelStore:
         """This store with the directory's new ``*.gguf`` files (pulled, or copied in since),
         less those found there before and deleted since (a request for one is then refused as
-        a name the store has not, not as a corrupt file)."""
+        a name the store has not, not as a corrupt file) unless they are in ``loaded``."""
         if self.directory is None:
             return self
-        kept = [e for e in self._entries.values() if not _gone(e)]
+        kept = [e for e in self._entries.values() if e.id in loaded or not _gone(e)]
         known = {e.id for e in kept}
         new = [
             StoreEntry(model_id(path.name), path, _size(path), found=True)
@@ -106,14 +106,17 @@ class ModelStore:
     def entry(self, model_id: str) -> StoreEntry:
         return self._entries[model_id]
 
-    def resolve(self, name: str | None) -> str | None:
+    def resolve(self, name: str | None, loaded: Container[str] = ()) -> str | None:
         """The id ``name`` means (None: the primary's); None when it names no model.  Ollama's
-        clients add ``:latest`` to a bare name, which is dropped."""
+        clients add ``:latest`` to a bare name, which is dropped.  A model in ``loaded`` (ids)
+        still serves from memory after its file is deleted, until it unloads."""
         if name is None or name == "":
             return self.primary.id
         found = self._names.get(name) or self._names.get(name.removesuffix(":latest"))
+        if found is None or found in loaded:
+            return found
         # A file deleted since the last scan: None, so the caller rescans and the store forgets it.
-        return None if found is None or _gone(self._entries[found]) else found
+        return None if _gone(self._entries[found]) else found
 
     def names(self) -> list[str]:
         """The ids, for an error that lists them."""

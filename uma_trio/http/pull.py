@@ -108,7 +108,7 @@ class PullApi:
             yield {"error": outcome["error"]}
             return
         models = self.gateway._ready().models
-        models.store = models.store.rescanned()
+        models.store = models.store.rescanned(loaded=models.units)
         yield {"status": "success", "model": model_id(Path(outcome["path"]).name)}
 
 

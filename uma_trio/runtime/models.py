@@ -118,10 +118,10 @@ class ModelHost:
 
     def resolve(self, name: str | None) -> str:
         """The id a request's ``model`` names; E_MODEL_002 naming the store's ids if none."""
-        model_id = self.store.resolve(name)
+        model_id = self.store.resolve(name, loaded=self.units)
         if model_id is None:  # copied or pulled into the directory since?
-            self.store = self.store.rescanned()
-            model_id = self.store.resolve(name)
+            self.store = self.store.rescanned(loaded=self.units)
+            model_id = self.store.resolve(name, loaded=self.units)
         if model_id is None:
             available = ", ".join(self.store.names())
             message = f"model {name!r} is not here; this daemon has {available}"
