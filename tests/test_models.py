@@ -33,7 +33,7 @@ from uma_trio.loadgen.simulate import SIM_CONFIG
 from uma_trio.model_store import ModelStore, StoreEntry, StoreError
 from uma_trio.observability.metrics import Metrics
 from uma_trio.protocol.errors import ErrorCode, UmaError
-from uma_trio.protocol.ollama import keep_alive_seconds
+from uma_trio.protocol.ollama_durations import keep_alive_seconds
 from uma_trio.protocol.openai_errors import ApiError
 from uma_trio.runtime.models import REAP_EVERY_S, LoadedModel, Loading, ModelHost
 from uma_trio.runtime.server import Server

@@ -10,7 +10,9 @@ the others and is the answer; a client that hangs up cancels them all.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from contextlib import aclosing
+from functools import partial
 
 import trio
 from starlette.requests import Request
@@ -19,11 +21,15 @@ from starlette.routing import Route
 
 from ..protocol import embeddings
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, ServerEvent
+from ..protocol.ollama_durations import keep_alive_seconds
 from ..protocol.openai import LANE_HEADER, ApiError, lane_from_header
 from .auth import request_owner
 from .event_stream import until_disconnect
 from .flight import GatewayCore, answering_as, completed, decode_body
+from .ollama import load_or_unload
 from .responses import json_response
+
+SizeCheck = Callable[[int], None]  # refuses a `dimensions` the model's vectors (this size) cannot give
 
 
 class EmbeddingsApi:
@@ -46,29 +52,39 @@ class EmbeddingsApi:
         texts = embeddings.texts_of(body.input)
         if not texts:
             raise ApiError(400, "`input` is empty: give a text or a list of texts", param="input")
-        ends = await self._embed(request, texts, arrived, model, dimensions=body.dimensions)
+        check = partial(embeddings.check_dimensions, body.dimensions)
+        ends = await self._embed(request, texts, arrived, model, check=check)
         return json_response(embeddings.openai_answer(model, ends, body.encoding_format))
 
     async def ollama_embed(self, request: Request) -> Response:
         data, arrived = await self.gateway._arriving(request)
         body = decode_body(data or b"{}", embeddings.OllamaEmbedBody)
         model = self.gateway.model_for(body.model)
-        texts = embeddings.texts_of(body.input)
-        ends = []  # no input: Ollama's way to load a model, answered at once
-        if texts:
-            dims, cut = body.dimensions, body.truncate
-            ends = await self._embed(request, texts, arrived, model, dimensions=dims, truncate=cut)
-        answer = embeddings.ollama_embed_answer(body.model, ends, trio.current_time() - arrived)
-        return json_response(answer)
+        keep_alive = keep_alive_seconds(body.keep_alive)
+        texts = embeddings.ollama_texts(body.input)
+        ends = []
+        if not texts:  # Ollama's load call (with keep_alive 0 its unload call), answered at once
+            await load_or_unload(self.gateway, model, keep_alive)
+        else:
+            check = partial(embeddings.check_ollama_dimensions, body.dimensions)
+            ends = await self._embed(
+                request, texts, arrived, model, check=check, truncate=body.truncate, keep_alive=keep_alive
+            )
+        total_s = trio.current_time() - arrived
+        return json_response(embeddings.ollama_embed_answer(body.model, ends, total_s, body.dimensions))
 
     async def ollama_embeddings(self, request: Request) -> Response:
         data, arrived = await self.gateway._arriving(request)
         body = decode_body(data or b"{}", embeddings.OllamaEmbeddingsBody)
         model = self.gateway.model_for(body.model)
-        if not body.prompt:  # as Ollama: an empty prompt has an empty embedding
+        keep_alive = keep_alive_seconds(body.keep_alive)
+        if not body.prompt:  # as Ollama: an empty prompt loads the model and has an empty embedding
+            await load_or_unload(self.gateway, model, keep_alive)
             return json_response({"embedding": []})
         # Ollama's older endpoint gives the vector as pooled, not scaled to unit length.
-        (end,) = await self._embed(request, [body.prompt], arrived, model, normalize=False, truncate=True)
+        (end,) = await self._embed(
+            request, [body.prompt], arrived, model, normalize=False, truncate=True, keep_alive=keep_alive
+        )
         return json_response({"embedding": end.embedding})
 
     # -- the request path -----------------------------------------------------------
@@ -80,16 +96,22 @@ class EmbeddingsApi:
         arrived: float,
         model: str,
         *,
-        dimensions: int | None = None,
+        check: SizeCheck | None = None,
         normalize: bool = True,
         truncate: bool = False,
+        keep_alive: float | None = None,
     ) -> list[EosEvent]:
         """Each text's eos (its embedding) from ``model``, in order; the first failure is
-        raised, and a ``dimensions`` the model's vectors do not have."""
+        raised, and what ``check`` refuses of the model's embedding size: before any input
+        runs where the size is known (a loaded model), else once the vectors are in."""
         gateway, owner = self.gateway, request_owner(request)
+        if check is not None and (n_embd := self._n_embd(model)) is not None:
+            check(n_embd)
         lane = lane_from_header(request.headers.get(LANE_HEADER)) or "background"
         rid = f"embd-{secrets.token_hex(12)}"
-        requests = embeddings.embed_requests(texts, rid, lane, model, normalize=normalize, truncate=truncate)
+        requests = embeddings.embed_requests(
+            texts, rid, lane, model, normalize=normalize, truncate=truncate, keep_alive=keep_alive
+        )
         collected: list[list[ServerEvent]] = [[] for _ in requests]
         refusal: list[ApiError] = []  # raised while being admitted (busy, shutting down, too long)
         limiter = trio.CapacityLimiter(max(1, gateway._ready().loop.engine.n_seq_max))
@@ -118,5 +140,18 @@ class EmbeddingsApi:
             if any(isinstance(e, ErrorEvent) for e in events):
                 completed(events)
         ends = [completed(events) for events in collected]
-        embeddings.check_dimensions(dimensions, len(ends[0].embedding or ()))
+        if check is not None:
+            check(len(ends[0].embedding or ()))
         return ends
+
+    def _n_embd(self, model: str) -> int | None:
+        """``model``'s embedding size where its engine is loaded and says (None: not yet)."""
+        desk = self.gateway._ready()
+        if desk.models.store.entry(model).primary:
+            described = desk.describe_engine()
+        elif (unit := desk.models.units.get(model)) is not None and unit.loaded.describe is not None:
+            described = unit.loaded.describe()
+        else:
+            return None
+        n_embd = described.get("model", {}).get("n_embd")
+        return n_embd if isinstance(n_embd, int) else None

@@ -18,6 +18,7 @@ from starlette.routing import Route
 from ..protocol import ollama
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
+from ..protocol.ollama_durations import KEEP_ALIVE_MAX_S, keep_alive_seconds
 from ..protocol.openai import api_error, ended_early, validation_error
 from .auth import request_owner
 from .flight import GatewayCore, answering_as, completed, decode_body
@@ -58,7 +59,7 @@ class OllamaApi:
     async def ps(self, request: Request) -> Response:
         # Loaded for good: it expires when the daemon stops, a year from now as far as a
         # client's countdown goes.
-        later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=ollama.KEEP_ALIVE_MAX_S)
+        later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=KEEP_ALIVE_MAX_S)
         entry = self._entry()
         summary = self.gateway._ready().describe_engine()
         layers = summary["gpu_layers"]
@@ -72,7 +73,7 @@ class OllamaApi:
                 keep = model.get("keep_alive_s")
                 # Kept for good, or longer than a year (a socket client's /load may ask for
                 # more): a year from now, as the primary model (a timedelta overflows past ~1e14 s).
-                year = ollama.KEEP_ALIVE_MAX_S
+                year = KEEP_ALIVE_MAX_S
                 left = year if keep is None else min(year, max(0.0, keep - model.get("idle_s", 0.0)))
                 expires = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=left)
                 other.expires_at = expires.isoformat().replace("+00:00", "Z")
@@ -125,11 +126,11 @@ class OllamaApi:
         else:
             body = self._decode(data, ollama.GenerateBody)
         model = gateway.model_for(body.model)
-        keep_alive = ollama.keep_alive_seconds(body.keep_alive)
+        keep_alive = keep_alive_seconds(body.keep_alive)
         # Ollama's load call (an empty prompt, or no messages), with keep_alive 0 its unload call.
         generate = isinstance(body, ollama.GenerateBody)
         if not body.messages if isinstance(body, ollama.ChatBody) else not (body.prompt or body.suffix):
-            done = await self._load_or_unload(model, keep_alive)
+            done = await load_or_unload(gateway, model, keep_alive)
             now = ollama.now_rfc3339()
             answer = ollama.Chunk(model=body.model, created_at=now, done=True, done_reason=done)
             if generate:
@@ -137,9 +138,9 @@ class OllamaApi:
             else:
                 answer.message = ollama.AssistantMessage("")
             return json_response(answer)
-        translated = self._translate(body, rid)
+        translated = self._translate(body, rid, self._limits(model))
         generate_request = msgspec.structs.replace(translated, model=model, keep_alive=keep_alive)
-        # Without num_predict Ollama generates until the context is full (or the model ends).
+        # Without num_predict: until the context is full (or the model ends), at most --max-tokens.
         auto = not (body.options and body.options.num_predict and body.options.num_predict > 0)
         chat, model = kind == "chat", body.model
         async with gateway._in_flight(generate_request, arrived, auto, request_owner(request)) as flight:
@@ -179,12 +180,14 @@ class OllamaApi:
             stream.init_headers({"cache-control": "no-cache", "x-request-id": rid})
             return stream
 
-    def _translate(self, body: ollama.ChatBody | ollama.GenerateBody, rid: str) -> GenerateRequest:
+    def _translate(
+        self, body: ollama.ChatBody | ollama.GenerateBody, rid: str, limits: ollama.Limits
+    ) -> GenerateRequest:
         try:
             if isinstance(body, ollama.ChatBody):
-                request = ollama.chat_request(body, rid)
+                request = ollama.chat_request(body, rid, limits)
             else:
-                request = ollama.generate_request(body, rid)
+                request = ollama.generate_request(body, rid, limits)
         except (msgspec.ValidationError, ValueError) as exc:
             raise validation_error(exc) from None
         return request
@@ -192,20 +195,16 @@ class OllamaApi:
     def _decode(self, data: bytes, kind: type[ollama.BodyT]) -> ollama.BodyT:
         return decode_body(data or b"{}", kind)
 
-    async def _load_or_unload(self, model: str, keep_alive: float | None) -> str:
-        """Load ``model`` (``"load"``), or unload it with ``keep_alive`` 0 (``"unload"``; the
-        primary model stays)."""
-        models = self.gateway._ready().models
-        if models.store.entry(model).primary:
-            return "unload" if keep_alive == 0 else "load"
-        if keep_alive == 0:
-            await models.unload_when_idle(model)
-            return "unload"
-        try:
-            models.release(await models.acquire(model, keep_alive))
-        except UmaError as exc:
-            raise api_error(exc.code, exc.message) from None
-        return "load"
+    def _limits(self, model: str) -> ollama.Limits:
+        """--max-tokens and ``model``'s per-request context: its engine's where it is loaded,
+        else --n-ctx (what it will be loaded with)."""
+        desk = self.gateway._ready()
+        unit = desk.models.units.get(model)
+        if desk.models.store.entry(model).primary:
+            context = desk.loop.engine.n_ctx_seq
+        else:
+            context = unit.engine.n_ctx_seq if unit is not None else desk.config.n_ctx
+        return ollama.Limits(max_tokens=desk.config.max_tokens, context=context)
 
     def _details(self) -> ollama.ModelDetails:
         # llama.cpp's description: "llama 135M Q4_1" (architecture, size, quantization).
@@ -239,6 +238,22 @@ class OllamaApi:
             name=self.gateway.model, model=self.gateway.model, modified_at=ollama.now_rfc3339(),
             size=int(model.get("weight_bytes", 0)), digest="", details=self._details(),
         )  # fmt: skip
+
+
+async def load_or_unload(gateway: GatewayCore, model: str, keep_alive: float | None) -> str:
+    """Ollama's load call (no prompt, messages or input): load ``model`` (``"load"``), or
+    unload it with ``keep_alive`` 0 (``"unload"``; the primary model stays)."""
+    models = gateway._ready().models
+    if models.store.entry(model).primary:
+        return "unload" if keep_alive == 0 else "load"
+    if keep_alive == 0:
+        await models.unload_when_idle(model)
+        return "unload"
+    try:
+        models.release(await models.acquire(model, keep_alive))
+    except UmaError as exc:
+        raise api_error(exc.code, exc.message) from None
+    return "load"
 
 
 def _line(value: object) -> bytes:

@@ -32,8 +32,9 @@ class OpenAIBody(Struct, kw_only=True):
 
 
 class OllamaEmbedBody(Struct, kw_only=True):
-    """``POST /api/embed``; ``keep_alive`` and ``options`` are accepted and have nothing to
-    change (the model stays loaded; no sampling)."""
+    """``POST /api/embed``; ``keep_alive`` as on /api/chat (how long the model stays loaded
+    once idle); ``options`` is accepted and has nothing to change (no sampling).  ``dimensions``
+    0 is unset, as in Ollama."""
 
     model: str
     input: str | list[str] | None = None
@@ -44,7 +45,8 @@ class OllamaEmbedBody(Struct, kw_only=True):
 
 
 class OllamaEmbeddingsBody(Struct, kw_only=True):
-    """``POST /api/embeddings``, the older endpoint: one prompt, an unnormalized vector."""
+    """``POST /api/embeddings``, the older endpoint: one prompt, an unnormalized vector;
+    ``keep_alive`` as on /api/embed."""
 
     model: str
     prompt: str = ""
@@ -70,6 +72,12 @@ def texts_of(value: str | list[Any] | None) -> list[str]:
     return items
 
 
+def ollama_texts(value: str | list[str] | None) -> list[str]:
+    """/api/embed's inputs: a bare empty string is no input, as in Ollama (its client sends
+    ``""`` to load a model); an empty text in a list is still refused."""
+    return texts_of(value if value != "" else None)
+
+
 def check_dimensions(dimensions: int | None, n_embd: int) -> None:
     """``dimensions`` is honoured only where it asks for what the model gives."""
     if dimensions is not None and dimensions != n_embd:
@@ -78,6 +86,27 @@ def check_dimensions(dimensions: int | None, n_embd: int) -> None:
             "served (it does not support shortened embeddings)",
             "dimensions",
         )
+
+
+def check_ollama_dimensions(dimensions: int | None, n_embd: int) -> None:
+    """Ollama's ``dimensions``: 0 (or none) is the model's own size, up to it the vector is
+    shortened (:func:`shortened`); more is refused."""
+    if dimensions is None or dimensions == 0:
+        return
+    if not 0 < dimensions <= n_embd:
+        raise bad_request(
+            f"`dimensions` {dimensions} is not from 1 to {n_embd}, this model's embedding size", "dimensions"
+        )
+
+
+def shortened(vector: list[float], dimensions: int | None) -> list[float]:
+    """The first ``dimensions`` values scaled back to unit length (Ollama's truncation of a
+    normalized embedding); the vector as it is for none or 0."""
+    if not dimensions or dimensions >= len(vector):
+        return vector
+    head = vector[:dimensions]
+    norm = float(np.linalg.norm(head))
+    return [x / norm for x in head] if norm > 0 else head
 
 
 def as_base64(embedding: list[float]) -> str:
@@ -93,18 +122,22 @@ def embed_requests(
     *,
     normalize: bool = True,
     truncate: bool = False,
+    keep_alive: float | None = None,
 ) -> list[GenerateRequest]:
-    """One daemon request per input, ids ``<request_id>-<i>``."""
+    """One daemon request per input, ids ``<request_id>-<i>``; ``keep_alive`` (seconds) how
+    long ``model`` stays loaded once idle."""
     return [
         GenerateRequest(
             id=f"{request_id}-{i}",
             prompt=text,
             embed=True,
+            max_tokens=1,  # it generates nothing: the default 256 was refused under --max-tokens 255
             stream=False,
             normalize=normalize,
             truncate=truncate,
             priority=lane,
             model=model,
+            keep_alive=keep_alive,
         )
         for i, text in enumerate(texts)
     ]
@@ -126,11 +159,14 @@ def openai_answer(model: str, ends: list[EosEvent], encoding: Literal["float", "
     return {"object": "list", "data": data, "model": model, "usage": usage}
 
 
-def ollama_embed_answer(model: str, ends: list[EosEvent], total_s: float) -> dict[str, Any]:
-    """``/api/embed``'s body (durations in nanoseconds, as Ollama's)."""
+def ollama_embed_answer(
+    model: str, ends: list[EosEvent], total_s: float, dimensions: int | None = None
+) -> dict[str, Any]:
+    """``/api/embed``'s body (durations in nanoseconds, as Ollama's), each vector shortened
+    to ``dimensions``."""
     return {
         "model": model,
-        "embeddings": [e.embedding for e in ends],
+        "embeddings": [shortened(e.embedding or [], dimensions) for e in ends],
         "total_duration": int(total_s * 1e9),
         "load_duration": 0,
         "prompt_eval_count": sum(e.usage.prompt_tokens for e in ends),

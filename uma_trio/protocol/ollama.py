@@ -3,7 +3,8 @@
 
 Field names follow the official ``ollama`` Python client's types.  ``options.num_ctx`` is
 a per-request cap on the context (prompt plus answer), never a reload: the model and its
-context stay as the daemon loaded them for every app.  Durations are nanoseconds, times
+context stay as the daemon loaded them for every app; ``num_predict`` is a ceiling, cut to
+--max-tokens and the room the context leaves, never refused.  Durations are nanoseconds, times
 RFC 3339.  What the daemon cannot honour (images, ``template``, ``context``, thinking) is
 refused by name; load-time options (``num_gpu``, ``use_mmap``, ...) are ignored, as they
 describe a model load that does not happen here.
@@ -13,72 +14,52 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
-import re
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from .messages import EosEvent, GenerateRequest, ToolCall
-from .openai_errors import ApiError, bad_request
+from .openai_errors import ApiError
 
 OLLAMA_VERSION = "0.12.0"  # the API level answered at /api/version
 
 
-_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)?")
-_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+_WHOLE = ("num_ctx", "num_predict", "seed", "top_k", "repeat_last_n", "mirostat")
 
-
-KEEP_ALIVE_MAX_S = 365 * 86400.0  # a year: past it a timedelta in /api/ps could overflow
-
-
-def keep_alive_seconds(value: Any) -> float | None:
-    """Ollama's ``keep_alive`` in seconds: a number of seconds or a duration (``"5m"``,
-    ``"1h30m"``, ``"-1"``); negative keeps the model for good, 0 unloads it after the request;
-    None when not given.  Anything else is a 400 naming the field."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise bad_request(f"keep_alive must be a duration or seconds, not {value!r}", "keep_alive")
-    if isinstance(value, int | float):
-        total = float(value)
-    else:
-        total, rest = 0.0, value.strip()
-        while rest:
-            found = _DURATION.match(rest)
-            if found is None or not found.group(0):
-                message = f"keep_alive {value!r} is not a duration such as 5m, 1h or -1"
-                raise bad_request(message, "keep_alive")
-            total += float(found.group(1)) * _UNIT_S[found.group(2)]
-            rest = rest[found.end() :]
-    if not math.isfinite(total) or total > KEEP_ALIVE_MAX_S:
-        raise bad_request(
-            f"keep_alive {value!r} is longer than a year; a negative value keeps the model for good",
-            "keep_alive",
-        )
-    return total
+# An integer option: Go's JSON gives Ollama every number as a float64, so 128.0 is 128 there.
+WholeNumber = int | float | None
 
 
 class Options(Struct, kw_only=True):
-    """The runtime options; unknown (load-time) ones are ignored."""
+    """The runtime options; unknown (load-time) ones are ignored.  The integer ones take a
+    whole float (``128.0``) as its integer and refuse a fraction (``__post_init__``)."""
 
-    num_ctx: int | None = None
-    num_predict: int | None = None
-    seed: int | None = None
+    num_ctx: WholeNumber = None
+    num_predict: WholeNumber = None
+    seed: WholeNumber = None
     temperature: float | None = None
-    top_k: int | None = None
+    top_k: WholeNumber = None
     top_p: float | None = None
     min_p: float | None = None
     typical_p: float | None = None
-    repeat_last_n: int | None = None
+    repeat_last_n: WholeNumber = None
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    mirostat: int | None = None
+    mirostat: WholeNumber = None
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
     stop: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        for name in _WHOLE:
+            value = getattr(self, name)
+            if isinstance(value, float):
+                if not value.is_integer():  # msgspec reports it as a 400 at `$.options`
+                    raise ValueError(f"options.{name} must be a whole number, not {value!r}")
+                setattr(self, name, int(value))
 
 
 class OllamaMessage(Struct, kw_only=True):
@@ -144,7 +125,32 @@ def streams(body: _Common) -> bool:
     return body.stream is not False
 
 
-def _common_fields(body: _Common, request_id: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Limits:
+    """What bounds an answer on this daemon: ``--max-tokens`` and the per-request context
+    of the model a request names."""
+
+    max_tokens: int
+    context: int
+
+
+def answer_bounds(options: Options, limits: Limits | None) -> dict[str, int]:
+    """``max_tokens`` and ``max_context`` from ``num_predict`` and ``num_ctx``.  num_predict
+    is a ceiling, as Ollama's (boundedNumPredict): past ``limits`` (--max-tokens, the room the
+    prompt leaves in the context) the answer is cut and ends with ``length``, never refused.
+    The room is max_context's: the daemon cuts max_tokens to it less the prompt's tokens."""
+    bounds: dict[str, int] = {}
+    if options.num_ctx is not None and options.num_ctx > 0:
+        bounds["max_context"] = int(options.num_ctx)
+    if options.num_predict is not None and options.num_predict > 0:
+        bounds["max_tokens"] = int(options.num_predict)
+        if limits is not None:
+            bounds["max_tokens"] = min(bounds["max_tokens"], limits.max_tokens)
+            bounds["max_context"] = min(bounds.get("max_context", limits.context), limits.context)
+    return bounds
+
+
+def _common_fields(body: _Common, request_id: str, limits: Limits | None) -> dict[str, Any]:
     if body.think not in (None, False):
         raise ApiError(400, "`think` is not supported: this model does not think aloud")
     fields: dict[str, Any] = {"id": request_id, "stream": True}
@@ -153,8 +159,7 @@ def _common_fields(body: _Common, request_id: str) -> dict[str, Any]:
         if (value := getattr(options, name)) is not None:
             fields[name] = value
     minus_one_means(fields)
-    if options.num_predict is not None and options.num_predict > 0:
-        fields["max_tokens"] = options.num_predict
+    fields.update(answer_bounds(options, limits))
     if body.format not in (None, ""):
         schema = None if body.format == "json" else body.format
         if schema is not None and not isinstance(schema, dict):
@@ -162,18 +167,17 @@ def _common_fields(body: _Common, request_id: str) -> dict[str, Any]:
         fields["response_format"] = {"type": "json_object"} if schema is None else {
             "type": "json_schema", "json_schema": {"schema": schema}
         }  # fmt: skip
-    if options.num_ctx is not None and options.num_ctx > 0:
-        fields["max_context"] = options.num_ctx
     if body.logprobs:
         fields["logprobs"] = True
         fields["top_logprobs"] = body.top_logprobs or 0
     return fields
 
 
-def chat_request(body: ChatBody, request_id: str) -> GenerateRequest:
+def chat_request(body: ChatBody, request_id: str, limits: Limits | None = None) -> GenerateRequest:
     """The daemon request for ``/api/chat``; :class:`ApiError` or ``ValueError`` /
-    ``msgspec.ValidationError`` (the socket protocol's checks) for a bad one."""
-    fields = _common_fields(body, request_id)
+    ``msgspec.ValidationError`` (the socket protocol's checks) for a bad one.  Without
+    ``limits``, num_predict is passed as it is."""
+    fields = _common_fields(body, request_id, limits)
     messages = []
     for i, message in enumerate(body.messages):
         if message.images:
@@ -203,15 +207,16 @@ def _tool_call(call: dict[str, Any], i: int) -> dict[str, Any]:
     return {"id": str(call.get("id") or ""), "function": {"name": function["name"], "arguments": text}}
 
 
-def generate_request(body: GenerateBody, request_id: str) -> GenerateRequest:
+def generate_request(body: GenerateBody, request_id: str, limits: Limits | None = None) -> GenerateRequest:
     """The daemon request for ``/api/generate``: ``prompt`` with the chat template (and
-    ``system``), or as it is with ``raw``; with ``suffix``, an infill."""
+    ``system``), or as it is with ``raw``; with a ``suffix``, an infill (an empty one is
+    none, as in Ollama)."""
     for name in ("template", "context", "images"):
         if getattr(body, name):
             raise ApiError(400, f"`{name}` is not supported by this server")
-    fields = _common_fields(body, request_id)
+    fields = _common_fields(body, request_id, limits)
     prompt = body.prompt or ""
-    if body.suffix is not None:
+    if body.suffix:
         fields.update(prompt=prompt, suffix=body.suffix)
     elif body.raw:
         fields["prompt"] = prompt
