@@ -5,7 +5,10 @@ from the GGUF's metadata without loading weights (:func:`read_shape`)."""
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
+import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -15,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from ..config import SplitMode
-from ..model_files import sha256_of
 from .base import ChatTurn, TokenArray, Tools, turn_fields
 from .chat_template import ChatTemplateError, JinjaChatTemplate
 from .constraints import ModelVocabulary
@@ -120,6 +122,44 @@ class ModelLoadError(Exception):
     """llama.cpp refused the model file."""
 
 
+class ModelFileChanged(OSError):
+    """The file at the model's path is no longer the one loaded: its sha256 names other weights."""
+
+
+class FileFingerprint:
+    """The sha256 of a file as it was when loaded, hashed on first use (about a third of a
+    second per 100 MB), once however many threads ask.  The file's identity (size, mtime,
+    inode) is taken at load: a file replaced since (``uma-trio pull`` of the same name) is
+    refused, as its sha256 would name weights the daemon does not run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.loaded = _identity(path.stat())
+        self._lock = threading.Lock()
+        self._sha256: str | None = None
+
+    def sha256(self) -> str:
+        with self._lock:
+            if self._sha256 is None:
+                with self.path.open("rb") as file:
+                    self._check(os.fstat(file.fileno()))
+                    digest = hashlib.file_digest(file, "sha256").hexdigest()
+                    self._check(os.fstat(file.fileno()))  # not written to while hashed
+                self._sha256 = digest
+            return self._sha256
+
+    def _check(self, info: os.stat_result) -> None:
+        if _identity(info) != self.loaded:
+            raise ModelFileChanged(
+                f"{self.path} was replaced or changed since the daemon loaded it; "
+                "restart the daemon to save or restore snapshots"
+            )
+
+
+def _identity(info: os.stat_result) -> tuple[int, int, int]:
+    return info.st_size, info.st_mtime_ns, info.st_ino
+
+
 _FAILURE_WORDS = (
     "error", "invalid", "failed", "not enough", "out of memory", "unable", "cannot", "not implemented",
     "does not support", "needs >=",
@@ -148,6 +188,7 @@ class LlamaModel:
         init_backend()
         self.path = path
         self.placement = placement
+        self._file = FileFingerprint(path)  # before the load: the weights are this file's
         params = llama.llama_model_default_params()
         params.n_gpu_layers = placement.n_gpu_layers
         params.main_gpu = placement.main_gpu
@@ -195,7 +236,6 @@ class LlamaModel:
                 self.use_chat_template(self.chat_template.decode("utf-8", errors="replace"))
             except ChatTemplateError as exc:
                 log.warning("%s; llama.cpp's built-in chat formatting is used instead", exc)
-        self._fingerprint: str | None = None
         self._max_token_bytes: int | None = None
 
     @property
@@ -269,11 +309,9 @@ class LlamaModel:
         return infill_tokens(self.fim, lambda text: plain(text).tolist(), prefix, suffix, extra, bos, middle)
 
     def fingerprint(self) -> str:
-        """The sha256 of the model file: what a KV snapshot must match.  Read once (about
-        a third of a second per 100 MB), then remembered."""
-        if self._fingerprint is None:
-            self._fingerprint = sha256_of(self.path)
-        return self._fingerprint
+        """The sha256 of the model file as loaded: what a KV snapshot must match
+        (:class:`FileFingerprint`; :class:`ModelFileChanged` once the file is another)."""
+        return self._file.sha256()
 
     def is_eog(self, token: int) -> bool:
         return bool(llama.llama_vocab_is_eog(self._vocab, token))

@@ -8,7 +8,9 @@ and opens its fill request through the same desk (:class:`~.desk.RequestDesk`) a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import partial
+from typing import TypeVar
 
 import numpy as np
 import trio
@@ -22,6 +24,30 @@ from .off_loop import off_loop
 from .session import StreamEnd
 from .snapshots import SnapshotHeader, SnapshotStore
 from .stream import RequestStream
+
+R = TypeVar("R")
+
+# Snapshot files read or written at once, daemon-wide.  A restore abandoned on cancel (its
+# client gone) keeps its thread, and the whole snapshot it reads, until the read ends: without
+# a bound, clients that ask and hang up could pile up threads each holding gigabytes, and take
+# trio's default thread pool from tokenizing.
+SNAPSHOT_FILE_IO = 2
+_FILE_IO: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("uma_trio_snapshot_file_io")
+
+
+def file_io_limiter() -> trio.CapacityLimiter:
+    """The run's one limiter on snapshot file I/O (one per trio run, as trio's own default)."""
+    try:
+        return _FILE_IO.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(SNAPSHOT_FILE_IO)
+        _FILE_IO.set(limiter)
+        return limiter
+
+
+async def file_io(fn: Callable[[], R], *, abandon: bool = False) -> R:
+    """``fn()`` (snapshot file I/O) in a worker thread, within :func:`file_io_limiter`."""
+    return await trio.to_thread.run_sync(fn, abandon_on_cancel=abandon, limiter=file_io_limiter())
 
 
 class SnapshotService:
@@ -40,7 +66,7 @@ class SnapshotService:
         """Carry out a snapshot request (docs/PROTOCOL.md); :class:`UmaError` on failure."""
         try:
             if request.op == "list":
-                infos = await trio.to_thread.run_sync(self.store.list, abandon_on_cancel=True)
+                infos = await file_io(self.store.list, abandon=True)
             elif request.op == "save":
                 infos = [await self._save_snapshot(request, connection, owner)]
             else:
@@ -86,7 +112,7 @@ class SnapshotService:
             kv_layout=self.engine.kv_layout,
         )  # fmt: skip
         try:
-            return await trio.to_thread.run_sync(self.store.write, header, state)
+            return await file_io(partial(self.store.write, header, state))
         except OSError as exc:
             raise UmaError(
                 ErrorCode.SNAPSHOT_INVALID, f"cannot write snapshot {request.name!r}: {exc}"
@@ -102,17 +128,25 @@ class SnapshotService:
         """Check the snapshot was made by this model file and cache layout, then load it
         into a free sequence of the prefix cache between two ticks."""
         assert request.name is not None
-        # Abandoned on cancel: a read stuck in the filesystem must not hold up a shutdown.
-        read = partial(self.store.read, request.name)
-        header, state = await trio.to_thread.run_sync(read, abandon_on_cancel=True)
         fingerprint = await self._fingerprint()
+        # The header is checked before the KV bytes are read: another model's are not.
+        # Abandoned on cancel: a read stuck in the filesystem must not hold up a shutdown.
+        read = partial(self.store.read, request.name, partial(self._check_header, fingerprint))
+        header, state = await file_io(read, abandon=True)
+        tokens = np.asarray(header.tokens, dtype=np.int32)
+        await self.loop.exclusive(partial(self.loop.restore, tokens, state, owner))
+        return header.info(len(state))
+
+    def _check_header(self, fingerprint: str, header: SnapshotHeader) -> None:
+        """Refuse a snapshot of another model file, KV type or layout, or too long a context
+        (run in the reading thread: it reads only the engine's fixed properties)."""
         problem, engine = None, self.engine
         if header.model_sha256 != fingerprint:
             problem = (
                 f"it was saved from another model file ({header.model}, sha256 {header.model_sha256[:12]}…) "
-                f"and this daemon serves {self.engine.model_name} (sha256 {fingerprint[:12]}…)"
+                f"and this daemon serves {engine.model_name} (sha256 {fingerprint[:12]}…)"
             )
-        elif header.kv_type != self.engine.kv_type:
+        elif header.kv_type != engine.kv_type:
             problem = f"it holds a {header.kv_type} KV cache and this daemon runs --kv-type {engine.kv_type}"
         elif header.kv_layout and header.kv_layout != engine.kv_layout:
             problem = (
@@ -123,18 +157,15 @@ class SnapshotService:
             problem = f"it holds {len(header.tokens)} tokens and a request's context is {engine.n_ctx_seq}"
         if problem is not None:
             raise UmaError(
-                ErrorCode.SNAPSHOT_MISMATCH, f"snapshot {request.name!r} cannot be restored: {problem}"
+                ErrorCode.SNAPSHOT_MISMATCH, f"snapshot {header.name!r} cannot be restored: {problem}"
             )
-        tokens = np.asarray(header.tokens, dtype=np.int32)
-        await self.loop.exclusive(partial(self.loop.restore, tokens, state, owner))
-        return header.info(len(state))
 
     async def _fingerprint(self) -> str:
         try:
             return await off_loop(self.engine, self.engine.fingerprint)
         except OSError as exc:
             raise UmaError(
-                ErrorCode.SNAPSHOT_INVALID, f"cannot read the model file to identify it: {exc}"
+                ErrorCode.SNAPSHOT_INVALID, f"cannot identify the model file for snapshots: {exc}"
             ) from None
 
 

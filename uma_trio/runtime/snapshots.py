@@ -8,17 +8,20 @@ another model with the same shape would load and silently answer nonsense.
 A snapshot's name is its file's: a file renamed or copied is listed and restored
 under its new name (the header's ``name``, the one it was saved under, is not used),
 so ``list`` shows exactly the names ``restore`` accepts.
-:func:`encode` and :func:`decode` are pure; :class:`SnapshotStore` does the I/O.
+:func:`encode` is pure; :class:`SnapshotStore` does the I/O, the header before the KV bytes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import struct
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import IO, Annotated
 
 import msgspec
 import platformdirs
@@ -31,6 +34,8 @@ MAGIC = b"UMA-TRIO KV SNAPSHOT\n"
 SUFFIX = ".umakv"
 FORMAT_VERSION = 1
 _LENGTH = struct.Struct(">I")
+
+log = logging.getLogger(__name__)
 
 
 class SnapshotHeader(msgspec.Struct, kw_only=True):
@@ -54,9 +59,12 @@ def default_snapshot_dir() -> Path:
     return Path(platformdirs.user_state_dir("uma-trio")) / "snapshots"
 
 
+def _prefix(head: bytes) -> bytes:
+    return MAGIC + _LENGTH.pack(len(head)) + head
+
+
 def encode(header: SnapshotHeader, state: bytes) -> bytes:
-    head = msgspec.json.encode(header)
-    return MAGIC + _LENGTH.pack(len(head)) + head + state
+    return _prefix(msgspec.json.encode(header)) + state
 
 
 _PREFIX = len(MAGIC) + _LENGTH.size
@@ -66,6 +74,8 @@ def _header_length(prefix: bytes, name: str) -> int:
     if len(prefix) < _PREFIX or not prefix.startswith(MAGIC):
         raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} is not a uma-trio KV snapshot file")
     (length,) = _LENGTH.unpack_from(prefix, len(MAGIC))
+    if length > MAX_HEADER_BYTES:
+        raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} has an oversized header")
     return int(length)
 
 
@@ -83,6 +93,21 @@ def _parse_header(raw: bytes, name: str) -> SnapshotHeader:
     return msgspec.structs.replace(header, name=name)
 
 
+def _read_header(file: IO[bytes], name: str) -> tuple[SnapshotHeader, int]:
+    """The header at the start of ``file`` and the offset of the KV bytes after it."""
+    length = _header_length(file.read(_PREFIX), name)
+    return _parse_header(file.read(length), name), _PREFIX + length
+
+
+def _untouched_since(path: Path, before: float) -> bool:
+    """Whether ``path`` is a regular file (not a link) last written before ``before``."""
+    try:
+        info = path.lstat()
+    except OSError:  # removed meanwhile
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_mtime < before
+
+
 def _restorable(name: str) -> bool:
     """Whether ``restore`` accepts ``name`` (protocol/messages.py's SnapshotName)."""
     try:
@@ -92,18 +117,11 @@ def _restorable(name: str) -> bool:
     return True
 
 
-def decode(blob: bytes, name: str) -> tuple[SnapshotHeader, bytes]:
-    """The header and state bytes of a snapshot file; :class:`UmaError` if it is not one."""
-    end = _PREFIX + _header_length(blob, name)
-    header = _parse_header(blob[_PREFIX:end], name)
-    state = blob[end:]
-    if not state or not header.tokens:
-        raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} is truncated")
-    return header, state
-
-
 MAX_HEADER_BYTES = 16 << 20  # a header lists the prompt's tokens: 128 K of them is ~1.5 MB
 DEFAULT_MAX_BYTES = 8 << 30  # a 32 K-cell f16 KV of an 8B model is 4 GiB
+# A ``.NAME.*.tmp`` file untouched this long is a write that died with its daemon; a younger
+# one may be another daemon's write in progress (a write touches it at every write call).
+STALE_TMP_S = 60.0
 
 
 class SnapshotStore:
@@ -113,12 +131,30 @@ class SnapshotStore:
     directory owned by us that nobody else can write to, not even sticky): a file planted
     there would be restored as a cached prefix and answer other requests.  Files are opened
     without following links and without blocking (a FIFO named ``*.umakv`` hung ``list`` and
-    ``restore`` for good), must be regular files, and are read only up to ``max_bytes``.
+    ``restore`` for good), must be regular files, and are read only up to ``max_bytes``;
+    a snapshot over it is not written either (it could never be restored).
     """
 
     def __init__(self, directory: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.directory = directory
         self.max_bytes = max_bytes
+        self._remove_stale_temporaries()
+
+    def _remove_stale_temporaries(self) -> None:
+        """Remove the ``.NAME.*.tmp`` files of writes that a crash cut short (the daemon
+        opens its store once, at start); each would hold up to ``max_bytes`` of disk for good."""
+        try:
+            if not self._check_directory():
+                return
+            before = time.time() - STALE_TMP_S
+            stale = [path for path in self.directory.glob(".*.*.tmp") if _untouched_since(path, before)]
+            for path in stale:
+                path.unlink(missing_ok=True)
+        except (UmaError, OSError) as exc:  # an unsafe directory is refused at its first use
+            log.warning("stale snapshot temporary files not removed from %s: %s", self.directory, exc)
+            return
+        if stale:
+            log.info("removed %d stale snapshot temporary file(s) from %s", len(stale), self.directory)
 
     def path(self, name: str) -> Path:
         return self.directory / f"{name}{SUFFIX}"
@@ -159,8 +195,7 @@ class SnapshotStore:
             raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} {problem}")
         return fd, info.st_size
 
-    def write(self, header: SnapshotHeader, state: bytes) -> SnapshotInfo:
-        """Write atomically: a reader sees the old file or the new one, never half of one."""
+    def _make_directory(self) -> None:
         if not self._check_directory():
             self.directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             old_umask = os.umask(0o077)
@@ -169,31 +204,60 @@ class SnapshotStore:
             finally:
                 os.umask(old_umask)
             self._check_directory()
-        blob = encode(header, state)
+
+    def _encoded_prefix(self, header: SnapshotHeader, state: bytes) -> bytes:
+        """The file's bytes before ``state``; refused when :meth:`read` would refuse the file."""
+        head = msgspec.json.encode(header)
+        size = _PREFIX + len(head) + len(state)
+        problem = None
+        if len(head) > MAX_HEADER_BYTES:
+            problem = f"a {len(head)}-byte header, more than the {MAX_HEADER_BYTES} a snapshot's may have"
+        elif size > self.max_bytes:
+            problem = f"{size} bytes, more than the {self.max_bytes} a snapshot may have"
+        if problem is not None:
+            raise UmaError(
+                ErrorCode.SNAPSHOT_INVALID,
+                f"snapshot {header.name!r} not saved: it would have {problem}, so it could never be "
+                "restored (save a shorter prompt)",
+            )
+        return _prefix(head)
+
+    def write(self, header: SnapshotHeader, state: bytes) -> SnapshotInfo:
+        """Write atomically: a reader sees the old file or the new one, never half of one."""
+        prefix = self._encoded_prefix(header, state)  # before anything is written
+        self._make_directory()
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{header.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as file:
-                file.write(blob)
+                file.write(prefix)
+                file.write(state)  # not joined to the prefix: that copied the whole state
             os.replace(tmp, self.path(header.name))
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        return header.info(len(blob))
+        return header.info(len(prefix) + len(state))
 
-    def read(self, name: str) -> tuple[SnapshotHeader, bytes]:
+    def read(
+        self, name: str, check: Callable[[SnapshotHeader], None] | None = None
+    ) -> tuple[SnapshotHeader, bytes]:
+        """The snapshot's header and KV bytes.  ``check`` sees the header first and may raise:
+        a snapshot this daemon refuses is not read past its header."""
         if not self._check_directory():
             raise UmaError(ErrorCode.SNAPSHOT_NOT_FOUND, f"no snapshot named {name!r} in {self.directory}")
         fd, size = self._open(self.path(name), name)
-        try:
-            with os.fdopen(fd, "rb") as file:
-                blob = file.read(size + 1)
-        except OSError as exc:
-            raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"cannot read snapshot {name!r}: {exc}") from None
-        if len(blob) != size:
+        with os.fdopen(fd, "rb") as file:
+            try:
+                header, start = _read_header(file, name)
+                if check is not None:
+                    check(header)
+                if size <= start or not header.tokens:
+                    raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} is truncated")
+                state = file.read(size - start + 1)  # one more: a file grown meanwhile is seen
+            except OSError as exc:
+                raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"cannot read snapshot {name!r}: {exc}") from None
+        if len(state) != size - start:
             raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} changed while it was read")
-        if _header_length(blob, name) > MAX_HEADER_BYTES:
-            raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} has an oversized header")
-        return decode(blob, name)
+        return header, state
 
     def list(self) -> list[SnapshotInfo]:
         """Every snapshot whose header reads, by its file's name; other files, and those
@@ -208,11 +272,8 @@ class SnapshotStore:
             try:  # the header only: the KV bytes after it may be hundreds of MB
                 fd, size = self._open(path, name)
                 with os.fdopen(fd, "rb") as file:
-                    length = _header_length(file.read(_PREFIX), name)
-                    if length > MAX_HEADER_BYTES:
-                        continue
-                    header = _parse_header(file.read(length), name)
+                    header, _ = _read_header(file, name)
                 infos.append(header.info(size))
-            except (UmaError, OSError):  # unreadable, not a regular file, or removed meanwhile
+            except (UmaError, OSError):  # unreadable, oversized, not a regular file, or removed
                 continue
         return infos
