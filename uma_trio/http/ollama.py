@@ -19,6 +19,7 @@ from ..protocol import ollama
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
 from ..protocol.ollama_durations import KEEP_ALIVE_MAX_S, keep_alive_seconds
+from ..protocol.ollama_stream import Lines, ToolChatLines
 from ..protocol.openai import api_error, ended_early, validation_error
 from .auth import request_owner
 from .flight import GatewayCore, answering_as, completed, decode_body
@@ -156,18 +157,19 @@ class OllamaApi:
                     final.logprobs = described
                 return json_response(final)
 
+            fmt = flight.stream.tool_format if flight.stream is not None else None
+            chunks = Lines(model, chat) if fmt is None else ToolChatLines(model, fmt)
+
             async def lines() -> AsyncGenerator[bytes, None]:
                 async with aclosing(gateway._events(flight)) as events:
                     async for event in events:
                         match event:
                             case TokenEvent(text=text, logprobs=logprobs):
-                                if flight.stream is not None and flight.stream.tool_format is not None:
-                                    continue  # a tool-calling answer comes whole, at the end
-                                yield _line(
-                                    ollama.text_chunk(model, text, chat, ollama.logprobs_of(logprobs))
-                                )
+                                for chunk in chunks.token(text, logprobs):
+                                    yield _line(chunk)
                             case EosEvent(reason="stop" | "length"):
-                                yield _line(ollama.final_chunk(model, event, chat))
+                                for chunk in chunks.end(event):
+                                    yield _line(chunk)
                             case EosEvent(reason="cancelled"):
                                 yield _line({"error": ended_early(event).message})
                             case ErrorEvent(code=code, message=message):

@@ -85,6 +85,7 @@ class _Common(Struct, kw_only=True):
 class ChatBody(_Common, kw_only=True):
     messages: list[OllamaMessage] = msgspec.field(default_factory=list)
     tools: list[Any] | None = None
+    truncate: bool | None = None  # unset or true: the oldest messages go if the chat does not fit
 
 
 class GenerateBody(_Common, kw_only=True):
@@ -193,6 +194,7 @@ def chat_request(body: ChatBody, request_id: str, limits: Limits | None = None) 
     if not messages:
         raise ApiError(400, "`messages` must hold at least one message")
     fields["messages"] = messages
+    fields["truncate"] = body.truncate is not False  # the daemon drops the oldest messages to fit
     if body.tools:
         fields["tools"] = body.tools
     return msgspec.convert(fields, GenerateRequest)
@@ -283,13 +285,13 @@ def final_chunk(model: str, eos: EosEvent, chat: bool, text: str = "") -> Chunk:
         content = eos.content if eos.content is not None else text
         chunk.message = AssistantMessage(content=content or "")
         if eos.tool_calls:
-            chunk.message.tool_calls = [_ollama_call(c) for c in eos.tool_calls]
+            chunk.message.tool_calls = [ollama_call(c) for c in eos.tool_calls]
     else:
         chunk.response = text
     return chunk
 
 
-def _ollama_call(call: ToolCall) -> dict[str, Any]:
+def ollama_call(call: ToolCall) -> dict[str, Any]:
     """Ollama's tool call: the arguments as an object, not JSON text."""
     try:
         arguments = json.loads(call.function.arguments)

@@ -5,6 +5,7 @@ decode loop.  The server calls it once it knows which model the request names
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from functools import partial
 
@@ -14,6 +15,7 @@ import trio
 from ..config import ServerConfig
 from ..engine.base import Engine, TokenArray
 from ..engine.sampling import Sampler, SamplingParams
+from ..protocol.chat_truncate import fewest_dropped
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import ChatMessage, GenerateRequest
 from ..protocol.tools import ToolFormat
@@ -23,6 +25,8 @@ from .samplers import sampler_for
 from .session import END_SLOTS, Session, StreamItem
 from .stream import RequestStream
 from .tool_use import chat_turns, template_format, tool_constraint, tool_format
+
+log = logging.getLogger(__name__)
 
 
 async def open_on(
@@ -48,6 +52,8 @@ async def open_on(
             f"max_tokens {request.max_tokens} exceeds the limit of {config.max_tokens}",
             request_id=rid,
         )
+    if request.truncate and request.messages is not None:  # before the checks it would fail
+        request = within_bounds(engine, config, request)
     text_bytes = (
         len(request.prompt.encode()) + len((request.suffix or "").encode())
         + sum(len(f.text.encode()) for f in request.input_extra or ())
@@ -81,6 +87,8 @@ async def open_on(
         )
     fmt = tool_format(engine, request)
     prompt = await tokenize_request(engine, request, fmt)
+    if request.truncate and request.messages is not None:
+        request, prompt = await fitted_chat(engine, config, request, fmt, prompt)
     if request.embed and request.truncate:  # cut to fit instead of refused (decode_loop.submit)
         prompt = prompt[: min(engine.n_ctx_seq, config.max_prompt_tokens)]
     if len(prompt) > config.max_prompt_tokens:
@@ -152,6 +160,56 @@ async def tokenize_request(
     if len(tokens) == 0:
         raise UmaError(ErrorCode.SCHEMA, "the prompt is empty", request_id=request.id)
     return tokens
+
+
+def within_bounds(engine: Engine, config: ServerConfig, request: GenerateRequest) -> GenerateRequest:
+    """A truncated chat without the oldest messages that surely cannot fit, before anything
+    is rendered: more turns than --max-prompt-tokens (each brings a token) or more text than
+    that many tokens could hold.  As it was if even the last message is too much."""
+    assert request.messages is not None
+    limit_bytes = config.max_prompt_tokens * engine.max_token_bytes
+
+    def fits(messages: list[ChatMessage]) -> bool:
+        return len(messages) <= config.max_prompt_tokens and chat_text_bytes(messages) <= limit_bytes
+
+    if fits(request.messages):
+        return request
+    found = fewest_dropped(request.messages, lambda messages: messages, fits, first=1)
+    if found is None:
+        return request
+    gone = len(request.messages) - len(found[0])
+    log.debug("request %s: the %d oldest messages dropped before rendering", request.id, gone)
+    return msgspec.structs.replace(request, messages=found[0])
+
+
+async def fitted_chat(
+    engine: Engine, config: ServerConfig, request: GenerateRequest, fmt: ToolFormat | None, prompt: TokenArray
+) -> tuple[GenerateRequest, TokenArray]:
+    """A truncated chat whose ``prompt`` leaves no answer token in its context (the request's
+    max_context, at most the engine's) or passes --max-prompt-tokens: its oldest messages
+    dropped until it fits (protocol/chat_truncate.py), searched off the loop.  As it was if
+    even the last message does not fit: refused as before."""
+    assert request.messages is not None
+    context = min(request.max_context or engine.n_ctx_seq, engine.n_ctx_seq)
+    budget = min(context - 1, config.max_prompt_tokens)
+    if len(prompt) <= budget:
+        return request, prompt
+    template = template_format(engine)
+
+    def measure(messages: list[ChatMessage]) -> TokenArray | None:
+        turns, tools = chat_turns(msgspec.structs.replace(request, messages=messages), fmt, template)
+        try:
+            return engine.tokenize_chat(turns, tools)
+        except ValueError:  # this cut's roles no longer suit the template (one wants them to alternate)
+            return None
+
+    search = partial(fewest_dropped, request.messages, measure, lambda tokens: len(tokens) <= budget, first=1)
+    found = await off_loop(engine, search)
+    if found is None:
+        return request, prompt
+    gone = len(request.messages) - len(found[0])  # every message kept is one it had
+    log.debug("request %s: the %d oldest messages dropped to fit %d tokens", request.id, gone, budget)
+    return msgspec.structs.replace(request, messages=found[0]), found[1]
 
 
 def chat_text_bytes(messages: Sequence[ChatMessage]) -> int:
