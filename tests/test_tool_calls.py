@@ -102,7 +102,7 @@ ASK = [
         ("generic", '{"response": "Paris is', "Paris is", []),
         ("generic", '{"response": "a \\"b\\" \\u00e9t\\u00', 'a "b" \u00e9t', []),
         ("generic", '{"response": "done"', "done", []),
-        ("generic", '{"tool_calls": [{"name": "get_weath', '{"tool_calls": [{"name": "get_weath', []),
+        ("generic", '{"tool_calls": [{"name": "get_weath', "", []),  # a call cut short: no JSON as content
         ("generic", '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "A"}}, {"name": "get_t',
          "", [("get_time", {"zone": "A"})]),
         ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"na', "", [("get_time", {})]),

@@ -41,7 +41,14 @@ from ..observability.prometheus import exposition
 from ..protocol import openai
 from ..protocol.codec import decode_client_message
 from ..protocol.errors import ErrorCode, UmaError, shown
-from ..protocol.llama_server import InfillAnswer, InfillBody, infill_answer, infill_request
+from ..protocol.llama_server import (
+    InfillAnswer,
+    InfillBody,
+    infill_answer,
+    infill_request,
+    n_predict,
+    no_tokens_answer,
+)
 from ..protocol.messages import (
     EosEvent,
     ErrorEvent,
@@ -119,6 +126,7 @@ class Gateway:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self._model, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/generate", self.generate, methods=["POST"]),
@@ -221,6 +229,13 @@ class Gateway:
         described = self._ready().models.describe()
         listed = [openai.Model(id=m["id"], created=self.created, uma=m) for m in described]
         return json_response(openai.ModelList(listed))
+
+    async def _model(self, request: Request) -> Response:
+        """OpenAI's ``GET /v1/models/{model}``: the model a name names (an id, a file name or
+        an alias, as /v1/chat/completions resolves it), as the list shows it; 404 else."""
+        found = self.model_for(request.path_params["model"])
+        described = next((m for m in self._ready().models.describe() if m["id"] == found), None)
+        return json_response(openai.Model(id=found, created=self.created, uma=described))
 
     def model_for(self, name: str) -> str:
         """The id of the model ``name`` names (an id, a file name or an alias); 404 listing
@@ -512,12 +527,21 @@ class Gateway:
         arrived = trio.current_time()
         rid = f"infill-{secrets.token_hex(12)}"
         body = openai.decode_json(data, InfillBody)
+        headers = {"x-request-id": rid}
+        limit = n_predict(body)
+        if limit == 0:  # llama-server only warms its cache: no prefill-only request here
+            answer = no_tokens_answer(self.model)
+            if body.stream:
+                event = openai.sse(_json.encode(answer))
+                return Response(event, media_type="text/event-stream", headers=headers)
+            return json_response(answer, headers=headers)
         try:
             generate_request = infill_request(body, rid, server.config.max_tokens)
         except (msgspec.ValidationError, ValueError) as exc:
             raise openai.validation_error(exc) from None
-        async with self._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
-            headers = {"x-request-id": rid}
+        # No limit given: up to --max-tokens, within the context's room (as chat's default).
+        owner = request_owner(request)
+        async with self._in_flight(generate_request, arrived, limit is None, owner) as flight:
             if not generate_request.stream:
                 eos = completed(await self._collect(request, flight))
                 return json_response(infill_answer(eos, self.model, eos.text or ""), headers=headers)

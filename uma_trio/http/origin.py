@@ -14,7 +14,9 @@ that, before authentication and routing (docs/SECURITY.md "Web pages"):
   origins without a preflight that the origin check answers.
 
 Allowed origins get CORS headers (Starlette's ``CORSMiddleware``, which also answers their
-preflights).  The matching here is pure; :class:`OriginGuard` is the ASGI middleware.
+preflights), on this middleware's own refusals too (a wrong Content-Type): without them the
+page's script sees an opaque network error instead of the 415.  The matching here is pure;
+:class:`OriginGuard` is the ASGI middleware.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ DEFAULT_CORS_ORIGINS = (
     "app://*", "tauri://*", "vscode-webview://*",
 )  # fmt: skip
 JSON_TYPE = "application/json"
+UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
 
 
 def host_name(header: str) -> str:
@@ -100,7 +103,7 @@ def check(
         got = shown(content_type or "none")
         return ApiError(
             415, f"send the body as JSON with `Content-Type: {JSON_TYPE}` (got {got!r})",
-            code="unsupported_media_type",
+            code=UNSUPPORTED_MEDIA_TYPE,
         )  # fmt: skip
     return None
 
@@ -133,6 +136,16 @@ class OriginGuard:
             )  # fmt: skip
             if error is not None:
                 response = self.refuse(error)
+                if error.code == UNSUPPORTED_MEDIA_TYPE:  # Host and Origin passed: the page may read it
+                    _allow_origin(response, headers.get("origin"))
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _allow_origin(response: Any, origin: str | None) -> None:
+    """The CORS headers CORSMiddleware gives an allowed origin's answers, on a refusal made
+    before it (``origin`` has passed :func:`check`; no Origin, no headers)."""
+    if origin is not None:
+        response.headers["access-control-allow-origin"] = origin
+        response.headers.add_vary_header("Origin")

@@ -2,9 +2,10 @@
 (llama.vim, llama.vscode): its body as a daemon request, its answer and stream chunks.  Pure.
 
 ``input_prefix`` and ``input_suffix`` surround the cursor, ``input_extra`` holds other files
-(``{"filename", "text"}``) as context, and ``prompt`` is the start of the middle already
-typed.  Sampling fields are the socket's (llama-server's names); ``n_predict`` is its
-``max_tokens``.
+(``{"filename", "text"}``; other keys, such as llama.vim's ``time``, are dropped) as context,
+and ``prompt`` is the start of the middle already typed.  Sampling fields are the socket's
+(llama-server's names); ``n_predict`` is its ``max_tokens``: -1 or unset, up to
+``--max-tokens`` (and the context's room); 0, nothing generated (:func:`no_tokens_answer`).
 """
 
 from __future__ import annotations
@@ -45,21 +46,27 @@ _PASSED = (
     "stream", "stop", "seed", "temperature", "top_k", "top_p", "min_p", "repeat_penalty",
     "repeat_last_n", "frequency_penalty", "presence_penalty", "priority",
 )  # fmt: skip
-DEFAULT_N_PREDICT = 128
+_EXTRA_KEYS = ("filename", "text")  # of an input_extra item, the ones the daemon reads
+
+
+def n_predict(body: InfillBody) -> int | None:
+    """How many tokens to generate: None for llama-server's -1 ("infinity") or no limit given,
+    which the gateway caps at ``--max-tokens`` and the context's room; 0 for none."""
+    n = body.n_predict if body.n_predict is not None else body.max_tokens
+    return None if n is None or n < 0 else n
 
 
 def infill_request(body: InfillBody, request_id: str, max_tokens_limit: int) -> GenerateRequest:
-    """The daemon request for an /infill body; ``msgspec.ValidationError`` or ``ValueError``
-    for a bad one (the socket protocol's own checks)."""
-    n_predict = body.n_predict if body.n_predict is not None and body.n_predict > 0 else body.max_tokens
+    """The daemon request for an /infill body that generates (``n_predict`` is not 0);
+    ``msgspec.ValidationError`` or ``ValueError`` for a bad one (the socket protocol's checks)."""
     fields: dict[str, Any] = {
         "id": request_id, "prompt": body.input_prefix, "suffix": body.input_suffix,
-        "max_tokens": n_predict or min(DEFAULT_N_PREDICT, max_tokens_limit),
+        "max_tokens": n if (n := n_predict(body)) is not None else max_tokens_limit,
     }  # fmt: skip
     if body.prompt:
         fields["middle"] = body.prompt
     if body.input_extra:
-        fields["input_extra"] = body.input_extra
+        fields["input_extra"] = [_extra_file(item) for item in body.input_extra]
     for name in _PASSED:
         if (value := getattr(body, name)) is not None:
             fields[name] = value
@@ -77,6 +84,21 @@ class InfillAnswer(Struct, omit_defaults=True):
     tokens_predicted: int | None = None
     tokens_evaluated: int | None = None
     truncated: bool | None = None
+
+
+def _extra_file(item: Any) -> Any:
+    """An input_extra item without the keys the daemon does not read (llama.vim sends ``time``;
+    llama-server ignores unknown keys, the socket protocol refuses them)."""
+    return {k: item[k] for k in _EXTRA_KEYS if k in item} if isinstance(item, dict) else item
+
+
+def no_tokens_answer(model: str) -> InfillAnswer:
+    """The answer to ``n_predict: 0``.  llama-server evaluates the prompt into its cache; the
+    daemon has no prefill-only request (``max_tokens`` is at least 1), so nothing runs and
+    the cache is not warmed."""
+    return InfillAnswer(
+        content="", stop=True, model=model, stop_type="limit", tokens_predicted=0, truncated=False
+    )
 
 
 def infill_answer(eos: EosEvent, model: str, content: str) -> InfillAnswer:

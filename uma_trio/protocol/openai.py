@@ -19,14 +19,14 @@ from typing import Any, Generic, Literal, TypeVar
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
-from .errors import ErrorCode
+from .errors import ErrorCode, UmaError
 from .messages import EosEvent, GenerateRequest, Lane, TokenLogprob, ToolCall, ToolCallFunction
 
 # The errors live in openai_errors.py; callers reach every OpenAI shape through this module.
 from .openai_errors import ApiError as ApiError
 from .openai_errors import api_error as api_error
 from .openai_errors import decode_json as decode_json
-from .openai_errors import from_uma_error as from_uma_error
+from .openai_errors import from_uma_error as _from_uma_error
 from .openai_errors import stop_param
 from .openai_errors import validation_error as validation_error
 from .openai_logprobs import ChatLogprobs, CompletionLogprobs, TextOffsets, chat_logprobs, completion_logprobs
@@ -255,11 +255,13 @@ def translate(
     if body.stop is not None:
         fields["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     for name in (
-        "temperature", "top_p", "top_k", "min_p", "seed", "response_format", "grammar",
+        "temperature", "top_p", "top_k", "min_p", "response_format", "grammar",
         "tools", "tool_choice", "parallel_tool_calls", *SAMPLING_EXTRAS,
     ):  # fmt: skip
         if (value := getattr(body, name)) is not None:
             fields[name] = value
+    if (seed := daemon_seed(body.seed)) is not None:
+        fields["seed"] = seed
     if body.json_schema is not None:
         if body.response_format is not None or body.grammar is not None:
             raise ApiError(
@@ -272,6 +274,27 @@ def translate(
         raise stop_param(validation_error(exc), body.stop) from None
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     return Translated(request=request, auto_max_tokens=auto, include_usage=include_usage, n=body.n or 1)
+
+
+SEED_MASK = 2**63 - 1  # the daemon's seeds are 0 .. 2**63-1; OpenAI's any int64
+
+
+def daemon_seed(seed: int | None) -> int | None:
+    """OpenAI's ``seed`` as the daemon's: -1 (clients' "random") is none, another negative
+    maps into range by its low 63 bits (still the same sampling for the same seed)."""
+    if seed is None or seed == -1:
+        return None
+    return seed & SEED_MASK if seed < 0 else seed
+
+
+def from_uma_error(error: UmaError) -> ApiError:
+    """The HTTP answer to a daemon error; a refused value (E_PROTO_002) whose message starts
+    with a request field's name (``logit_bias names token ...``) names it as ``param``."""
+    api = _from_uma_error(error)
+    field = error.message.split(" ", 1)[0]
+    if api.param is None and error.code == ErrorCode.SCHEMA and field in GenerateRequest.__struct_fields__:
+        api.param = field
+    return api
 
 
 def _logprob_fields(body: _Body) -> dict[str, Any]:

@@ -159,8 +159,10 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
 
 
 def parse_tool_calls(text: str, fmt: ToolFormat, names: Sequence[str]) -> tuple[str, list[ParsedCall]]:
-    """The content outside tool calls and the calls, from a generated text.  A call that does
-    not parse, or names no tool of the request, stays content: nothing is lost."""
+    """The content outside tool calls and the calls, from a generated text.  A whole call that
+    does not parse, or names no tool of the request, stays content: nothing is lost.  A
+    generic answer cut off (max_tokens) inside its ``{"tool_calls": [`` list keeps the calls
+    written whole; the one being written is dropped, and there is no content."""
     if fmt == "hermes":
         blocks = list(_HERMES.finditer(text))
         calls = [c for c in (_call(_load(m.group(1)), names) for m in blocks) if c]
@@ -171,6 +173,7 @@ def parse_tool_calls(text: str, fmt: ToolFormat, names: Sequence[str]) -> tuple[
         content = _HERMES.sub("", text).rstrip()
         return (content if text[: blocks[0].start()].strip() else content.lstrip()), calls
     stripped = text.strip()
+    opened = False  # a generic answer cut off inside its calls: no text of its own to show
     if fmt == "llama3":
         body = stripped.removeprefix("<|python_tag|>")
         value = _load(body)
@@ -191,8 +194,10 @@ def parse_tool_calls(text: str, fmt: ToolFormat, names: Sequence[str]) -> tuple[
         else:  # cut off in the middle of a list: the calls written whole
             opening = re.match(r'\{\s*"tool_calls"\s*:\s*\[', stripped)
             objects = _leading_items(stripped, opening.end()) if opening else []
+            opened = opening is not None
     calls = [c for c in (_call(o, names) for o in objects) if c] if isinstance(objects, list) else []
-    return ("" if calls and len(calls) == len(objects) else text), calls
+    # The call being written when it was cut is lost (docs/HTTP.md), not shown as its JSON.
+    return ("" if (calls or opened) and len(calls) == len(objects) else text), calls
 
 
 def _leading_items(text: str, start: int) -> list[Any]:
