@@ -15,10 +15,13 @@ from starlette.routing import Route
 from ..protocol import anthropic
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
+from ..protocol.ollama import Limits
 from ..protocol.openai import api_error, ended_early, from_uma_error, validation_error
+from ..protocol.openai_errors import client_param
 from ..protocol.tools import ToolTextFilter
 from .auth import request_owner
 from .flight import Flight, GatewayCore, answering_as, completed, decode_body
+from .ollama import OllamaApi
 from .responses import json_response
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -50,7 +53,9 @@ class AnthropicApi:
         data, arrived = await gateway._arriving(request)
         body = self._body(data)
         msg_id = anthropic.message_id()
-        generate_request = self._translate(body, msg_id)  # its X-Request-Id, for /priority
+        # max_tokens is a ceiling, as Ollama's num_predict: Claude Code asks for 32000 and more.
+        limits = OllamaApi(gateway).answer_limits(body.model)
+        generate_request = self._translate(body, msg_id, limits)  # its X-Request-Id, for /priority
         async with gateway._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
             headers = {"x-request-id": msg_id}
             if not body.stream:
@@ -139,10 +144,15 @@ class AnthropicApi:
         return msgspec.structs.replace(body, model=self.gateway.model_for(body.model))
 
     def _translate(
-        self, body: anthropic.MessagesBody, rid: str, *, count_only: bool = False
+        self,
+        body: anthropic.MessagesBody,
+        rid: str,
+        limits: Limits | None = None,
+        *,
+        count_only: bool = False,
     ) -> GenerateRequest:
         try:
-            translated = anthropic.messages_request(body, rid, count_only=count_only)
+            translated = anthropic.messages_request(body, rid, count_only=count_only, limits=limits)
             return msgspec.structs.replace(translated, model=body.model)
         except (msgspec.ValidationError, ValueError) as exc:
-            raise validation_error(exc) from None
+            raise client_param(validation_error(exc), {"stop": "stop_sequences"}) from None

@@ -11,6 +11,7 @@ from typing import Any
 from starlette.requests import Request
 
 from ..protocol.openai import ApiError
+from ..protocol.openai_errors import shape_for
 from .responses import error_response
 from .serve import Receive, Scope, Send
 
@@ -52,6 +53,7 @@ class BearerAuth:
                 error = None
                 scope.setdefault("state", {})["uma_owner"] = owner
             if error is not None:
+                error.shape = shape_for(scope["path"])  # answered before the route's own shape
                 self.count(error)
                 response = error_response(error, headers={"www-authenticate": "Bearer"})
                 await response(scope, receive, send)

@@ -139,7 +139,7 @@ class OllamaApi:
             else:
                 answer.message = ollama.AssistantMessage("")
             return json_response(answer)
-        translated = self._translate(body, rid, self._limits(model))
+        translated = self._translate(body, rid, self.answer_limits(model))
         generate_request = msgspec.structs.replace(translated, model=model, keep_alive=keep_alive)
         # Without num_predict: until the context is full (or the model ends), at most --max-tokens.
         auto = not (body.options and body.options.num_predict and body.options.num_predict > 0)
@@ -197,7 +197,7 @@ class OllamaApi:
     def _decode(self, data: bytes, kind: type[ollama.BodyT]) -> ollama.BodyT:
         return decode_body(data or b"{}", kind)
 
-    def _limits(self, model: str) -> ollama.Limits:
+    def answer_limits(self, model: str) -> ollama.Limits:
         """--max-tokens and ``model``'s per-request context: its engine's where it is loaded,
         else --n-ctx (what it will be loaded with)."""
         desk = self.gateway._ready()

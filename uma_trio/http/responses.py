@@ -1,4 +1,5 @@
-"""JSON responses and OpenAI-shaped error objects for the gateway."""
+"""JSON responses and error objects for the gateway: OpenAI's shape, Anthropic's under
+/v1/messages (even for errors answered outside a route: 404, 405, 500)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..protocol.openai import ApiError
+from ..protocol.openai_errors import shape_for
 
 _json = msgspec.json.Encoder()
 
@@ -28,14 +30,17 @@ def error_response(error: ApiError, headers: Mapping[str, str] | None = None) ->
 
 
 async def unexpected_error_response(request: Request, exc: Exception) -> Response:
-    """A bug: still OpenAI's error object (Starlette logs the traceback and re-raises)."""
+    """A bug: still the API's error object (Starlette logs the traceback and re-raises)."""
     error = ApiError(500, f"internal error: {type(exc).__name__}", type="server_error")
+    error.shape = shape_for(request.url.path)
     return error_response(error)
 
 
 async def http_error_response(request: Request, exc: Exception) -> Response:
-    """Starlette's own 404/405 as OpenAI error objects."""
+    """Starlette's own 404/405 as the API's error objects."""
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return error_response(ApiError(exc.status_code, message, code=code), headers=exc.headers)
+    error = ApiError(exc.status_code, message, code=code)
+    error.shape = shape_for(request.url.path)
+    return error_response(error, headers=exc.headers)

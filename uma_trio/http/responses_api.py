@@ -16,6 +16,7 @@ from ..protocol import responses_api as api
 from ..protocol.errors import ErrorCode
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
 from ..protocol.openai import api_error, ended_early, validation_error
+from ..protocol.openai_errors import client_param
 from ..protocol.tools import ToolTextFilter
 from .auth import request_owner
 from .flight import Flight, GatewayCore, completed, decode_body
@@ -138,19 +139,17 @@ class ResponsesApi:
                         final = api.response_object(response_id, created, body, output, item)
                         yield event("response.completed", {"response": final})
                     case EosEvent(reason="cancelled"):
-                        yield event(
-                            "error",
-                            {"code": "cancelled", "message": ended_early(item).message, "param": None},
+                        ended = ended_early(item)
+                        failed = api.failed_object(
+                            response_id, created, body, output, ended.status, ended.message
                         )
+                        yield event("response.failed", {"response": failed})
                     case ErrorEvent(code=code, message=message):
-                        yield event(
-                            "error",
-                            {
-                                "code": code,
-                                "message": api_error(ErrorCode(code), message).message,
-                                "param": None,
-                            },
+                        error = api_error(ErrorCode(code), message)
+                        failed = api.failed_object(
+                            response_id, created, body, output, error.status, f"{error.code}: {error.message}"
                         )
+                        yield event("response.failed", {"response": failed})
                     case _:
                         pass
 
@@ -162,4 +161,4 @@ class ResponsesApi:
         try:
             return msgspec.structs.replace(api.responses_request(body, rid), model=body.model)
         except (msgspec.ValidationError, ValueError) as exc:
-            raise validation_error(exc) from None
+            raise client_param(validation_error(exc), {"max_tokens": "max_output_tokens"}) from None

@@ -4,8 +4,11 @@ as daemon requests, its answers and its stream events.  Pure.
 Content blocks map onto the daemon's chat turns: ``text`` blocks are a turn's text, an
 assistant's ``tool_use`` blocks its tool calls (``input`` as JSON text), a user's
 ``tool_result`` blocks ``tool`` turns with their ``tool_use_id``.  ``tool_choice`` ``auto``,
-``any`` (any tool: ``required``), ``tool`` (a named one) and ``none``.  Images, documents
-and extended thinking are refused by name.
+``any`` (any tool: ``required``), ``tool`` (a named one) and ``none``.  Images and
+documents are refused by name.  ``thinking`` is accepted and ignored (this model does not
+think aloud), and the ``thinking`` / ``redacted_thinking`` blocks a client replays are
+dropped.  ``max_tokens`` is a ceiling, as Ollama's num_predict: past --max-tokens or the
+room the prompt leaves, the answer is cut and stops for ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ import msgspec
 from msgspec import Struct
 
 from .messages import EosEvent, GenerateRequest
+from .ollama import Limits, Options, answer_bounds
 from .openai_errors import bad_request
+
+# Blocks of a turn's text are paragraphs: Claude Code's system blocks and its
+# <system-reminder> before the prompt must not run together.
+_JOIN = "\n\n"
+_THINKING = ("thinking", "redacted_thinking")  # replayed by clients; nothing to render
 
 
 class MessagesBody(Struct, kw_only=True):
@@ -49,7 +58,7 @@ def _text_of(content: Any, where: str) -> str:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise bad_request(f"{where}[{i}]: a {kind!r} block is not supported here; only text", where)
         parts.append(str(block.get("text", "")))
-    return "".join(parts)
+    return _JOIN.join(parts)
 
 
 def _turns(body: MessagesBody) -> list[dict[str, Any]]:
@@ -68,14 +77,10 @@ def _turns(body: MessagesBody) -> list[dict[str, Any]]:
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
                 text.append(str(block.get("text", "")))
+            elif kind in _THINKING:
+                continue
             elif kind == "tool_use" and role == "assistant":
-                arguments = json.dumps(block.get("input", {}))
-                calls.append(
-                    {
-                        "id": str(block.get("id", "")),
-                        "function": {"name": block.get("name", ""), "arguments": arguments},
-                    }
-                )
+                calls.append(_call(block, f"{where}.content[{j}].input"))
             elif kind == "tool_result" and role == "user":
                 result = block.get("content", "")
                 turns.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
@@ -85,15 +90,29 @@ def _turns(body: MessagesBody) -> list[dict[str, Any]]:
                     f"{where}.content[{j}]: a {kind!r} block is not supported", f"{where}.content"
                 )
         if text or calls or isinstance(content, str):
-            turn: dict[str, Any] = {"role": role, "content": "".join(text)}
+            turn: dict[str, Any] = {"role": role, "content": _JOIN.join(text)}
             if calls:
                 turn["tool_calls"] = calls
             turns.append(turn)
     return turns
 
 
+def _call(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``tool_use`` block as a chat tool call; its ``input`` must be an object."""
+    given = block.get("input", {})
+    if not isinstance(given, dict):
+        raise bad_request(f"{where} must be an object", where)
+    arguments = json.dumps(given)
+    return {
+        "id": str(block.get("id", "")),
+        "function": {"name": block.get("name", ""), "arguments": arguments},
+    }
+
+
 def _tool_fields(body: MessagesBody) -> dict[str, Any]:
     if not body.tools:
+        if body.tool_choice and body.tool_choice.get("type") in ("tool", "any"):
+            raise bad_request("tool_choice asks for a tool, but no `tools` are given", "tool_choice")
         return {}
     tools = [
         {"type": "function", "function": {
@@ -117,13 +136,27 @@ def _tool_fields(body: MessagesBody) -> dict[str, Any]:
     return fields
 
 
-def messages_request(body: MessagesBody, request_id: str, *, count_only: bool = False) -> GenerateRequest:
-    """The daemon request; a 400 :class:`ApiError` naming the field, or ``msgspec.ValidationError`` /
-    ``ValueError`` from the socket protocol's own checks."""
-    if body.thinking and body.thinking.get("type") != "disabled":
-        raise bad_request("extended thinking is not supported by this model", "thinking")
+def _check_fields(body: MessagesBody, count_only: bool) -> None:
+    """Refusals named by the client's own fields (the translated request's would name ours),
+    in Anthropic's ranges."""
     if body.max_tokens is None and not count_only:
         raise bad_request("max_tokens: Field required", "max_tokens")
+    if body.max_tokens is not None and body.max_tokens < 1:
+        raise bad_request("max_tokens: must be at least 1", "max_tokens")
+    if body.temperature is not None and not 0.0 <= body.temperature <= 1.0:
+        raise bad_request("temperature: must be between 0 and 1", "temperature")
+    for i, stop in enumerate(body.stop_sequences or ()):
+        if not stop:
+            raise bad_request(f"stop_sequences[{i}]: must not be empty", f"stop_sequences[{i}]")
+
+
+def messages_request(
+    body: MessagesBody, request_id: str, *, count_only: bool = False, limits: Limits | None = None
+) -> GenerateRequest:
+    """The daemon request; a 400 :class:`ApiError` naming the field, or ``msgspec.ValidationError`` /
+    ``ValueError`` from the socket protocol's own checks.  With ``limits``, max_tokens is a
+    ceiling (cut, never refused); without, it is passed as it is."""
+    _check_fields(body, count_only)
     fields: dict[str, Any] = {
         "id": request_id,
         "stream": True,
@@ -132,6 +165,7 @@ def messages_request(body: MessagesBody, request_id: str, *, count_only: bool = 
     }
     if body.max_tokens is not None:
         fields["max_tokens"] = body.max_tokens
+        fields.update(answer_bounds(Options(num_predict=body.max_tokens), limits))
     for name, field in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k")):
         if (value := getattr(body, name)) is not None:
             fields[field] = value

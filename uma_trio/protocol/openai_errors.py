@@ -39,10 +39,23 @@ class ApiError(Exception):
         if self.shape == "ollama":
             return {"error": self.message}
         if self.shape == "anthropic":
-            kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                    429: "rate_limit_error", 503: "overloaded_error"}.get(self.status, self.type)  # fmt: skip
+            kind = _ANTHROPIC_TYPE.get(self.status, "api_error" if self.status >= 500 else self.type)
             return {"type": "error", "error": {"type": kind, "message": self.message}}
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# Anthropic's error type of each HTTP status (its "Errors" page); other 5xx: api_error.
+_ANTHROPIC_TYPE = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+    500: "api_error", 529: "overloaded_error", 503: "overloaded_error",
+}  # fmt: skip
+ANTHROPIC_PREFIX = "/v1/messages"  # the paths whose errors come in Anthropic's shape
+
+
+def shape_for(path: str) -> str:
+    """The error shape of a path answered before (or outside) its route: auth, 404, 405, 500."""
+    return "anthropic" if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/") else "openai"
 
 
 # HTTP status and OpenAI error type of each daemon error code.  `code` in the error object
@@ -132,6 +145,15 @@ def decode_json(data: bytes, kind: type[BodyT]) -> BodyT:
         raise ApiError(400, message, code=ErrorCode.INVALID_JSON) from None
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise validation_error(exc) from None
+
+
+def client_param(error: ApiError, names: dict[str, str]) -> ApiError:
+    """A translated request's field named as the client's (``names``: ours → theirs), so a
+    refusal the socket protocol's checks make names what the client sent."""
+    if error.param is not None:
+        head, sep, rest = error.param.partition("[")
+        error.param = names.get(head, head) + sep + rest
+    return error
 
 
 def stop_param(error: ApiError, stop: str | list[str] | None) -> ApiError:

@@ -9,6 +9,7 @@ and ``store: true`` are refused by name (a client sends the whole conversation e
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from typing import Any
@@ -50,7 +51,7 @@ def _text(content: Any, where: str) -> str:
         if kind not in ("input_text", "output_text", "text"):
             raise bad_request(f"{where}[{i}]: a {kind!r} part is not supported; only text", where)
         parts.append(str(part.get("text", "")))
-    return "".join(parts)
+    return "\n\n".join(parts)  # paragraphs: parts must not run together
 
 
 def _turns(body: ResponsesBody) -> list[dict[str, Any]]:
@@ -61,22 +62,9 @@ def _turns(body: ResponsesBody) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         kind, where = item.get("type", "message"), f"input[{i}]"
         if kind == "message":
-            asked = item.get("role", "")
-            role = {"developer": "system"}.get(asked, asked) if isinstance(asked, str) else None
-            if role not in ("system", "user", "assistant"):
-                raise bad_request(
-                    f"{where}.role must be user, assistant, system or developer", f"{where}.role"
-                )
-            turns.append({"role": role, "content": _text(item.get("content", ""), f"{where}.content")})
+            _add(turns, _message(item, where))
         elif kind == "function_call":
-            call = {
-                "id": str(item.get("call_id", "")),
-                "function": {"name": item.get("name", ""), "arguments": str(item.get("arguments", "{}"))},
-            }
-            if turns and turns[-1]["role"] == "assistant" and not turns[-1]["content"]:
-                turns[-1].setdefault("tool_calls", []).append(call)
-            else:
-                turns.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            _add_call(turns, _call(item))
         elif kind == "function_call_output":
             turns.append(
                 {
@@ -90,6 +78,42 @@ def _turns(body: ResponsesBody) -> list[dict[str, Any]]:
     return turns
 
 
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    asked = item.get("role", "")
+    role = {"developer": "system"}.get(asked, asked) if isinstance(asked, str) else None
+    if role not in ("system", "user", "assistant"):
+        raise bad_request(f"{where}.role must be user, assistant, system or developer", f"{where}.role")
+    return {"role": role, "content": _text(item.get("content", ""), f"{where}.content")}
+
+
+def _add(turns: list[dict[str, Any]], turn: dict[str, Any]) -> None:
+    """Leading system turns (``instructions``, then Codex's developer items) are one: chat
+    templates take a single system message, first."""
+    if turn["role"] == "system" and turns and all(t["role"] == "system" for t in turns):
+        turns[-1]["content"] += "\n\n" + turn["content"]
+    else:
+        turns.append(turn)
+
+
+def _call(item: dict[str, Any]) -> dict[str, Any]:
+    arguments = item.get("arguments", "{}")
+    if not isinstance(arguments, str):  # an object where OpenAI sends its JSON text
+        arguments = json.dumps(arguments)
+    return {
+        "id": str(item.get("call_id", "")),
+        "function": {"name": item.get("name", ""), "arguments": arguments},
+    }
+
+
+def _add_call(turns: list[dict[str, Any]], call: dict[str, Any]) -> None:
+    """A call belongs to the assistant turn just before it, text and all: a replayed
+    ``message`` then its ``function_call`` items are one turn."""
+    if turns and turns[-1]["role"] == "assistant":
+        turns[-1].setdefault("tool_calls", []).append(call)
+    else:
+        turns.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
 def responses_request(body: ResponsesBody, request_id: str) -> GenerateRequest:
     if body.previous_response_id is not None:
         raise bad_request(
@@ -98,6 +122,8 @@ def responses_request(body: ResponsesBody, request_id: str) -> GenerateRequest:
         )
     if body.store:
         raise bad_request("store: responses are not stored here (send store: false)", "store")
+    if body.max_output_tokens is not None and body.max_output_tokens < 1:
+        raise bad_request("max_output_tokens: must be at least 1", "max_output_tokens")
     fields: dict[str, Any] = {"id": request_id, "stream": True, "messages": _turns(body)}
     if body.tools:
         tools = []
@@ -205,6 +231,22 @@ def response_object(
         "metadata": body.metadata or {},
         "text": body.text or {"format": {"type": "text"}},
     }
+
+
+def failed_object(
+    response_id: str,
+    created: int,
+    body: ResponsesBody,
+    output: list[dict[str, Any]],
+    status: int,
+    message: str,
+) -> dict[str, Any]:
+    """The response of a stream that failed midway (``response.failed``, of an HTTP ``status``):
+    clients such as Codex wait for it, or ``response.completed``, and read ``error``, whose
+    ``code`` is one of OpenAI's (the daemon's own is in the message)."""
+    code = "rate_limit_exceeded" if status == 429 else "server_error"
+    failed = response_object(response_id, created, body, output, None)
+    return {**failed, "status": "failed", "error": {"code": code, "message": message}}
 
 
 def now() -> int:
