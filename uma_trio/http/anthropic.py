@@ -20,8 +20,7 @@ from ..protocol.openai import api_error, ended_early, from_uma_error, validation
 from ..protocol.openai_errors import client_param
 from ..protocol.tools import ToolTextFilter
 from .auth import request_owner
-from .flight import Flight, GatewayCore, answering_as, completed, decode_body
-from .ollama import OllamaApi
+from .flight import Flight, GatewayCore, answer_limits, answering_as, completed, decode_body
 from .responses import json_response
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -54,7 +53,7 @@ class AnthropicApi:
         body = self._body(data)
         msg_id = anthropic.message_id()
         # max_tokens is a ceiling, as Ollama's num_predict: Claude Code asks for 32000 and more.
-        limits = OllamaApi(gateway).answer_limits(body.model)
+        limits = answer_limits(gateway, body.model)
         generate_request = self._translate(body, msg_id, limits)  # its X-Request-Id, for /priority
         async with gateway._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
             headers = {"x-request-id": msg_id}

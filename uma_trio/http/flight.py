@@ -15,6 +15,7 @@ from starlette.responses import Response
 from ..protocol import openai
 from ..protocol.errors import ErrorCode
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, ServerEvent
+from ..protocol.ollama import Limits
 from ..protocol.openai import ApiError
 from ..runtime.desk import RequestDesk
 from ..runtime.stream import RequestStream
@@ -87,6 +88,19 @@ class GatewayCore(Protocol):
 
 BodyT = TypeVar("BodyT")
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+def answer_limits(gateway: GatewayCore, model: str) -> Limits:
+    """--max-tokens and ``model``'s per-request context (its engine's where it is loaded, else
+    --n-ctx, what it will be loaded with): what a route whose clients' token limit is a
+    ceiling (Ollama's num_predict, Anthropic's max_tokens) cuts their answers to."""
+    desk = gateway._ready()
+    unit = desk.models.units.get(model)
+    if desk.models.store.entry(model).primary:
+        context = desk.loop.engine.n_ctx_seq
+    else:
+        context = unit.engine.n_ctx_seq if unit is not None else desk.config.n_ctx
+    return Limits(max_tokens=desk.config.max_tokens, context=context)
 
 
 def decode_body(data: bytes, kind: type[BodyT]) -> BodyT:

@@ -22,7 +22,7 @@ from ..protocol.ollama_durations import KEEP_ALIVE_MAX_S, keep_alive_seconds
 from ..protocol.ollama_stream import Lines, ToolChatLines
 from ..protocol.openai import api_error, ended_early, validation_error
 from .auth import request_owner
-from .flight import GatewayCore, answering_as, completed, decode_body
+from .flight import GatewayCore, answer_limits, answering_as, completed, decode_body
 from .responses import json_response
 
 _json = msgspec.json.Encoder()
@@ -139,7 +139,7 @@ class OllamaApi:
             else:
                 answer.message = ollama.AssistantMessage("")
             return json_response(answer)
-        translated = self._translate(body, rid, self.answer_limits(model))
+        translated = self._translate(body, rid, answer_limits(self.gateway, model))
         generate_request = msgspec.structs.replace(translated, model=model, keep_alive=keep_alive)
         # Without num_predict: until the context is full (or the model ends), at most --max-tokens.
         auto = not (body.options and body.options.num_predict and body.options.num_predict > 0)
@@ -196,17 +196,6 @@ class OllamaApi:
 
     def _decode(self, data: bytes, kind: type[ollama.BodyT]) -> ollama.BodyT:
         return decode_body(data or b"{}", kind)
-
-    def answer_limits(self, model: str) -> ollama.Limits:
-        """--max-tokens and ``model``'s per-request context: its engine's where it is loaded,
-        else --n-ctx (what it will be loaded with)."""
-        desk = self.gateway._ready()
-        unit = desk.models.units.get(model)
-        if desk.models.store.entry(model).primary:
-            context = desk.loop.engine.n_ctx_seq
-        else:
-            context = unit.engine.n_ctx_seq if unit is not None else desk.config.n_ctx
-        return ollama.Limits(max_tokens=desk.config.max_tokens, context=context)
 
     def _details(self) -> ollama.ModelDetails:
         # llama.cpp's description: "llama 135M Q4_1" (architecture, size, quantization).
