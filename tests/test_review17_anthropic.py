@@ -200,3 +200,27 @@ async def test_thinking_and_replayed_thinking_blocks_are_accepted(server: Server
             thinking={"type": "enabled", "budget_tokens": 1024},
         )
     assert answer.content and answer.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_a_tool_s_image_is_a_placeholder_and_a_user_s_is_refused() -> None:
+    """Claude Code's Read tool returns an image file as an image block in a tool_result: refused,
+    it stayed in the history and every later request of the session got the same 400."""
+    picture = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"}}
+    call = {"type": "tool_use", "id": "t1", "name": "Read", "input": {"file_path": "a.png"}}
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "t1",
+        "content": [picture, {"type": "text", "text": "a.png"}],
+    }
+    history: list[Any] = [
+        *ASK,
+        {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [result]},
+    ]
+    body = anth.MessagesBody(model="m", messages=history, max_tokens=4)
+    turns = anth.messages_request(body, "r").messages or []
+    assert turns[-1].role == "tool"
+    assert turns[-1].content == "[image omitted: this model reads text only]\n\na.png"
+    looked = [*ASK[:0], {"role": "user", "content": [picture]}]
+    with pytest.raises(ApiError, match="'image' block is not supported"):
+        anth.messages_request(anth.MessagesBody(model="m", messages=looked, max_tokens=4), "r")

@@ -3,12 +3,13 @@ as daemon requests, its answers and its stream events.  Pure.
 
 Content blocks map onto the daemon's chat turns: ``text`` blocks are a turn's text, an
 assistant's ``tool_use`` blocks its tool calls (``input`` as JSON text), a user's
-``tool_result`` blocks ``tool`` turns with their ``tool_use_id``.  ``tool_choice`` ``auto``,
-``any`` (any tool: ``required``), ``tool`` (a named one) and ``none``.  Images and
-documents are refused by name.  ``thinking`` is accepted and ignored (this model does not
-think aloud), and the ``thinking`` / ``redacted_thinking`` blocks a client replays are
-dropped.  ``max_tokens`` is a ceiling, as Ollama's num_predict: past --max-tokens or the
-room the prompt leaves, the answer is cut and stops for ``max_tokens``.
+``tool_result`` blocks ``tool`` turns with their ``tool_use_id``. ``tool_choice`` ``auto``,
+``any`` (any tool: ``required``), ``tool`` (a named one) and ``none``. Images and documents
+are refused by name, but inside a ``tool_result`` they become a placeholder text.
+``thinking`` is accepted and ignored (this model does not think aloud), and the ``thinking``
+/ ``redacted_thinking`` blocks a client replays are dropped. ``max_tokens`` is a ceiling, as
+Ollama's num_predict: past --max-tokens or the room the prompt leaves, the answer is cut and
+stops for ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -46,19 +47,30 @@ class MessagesBody(Struct, kw_only=True):
     thinking: dict[str, Any] | None = None
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A string, or text blocks joined."""
+# What a tool's image or document becomes: refused, it stayed in the history and refused every
+# later request of the session (Claude Code's Read tool returns an image file as one).
+_OMITTED = "[{kind} omitted: this model reads text only]"
+
+
+def _text_of(content: Any, where: str, *, omit: frozenset[str] = frozenset()) -> str:
+    """A string, or text blocks joined; blocks of a kind in ``omit`` become a placeholder."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of content blocks", where)
     parts = []
     for i, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text":
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        if kind in omit:
+            parts.append(_OMITTED.format(kind=kind))
+            continue
+        if kind != "text":
             raise bad_request(f"{where}[{i}]: a {kind!r} block is not supported here; only text", where)
         parts.append(str(block.get("text", "")))
     return _JOIN.join(parts)
+
+
+_TOOL_MEDIA = frozenset({"image", "document"})
 
 
 def _turns(body: MessagesBody) -> list[dict[str, Any]]:
@@ -84,7 +96,8 @@ def _turns(body: MessagesBody) -> list[dict[str, Any]]:
             elif kind == "tool_result" and role == "user":
                 result = block.get("content", "")
                 turns.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
-                              "content": _text_of(result, f"{where}.content[{j}].content")})  # fmt: skip
+                              "content": _text_of(result, f"{where}.content[{j}].content",
+                                                  omit=_TOOL_MEDIA)})  # fmt: skip
             else:
                 raise bad_request(
                     f"{where}.content[{j}]: a {kind!r} block is not supported", f"{where}.content"
