@@ -23,8 +23,9 @@ as a third target.  Every target gets one unreported warm-up request first.
 Extra comparisons:
 
 * every scenario gets a scheduler-efficiency table per target: the engine time its work
-  needs at the capacity ``llama-batched-bench`` measures first (``OUT/capacity.csv``) over
-  the time the server had work (uma_trio/loadgen/efficiency.py);
+  needs at the capacity ``llama-batched-bench`` measures just before and just after each run
+  (the best of the two, ``capacity.csv`` beside the run's results) over the time the server
+  had work (uma_trio/loadgen/efficiency.py);
 * ``scaling`` also runs ``llama-batched-bench`` (the engine's ceiling, no server) at
   the same batch sizes;
 * ``mixed`` and ``storm`` also get, per run, the most of the background prompts any schedule
@@ -74,7 +75,7 @@ from uma_trio.loadgen.bench import (
     write_csv,
     write_results,
 )
-from uma_trio.loadgen.efficiency import Capacity, busy_seconds, efficiency, ideal_seconds
+from uma_trio.loadgen.efficiency import Capacity, best_of, busy_seconds, efficiency, ideal_seconds
 from uma_trio.loadgen.repeats import median_rows, rep_ratios, spread_line
 from uma_trio.loadgen.targets import OpenAITarget, Target, UmaTarget
 from uma_trio.model_files import ensure_default_model
@@ -216,34 +217,43 @@ def batched_bench(
     return {b: s_tg for _, b, _, s_tg in batched_bench_rows(peers, model, sizes, [prompt], tokens)}
 
 
-def engine_capacity(peers: Path, model: Path, out: Path) -> Capacity:
-    """The engine's capacity for the scheduler efficiency (uma_trio/loadgen/efficiency.py):
-    prefill tokens/s by prompt length at one sequence, decode tokens/s by sequences."""
-    # The best of two runs: on a shared machine noise only ever slows the engine, and one
-    # run's decode figures at 2-3 sequences moved by 40 % between two runs of this script.
-    lengths, sizes = [128, 512, 2048, 8000], [1, 2, 3, 4, 5, 6, 8, 16]
-    prefill: dict[int, float] = {}
-    decode: dict[int, float] = {}
-    for _ in range(2):
-        for pp, _, s_pp, _ in batched_bench_rows(peers, model, [1], lengths, 1):
-            prefill[pp] = max(prefill.get(pp, 0.0), s_pp)
-        for size, s_tg in batched_bench(peers, model, sizes, prompt=32, tokens=128).items():
-            decode[size] = max(decode.get(size, 0.0), s_tg)
-    rows = [{"kind": "prefill", "n": n, "tok_s": v} for n, v in prefill.items()]
-    rows += [{"kind": "decode", "n": n, "tok_s": v} for n, v in decode.items()]
-    write_csv(out / "capacity.csv", rows, ["kind", "n", "tok_s"])
+def capacity_points(name: str) -> tuple[list[int], list[int]]:
+    """The prompt lengths and decoder counts the efficiency of suite ``name`` is priced at:
+    up to its longest prompt and its most concurrent clients, so a repetition's own capacity
+    takes seconds, not the minutes of every point."""
+    runs = load_suite(SCENARIOS / f"{name}.json").runs
+    clients = [run.expanded().clients for run in runs]
+    longest = max((c.prompt_tokens for cs in clients for c in cs), default=128)
+    widest = max((len(cs) for cs in clients), default=1)
+    lengths = [n for n in (128, 512, 2048, 8000) if n < 2 * longest] or [128]
+    sizes = [n for n in (1, 2, 3, 4, 5, 6, 8, 16) if n <= widest + 1]
+    return lengths, sizes
+
+
+def capacity_pass(peers: Path, model: Path, lengths: Sequence[int], sizes: Sequence[int]) -> Capacity:
+    """One ``llama-batched-bench`` pass: prefill tokens/s by prompt length at one sequence,
+    decode tokens/s by sequences decoding together."""
+    prefill = {pp: s_pp for pp, _, s_pp, _ in batched_bench_rows(peers, model, [1], lengths, 1)}
+    decode = batched_bench(peers, model, sizes, prompt=32, tokens=128)
     return Capacity(prefill=prefill, decode=decode)
 
 
-def efficiency_table(reps: Sequence[Rep], capacity: Capacity) -> str:
-    """Per run and target, the engine time its work needs over the time it had work; with
-    several repetitions a line each, then their median."""
+def write_capacity(capacity: Capacity, out: Path) -> None:
+    rows = [{"kind": "prefill", "n": n, "tok_s": v} for n, v in capacity.prefill.items()]
+    rows += [{"kind": "decode", "n": n, "tok_s": v} for n, v in capacity.decode.items()]
+    write_csv(out / "capacity.csv", rows, ["kind", "n", "tok_s"])
+
+
+def efficiency_table(reps: Sequence[Rep]) -> str:
+    """Per run and target, the engine time its work needs (at that run's own capacity) over
+    the time it had work; with several repetitions a line each, then their median."""
     lines = [
         "\n| run | target | busy s | ideal s (batched-bench) | scheduler efficiency |",
         "| --- | --- | --- | --- | --- |",
     ]
     shares: dict[tuple[str, str], list[float]] = {}
     for index, rep in enumerate(reps):
+        capacity = rep.capacity
         for result in rep.results:
             prompts = {c.name: c.prompt_tokens for c in result.scenario.expanded().clients}
             busy = busy_seconds(result.records)
@@ -268,6 +278,7 @@ class Rep:
     rss: dict[str, int]
     gc: str
     out: Path  # where its results and uma-trio's tick trace are
+    capacity: Capacity  # the engine's, measured just before and just after this run
 
 
 def guard_bound_table(runs: Sequence[Path]) -> str:
@@ -304,6 +315,11 @@ def run_servers(name: str, args: argparse.Namespace, model: Path, out: Path, rep
     setup = SETUPS[name]
     if args.reps > 1:
         out = out / f"run-{rep + 1}"
+    # The engine's capacity on both sides of the run, so its efficiency is priced at the
+    # machine's speed of those minutes: this VM drifts by tens of percent over a command, and
+    # one capacity measured at the start read a slower VM as a scheduler's idle time.
+    lengths, sizes = capacity_points(name)
+    before = capacity_pass(args.peers, model, lengths, sizes)
     with tempfile.TemporaryDirectory(prefix="uma-cmp-") as tmp, ExitStack() as stack:
         sock, uma_port, peer_port = Path(tmp) / "u.sock", free_port(), free_port()
         uma_url, peer_url = f"http://127.0.0.1:{uma_port}", f"http://127.0.0.1:{peer_port}"
@@ -334,10 +350,12 @@ def run_servers(name: str, args: argparse.Namespace, model: Path, out: Path, rep
         results.sort(key=lambda r: [t.label for t in targets].index(r.target))
         rss = {label: rss_bytes(process) for label, process in rss_of.items()}
         gc = gc_line(uma_url)
+    capacity = best_of([before, capacity_pass(args.peers, model, lengths, sizes)])
+    write_capacity(capacity, out)
     write_results(results, out)
     if args.reps > 1:
         steal = f"run {rep + 1}: {steal}"
-    return Rep(results=results, steal=steal, rss=rss, gc=gc, out=out)
+    return Rep(results=results, steal=steal, rss=rss, gc=gc, out=out, capacity=capacity)
 
 
 def run_suite(suite_name: str, targets: list[Target]) -> tuple[list[ScenarioResult], str]:
@@ -411,10 +429,6 @@ def main() -> None:
         f"Machine: {THREADS} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB; model {model.name}; "
         f"peers: {(args.peers / 'VERSION').read_text().splitlines()[0]}\n"
     ]
-    capacity: Capacity | None = None
-    if any(name in SETUPS for name in args.scenarios):
-        print("== engine capacity (llama-batched-bench)", flush=True)
-        capacity = engine_capacity(args.peers, model, args.out)
     for name in args.scenarios:
         print(f"== {name}", flush=True)
         if name == "long_ctx":
@@ -434,7 +448,7 @@ def main() -> None:
         if args.reps > 1:
             write_csv(args.out / name / "summary.csv", rows, SUMMARY_FIELDS)
         rss, gc, steal = reps[-1].rss, reps[-1].gc, "".join(rep.steal for rep in reps)
-        extra = efficiency_table(reps, capacity) if capacity is not None else ""
+        extra = efficiency_table(reps)
         if args.reps > 1:
             extra += "\n" + spread_line(
                 rep_ratios(per_rep_rows, "uma-trio", "llama-server"), "uma-trio / llama-server tokens/s"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from uma_trio.loadgen.efficiency import Capacity, busy_seconds, efficiency, ideal_seconds
+from uma_trio.loadgen.efficiency import Capacity, best_of, busy_seconds, efficiency, ideal_seconds
 from uma_trio.loadgen.records import RequestRecord
 
 CAPACITY = Capacity(prefill={100: 100.0, 1000: 50.0}, decode={1: 10.0, 2: 16.0})
@@ -46,3 +46,34 @@ def test_a_chunk_of_several_tokens_is_priced_per_token() -> None:
     chunked = record("a", 0.0, [1.0, 1.2], 100)
     chunked.completion_tokens = 5  # the second event carried four tokens
     assert ideal_seconds([chunked], CAPACITY, {}) == pytest.approx(1.0 + 4 * 0.1)
+
+
+def test_the_capacity_of_two_passes_is_each_points_best() -> None:
+    before = Capacity(prefill={128: 300.0, 2048: 200.0}, decode={1: 100.0, 3: 150.0})
+    after = Capacity(prefill={128: 280.0, 2048: 240.0}, decode={1: 110.0, 3: 140.0})
+    best = best_of([before, after])
+    assert best.prefill == {128: 300.0, 2048: 240.0}
+    assert best.decode == {1: 110.0, 3: 150.0}
+
+
+def test_each_run_prices_only_the_points_its_scenario_reaches() -> None:
+    """compare.py measures the capacity around every run: for the mixed scenario (30- and
+    2,000-token prompts, 4 clients) the prompts up to 2,048 and 1-5 decoders, not the 8,000-token
+    prompt and 16 decoders that took minutes."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    benches = Path(__file__).resolve().parent.parent / "benches"
+    sys.path.insert(0, str(benches))
+    try:
+        spec = importlib.util.spec_from_file_location("compare_points", benches / "compare.py")
+        assert spec is not None and spec.loader is not None
+        compare = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = compare  # its dataclasses look their module up
+        spec.loader.exec_module(compare)
+    finally:
+        sys.path.remove(str(benches))
+    assert compare.capacity_points("mixed") == ([128, 512, 2048], [1, 2, 3, 4, 5])
+    assert compare.capacity_points("storm") == ([128, 512, 2048, 8000], [1, 2, 3, 4, 5, 6])
+    assert compare.capacity_points("scaling")[1] == [1, 2, 3, 4, 5, 6, 8, 16]
