@@ -218,16 +218,14 @@ def batched_bench(
 
 
 def capacity_points(name: str) -> tuple[list[int], list[int]]:
-    """The prompt lengths and decoder counts the efficiency of suite ``name`` is priced at:
-    up to its longest prompt and its most concurrent clients, so a repetition's own capacity
-    takes seconds, not the minutes of every point."""
+    """The prompt lengths and decoder counts a run of suite ``name`` is priced at: prompts up
+    to its longest (the 8,000-token one alone takes a minute), and every decoder count, which
+    guard_bound also reads as the step of a batch that wide (a prompt token beside the chats
+    is a batch column like a decode token)."""
     runs = load_suite(SCENARIOS / f"{name}.json").runs
-    clients = [run.expanded().clients for run in runs]
-    longest = max((c.prompt_tokens for cs in clients for c in cs), default=128)
-    widest = max((len(cs) for cs in clients), default=1)
+    longest = max((c.prompt_tokens for run in runs for c in run.expanded().clients), default=128)
     lengths = [n for n in (128, 512, 2048, 8000) if n < 2 * longest] or [128]
-    sizes = [n for n in (1, 2, 3, 4, 5, 6, 8, 16) if n <= widest + 1]
-    return lengths, sizes
+    return lengths, [1, 2, 3, 4, 5, 6, 8, 16]
 
 
 def capacity_pass(peers: Path, model: Path, lengths: Sequence[int], sizes: Sequence[int]) -> Capacity:
