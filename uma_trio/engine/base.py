@@ -33,6 +33,22 @@ def turn_fields(turn: ChatTurn) -> dict[str, Any]:
     return dict(turn)
 
 
+def split_prefill(turns: Sequence[Mapping[str, Any]]) -> tuple[Sequence[Mapping[str, Any]], str]:
+    """A chat whose last message is the assistant's own text (no tool calls, after at least
+    one other message) asks for that text to be *continued*: Anthropic's prefill, and what
+    llama-server and Ollama do with such a chat.  The turns before it, and its text ("" and
+    the chat unchanged where there is none)."""
+    if len(turns) < 2:
+        return turns, ""
+    last = turns[-1]
+    content = last.get("content")
+    if last.get("role") != "assistant" or last.get("tool_calls") or not isinstance(content, str):
+        return turns, ""
+    if not content:
+        return turns, ""
+    return turns[:-1], content
+
+
 @dataclass(slots=True)
 class BatchEntry:
     """A run of tokens for one sequence, placed at positions ``pos0 ...``.

@@ -9,7 +9,7 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..config import SplitMode
-from .base import ChatTurn, TokenArray, Tools, turn_fields
+from .base import ChatTurn, TokenArray, Tools, split_prefill, turn_fields
 from .chat_template import ChatTemplateError, JinjaChatTemplate
 from .constraints import ModelVocabulary
 from .devices import LlamaLog, init_backend, offloaded_layers
@@ -209,7 +209,7 @@ class LlamaModel:
         said = offloaded_layers(lines)
         self.layers_offloaded, self.layers_total = said or (0, self.shape.n_layer + 1)
         self.weight_bytes = int(llama.llama_model_size(self._model))
-        self.description = _model_desc(self._model)
+        self.description = model_description(self._model)
         self._vocab = llama.llama_model_get_vocab(self._model)
         self.n_vocab = int(llama.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_train = int(llama.llama_model_n_ctx_train(self._model))
@@ -224,7 +224,7 @@ class LlamaModel:
         self.vocabulary = ModelVocabulary(
             self._vocab, self.n_vocab, sorted(ends), self.piece
         )  # built on first use
-        self.fim = _fim_tokens(self._vocab)
+        self.fim = fim_tokens(self._vocab)
         template = llama.llama_model_chat_template(self._model, None)
         self.chat_template: bytes | None = template or None
         # The model's template rendered with Jinja (engine/chat_template.py); llama.cpp's
@@ -268,8 +268,16 @@ class LlamaModel:
         content as plain text, so a ``<|im_end|>`` typed into a message cannot close its turn
         or open another (tokenizing the rendered chat whole would parse it).  The template is
         rendered around a marker per content, and the pieces are tokenized apart.  (An empty
-        content, such as an assistant turn that only called tools, has nothing to guard.)"""
-        turns = [turn_fields(m) for m in messages]
+        content, such as an assistant turn that only called tools, has nothing to guard.)
+        A last assistant message is continued (:func:`~.base.split_prefill`): the chat before
+        it is rendered up to the assistant's turn, and its text follows with no end of turn."""
+        head, prefill = split_prefill([turn_fields(m) for m in messages])
+        tokens = self._chat_tokens(head, tools)
+        if not prefill:
+            return tokens
+        return np.concatenate([tokens, self.tokenize(prefill, add_bos=False, special=False)])
+
+    def _chat_tokens(self, turns: Sequence[Mapping[str, Any]], tools: Tools) -> TokenArray:
         guarded = [(i, f"\ue000{i}\ue001") for i, t in enumerate(turns) if t.get("content")]
         marked = dict(guarded)
         text = self.apply_chat_template(
@@ -373,13 +381,13 @@ class LlamaModel:
             self._model = None
 
 
-def _model_desc(model: Any) -> str:
+def model_description(model: Any) -> str:
     buf = ctypes.create_string_buffer(256)
     n = llama.llama_model_desc(model, buf, len(buf))
     return buf.value.decode(errors="replace") if n > 0 else ""
 
 
-def _fim_tokens(vocab: Any) -> FimTokens | None:
+def fim_tokens(vocab: Any) -> FimTokens | None:
     """The vocabulary's fill-in-the-middle tokens, if it has the three a prompt needs."""
 
     def token(name: str) -> int | None:

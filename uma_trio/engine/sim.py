@@ -34,6 +34,7 @@ from .base import (
     StepResult,
     TokenArray,
     Tools,
+    split_prefill,
     turn_fields,
 )
 from .infill import infill_tokens
@@ -175,8 +176,9 @@ class SimEngine:
         return infill_tokens(None, lambda text: [], prefix, suffix)  # no FIM tokens: refused
 
     def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
-        # The simulation has no control tokens.
-        return self.tokenize(self.apply_chat_template(messages, tools))
+        # The simulation has no control tokens; a last assistant message is continued.
+        head, prefill = split_prefill([turn_fields(m) for m in messages])
+        return self.tokenize(self.apply_chat_template(head, tools) + prefill)
 
     @property
     def can_preempt(self) -> bool:

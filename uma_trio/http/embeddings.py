@@ -19,6 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ..engine.llama_model import ModelLoadError
+from ..engine.model_card import card_of
 from ..protocol import embeddings
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, ServerEvent
 from ..protocol.ollama_durations import keep_alive_seconds
@@ -105,7 +107,7 @@ class EmbeddingsApi:
         raised, and what ``check`` refuses of the model's embedding size: before any input
         runs where the size is known (a loaded model), else once the vectors are in."""
         gateway, owner = self.gateway, request_owner(request)
-        if check is not None and (n_embd := self._n_embd(model)) is not None:
+        if check is not None and (n_embd := await self._n_embd(model)) is not None:
             check(n_embd)
         lane = lane_from_header(request.headers.get(LANE_HEADER)) or "background"
         rid = f"embd-{secrets.token_hex(12)}"
@@ -144,14 +146,19 @@ class EmbeddingsApi:
             check(len(ends[0].embedding or ()))
         return ends
 
-    def _n_embd(self, model: str) -> int | None:
-        """``model``'s embedding size where its engine is loaded and says (None: not yet)."""
+    async def _n_embd(self, model: str) -> int | None:
+        """``model``'s embedding size: its engine's where loaded, else what its file says
+        (engine/model_card.py, no weights read); None where neither says."""
         desk = self.gateway._ready()
         if desk.models.store.entry(model).primary:
             described = desk.describe_engine()
         elif (unit := desk.models.units.get(model)) is not None and unit.loaded.describe is not None:
             described = unit.loaded.describe()
         else:
-            return None
+            try:
+                card = await trio.to_thread.run_sync(card_of, desk.models.store.entry(model).path)
+            except (OSError, ModelLoadError):
+                return None
+            return card.embedding_length
         n_embd = described.get("model", {}).get("n_embd")
         return n_embd if isinstance(n_embd, int) else None

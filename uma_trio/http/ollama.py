@@ -11,10 +11,13 @@ from contextlib import aclosing
 from typing import Any
 
 import msgspec
+import trio
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from ..engine.llama_model import ModelLoadError
+from ..engine.model_card import ModelCard, card_of
 from ..protocol import ollama
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
@@ -35,6 +38,7 @@ class OllamaApi:
 
     def __init__(self, gateway: GatewayCore) -> None:
         self.gateway = gateway
+        self._card_reads = trio.CapacityLimiter(1)  # vocab-only loads for /api/show and /api/tags
 
     def routes(self) -> list[Route]:
         return [
@@ -54,7 +58,8 @@ class OllamaApi:
         return json_response(ollama.Version())
 
     async def tags(self, request: Request) -> Response:
-        others = [self._other_entry(m) for m in self.gateway._ready().models.describe() if not m["primary"]]
+        models = self.gateway._ready().models.describe()
+        others = [await self._other_entry(m) for m in models if not m["primary"]]
         return json_response(ollama.ModelList([self._entry(), *others]))
 
     async def ps(self, request: Request) -> Response:
@@ -70,7 +75,7 @@ class OllamaApi:
         loaded = []  # the store's other models while loaded: they expire after their keep-alive
         for model in self.gateway._ready().models.describe():
             if model["state"] == "loaded" and not model["primary"]:
-                other = self._other_entry(model)
+                other = await self._other_entry(model)
                 keep = model.get("keep_alive_s")
                 # Kept for good, or longer than a year (a socket client's /load may ask for
                 # more): a year from now, as the primary model (a timedelta overflows past ~1e14 s).
@@ -82,32 +87,41 @@ class OllamaApi:
         return json_response(ollama.ModelList([entry, *loaded]))
 
     async def show(self, request: Request) -> Response:
+        """What the model file says about itself (engine/model_card.py), loaded or not, and
+        what this daemon serves of it: its per-request context and, for the primary model,
+        the template --chat-template may have set."""
         body = self._decode(await self.gateway._body(request), ollama.ShowBody)
-        if (model := self.gateway.model_for(body.model or body.name or "")) != self.gateway.model:
-            return json_response(self._other_show(model))
-        engine = self.gateway._ready().loop.engine
-        template = engine.chat_template_source or ""
-        capabilities = ["completion", "tools"]  # tools: through the template or the generic format
-        try:
-            engine.tokenize_infill("", "")
-            capabilities.append("insert")
-        except ValueError:  # NoFimTokens
-            pass
-        info = {
-            "general.architecture": "llama", "general.name": self.gateway.model,
-            "llama.context_length": engine.n_ctx_seq,
-        }  # fmt: skip
+        model = self.gateway.model_for(body.model or body.name or "")
+        card = await self._card(model)
+        primary = model == self.gateway.model
+        if primary:
+            engine = self.gateway._ready().loop.engine
+            template, context, details = engine.chat_template_source or "", engine.n_ctx_seq, self._details()
+            insert = fill_in_middle(engine)
+        else:
+            context = self.gateway._ready().models.context_length(model)
+            template = card.chat_template if card else ""
+            details, insert = self._card_details(card), bool(card and card.fill_in_middle)
+        info: dict[str, Any] = card.model_info() if card else {"general.name": model}
+        arch = card.architecture if card and card.architecture else details.family
+        info.setdefault("general.architecture", arch)
+        info[f"{arch}.context_length"] = context  # what a request may use here, not the trained length
         return json_response(
             ollama.ShowAnswer(
-                modelfile=f"FROM {self.gateway.model}",
-                parameters="",
-                template=template,
-                details=self._details(),
-                model_info=info,
-                capabilities=capabilities,
+                modelfile=f"FROM {model}", parameters="", template=template, details=details,
+                model_info=info, capabilities=capabilities(card, insert=insert),
                 modified_at=ollama.now_rfc3339(),
             )
-        )
+        )  # fmt: skip
+
+    async def _card(self, model: str) -> ModelCard | None:
+        """``model``'s card, read off the event loop one file at a time; None when its file
+        can no longer be read (deleted while the model still serves from memory)."""
+        path = self.gateway._ready().models.store.entry(model).path
+        try:
+            return await trio.to_thread.run_sync(card_of, path, limiter=self._card_reads)
+        except (OSError, ModelLoadError):
+            return None
 
     async def chat(self, request: Request) -> Response:
         return await self._run(request, "chat")
@@ -207,20 +221,19 @@ class OllamaApi:
             quantization_level=words[-1] if len(words) > 2 else "",
         )  # fmt: skip
 
-    def _other_entry(self, model: dict[str, Any]) -> ollama.ModelEntry:
-        """A model of the store other than the primary, from its file alone."""
-        details = ollama.ModelDetails("gguf", "", [], parameter_size="", quantization_level="")
-        return ollama.ModelEntry(
-            name=model["id"], model=model["id"], modified_at=ollama.now_rfc3339(), size=model["bytes"],
-            digest="", details=details,
+    @staticmethod
+    def _card_details(card: ModelCard | None) -> ollama.ModelDetails:
+        family = card.architecture if card else ""
+        return ollama.ModelDetails(
+            "gguf", family, [family] if family else [], parameter_size=card.size_label if card else "",
+            quantization_level=card.quantization if card else "",
         )  # fmt: skip
 
-    def _other_show(self, model_id: str) -> ollama.ShowAnswer:
-        entry = self._other_entry({"id": model_id, "bytes": 0})
-        return ollama.ShowAnswer(
-            modelfile=f"FROM {model_id}", parameters="", template="", details=entry.details,
-            model_info={"general.name": model_id}, capabilities=["completion"],
-            modified_at=ollama.now_rfc3339(),
+    async def _other_entry(self, model: dict[str, Any]) -> ollama.ModelEntry:
+        """A model of the store other than the primary, from its file alone."""
+        return ollama.ModelEntry(
+            name=model["id"], model=model["id"], modified_at=ollama.now_rfc3339(), size=model["bytes"],
+            digest="", details=self._card_details(await self._card(model["id"])),
         )  # fmt: skip
 
     def _entry(self) -> ollama.ModelEntry:
@@ -245,6 +258,24 @@ async def load_or_unload(gateway: GatewayCore, model: str, keep_alive: float | N
     except UmaError as exc:
         raise api_error(exc.code, exc.message) from None
     return "load"
+
+
+def fill_in_middle(engine: Any) -> bool:
+    """Whether a loaded model's vocabulary has the FIM tokens (/infill, Ollama's suffix)."""
+    try:
+        engine.tokenize_infill("", "")
+    except ValueError:  # NoFimTokens
+        return False
+    return True
+
+
+def capabilities(card: ModelCard | None, *, insert: bool) -> list[str]:
+    """Ollama's capability names for a model: an embedding model only embeds; any other
+    completes and calls tools (through its template or the generic format), and inserts
+    where its vocabulary has the FIM tokens."""
+    if card is not None and card.embedding_only:
+        return ["embedding"]
+    return ["completion", "tools", *(["insert"] if insert else [])]
 
 
 def _line(value: object) -> bytes:
