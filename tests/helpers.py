@@ -213,3 +213,18 @@ def slow_grammar() -> str:
     rules = MAX_GBNF_RULES - 6
     chain = "".join(f'r{i} ::= "a{i}" r{i + 1} | "b"\n' for i in range(rules))
     return f'root ::= r0\n{chain}r{rules} ::= "z"\n'
+
+
+def taught_to_call(after: str = "") -> list[dict[str, str]]:
+    """A chat whose history teaches a Hermes-template model to call ``get_weather`` (two
+    answers of a ``<tool_call>`` block, each followed by ``after``), then asks again."""
+
+    def said(city: str) -> str:
+        call = json.dumps({"name": "get_weather", "arguments": {"city": city}})
+        return f"Let me check.\n<tool_call>\n{call}\n</tool_call>{after}"
+
+    messages: list[dict[str, str]] = []
+    for city in ("Rome", "Oslo"):
+        messages.append({"role": "user", "content": f"Weather in {city}?"})
+        messages.append({"role": "assistant", "content": said(city)})
+    return [*messages, {"role": "user", "content": "Weather in Paris?"}]

@@ -22,6 +22,7 @@ from uma_trio.protocol.ollama_stream import ToolChatLines
 from uma_trio.runtime.server import Server
 
 from .conftest import running_server
+from .helpers import taught_to_call
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 N_CTX = 128
@@ -216,18 +217,7 @@ async def test_a_streamed_chat_with_tools_streams_its_text(hermes_server: Server
 @pytest.mark.model
 async def test_a_streamed_tool_call_comes_in_a_chunk_before_the_last(hermes_server: Server) -> None:
     """The history teaches the model to call (as tests/test_tool_calls.py's Hermes stream)."""
-
-    def said(city: str) -> str:
-        call = json.dumps({"name": "get_weather", "arguments": {"city": city}})
-        return f"Let me check.\n<tool_call>\n{call}\n</tool_call>"
-
-    messages: list[dict[str, str]] = []
-    for city in ("Rome", "Oslo"):
-        messages += [
-            {"role": "user", "content": f"Weather in {city}?"},
-            {"role": "assistant", "content": said(city)},
-        ]
-    messages.append({"role": "user", "content": "Weather in Paris?"})
+    messages = taught_to_call()
     fields: dict[str, Any] = dict(
         messages=messages, tools=[WEATHER], options={"temperature": 0, "num_predict": 60}
     )

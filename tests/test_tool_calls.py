@@ -34,7 +34,7 @@ from uma_trio.protocol.tools import (
 from uma_trio.runtime.server import Server
 
 from .conftest import openai_sdk, running_server
-from .helpers import draw_until_end
+from .helpers import draw_until_end, taught_to_call
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
@@ -492,18 +492,7 @@ async def test_a_hermes_stream_sends_the_text_after_a_call_and_the_logprobs(
     model = LlamaModel(model_path)
     try:
         model.use_chat_template((TEMPLATES / "qwen2.5-instruct.jinja").read_text())
-
-        def said(city: str) -> str:
-            call = json.dumps({"name": "get_weather", "arguments": {"city": city}})
-            return f"Let me check.\n<tool_call>\n{call}\n</tool_call>\nI will tell you soon."
-
-        messages = []
-        for city in ("Rome", "Oslo"):
-            messages += [
-                {"role": "user", "content": f"Weather in {city}?"},
-                {"role": "assistant", "content": said(city)},
-            ]
-        messages.append({"role": "user", "content": "Weather in Paris?"})
+        messages = taught_to_call(after="\nI will tell you soon.")
         fields: dict[str, Any] = dict(
             model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=60, logprobs=True
         )
