@@ -24,6 +24,7 @@ from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEven
 from ..protocol.ollama_durations import KEEP_ALIVE_MAX_S, keep_alive_seconds
 from ..protocol.ollama_stream import Lines, ToolChatLines
 from ..protocol.openai import api_error, ended_early, validation_error
+from ..runtime.models import ModelHost
 from .auth import request_owner
 from .flight import GatewayCore, answer_limits, answering_as, completed, decode_body
 from .responses import json_response
@@ -99,7 +100,7 @@ class OllamaApi:
             template, context, details = engine.chat_template_source or "", engine.n_ctx_seq, self._details()
             insert = fill_in_middle(engine)
         else:
-            context = self.gateway._ready().models.context_length(model)
+            context = served_context(self.gateway._ready().models, model)
             template = card.chat_template if card else ""
             details, insert = self._card_details(card), bool(card and card.fill_in_middle)
         info: dict[str, Any] = card.model_info() if card else {"general.name": model}
@@ -258,6 +259,14 @@ async def load_or_unload(gateway: GatewayCore, model: str, keep_alive: float | N
     except UmaError as exc:
         raise api_error(exc.code, exc.message) from None
     return "load"
+
+
+def served_context(models: ModelHost, model_id: str) -> int:
+    """The tokens one request to ``model_id`` may hold: its engine's, once loaded; before,
+    what the store says every model gets (--n-ctx)."""
+    if (unit := models.units.get(model_id)) is not None:
+        return int(unit.loop.engine.n_ctx_seq)
+    return int(next(m["context_length"] for m in models.describe() if m["id"] == model_id))
 
 
 def fill_in_middle(engine: Any) -> bool:

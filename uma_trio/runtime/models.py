@@ -152,12 +152,6 @@ class ModelHost:
         lock = self._loading.get(model_id)
         return "loading" if lock is not None and lock.locked() else "unloaded"
 
-    def context_length(self, model_id: str) -> int:
-        """The tokens one request to ``model_id`` may hold: its loop's, once loaded; before,
-        --n-ctx, which every model gets."""
-        unit = self.units.get(model_id)
-        return unit.loop.engine.n_ctx_seq if unit is not None else self._config.n_ctx
-
     def describe(self) -> list[dict[str, Any]]:
         """Every model of the store and its state (metrics, /v1/models, /api/ps)."""
         now, described = self._clock(), []
