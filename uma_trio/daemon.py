@@ -6,6 +6,7 @@ import gc
 import ipaddress
 import logging
 import resource
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -252,7 +253,8 @@ async def http_gateway(config: ServerConfig, model_file: str) -> AsyncIterator[G
     for _, (h, _p) in addresses:
         if not _is_loopback(h) and config.api_key is None and not file_keys:
             log.warning("the HTTP API on %s is reachable from other hosts and has no --api-key", h)
-    hosts = frozenset().union(*(allowed_hosts(h, config.allowed_hosts) for _, (h, _p) in addresses))
+    own = (socket.gethostname(), socket.getfqdn())  # a wildcard bind answers to the machine's names
+    hosts = frozenset().union(*(allowed_hosts(h, config.allowed_hosts, own) for _, (h, _p) in addresses))
     gateway = Gateway(
         model_file, api_key=config.api_key, api_keys=file_keys, max_body_bytes=config.max_frame_bytes,
         max_requests=config.max_connections, hosts=hosts,

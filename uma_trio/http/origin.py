@@ -48,11 +48,21 @@ def host_name(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
-def allowed_hosts(bind_host: str | None, extra: Iterable[str]) -> frozenset[str]:
-    """Loopback names, the host the gateway is bound to (unless a wildcard) and ``extra``."""
+def allowed_hosts(
+    bind_host: str | None, extra: Iterable[str], own_names: Iterable[str] = ()
+) -> frozenset[str]:
+    """Loopback names, the host the gateway is bound to and ``extra``; bound to a wildcard
+    (every address), the machine's own names instead (``own_names``: its hostname and fully
+    qualified name, each also as its mDNS ``.local`` name), which other machines on the LAN
+    address it by (a router's ``http://mac-a.local:8080/v1`` was a 403).  A rebinding page
+    comes under a name of its attacker's, never this machine's own."""
     hosts = {*LOOPBACK_HOSTS, *(host_name(h) for h in extra)}
     if bind_host and bind_host not in ("0.0.0.0", "::", ""):
         hosts.add(host_name(bind_host if ":" not in bind_host else f"[{bind_host}]"))
+    elif bind_host is not None:
+        for name in (n.strip().lower().rstrip(".") for n in own_names):
+            if name and name not in ("localhost", "localhost.localdomain"):
+                hosts.update({name, name if name.endswith(".local") else f"{name.split('.')[0]}.local"})
     return frozenset(hosts)
 
 

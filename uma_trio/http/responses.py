@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..protocol.errors import ErrorCode
 from ..protocol.openai import ApiError
 from ..protocol.openai_errors import shape_for
 
@@ -22,7 +23,10 @@ def json_response(value: Any, headers: Mapping[str, str] | None = None, status: 
 
 
 def error_response(error: ApiError, headers: Mapping[str, str] | None = None) -> Response:
-    if error.status in (429, 503):  # busy or loading: worth a retry soon
+    if error.status in (429, 503) and error.uma_code != ErrorCode.SHUTTING_DOWN:
+        # Busy or loading: worth a retry soon.  A draining daemon says nothing: a router
+        # takes Retry-After as how long to rest it (LiteLLM, ahead of its cooldown_time), and
+        # one second brought its retries back every second of the drain.
         headers = {"retry-after": "1", **(headers or {})}
     if error.close_connection:  # the rest of a request would follow: the connection cannot go on
         headers = {"connection": "close", **(headers or {})}

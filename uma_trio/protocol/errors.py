@@ -72,6 +72,14 @@ class UmaError(Exception):
         self.fatal = fatal
 
 
+def too_long(detail: str) -> str:
+    """The message of a prompt that does not fit.  Clients tell a context overflow by its
+    words, not its code: Claude Code by Anthropic's "prompt is too long" (it then compacts the
+    conversation), LiteLLM by llama-server's "exceeds the available context size" (its
+    ``context_window_fallbacks`` then move to a model with more room).  Both, then ``detail``."""
+    return f"prompt is too long: {detail} (the request exceeds the available context size)"
+
+
 def shown(value: str, limit: int = 64) -> str:
     """Client-supplied text as it may appear in a message or a log line: control characters
     escaped (a newline cannot forge a log line) and at most ``limit`` characters, marked

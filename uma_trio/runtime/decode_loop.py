@@ -48,7 +48,7 @@ import trio
 from ..config import ServerConfig
 from ..engine.base import BatchEntry, Engine, EngineError, Follow, StepResult, TokenArray
 from ..observability.metrics import Metrics
-from ..protocol.errors import ErrorCode, UmaError
+from ..protocol.errors import ErrorCode, UmaError, too_long
 from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEvent
 from ..sched.graph_shapes import ShapeStreak, plan_shape
 from ..sched.kv_manager import Claim, KvManager
@@ -147,7 +147,7 @@ class DecodeLoop:
             )
             raise UmaError(
                 ErrorCode.CONTEXT_OVERFLOW,
-                f"{needs} exceeds the per-request context of {self.engine.n_ctx_seq} tokens",
+                too_long(f"{needs} exceeds the per-request context of {self.engine.n_ctx_seq} tokens"),
                 request_id=session.id,
             )
         if self._queue_full(session):

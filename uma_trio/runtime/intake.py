@@ -16,7 +16,7 @@ from ..config import ServerConfig
 from ..engine.base import Engine, TokenArray
 from ..engine.sampling import Sampler, SamplingParams
 from ..protocol.chat_truncate import fewest_dropped
-from ..protocol.errors import ErrorCode, UmaError
+from ..protocol.errors import ErrorCode, UmaError, too_long
 from ..protocol.messages import ChatMessage, GenerateRequest
 from ..protocol.tools import ToolFormat
 from .decode_loop import DecodeLoop
@@ -65,8 +65,10 @@ async def open_on(
         # 40,000 empty turns took the loop half a minute before the token count refused them.
         raise UmaError(
             ErrorCode.PROMPT_TOO_LARGE,
-            f"the chat has {len(request.messages)} messages, more than the limit of "
-            f"{config.max_prompt_tokens} prompt tokens could hold",
+            too_long(
+                f"the chat has {len(request.messages)} messages, more than the limit of "
+                f"{config.max_prompt_tokens} prompt tokens could hold"
+            ),
             request_id=rid,
         )
     limit_bytes = config.max_prompt_tokens * engine.max_token_bytes
@@ -81,8 +83,10 @@ async def open_on(
         # is longer than max_token_bytes, so this text has more tokens than the limit.
         raise UmaError(
             ErrorCode.PROMPT_TOO_LARGE,
-            f"prompt has {text_bytes} bytes, more than {config.max_prompt_tokens} tokens "
-            f"could hold (the limit; the longest token is {engine.max_token_bytes} bytes)",
+            too_long(
+                f"{text_bytes} bytes, more than {config.max_prompt_tokens} tokens could hold "
+                f"(the limit; the longest token is {engine.max_token_bytes} bytes)"
+            ),
             request_id=rid,
         )
     fmt = tool_format(engine, request)
@@ -94,7 +98,7 @@ async def open_on(
     if len(prompt) > config.max_prompt_tokens:
         raise UmaError(
             ErrorCode.PROMPT_TOO_LARGE,
-            f"prompt has {len(prompt)} tokens; the limit is {config.max_prompt_tokens}",
+            too_long(f"{len(prompt)} tokens > {config.max_prompt_tokens} maximum (--max-prompt-tokens)"),
             request_id=rid,
         )
     if auto_max_tokens and not request.embed:
@@ -106,7 +110,7 @@ async def open_on(
         if room < 1:
             raise UmaError(
                 ErrorCode.CONTEXT_OVERFLOW,
-                f"prompt has {len(prompt)} tokens; the request's max_context is {request.max_context}",
+                too_long(f"{len(prompt)} tokens > {request.max_context} maximum (the request's max_context)"),
                 request_id=rid,
             )
         request = msgspec.structs.replace(request, max_tokens=min(request.max_tokens, room))
