@@ -174,3 +174,18 @@ async def test_a_background_decode_on_another_model_does_not_run_ahead_inside_a_
             mixed = await chat_gaps(client, 3, None)
             load_nursery.cancel_scope.cancel()
     assert max(mixed) <= 2.0 * float(np.percentile(alone, 95))
+
+
+async def test_another_models_steps_are_not_counted_as_idle_time(autojump_clock: trio.abc.Clock) -> None:
+    """Two models streaming take turns on the machine; each loop counted the other's steps,
+    which it waited for, as time between its own steps: the scorecard's engine idle read
+    ~50 % while the machine never rested (review of the metrics, eighteenth session)."""
+    engines: dict[str, SimEngine] = {}
+    async with chat_and_bulk_models(engines) as (server, client):
+        await client.models("load", "bulk")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(chat_gaps, client, 2, None)
+            nursery.start_soon(chat_gaps, client, 2, "bulk")
+        card = server.scorecard(trio.current_time())
+    assert engines["bulk"].steps  # both models stepped, in turns
+    assert card.engine_idle_pct is not None and card.engine_idle_pct < 5.0, card.engine_idle_pct

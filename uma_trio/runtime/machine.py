@@ -11,15 +11,24 @@ import trio
 from ..sched.arbiter import Arbiter
 
 
+@dataclass
+class LastStep:
+    """Which model's step the machine ran last, and when it ended (None: none yet)."""
+
+    model: str | None = None
+    end: float | None = None
+
+
 @dataclass(frozen=True)
 class Machine:
     """One per daemon with several models: every loop's steps hold ``turns`` while they run."""
 
     arbiter: Arbiter
     turns: trio.StrictFIFOLock = field(default_factory=trio.StrictFIFOLock)
+    last: LastStep = field(default_factory=LastStep)
 
     def share(self, model: str) -> MachineShare:
-        return MachineShare(model, self.arbiter, self.turns)
+        return MachineShare(model, self.arbiter, self.turns, self.last)
 
 
 @dataclass(frozen=True)
@@ -29,3 +38,4 @@ class MachineShare:
     name: str
     arbiter: Arbiter
     machine: trio.StrictFIFOLock
+    last: LastStep  # the machine's, shared: a step of another model is no idle time of this one
