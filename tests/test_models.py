@@ -195,6 +195,32 @@ async def test_requests_to_other_models_count_in_the_daemons_gauges(autojump_clo
         assert "uma_num_requests_running 1.0" in texts[-1] or "uma_num_requests_waiting 1.0" in texts[-1]
 
 
+async def test_a_request_waiting_for_its_model_to_load_is_queued_in_the_gauges() -> None:
+    """While another model loads, the request waiting for it held no session and showed
+    nowhere: the daemon read idle to a router (queue 0, headroom 1) for the whole load."""
+    release = threading.Event()
+    shelf = Shelf()
+    plain_load = shelf.load
+
+    def slow_load(entry: StoreEntry) -> LoadedModel:
+        release.wait(10)
+        return plain_load(entry)
+
+    shelf.load = slow_load  # type: ignore[method-assign]
+    async with daemon(shelf) as (server, _), UmaClient.connect(server.config.socket_path) as client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(client.complete, prompt="word " * 20, max_tokens=4, model="b"))
+            while states(server)["b"] != "loading":
+                await trio.sleep(0.01)
+            snap = server.metrics_snapshot()
+            text = generate_latest(server.registry).decode()
+            release.set()
+        assert snap["sessions"]["waiting"] == 1 and snap["sessions"]["loading"] == 1
+        assert "uma_num_requests_waiting 1.0" in text, [line for line in text.splitlines() if "waiting" in line]
+        assert 'uma_sessions{state="loading"} 1.0' in text
+        assert server.metrics_snapshot()["sessions"]["loading"] == 0
+
+
 async def test_an_idle_model_unloads_after_its_keep_alive(autojump_clock: trio.abc.Clock) -> None:
     shelf = Shelf()
     async with (

@@ -98,12 +98,20 @@ def kv_gauges(
     }
 
 
-def add_models_sessions(snapshot: dict[str, Any], primary: str, others: Mapping[str, dict[str, Any]]) -> None:
+def add_models_sessions(
+    snapshot: dict[str, Any], primary: str, others: Mapping[str, dict[str, Any]],
+    awaiting_load: Mapping[str, int] | None = None,
+) -> None:  # fmt: skip
     """Fold the other loaded models' requests into ``snapshot`` (the primary loop's gauges):
-    ``in_flight`` rows of every model, each naming its model, ``sessions`` summed, and
+    ``in_flight`` rows of every model, each naming its model, ``sessions`` summed (with the
+    requests waiting for their model to load, ``awaiting_load``, among the waiting and
+    counted as ``loading`` too), and
     ``kv_loaded`` the running requests' reserved cells of every loaded model over their
     cells, for the router's usage gauge.  Without it a daemon busy on another model read as
     idle to a router (docs/FLEET.md)."""
+    loading = sum((awaiting_load or {}).values())
+    snapshot["sessions"]["waiting"] += loading
+    snapshot["sessions"]["loading"] = loading  # of the waiting, those whose model is loading
     for row in snapshot["in_flight"]:
         row["model"] = primary
     reserved, total = snapshot["kv"]["cells_reserved"], snapshot["kv"]["cells_total"]

@@ -108,6 +108,9 @@ class ModelHost:
         self._clock = clock
         self.units: dict[str, ModelUnit] = {}
         self._loading: dict[str, trio.Lock] = {}
+        # Requests waiting for their model to be loaded, by model id: they hold no session
+        # yet, and a router must still see them queued (docs/FLEET.md).
+        self.awaiting_load: dict[str, int] = {}
         # Loads of different models take turns: each makes room counting the ones loaded
         # before it (two at once both saw room for one and overshot --max-loaded / the budget).
         self._room = trio.Lock()
@@ -133,8 +136,15 @@ class ModelHost:
         and sets its keep-alive (``keep_alive_s``, negative: for good).  The unit stays
         until :meth:`release`, which the caller owes once the request is in its loop."""
         lock = self._loading.setdefault(model_id, trio.Lock())
-        async with lock:  # a second request for a model being loaded waits for that load
-            unit = self.units.get(model_id) or await self._load(model_id)
+        self.awaiting_load[model_id] = self.awaiting_load.get(model_id, 0) + 1
+        try:
+            async with lock:  # a second request for a model being loaded waits for that load
+                unit = self.units.get(model_id) or await self._load(model_id)
+        finally:
+            if (left := self.awaiting_load[model_id] - 1) > 0:
+                self.awaiting_load[model_id] = left
+            else:
+                del self.awaiting_load[model_id]
         unit.pending += 1
         unit.last_used = self._clock()
         if keep_alive_s is not None:

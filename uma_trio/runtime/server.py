@@ -144,7 +144,8 @@ class Server:
         snapshot["model"] = self.engine.model_name
         snapshot["engine"] = self.describe_engine()
         snapshot.update(self.loop.gauges())
-        add_models_sessions(snapshot, self.models.store.primary.id, self.models.units_gauges())
+        models = self.models
+        add_models_sessions(snapshot, models.store.primary.id, models.units_gauges(), models.awaiting_load)
         snapshot["models"] = self.models.describe()
         snapshot["process"] = msgspec.to_builtins(process)
         snapshot["scorecard"] = msgspec.to_builtins(self.scorecard(now, process.rss_bytes))
