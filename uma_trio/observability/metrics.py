@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, fields
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 import msgspec
 from prometheus_client import CollectorRegistry, Histogram
@@ -22,7 +22,11 @@ from .latency import LatencyDigest, Percentiles
 from .window import SlotWindow
 
 LANES: tuple[Lane, ...] = get_args(Lane)
-OUTCOMES: tuple[FinishReason, ...] = get_args(FinishReason)
+# How a request ended, as counted: its eos reason, except that an embedding request that got
+# its embedding is ``embedded``, not ``stop``; it generated nothing, so its few milliseconds
+# stay out of the request-duration, TTFT and token-gap figures too.
+Outcome = FinishReason | Literal["embedded"]
+OUTCOMES: tuple[Outcome, ...] = (*get_args(FinishReason), "embedded")
 
 # Prometheus buckets (seconds).  Token gaps and ticks live in 5-100 ms here; TTFT and
 # request times reach seconds when a long prompt is prefilled at ~300 tokens/s.
@@ -76,7 +80,7 @@ class Metrics:
     def __init__(self, window_s: float = 60.0, started: float = 0.0) -> None:
         self.window_s = window_s
         self.started = started
-        self.requests: dict[Lane, Counter[FinishReason]] = {lane: Counter() for lane in LANES}
+        self.requests: dict[Lane, Counter[Outcome]] = {lane: Counter() for lane in LANES}
         self.cancels: Counter[CancelReason] = Counter()
         self.errors: Counter[str] = Counter()  # error events sent, by code
         self.tokens_prompt: Counter[Lane] = Counter()
@@ -184,16 +188,22 @@ class Metrics:
         *,
         computed_tokens: int,
         cancel_reason: CancelReason | None = None,
+        embed: bool = False,
     ) -> None:
-        self.requests[lane][reason] += 1
+        """A request ended with ``reason``; ``embed``: an embedding request, counted as
+        ``embedded`` when it got its embedding (``stop``)."""
+        outcome: Outcome = "embedded" if embed and reason == "stop" else reason
+        self.requests[lane][outcome] += 1
         if cancel_reason is not None:
             self.cancels[cancel_reason] += 1
         useful = computed_tokens if reason in ("stop", "length") else 0
         self._add_sums(WindowSums(computed_tokens=computed_tokens, useful_tokens=useful), now)
 
-    def on_completed(self, lane: Lane, e2e_s: float, now: float) -> None:
-        """A request that ended with stop or length had its eos written ``e2e_s`` after arrival."""
-        self._latency("e2e", lane, e2e_s, now)
+    def on_completed(self, lane: Lane, e2e_s: float, now: float, *, embed: bool = False) -> None:
+        """A request that ended with stop or length had its eos written ``e2e_s`` after arrival.
+        An embedding's is not a generation's time and is left out (``embed``)."""
+        if not embed:
+            self._latency("e2e", lane, e2e_s, now)
 
     def on_error(self, code: str) -> None:
         self.errors[code] += 1

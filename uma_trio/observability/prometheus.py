@@ -95,7 +95,8 @@ class SnapshotCollector(Collector):
             "uma_prefix_cache_held", "What the prefix cache holds now", ["kind"],
             {"cells": cache["cells"], "sequences": cache["sequences"]},
         )  # fmt: skip
-        yield from self._scheduler(snap["scheduler"])
+        sessions = snap["sessions"]
+        yield from self._scheduler(snap["scheduler"], idle=not sessions["active"] and not sessions["waiting"])
         yield from self._garbage_collector(snap["process"])
         yield from self._router(snap)
         yield from self._window_quantiles(snap["latency"]["window"])
@@ -178,17 +179,24 @@ class SnapshotCollector(Collector):
         models = {(m["id"], m["state"]): 1 for m in snap.get("models", [])}
         yield _gauge("uma_model", "The daemon's models, by state", ["model", "state"], models)
 
-    def _scheduler(self, s: dict[str, Any]) -> Iterator[Metric]:
+    def _scheduler(self, s: dict[str, Any], *, idle: bool) -> Iterator[Metric]:
+        """``idle``: nothing runs or waits.  The last tick's figures (its time, prediction,
+        tokens, decoders, ΣBMT estimate) then read 0: the policy keeps the last busy tick's,
+        which would otherwise stand for ever on an idle daemon (the JSON snapshot keeps them)."""
+        last = 0.0 if idle else _seconds(s["decode_ms_last"])
+        predicted = 0.0 if idle else _seconds(s["predicted_ms_last"])
         yield _gauge(
             "uma_scheduler_tick_seconds", "Last tick: measured, budget, predicted, smoothed", ["kind"],
-            {"last": _seconds(s["decode_ms_last"]), "ewma": _seconds(s["decode_ms_ewma"]),
-             "budget": _seconds(s["budget_ms_last"]), "predicted": _seconds(s["predicted_ms_last"])},
+            {"last": last, "ewma": _seconds(s["decode_ms_ewma"]),
+             "budget": _seconds(s["budget_ms_last"]), "predicted": predicted},
         )  # fmt: skip
+        per_tick = {kind: 0 for kind in s["tokens_per_tick"]} if idle else s["tokens_per_tick"]
         yield _gauge(
-            "uma_scheduler_tokens_per_tick", "Tokens in the last tick", ["kind"], s["tokens_per_tick"]
+            "uma_scheduler_tokens_per_tick", "Tokens in the last tick (0 while idle)", ["kind"], per_tick
         )
+        decoders = 0 if idle else s["served_decoders"]
         yield _gauge(
-            "uma_scheduler_served_decoders", "Decoders in the last tick", [], {"": s["served_decoders"]}
+            "uma_scheduler_served_decoders", "Decoders in the last tick (0 while idle)", [], {"": decoders}
         )
         yield _gauge(
             "uma_scheduler_prefill_guard_active", "1 while background prefill is held or ramping", [],
@@ -210,7 +218,7 @@ class SnapshotCollector(Collector):
         )  # fmt: skip
         yield _gauge(
             "uma_scheduler_bmt_bytes", "Last tick's ΣBMT estimate and the guard's budget", ["kind"],
-            {"estimate": s["bmt_estimate_last"], "budget": s["bmt_budget"]},
+            {"estimate": 0 if idle else s["bmt_estimate_last"], "budget": s["bmt_budget"]},
         )  # fmt: skip
 
     def _window_quantiles(self, window: dict[str, Any]) -> Iterator[Metric]:

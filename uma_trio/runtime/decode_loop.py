@@ -791,8 +791,9 @@ class DecodeLoop:
             log.error("no room for the end of %s's stream", session.id)
         session.events.close()
         self.metrics.on_finished(
-            session.lane, reason, now, computed_tokens=session.computed_tokens, cancel_reason=cancel_reason
-        )
+            session.lane, reason, now, computed_tokens=session.computed_tokens, cancel_reason=cancel_reason,
+            embed=session.request.embed,
+        )  # fmt: skip
 
     def _update_idle(self) -> None:
         if not self._waiting and not self._active and not self._idle.is_set():

@@ -35,7 +35,10 @@ async def deliver(server: RequestDesk, stream: RequestStream) -> AsyncGenerator[
                     now = trio.current_time()
                     yield msgspec.structs.replace(item.final, timings=stream.timings(item, now))
                     if item.final.reason in ("stop", "length"):
-                        metrics.on_completed(stream.lane, now - stream.created, now)
+                        # An embedding (its eos carries it) generated nothing: its time is not
+                        # a request duration (Metrics.on_completed leaves it out).
+                        embed = item.final.embedding is not None
+                        metrics.on_completed(stream.lane, now - stream.created, now, embed=embed)
                     return
                 stream.took_one()
                 yield item
