@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,6 +19,7 @@ from ..config import DEFAULT_SOCKET
 from ..protocol.messages import EosEvent, ErrorEvent, TokenEvent
 from .common import (
     EXIT_PROTOCOL_ERROR,
+    EXIT_READER_GONE,
     EXIT_SERVER_ERROR,
     EXIT_USAGE,
     SocketPath,
@@ -137,7 +139,13 @@ async def _generate(socket: Path, request: dict[str, object]) -> int:
                     if event.tool_calls:
                         calls = [msgspec.to_builtins(call) for call in event.tool_calls]
                         sys.stdout.write(json.dumps(calls) + "\n")
+                    sys.stdout.flush()
                     return EXIT_SERVER_ERROR if event.reason == "error" else 0
+    except BrokenPipeError:
+        # Our reader went away (`| head`): the request was cancelled on the way out; no
+        # daemon failure, and no second complaint when Python flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_READER_GONE
     except (ConnectionLost, OSError) as exc:
         return daemon_failure(socket, exc)
     print("the daemon ended the stream without an eos event", file=sys.stderr)

@@ -19,6 +19,7 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 EXIT_USAGE = 1  # a bad option or file, as cyclopts exits for a bad flag
 EXIT_SERVER_ERROR = 2
 EXIT_PROTOCOL_ERROR = 3
+EXIT_READER_GONE = 141  # stdout's reader went away (`| head`), as a tool killed by SIGPIPE exits
 
 DEFAULTS = ServerConfig()
 

@@ -171,8 +171,23 @@ class ModelVocabulary:
             raise ConstraintError(f"invalid {constraint.kind}: {messages[0]}")
         matcher = llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0)
         if matcher.is_error():
-            raise ConstraintError(f"invalid {constraint.kind}: {matcher.get_error()}")
+            raise ConstraintError(f"invalid {constraint.kind}: {first_line(matcher.get_error())}")
+        # The first token's mask, once: a grammar that can never produce anything (`root ::=
+        # root`, a schema `{"$ref": "#"}`) compiles, and failed only at the first sample, after
+        # the request took a session, with llguidance's state dump as the message.
+        mask = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if matcher.is_error():
+            raise ConstraintError(
+                f"invalid {constraint.kind}: it matches no text ({first_line(matcher.get_error())})"
+            )
         return matcher
+
+
+def first_line(error: str) -> str:
+    """llguidance's error without the parser state it appends (hundreds of characters of
+    internals, after the first line)."""
+    return error.strip().splitlines()[0] if error.strip() else "unknown error"
 
 
 class ConstrainedSampler(Sampler):
@@ -190,12 +205,13 @@ class ConstrainedSampler(Sampler):
         np.putmask(logits, allowed == 0, np.float32(-np.inf))  # the row is this step's own
         token = self.inner.sample(logits)
         if not self.matcher.consume_token(token):
-            raise ConstraintError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            why = first_line(self.matcher.get_error())
+            raise ConstraintError(f"the grammar refused token {token}: {why}")
         return token
 
     def allowed(self) -> npt.NDArray[np.uint8]:
         """1 for each token the grammar allows next, else 0."""
         self.matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
         if self.matcher.is_error():
-            raise ConstraintError(f"the grammar failed: {self.matcher.get_error()}")
+            raise ConstraintError(f"the grammar failed: {first_line(self.matcher.get_error())}")
         return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little", count=self._n_vocab)

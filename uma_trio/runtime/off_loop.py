@@ -19,12 +19,34 @@ INLINE_TEXT_CHARS = 4096
 INLINE_TURNS = 64  # a chat of more turns is rendered off the loop, however short their text
 
 
-async def off_loop(engine: Engine, fn: Callable[[], R], *, small: bool = False, abandon: bool = False) -> R:
+# Grammar compiles at once, daemon-wide (one per core here).  An abandoned compile runs on
+# to its end and holds its thread until then: in trio's default pool, shared with every
+# prompt's tokenizing, a client sending big grammars and hanging up could fill it and stall
+# everyone's long prompts.  Its own limiter keeps that to the compiles.
+COMPILES_AT_ONCE = 2
+_compiles: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("compiles")
+
+
+def compile_limiter() -> trio.CapacityLimiter:
+    """This run's limiter of grammar compiles (:data:`COMPILES_AT_ONCE`)."""
+    try:
+        return _compiles.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(COMPILES_AT_ONCE)
+        _compiles.set(limiter)
+        return limiter
+
+
+async def off_loop(
+    engine: Engine, fn: Callable[[], R], *, small: bool = False, abandon: bool = False,
+    limiter: trio.CapacityLimiter | None = None,
+) -> R:  # fmt: skip
     """``fn()`` in a worker thread, or inline when it is ``small`` or for an engine whose
     helpers never block: a simulated engine must stay on the loop, where under MockClock a
     thread wait would let virtual time jump.  ``abandon``: a cancelled caller stops waiting
     and the thread's result is thrown away; only for work that touches nothing the daemon
-    frees (a grammar's compile, not llama.cpp's tokenizer), so a shutdown need not wait."""
+    frees (a grammar's compile, not llama.cpp's tokenizer), so a shutdown need not wait.
+    ``limiter``: the threads it may take (default: trio's pool)."""
     if small or not engine.tokenizer_blocks:
         return fn()
-    return await trio.to_thread.run_sync(fn, abandon_on_cancel=abandon)
+    return await trio.to_thread.run_sync(fn, abandon_on_cancel=abandon, limiter=limiter)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ..engine.base import Engine
@@ -16,7 +17,7 @@ from ..engine.constraints import (
 from ..engine.sampling import Sampler, SamplingParams, banned
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, JsonObjectFormat, JsonSchemaFormat
-from .off_loop import off_loop
+from .off_loop import compile_limiter, off_loop
 
 if TYPE_CHECKING:
     import llguidance
@@ -97,7 +98,8 @@ async def sampler_for(
             assert constraint is not None  # constrained, above
             return vocabulary.matcher(constraint)
 
-        matcher = await off_loop(engine, lambda: on_big_stack(compile_matcher), abandon=True)
+        compiling = partial(on_big_stack, compile_matcher)
+        matcher = await off_loop(engine, compiling, abandon=True, limiter=compile_limiter())
         return vocabulary.sampler(params, top_logprobs=top, matcher=matcher)
     except ConstraintError as exc:
         raise UmaError(ErrorCode.GRAMMAR, str(exc), request_id=request.id) from None
