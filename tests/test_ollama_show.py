@@ -13,7 +13,8 @@ import pytest
 
 from uma_trio.config import ServerConfig
 from uma_trio.engine.llama import LlamaModel
-from uma_trio.engine.model_card import ModelCard, card_of, read_card, typed
+from uma_trio.engine.llama_model import ModelLoadError
+from uma_trio.engine.model_card import ModelCard, _cached, card_of, read_card, typed
 from uma_trio.http.ollama import capabilities
 
 from .conftest import running_server
@@ -39,6 +40,16 @@ def test_the_card_of_the_default_model_file(model_path: Path) -> None:
     assert info["llama.context_length"] == 8192 and info["llama.block_count"] == 30
     assert "tokenizer.chat_template" not in info  # shown as the template, not twice
     assert card_of(model_path) is card_of(model_path)  # read once per version of the file
+
+
+def test_a_file_llama_cpp_cannot_read_has_no_card_and_is_read_once(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ModelLoadError):
+        read_card(broken)
+    assert card_of(broken) is None
+    before = _cached.cache_info().hits
+    assert card_of(broken) is None and _cached.cache_info().hits == before + 1
 
 
 def test_an_embedding_model_only_embeds() -> None:

@@ -107,15 +107,20 @@ def read_card(path: Path) -> ModelCard:
         llama.llama_model_free(handle)
 
 
-def card_of(path: Path) -> ModelCard:
-    """:func:`read_card`, read once per version of the file (its size and mtime)."""
+def card_of(path: Path) -> ModelCard | None:
+    """:func:`read_card`, read once per version of the file (its size and mtime); None for a
+    file llama.cpp cannot read, remembered too (a broken file in --models-dir was read again,
+    and its error logged, on every /api/tags).  OSError where the file is gone."""
     stat = path.stat()
     return _cached(path, stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached(path: Path, size: int, mtime_ns: int) -> ModelCard:
-    return read_card(path)
+def _cached(path: Path, size: int, mtime_ns: int) -> ModelCard | None:
+    try:
+        return read_card(path)
+    except ModelLoadError:
+        return None
 
 
 def _metadata(handle: Any) -> dict[str, str]:

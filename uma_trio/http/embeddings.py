@@ -19,7 +19,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..engine.llama_model import ModelLoadError
 from ..engine.model_card import card_of
 from ..protocol import embeddings
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, ServerEvent
@@ -157,8 +156,8 @@ class EmbeddingsApi:
         else:
             try:
                 card = await trio.to_thread.run_sync(card_of, desk.models.store.entry(model).path)
-            except (OSError, ModelLoadError):
+            except OSError:
                 return None
-            return card.embedding_length
+            return card.embedding_length if card is not None else None
         n_embd = described.get("model", {}).get("n_embd")
         return n_embd if isinstance(n_embd, int) else None

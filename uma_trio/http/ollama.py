@@ -16,7 +16,6 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from ..engine.llama_model import ModelLoadError
 from ..engine.model_card import ModelCard, card_of
 from ..protocol import ollama
 from ..protocol.errors import ErrorCode, UmaError
@@ -121,7 +120,7 @@ class OllamaApi:
         path = self.gateway._ready().models.store.entry(model).path
         try:
             return await trio.to_thread.run_sync(card_of, path, limiter=self._card_reads)
-        except (OSError, ModelLoadError):
+        except OSError:
             return None
 
     async def chat(self, request: Request) -> Response:
