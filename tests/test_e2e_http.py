@@ -60,10 +60,14 @@ async def test_models_health_and_metrics(http_server: Server) -> None:
     models = await in_thread(lambda: sync_client(http_server).models.list())
     assert [m.id for m in models.data] == [MODEL]
     async with httpx.AsyncClient(base_url=http_server.http_url or "") as http:
-        health = await http.get("/health")  # open without the key
-        body = health.json()
-        assert health.status_code == 200 and (body["status"], body["model"]) == ("ok", MODEL)
-        engine = body["engine"]  # what it runs on (engine/summary.py)
+        health = await http.get("/health")  # open without the key, which it says nothing more to
+        assert health.status_code == 200 and health.json() == {"status": "ok", "model": MODEL}
+        wrong = await http.get("/health", headers={"authorization": "Bearer not-the-key"})
+        assert wrong.status_code == 200 and "engine" not in wrong.json()
+        keyed = await http.get("/health", headers={"authorization": f"Bearer {KEY}"})
+        body = keyed.json()
+        assert keyed.status_code == 200 and (body["status"], body["model"]) == ("ok", MODEL)
+        engine = body["engine"]  # what it runs on (engine/summary.py), for a key holder
         assert engine["backends"] == ["CPU"] and engine["gpu_layers"]["offloaded"] == 0
         assert engine["kv"]["type"] == "f16" and engine["settings"]["n_ubatch"] == 512
         assert engine["settings"]["cuda_graphs"] is False

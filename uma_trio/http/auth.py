@@ -32,7 +32,7 @@ class BearerAuth:
         self.count = count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.keys and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if self.keys and scope["type"] == "http":
             headers = dict(scope["headers"])
             given = headers.get(b"authorization")
             scheme, _, token = (given or b"").strip().partition(b" ")
@@ -42,6 +42,11 @@ class BearerAuth:
             for key, key_principal in self.keys:  # no early exit: the time is the same either way
                 if hmac.compare_digest(token.strip(), key) and scheme.lower() == b"bearer":
                     owner = key_principal
+            if scope["path"] in OPEN_PATHS:  # answered either way; a key says more (/health)
+                if owner is not None:
+                    scope.setdefault("state", {})["uma_owner"] = owner
+                await self.app(scope, receive, send)
+                return
             if given is None:
                 error: ApiError | None = ApiError(
                     401, "You didn't provide an API key: send `Authorization: Bearer <key>`.",

@@ -107,6 +107,7 @@ class Gateway:
         self.model = model_id(model_file)
         self.model_names = {self.model, model_file}
         self.api_key = api_key
+        self._keyed = bool(api_key or api_keys)  # /health tells key holders more
         self.max_body_bytes = max_body_bytes
         self.max_requests = max_requests  # generation requests in flight, tokenizing included
         self.body_timeout_s = body_timeout_s  # a body begun must arrive whole within this
@@ -219,6 +220,10 @@ class Gateway:
             return JSONResponse({"status": "loading"}, status_code=503, headers={"retry-after": "1"})
         if not server.loop.accepting:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if self._keyed and "uma_owner" not in request.scope.get("state", {}):
+            # Open to probes without a key, it says only that it serves: the engine summary
+            # (devices and their free memory, the CPU, step timings) is for key holders.
+            return JSONResponse({"status": "ok", "model": self.model})
         return JSONResponse({"status": "ok", "model": self.model, "engine": server.describe_engine()})
 
     async def metrics(self, request: Request) -> Response:

@@ -6,8 +6,8 @@ ours (``trio.serve_listeners`` over a listener that holds a slot per open connec
 hypercorn's own worker has no cap on concurrent connections, and every connection holds
 a file descriptor the Unix socket's accept loop needs too.  At the cap new connections
 wait in the kernel's accept queue until one closes.  Each connection is then served by
-hypercorn's ``TCPServer`` (HTTP/1.1 and h2, TLS, its keep-alive timeout), whose writes
-on a plain socket are tried at once (:class:`_EagerTCPServer`).
+hypercorn's ``TCPServer`` (HTTP/1.1 only, TLS, its keep-alive timeout), whose writes on a
+plain socket are tried at once (:class:`_EagerTCPServer`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
 from hypercorn.events import Closed, Event, RawData
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.h11 import H2ProtocolAssumedError, H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ASGIFramework
@@ -64,6 +66,36 @@ def url_of(sock: socket.socket, *, https: bool = False) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
+class _H11NoUpgrade(H11Protocol):
+    """HTTP/1.1 that never turns into HTTP/2: an ``Upgrade: h2c`` header is ignored (the
+    request is answered in HTTP/1.1), and the HTTP/2 preface ends the connection (below)."""
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        if event.method == b"PRI" and event.target == b"*" and event.http_version == b"2.0":
+            raise H2ProtocolAssumedError(b"")
+
+
+class _Http11Only(ProtocolWrapper):
+    """Hypercorn's protocol switch, serving HTTP/1.1 only.  Under HTTP/2 a client that opened
+    a stream and gave no flow-control window held its connection past the idle timeout and
+    the write deadline, and kept its slot after it left (hypercorn leaves the stream's send
+    buffer waiting): a keyless local client took the gateway down for good with
+    --http-max-connections of them.  Every client this gateway serves speaks HTTP/1.1."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.protocol = _H11NoUpgrade(
+            self.app, self.config, self.context, self.task_group, self.state, self.ssl, self.client,
+            self.server, self.send,
+        )  # fmt: skip
+
+    async def handle(self, event: Event) -> None:
+        try:
+            await self.protocol.handle(event)
+        except H2ProtocolAssumedError:  # the HTTP/2 preface: not served, the connection ends
+            await self.send(Closed())
+
+
 class _EagerTCPServer(TCPServer):
     """Hypercorn's connection server, with each write on a plain socket tried at once.
 
@@ -78,6 +110,20 @@ class _EagerTCPServer(TCPServer):
     """
 
     write_timeout_s = 30.0  # serve_asgi sets it: --stall-timeout
+
+    @property
+    def protocol(self) -> ProtocolWrapper:
+        return self._http11
+
+    @protocol.setter
+    def protocol(self, wrapper: ProtocolWrapper) -> None:
+        """Hypercorn's run() makes its wrapper here; it is rebuilt to serve HTTP/1.1 only."""
+        if not isinstance(wrapper, _Http11Only):
+            wrapper = _Http11Only(
+                wrapper.app, wrapper.config, wrapper.context, wrapper.task_group, wrapper.state,
+                wrapper.ssl, wrapper.client, wrapper.server, wrapper.send, "http/1.1",
+            )  # fmt: skip
+        self._http11 = wrapper
 
     async def protocol_send(self, event: Event) -> None:
         if isinstance(event, RawData) and not self.send_lock.locked() and self._request_read():
@@ -165,6 +211,7 @@ async def serve_asgi(
     ``on_connection(stream)`` runs beside each accepted connection (cancelled when it ends)."""
     url = url_of(sock, https=tls is not None)
     config = Config()
+    config.alpn_protocols = ["http/1.1"]  # HTTP/1.1 only (_Http11Only), over TLS too
     if tls is not None:
         config.certfile, config.keyfile = str(tls[0]), str(tls[1])
     # A TLS connection that never completes its handshake is idle: closed as any idle one is
