@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
@@ -96,6 +97,9 @@ class _Http11Only(ProtocolWrapper):
             await self.send(Closed())
 
 
+FEED_AFTER_EOF_S = 0.05  # how long reads already taken may still reach the protocol after EOF
+
+
 class _EagerTCPServer(TCPServer):
     """Hypercorn's connection server, with each write on a plain socket tried at once.
 
@@ -154,6 +158,41 @@ class _EagerTCPServer(TCPServer):
             if deadline.cancelled_caught:
                 await trio.aclose_forcefully(self.stream)
                 await self.protocol.handle(Closed())
+
+    async def _read_data(self) -> None:
+        """Hypercorn's read loop, with the socket read on while the protocol is paused.  h11
+        pauses once a request is read whole and bytes follow it (a stray CRLF, the next
+        request pipelined), and hypercorn handed it each read in the loop that reads, so
+        nothing was read until the answer went: the client's hang-up went unseen, and a
+        request not streamed ran to its end for nobody.  Reads now go to the protocol through
+        a task of their own (at most two reads ahead); the end of the connection closes the
+        request's stream at once (the app's receive says disconnect) and ends that task."""
+        reads, to_protocol = trio.open_memory_channel[bytes](1)
+        fed = trio.Event()
+        async with trio.open_nursery() as nursery:
+
+            async def feed() -> None:
+                async for data in to_protocol:
+                    await self.protocol.handle(RawData(data))
+                fed.set()
+
+            nursery.start_soon(feed)
+            async with reads:
+                while True:
+                    try:
+                        with trio.fail_after(self.config.read_timeout or math.inf):
+                            data = bytes(await self.stream.receive_some(2**16))
+                    except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                        break
+                    if not data:
+                        break
+                    await reads.send(data)
+            # What was read before the end goes to the protocol first (a request and a half-close,
+            # as `nc -N` sends), unless it is paused on it, which it would be for good.
+            with trio.move_on_after(FEED_AFTER_EOF_S):
+                await fed.wait()
+            await self.protocol.handle(Closed())  # the client is gone: so is what it asked for
+            nursery.cancel_scope.cancel()
 
     def _request_read(self) -> bool:
         """Whether the HTTP/1.1 request being answered has been read whole.  Until it has,
