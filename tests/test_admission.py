@@ -96,3 +96,45 @@ def test_interactive_demand_keeps_only_what_can_still_be_the_peak() -> None:
         demand.note(i * 0.01, i % 2)
     assert demand.peak(20.0) == 1
     assert len(demand._peaks) <= 2
+
+
+def test_clients_take_turns_within_a_lane() -> None:
+    """One app queued eight chats before another's one: the other's goes next, since its
+    client runs nothing; among equals it is first in, first out."""
+    hog = [Waiting("interactive", 100, "uid:1#3") for _ in range(8)]
+    other = Waiting("interactive", 100, "uid:1#4")
+    busy = Capacity(
+        available_seqs=4, room_cells=10_000, reserved_cells=0, background_running=0, background_cap=3,
+        running={"uid:1#3": 4},
+    )  # fmt: skip
+    assert next_to_admit([*hog, other], busy) == 8
+    assert next_to_admit([*hog, other], ROOMY) == 0  # nobody runs anything: the oldest
+    # The pick is not overtaken: it needs more cells than are free, so nothing starts.
+    tight = Capacity(
+        available_seqs=4, room_cells=1_000, reserved_cells=500, background_running=0, background_cap=3,
+        running={"uid:1#3": 1},
+    )  # fmt: skip
+    assert (
+        next_to_admit([Waiting("interactive", 50, "uid:1#3"), Waiting("interactive", 600, "b")], tight)
+        is None
+    )
+
+
+def test_no_client_takes_the_last_sequence() -> None:
+    capped = Capacity(
+        available_seqs=1, room_cells=10_000, reserved_cells=0, background_running=0, background_cap=3,
+        running={"uid:1#3": 7}, client_cap=7,
+    )  # fmt: skip
+    assert next_to_admit([Waiting("interactive", 100, "uid:1#3")], capped) is None
+    assert (
+        next_to_admit([Waiting("interactive", 100, "uid:1#3"), Waiting("interactive", 100, "http")], capped)
+        == 1
+    )
+
+
+def test_a_socket_connection_is_a_client_and_so_is_an_http_principal() -> None:
+    from uma_trio.runtime.admission import client_of
+
+    assert client_of("uid:1000", 3) != client_of("uid:1000", 4)  # two apps of one user
+    assert client_of("http", 3) == client_of("http", 9)  # HTTP: a connection per request
+    assert client_of("key:abc", 3) != client_of("http", 3)

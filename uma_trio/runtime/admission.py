@@ -1,12 +1,17 @@
 """Which waiting request starts next: a pure function of the queue and what the context has
 free (issue 18), so the rule is stated and tested in one place.
 
-The oldest interactive request that fits goes first, else the oldest background one.  Within
-a lane it is first in, first out: nobody overtakes the head of its lane, so a large request
-is not starved by a stream of small ones behind it.  A request fits when a sequence id is
-available (free, or a cached prefix that would yield it) and the cells it may come to need
-(prompt plus ``max_tokens``) fit beside what running requests reserve and pinned prefixes
-hold.  Background requests never take the last ``interactive_reserve`` sequences, nor those
+An interactive request goes first, else a background one.  Within a lane, the clients take
+turns: the request picked is the oldest of the client that runs the fewest sessions now
+(:func:`client_of`: a socket connection, or an HTTP principal), so an app that queued eight
+requests does not hold back another's one, and with every client equal it is first in,
+first out.  Nobody overtakes the request picked: a large one is not starved by small ones
+behind it.  No client holds every sequence: ``client_cap`` leaves one to the others (a
+client that sent its requests before anyone else once held them all, and the next app
+waited minutes for a session).  A request fits when a sequence id is available (free, or a
+cached prefix that would yield it) and the cells it may come to need (prompt plus
+``max_tokens``) fit beside what running requests reserve and pinned prefixes hold.
+Background requests never take the last ``interactive_reserve`` sequences, nor those
 interactive requests needed lately (:class:`InteractiveDemand`).
 """
 
@@ -14,16 +19,25 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from ..sched.state import Lane
+
+
+def client_of(owner: str, connection: int) -> str:
+    """Whose turn a request counts against: its socket connection (each app has its own; a
+    user's apps share one principal, ``uid:N``), or over HTTP its principal: requests made
+    with one API key (without keys, every HTTP request) are one client, since a connection
+    there carries one request at a time."""
+    return f"{owner}#{connection}" if owner.startswith("uid:") else owner
 
 
 @dataclass(frozen=True, slots=True)
 class Waiting:
     lane: Lane
     reserved_cells: int  # prompt plus max_tokens
+    client: str = ""  # :func:`client_of`
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,19 +49,32 @@ class Capacity:
     reserved_cells: int  # what running requests may come to need
     background_running: int
     background_cap: int  # sequences background requests may hold at once
+    running: Mapping[str, int] = field(default_factory=dict)  # sessions each client runs
+    client_cap: int | None = None  # the most one client may run (None: no limit)
 
     def fits(self, request: Waiting) -> bool:
         if not self.available_seqs or self.reserved_cells + request.reserved_cells > self.room_cells:
             return False
+        if not self.within_share(request.client):
+            return False
         return request.lane == "interactive" or self.background_running < self.background_cap
+
+    def within_share(self, client: str) -> bool:
+        return self.client_cap is None or self.running.get(client, 0) < self.client_cap
 
 
 def next_to_admit(waiting: Sequence[Waiting], capacity: Capacity) -> int | None:
     """The index in ``waiting`` (oldest first) of the request to start now, or None."""
     for lane in ("interactive", "background"):
-        head = next((i for i, request in enumerate(waiting) if request.lane == lane), None)
-        if head is not None and capacity.fits(waiting[head]):
-            return head
+        turns = [
+            (capacity.running.get(request.client, 0), i)
+            for i, request in enumerate(waiting)
+            if request.lane == lane and capacity.within_share(request.client)
+        ]
+        if turns:
+            pick = min(turns)[1]  # the fewest sessions running, then the oldest
+            if capacity.fits(waiting[pick]):
+                return pick
     return None
 
 

@@ -22,7 +22,8 @@ them; both only record the wish and wake the loop.  The loop then repeats:
 5. turn sampled tokens into text and ``send_nowait`` them into each
    session's bounded channel.  A session whose channel is full is *parked*:
    left out of the batch until its connection drains it, so a slow reader
-   never stalls anybody else and never loses a token.
+   never stalls anybody else and never loses a token (but one parked for
+   long while others wait for a sequence gives its own up: _release_parked).
 
 It never awaits a client.
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -51,10 +53,10 @@ from ..observability.metrics import Metrics
 from ..protocol.errors import ErrorCode, UmaError, too_long
 from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEvent
 from ..sched.graph_shapes import ShapeStreak, plan_shape
-from ..sched.kv_manager import Claim, KvManager
+from ..sched.kv_manager import Claim, KvManager, common_prefix
 from ..sched.policy import Policy, default_policy
 from ..sched.state import Lane, Plan, SchedulerState, SessionState, SkipReason
-from .admission import Capacity, InteractiveDemand, Waiting, next_to_admit
+from .admission import Capacity, InteractiveDemand, Waiting, client_of, next_to_admit
 from .arrivals import Arrivals
 from .batch import batch_entries, set_up_sequence
 from .clients import Clients
@@ -67,6 +69,11 @@ from .step_apply import Embedded, Ended, Failed, Overran, Token, apply_step
 from .tick_trace import TickTrace
 
 log = logging.getLogger(__name__)
+
+# A session parked (its reader behind) this long, while requests wait for a sequence, is
+# cancelled as ``stalled`` (capped by --stall-timeout): a client reading every 24 s, under the
+# 30 s stall timeout, otherwise held every session and kept another client queued for good.
+PARKED_HOLD_S = 5.0
 
 # A lone client's follow-up request waits this many passes of trio's scheduler, not
 # burst_quiet_ms: each polls the sockets, so its connection's task reads and queues what
@@ -102,6 +109,7 @@ class DecodeLoop:
         self._jobs: list[Callable[[], Awaitable[None]]] = []
         self._unpin: list[int] = []
         self._copies_pending = False  # KV copies queued in llama.cpp until its next decode
+        self._parked_since: dict[int, float] = {}  # seq id -> when its session was last seen to park
         self._waiting: deque[Session] = deque()
         self.arrivals = Arrivals()  # requests on their way in (_gather_burst waits for them)
         self.clients = clients if clients is not None else Clients()  # the daemon's open connections
@@ -172,7 +180,7 @@ class DecodeLoop:
         if len(self._waiting) < self.config.max_queue + self.kv.available_seqs():
             return False
         if session.lane == "interactive" and all(s.lane == "background" for s in self._waiting):
-            return not self._capacity().fits(Waiting(session.lane, session.reserved_cells))
+            return not self._capacity().fits(self._waiting_view(session))
         return True
 
     def cancel(self, session: Session, reason: CancelReason) -> None:
@@ -305,12 +313,12 @@ class DecodeLoop:
             self._apply_aborts()
             await self._run_jobs()
             self._admit()
+            self._release_parked()
             cap = self._turn()
             if cap == 0.0:  # another model's streams decode: wait for a turn, or new work here
                 self._skipped = tuple((seq_id, "share") for seq_id in self._active)
                 self.engine.went_idle()
-                await self._wakeup.wait()
-                self._wakeup = trio.Event()
+                await self._sleep()
                 continue
             plan = self._plan(cap)
             self._skipped = plan.skipped
@@ -320,8 +328,9 @@ class DecodeLoop:
                 self._update_idle()
                 self._last_step_end = None
                 self.engine.went_idle()
-                await self._wakeup.wait()
-                self._wakeup = trio.Event()
+                if self._jobs and not (self._copies_pending and self._active):
+                    continue  # _run_jobs left some for the next round: nothing runs between them now
+                await self._sleep()
                 await self._gather_burst()
                 continue
             await self._run_plan(plan)
@@ -332,6 +341,46 @@ class DecodeLoop:
                 # threads: 16 HTTP streams on 2 cores stretched gaps to 0.5 s).  On a GPU they
                 # run while the next step computes, off the critical path between two decodes.
                 await trio.lowlevel.checkpoint()
+
+    async def _sleep(self) -> None:
+        """Wait to be woken (or until a parked session has held its sequence too long while
+        requests wait for one: :meth:`_release_parked`)."""
+        deadline = math.inf
+        if self._waiting and self._parked_since:
+            # One already due was drained since (its next plan forgets it): no busy wait on it.
+            now, hold = self._clock(), self._parked_hold_s()
+            due = min((t + hold for t in self._parked_since.values() if t + hold > now), default=math.inf)
+            deadline = trio.current_time() + (due - now)
+        with trio.move_on_at(deadline):
+            await self._wakeup.wait()
+        self._wakeup = trio.Event()
+
+    def _parked_hold_s(self) -> float:
+        return min(self.config.stall_timeout_s, PARKED_HOLD_S)
+
+    def _release_parked(self) -> None:
+        """While requests wait for a sequence (admission just took every one it could), a
+        session parked continuously for longer than :func:`_parked_hold_s` is cancelled as
+        ``stalled``, and what waits is admitted in its place.  Its reader keeps the stall
+        timeout's per-frame timer alive with a little progress now and then, and meanwhile
+        holds a sequence and its KV; with nobody waiting it slows nobody and is left alone."""
+        if not self._waiting or not self._parked_since:
+            return
+        now, hold = self._clock(), self._parked_hold_s()
+        released = False
+        for seq_id, since in list(self._parked_since.items()):
+            session = self._active.get(seq_id)
+            if session is None or now - since < hold or not self._channel_full(session):
+                continue
+            log.warning(
+                "%s parked for %.1f s while %d requests wait; cancelling it as stalled",
+                session.id, now - since, len(self._waiting),
+            )  # fmt: skip
+            self.cancel(session, "stalled")
+            released = True
+        if released:
+            self._apply_aborts()
+            self._admit()
 
     async def _gather_burst(self) -> None:
         """Woken from idle: give requests arriving together a moment to arrive, so they
@@ -572,7 +621,11 @@ class DecodeLoop:
         self._unpin.clear()
         if self._copies_pending and self._active:  # after the step that makes the copies
             return
-        jobs, self._jobs = self._jobs, []
+        # One job a round while sessions run, so every stream gets a tick between two (a save
+        # of a 3,490-token prompt takes ~0.35 s: four back to back froze the streams 1.3 s);
+        # all of them when nothing else runs.
+        take = 1 if self._active else len(self._jobs)
+        jobs, self._jobs = self._jobs[:take], self._jobs[take:]
         for job in jobs:
             await job()
         if jobs:  # a request cancelled while a job was awaited must not be admitted next
@@ -586,12 +639,18 @@ class DecodeLoop:
 
     def _capacity(self) -> Capacity:
         # Cached prefixes yield their ids and cells to requests; only pinned ones stay.
+        running: dict[str, int] = {}
+        for s in self._active.values():
+            client = client_of(s.owner, s.connection)
+            running[client] = running.get(client, 0) + 1
         return Capacity(
             available_seqs=self.kv.available_seqs(),
             room_cells=self.engine.n_ctx - self.kv.pinned_cells,
             reserved_cells=self._reserved_cells,
             background_running=sum(s.lane == "background" for s in self._active.values()),
             background_cap=self._background_seq_cap(),
+            running=running,
+            client_cap=max(1, self.engine.n_seq_max - 1),  # one sequence always left to the others
         )
 
     def _background_seq_cap(self) -> int:
@@ -608,9 +667,13 @@ class DecodeLoop:
 
     def _next_admittable(self) -> Session | None:
         """The request :func:`.admission.next_to_admit` picks, if any."""
-        views = [Waiting(s.lane, s.reserved_cells) for s in self._waiting]
+        views = [self._waiting_view(s) for s in self._waiting]
         index = next_to_admit(views, self._capacity())
         return None if index is None else self._waiting[index]
+
+    @staticmethod
+    def _waiting_view(session: Session) -> Waiting:
+        return Waiting(session.lane, session.reserved_cells, client_of(session.owner, session.connection))
 
     def _admit(self) -> None:
         if not self._waiting:  # the steady decode's round: nothing to admit
@@ -618,18 +681,23 @@ class DecodeLoop:
             return
         # What running sequences hold, and whose they are: built once a round.
         running: dict[int, tuple[str, TokenArray]] | None = None
+        # While interactive streams decode, one stream copy a round (_may_copy).
+        one_copy, copied = self._streams_decoding(), False
         while (session := self._next_admittable()) is not None:
             if running is None:
                 active = self._active.items() if self.kv.enabled else ()
                 running = {seq: (s.owner, s.kv_tokens()) for seq, s in active}
             needed, reserved = session.reserved_cells, self._reserved_cells
             mine = {seq: tokens for seq, (owner, tokens) in running.items() if owner == session.owner}
+            if one_copy and copied and self._may_copy(session, mine):
+                break  # the next round's, one tick later: it is oldest, the rest wait behind it
             claim = self.kv.claim(
                 session.prompt, mine, cells_needed=needed, cells_reserved=reserved, owner=session.owner,
                 reuse=session.pool is None,
             )  # fmt: skip
             if claim is None:  # pragma: no cover - admission said there was room
                 break
+            copied = copied or (claim.source is not None and not claim.adopted)
             self._waiting.remove(session)
             session.seq_id = claim.seq_id
             session.n_past = session.cached_tokens = self._set_up_sequence(claim)
@@ -641,6 +709,27 @@ class DecodeLoop:
             self._active[session.seq_id] = session
             if self.kv.enabled:  # a source for the rest of this round too
                 running[session.seq_id] = (session.owner, session.kv_tokens())
+
+    def _streams_decoding(self) -> bool:
+        """Interactive sessions will decode this round (so a request left waiting by
+        :meth:`_admit` gets the next round a tick later, not after the loop sleeps)."""
+        return any(
+            s.lane == "interactive" and s.phase is Phase.DECODE and not self._channel_full(s)
+            for s in self._active.values()
+        )
+
+    def _may_copy(self, session: Session, mine: dict[int, TokenArray]) -> bool:
+        """Whether ``session``'s claim may copy a cached or running prefix into its sequence:
+        llama.cpp then copies the whole KV stream at the start of the next step, which every
+        decoding stream waits for (six at once stretched a chat's tick to 124 ms), and the cost
+        model does not price it.  So while interactive streams decode, :meth:`_admit` takes one
+        such request a round.  (Over-cautious: it may turn out adopted, which copies nothing,
+        and then waits a tick for nothing.)"""
+        if not self.kv.enabled or session.pool is not None:
+            return False
+        limit = len(session.prompt) - 1
+        sources = [*mine.values(), *self.kv.cached().values()]
+        return any(min(common_prefix(t, session.prompt), limit) >= self.kv.min_reuse for t in sources)
 
     def _set_up_sequence(self, claim: Claim) -> int:
         if claim.moved is not None or (claim.source is not None and not claim.adopted):
@@ -657,6 +746,10 @@ class DecodeLoop:
         views = []
         for seq_id, session in self._active.items():
             session.parked = self._channel_full(session)
+            if session.parked:
+                self._parked_since.setdefault(seq_id, now)
+            else:
+                self._parked_since.pop(seq_id, None)
             views.append(
                 SessionState(
                     key=seq_id,
@@ -762,6 +855,7 @@ class DecodeLoop:
         pinned = None
         if session.seq_id is not None:
             self._chain.session_ended(session.seq_id, session.n_past)
+            self._parked_since.pop(session.seq_id, None)
             # Its KV stays cached for later requests sharing the prefix, unless a failure
             # left it in doubt.
             held = session.kv_tokens() if keep_kv and reason != "error" else session.prompt[:0]
