@@ -120,18 +120,6 @@ def test_clients_take_turns_within_a_lane() -> None:
     )
 
 
-def test_no_client_takes_the_last_sequence() -> None:
-    capped = Capacity(
-        available_seqs=1, room_cells=10_000, reserved_cells=0, background_running=0, background_cap=3,
-        running={"uid:1#3": 7}, client_cap=7,
-    )  # fmt: skip
-    assert next_to_admit([Waiting("interactive", 100, "uid:1#3")], capped) is None
-    assert (
-        next_to_admit([Waiting("interactive", 100, "uid:1#3"), Waiting("interactive", 100, "http")], capped)
-        == 1
-    )
-
-
 def test_a_socket_connection_is_a_client_and_so_is_an_http_principal() -> None:
     from uma_trio.runtime.admission import client_of
 

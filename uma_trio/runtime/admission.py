@@ -6,9 +6,10 @@ turns: the request picked is the oldest of the client that runs the fewest sessi
 (:func:`client_of`: a socket connection, or an HTTP principal), so an app that queued eight
 requests does not hold back another's one, and with every client equal it is first in,
 first out.  Nobody overtakes the request picked: a large one is not starved by small ones
-behind it.  No client holds every sequence: ``client_cap`` leaves one to the others (a
-client that sent its requests before anyone else once held them all, and the next app
-waited minutes for a session).  A request fits when a sequence id is available (free, or a
+behind it.  (A client may still hold every sequence while nobody else asks; the next one
+freed goes to another client's request before its own queued ones.  Keeping one back for
+others would cost a lone app, and every HTTP app without keys, a session for good.)  A
+request fits when a sequence id is available (free, or a
 cached prefix that would yield it) and the cells it may come to need (prompt plus
 ``max_tokens``) fit beside what running requests reserve and pinned prefixes hold.
 Background requests never take the last ``interactive_reserve`` sequences, nor those
@@ -50,27 +51,17 @@ class Capacity:
     background_running: int
     background_cap: int  # sequences background requests may hold at once
     running: Mapping[str, int] = field(default_factory=dict)  # sessions each client runs
-    client_cap: int | None = None  # the most one client may run (None: no limit)
 
     def fits(self, request: Waiting) -> bool:
         if not self.available_seqs or self.reserved_cells + request.reserved_cells > self.room_cells:
             return False
-        if not self.within_share(request.client):
-            return False
         return request.lane == "interactive" or self.background_running < self.background_cap
-
-    def within_share(self, client: str) -> bool:
-        return self.client_cap is None or self.running.get(client, 0) < self.client_cap
 
 
 def next_to_admit(waiting: Sequence[Waiting], capacity: Capacity) -> int | None:
     """The index in ``waiting`` (oldest first) of the request to start now, or None."""
     for lane in ("interactive", "background"):
-        turns = [
-            (capacity.running.get(request.client, 0), i)
-            for i, request in enumerate(waiting)
-            if request.lane == lane and capacity.within_share(request.client)
-        ]
+        turns = [(capacity.running.get(r.client, 0), i) for i, r in enumerate(waiting) if r.lane == lane]
         if turns:
             pick = min(turns)[1]  # the fewest sessions running, then the oldest
             if capacity.fits(waiting[pick]):

@@ -650,7 +650,6 @@ class DecodeLoop:
             background_running=sum(s.lane == "background" for s in self._active.values()),
             background_cap=self._background_seq_cap(),
             running=running,
-            client_cap=max(1, self.engine.n_seq_max - 1),  # one sequence always left to the others
         )
 
     def _background_seq_cap(self) -> int:
