@@ -19,6 +19,20 @@ from uma_trio.sched.kv_manager import Claim
 from .helpers import RawClient, sim_daemon
 
 
+def record_copies(monkeypatch: Any) -> list[int]:
+    """The engine's step count at each claim that copies a KV stream, from now on."""
+    copies: list[int] = []
+    real = decode_loop.set_up_sequence
+
+    def recording(engine: Engine, claim: Claim) -> tuple[int, list[int]]:
+        if claim.source is not None and not claim.adopted:
+            copies.append(len(engine.steps))  # type: ignore[attr-defined]
+        return real(engine, claim)
+
+    monkeypatch.setattr(decode_loop, "set_up_sequence", recording)
+    return copies
+
+
 async def _drain_now(client: RawClient) -> list[dict[str, Any]]:
     """Everything ``client``'s socket holds now (a slow reader's occasional read)."""
     events: list[dict[str, Any]] = []
@@ -162,15 +176,7 @@ async def test_prefix_copies_are_admitted_one_a_round_beside_a_stream(
     """Each claim that copies a KV stream costs a copy at the start of the next step, which
     the decoding streams wait for: six at once stretched a chat's tick to 124 ms.  Beside an
     interactive stream, one such request is admitted a round; the rest wait one tick each."""
-    copies: list[int] = []  # the engine's step count at each copying claim
-    real = decode_loop.set_up_sequence
-
-    def recording(engine: Engine, claim: Claim) -> tuple[int, list[int]]:
-        if claim.source is not None and not claim.adopted:
-            copies.append(len(engine.steps))  # type: ignore[attr-defined]
-        return real(engine, claim)
-
-    monkeypatch.setattr(decode_loop, "set_up_sequence", recording)
+    copies = record_copies(monkeypatch)  # the engine's step count at each copying claim
     shared = " ".join(f"word{i}" for i in range(200))
     async with sim_daemon(prefix_cache_cells=None) as server:
         async with trio.open_nursery() as nursery:
@@ -190,15 +196,7 @@ async def test_prefix_copies_are_admitted_one_a_round_beside_a_stream(
 async def test_prefix_copies_are_admitted_together_when_no_stream_decodes(
     autojump_clock: trio.abc.Clock, monkeypatch: Any
 ) -> None:
-    copies: list[int] = []
-    real = decode_loop.set_up_sequence
-
-    def recording(engine: Engine, claim: Claim) -> tuple[int, list[int]]:
-        if claim.source is not None and not claim.adopted:
-            copies.append(len(engine.steps))  # type: ignore[attr-defined]
-        return real(engine, claim)
-
-    monkeypatch.setattr(decode_loop, "set_up_sequence", recording)
+    copies = record_copies(monkeypatch)
     shared = " ".join(f"word{i}" for i in range(200))
     async with sim_daemon(prefix_cache_cells=None) as server:
         await _stream(server, "first", 1, shared)

@@ -9,7 +9,8 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -103,8 +104,10 @@ def shape_of(model: Any, path: Path) -> ModelShape:
     )
 
 
-def read_shape(path: Path) -> ModelShape:
-    """:class:`ModelShape` from the GGUF's metadata alone (a vocab-only load: no weights)."""
+@contextmanager
+def vocab_only(path: Path) -> Iterator[Any]:
+    """``path`` loaded without its weights (its metadata and vocabulary): llama.cpp's model
+    handle, freed on leaving; :class:`ModelLoadError` where llama.cpp cannot read it."""
     init_backend()
     params = llama.llama_model_default_params()
     params.vocab_only = True
@@ -113,9 +116,15 @@ def read_shape(path: Path) -> ModelShape:
     if not handle:
         raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF)")
     try:
-        return shape_of(handle, path)
+        yield handle
     finally:
         llama.llama_model_free(handle)
+
+
+def read_shape(path: Path) -> ModelShape:
+    """:class:`ModelShape` from the GGUF's metadata alone (a vocab-only load: no weights)."""
+    with vocab_only(path) as handle:
+        return shape_of(handle, path)
 
 
 class ModelLoadError(Exception):

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .devices import init_backend
 from .libllama import llama
-from .llama_model import ModelLoadError, fim_tokens
+from .llama_model import ModelLoadError, fim_tokens, vocab_only
 
 _INTEGER = re.compile(r"-?[0-9]+")
 _REAL = re.compile(r"-?[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?")
@@ -86,14 +85,7 @@ def typed(value: str) -> int | float | bool | str:
 def read_card(path: Path) -> ModelCard:
     """``path``'s :class:`ModelCard` by a vocab-only load (blocking: run it off the event loop);
     :class:`ModelLoadError` where llama.cpp cannot read the file."""
-    init_backend()
-    params = llama.llama_model_default_params()
-    params.vocab_only = True
-    params.n_gpu_layers = 0
-    handle = llama.llama_model_load_from_file(str(path).encode(), params)
-    if not handle:
-        raise ModelLoadError(f"llama.cpp could not read {path.name} (corrupt or unsupported GGUF)")
-    try:
+    with vocab_only(path) as handle:
         metadata = _metadata(handle)
         template = llama.llama_model_chat_template(handle, None) or b""
         pooling = metadata.get(f"{metadata.get('general.architecture', '')}.pooling_type")
@@ -103,8 +95,6 @@ def read_card(path: Path) -> ModelCard:
             fill_in_middle=fim_tokens(llama.llama_model_get_vocab(handle)) is not None,
             pooling=int(pooling) if pooling is not None and _INTEGER.fullmatch(pooling) else None,
         )
-    finally:
-        llama.llama_model_free(handle)
 
 
 def card_of(path: Path) -> ModelCard | None:

@@ -27,14 +27,20 @@ COMPILES_AT_ONCE = 2
 _compiles: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("compiles")
 
 
+def run_limiter(var: trio.lowlevel.RunVar[trio.CapacityLimiter], tokens: int) -> trio.CapacityLimiter:
+    """The limiter ``var`` holds in this trio run (one per run, as trio's own default
+    thread limiter), made with ``tokens`` on first use."""
+    try:
+        return var.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(tokens)
+        var.set(limiter)
+        return limiter
+
+
 def compile_limiter() -> trio.CapacityLimiter:
     """This run's limiter of grammar compiles (:data:`COMPILES_AT_ONCE`)."""
-    try:
-        return _compiles.get()
-    except LookupError:
-        limiter = trio.CapacityLimiter(COMPILES_AT_ONCE)
-        _compiles.set(limiter)
-        return limiter
+    return run_limiter(_compiles, COMPILES_AT_ONCE)
 
 
 async def off_loop(

@@ -20,7 +20,7 @@ from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotInfo, SnapshotRequest
 from .decode_loop import DecodeLoop
 from .desk import RequestDesk
-from .off_loop import off_loop
+from .off_loop import off_loop, run_limiter
 from .session import StreamEnd
 from .snapshots import SnapshotHeader, SnapshotStore
 from .stream import RequestStream
@@ -37,12 +37,7 @@ _FILE_IO: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("uma
 
 def file_io_limiter() -> trio.CapacityLimiter:
     """The run's one limiter on snapshot file I/O (one per trio run, as trio's own default)."""
-    try:
-        return _FILE_IO.get()
-    except LookupError:
-        limiter = trio.CapacityLimiter(SNAPSHOT_FILE_IO)
-        _FILE_IO.set(limiter)
-        return limiter
+    return run_limiter(_FILE_IO, SNAPSHOT_FILE_IO)
 
 
 async def file_io(fn: Callable[[], R], *, abandon: bool = False) -> R:
