@@ -64,7 +64,8 @@ from .constraints import ModelVocabulary
 from .device_sampling import DeviceGreedy
 from .devices import LlamaLog, captures_cuda_graphs, devices, flash_attention_resolved, system_info
 from .libllama import llama
-from .llama_model import LlamaModel, ModelLoadError, ModelShape, Placement, read_shape
+from .llama_model import LlamaModel, ModelLoadError, ModelShape, Placement
+from .model_card import read_shape
 from .pooling import PooledPart, pool_rows
 from .step_gaps import StepGaps
 from .summary import engine_summary

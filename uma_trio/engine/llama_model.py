@@ -1,6 +1,6 @@
 """The model file as llama.cpp loads it: weights and vocabulary (:class:`LlamaModel`),
 where its layers go (:class:`Placement`), and the shape that sizes its KV cache, read
-from the GGUF's metadata without loading weights (:func:`read_shape`)."""
+from the GGUF's metadata (:func:`shape_of`; without the weights: model_card.read_shape)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -102,29 +101,6 @@ def shape_of(model: Any, path: Path) -> ModelShape:
         n_ctx_train=key("context_length") or 0,
         file_bytes=path.stat().st_size,
     )
-
-
-@contextmanager
-def vocab_only(path: Path) -> Iterator[Any]:
-    """``path`` loaded without its weights (its metadata and vocabulary): llama.cpp's model
-    handle, freed on leaving; :class:`ModelLoadError` where llama.cpp cannot read it."""
-    init_backend()
-    params = llama.llama_model_default_params()
-    params.vocab_only = True
-    params.n_gpu_layers = 0
-    handle = llama.llama_model_load_from_file(str(path).encode(), params)
-    if not handle:
-        raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF)")
-    try:
-        yield handle
-    finally:
-        llama.llama_model_free(handle)
-
-
-def read_shape(path: Path) -> ModelShape:
-    """:class:`ModelShape` from the GGUF's metadata alone (a vocab-only load: no weights)."""
-    with vocab_only(path) as handle:
-        return shape_of(handle, path)
 
 
 class ModelLoadError(Exception):

@@ -1,4 +1,5 @@
-"""What a model file says about itself, read without its weights: Ollama's ``/api/show``
+"""What a model file says about itself, read without its weights (a vocab-only load: its
+shape for the KV cache and the offload, :func:`read_shape`, and its card): Ollama's ``/api/show``
 answers from it for every model of the store, loaded or not (an app such as VS Code's
 Ollama provider or Continue reads the capabilities and context length of every model it
 lists, before it loads any).
@@ -11,13 +12,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .devices import init_backend
 from .libllama import llama
-from .llama_model import ModelLoadError, fim_tokens, vocab_only
+from .llama_model import ModelLoadError, ModelShape, fim_tokens, shape_of
 
 _INTEGER = re.compile(r"-?[0-9]+")
 _REAL = re.compile(r"-?[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?")
@@ -80,6 +83,29 @@ def typed(value: str) -> int | float | bool | str:
     if value in ("true", "false"):
         return value == "true"
     return value
+
+
+@contextmanager
+def vocab_only(path: Path) -> Iterator[Any]:
+    """``path`` loaded without its weights (its metadata and vocabulary): llama.cpp's model
+    handle, freed on leaving; :class:`ModelLoadError` where llama.cpp cannot read it."""
+    init_backend()
+    params = llama.llama_model_default_params()
+    params.vocab_only = True
+    params.n_gpu_layers = 0
+    handle = llama.llama_model_load_from_file(str(path).encode(), params)
+    if not handle:
+        raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF)")
+    try:
+        yield handle
+    finally:
+        llama.llama_model_free(handle)
+
+
+def read_shape(path: Path) -> ModelShape:
+    """:class:`ModelShape` from the GGUF's metadata alone (a vocab-only load: no weights)."""
+    with vocab_only(path) as handle:
+        return shape_of(handle, path)
 
 
 def read_card(path: Path) -> ModelCard:
