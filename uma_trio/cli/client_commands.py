@@ -47,7 +47,7 @@ def generate(
     """Send one request and print the answer to stdout (the seeds' uma-cli).
 
     Exit status: 0 success, 1 a bad option or file, 2 the daemon reported an error, 3
-    connection or protocol error.
+    connection or protocol error, 141 when the output's reader went away (`| head`).
 
     Parameters
     ----------
