@@ -75,7 +75,7 @@ from uma_trio.loadgen.bench import (
     write_csv,
     write_results,
 )
-from uma_trio.loadgen.efficiency import Capacity, best_of, busy_seconds, efficiency, ideal_seconds
+from uma_trio.loadgen.efficiency import Capacity, best_of, busy_seconds, efficiency, ideal_seconds, needed_for
 from uma_trio.loadgen.repeats import median_rows, rep_ratios, spread_line
 from uma_trio.loadgen.targets import OpenAITarget, Target, UmaTarget
 from uma_trio.model_files import ensure_default_model
@@ -306,6 +306,50 @@ def guard_bound_table(runs: Sequence[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def deadline_table(reps: Sequence[Rep], ratio: float = 2.0) -> str:
+    """For each run, what the background deadline (``ratio`` × llama-server's completion of the
+    prompt uma-trio finished last) asks of the whole run: where that prompt cannot be read
+    beside the chats (the guard-bound table's "beside the chats" is short of it), it ends after
+    them, so the whole load is due by then: its engine time at the run's capacity over the time
+    to the deadline is the efficiency a server needs (uma_trio/loadgen/efficiency.py
+    ``needed_for``), set beside what each server achieved."""
+    lines = [
+        f"\nWhat the background deadline ({ratio:g} × llama-server's completion of the prompt that "
+        "ends last) asks of the whole run, if that prompt ends after the chats: the load's engine "
+        "time at capacity over the time from the first request to the deadline (above 1.0 no "
+        "scheduler on this engine meets it):\n",
+        "| run | due (s after the first request) | the load at capacity (s) | efficiency needed "
+        "| uma-trio's | llama-server's | background completion, uma-trio / llama-server |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for index, rep in enumerate(reps):
+        mixed = [r for r in rep.results if not r.scenario.name.endswith("-alone")]
+        uma = next((r for r in mixed if r.target == "uma-trio"), None)
+        peer = next((r for r in mixed if r.target == "llama-server"), None)
+        if uma is None or peer is None:
+            continue
+        prompts = {c.name: c.prompt_tokens for c in uma.scenario.expanded().clients}
+        ended = [r for r in uma.records if r.lane == "background" and r.ok and r.ended is not None]
+        theirs = {(r.client, r.index): r for r in peer.records if r.ok and r.ended is not None}
+        last = max(ended, key=lambda r: r.ended or 0.0, default=None)
+        match = theirs.get((last.client, last.index)) if last is not None else None
+        if last is None or last.ended is None or match is None or match.ended is None:
+            lines.append(f"| {index + 1} | | | | | | not computed: no prompt both servers completed |")
+            continue
+        peer_s = match.ended - match.sent
+        due = last.sent + ratio * peer_s
+        first = min(r.sent for r in uma.records)
+        ideal = ideal_seconds([r for r in uma.records if r.ended is not None], rep.capacity, prompts)
+        needed = needed_for(uma.records, rep.capacity, prompts, due)
+        ours = efficiency(uma.records, rep.capacity, prompts)
+        theirs_share = efficiency(peer.records, rep.capacity, prompts)
+        lines.append(
+            f"| {index + 1} | {due - first:.2f} | {ideal:.2f} | {needed} | {ours} | {theirs_share} "
+            f"| {(last.ended - last.sent) / peer_s:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def run_servers(name: str, args: argparse.Namespace, model: Path, out: Path, rep: int) -> Rep:
     """Scenario ``name`` on a fresh uma-trio and llama-server (and llama-cpp-python's server
     where it applies), the targets' order alternating from one repetition to the next so
@@ -452,7 +496,7 @@ def main() -> None:
                 rep_ratios(per_rep_rows, "uma-trio", "llama-server"), "uma-trio / llama-server tokens/s"
             )
         if name in ("mixed", "storm"):
-            extra += guard_bound_table([rep.out for rep in reps])
+            extra += guard_bound_table([rep.out for rep in reps]) + deadline_table(reps)
         if name == "scaling":
             sizes = [len(r.scenario.expanded().clients) for r in reps[0].results if r.target == "uma-trio"]
             ceiling = batched_bench(args.peers, model, sizes, prompt=32, tokens=128)

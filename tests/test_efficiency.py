@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from uma_trio.loadgen.efficiency import Capacity, best_of, busy_seconds, efficiency, ideal_seconds
+from uma_trio.loadgen.efficiency import (
+    Capacity,
+    best_of,
+    busy_seconds,
+    efficiency,
+    ideal_seconds,
+    needed_for,
+)
 from uma_trio.loadgen.records import RequestRecord
 
 CAPACITY = Capacity(prefill={100: 100.0, 1000: 50.0}, decode={1: 10.0, 2: 16.0})
@@ -15,6 +27,21 @@ def record(client: str, sent: float, tokens: list[float], prompt: int) -> Reques
         client=client, lane="interactive", index=0, sent=sent, token_times=tokens, ended=tokens[-1],
         eos_reason="length", prompt_tokens=prompt, completion_tokens=len(tokens),
     )  # fmt: skip
+
+
+def compare_module() -> Any:
+    """benches/compare.py, imported as its own module (it imports its siblings by name)."""
+    benches = Path(__file__).resolve().parent.parent / "benches"
+    sys.path.insert(0, str(benches))
+    try:
+        spec = importlib.util.spec_from_file_location("compare_points", benches / "compare.py")
+        assert spec is not None and spec.loader is not None
+        compare = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = compare  # its dataclasses look their module up
+        spec.loader.exec_module(compare)
+    finally:
+        sys.path.remove(str(benches))
+    return compare
 
 
 def test_busy_time_is_the_union_of_request_spans() -> None:
@@ -60,21 +87,53 @@ def test_each_run_prices_the_prompts_its_scenario_reaches_and_every_batch_width(
     """compare.py measures the capacity around every run: for the mixed scenario (30- and
     2,000-token prompts) the prompts up to 2,048, not the 8,000-token prompt that alone took a
     minute; every decoder count, which guard_bound reads as the step of a batch that wide."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    benches = Path(__file__).resolve().parent.parent / "benches"
-    sys.path.insert(0, str(benches))
-    try:
-        spec = importlib.util.spec_from_file_location("compare_points", benches / "compare.py")
-        assert spec is not None and spec.loader is not None
-        compare = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = compare  # its dataclasses look their module up
-        spec.loader.exec_module(compare)
-    finally:
-        sys.path.remove(str(benches))
+    compare = compare_module()
     widths = [1, 2, 3, 4, 5, 6, 8, 16]
     assert compare.capacity_points("mixed") == ([128, 512, 2048], widths)
     assert compare.capacity_points("storm") == ([128, 512, 2048, 8000], widths)
     assert compare.capacity_points("scaling") == ([128], widths)
+
+
+def test_a_deadline_for_the_whole_load_asks_its_ideal_time_over_the_window() -> None:
+    records = [record("chat", 0.5, [1.0, 1.1, 1.2], 100), record("bulk", 1.0, [3.0], 1000)]
+    ideal = ideal_seconds(records, CAPACITY, {})
+    # due 4.5 s after the first send (0.5 s): the load needs ideal / 4.5 of the engine
+    assert needed_for(records, CAPACITY, {}, done_by=5.0) == pytest.approx(round(ideal / 4.5, 3))
+    # a deadline tighter than the work itself asks for more than the engine has
+    assert needed_for(records, CAPACITY, {}, done_by=0.5 + ideal / 2) > 1.0
+    assert needed_for(records, CAPACITY, {}, done_by=0.5) is None
+    assert needed_for([], CAPACITY, {}, done_by=5.0) is None
+
+
+def test_compare_prices_the_background_deadline_against_the_whole_run() -> None:
+    """compare.py's table: the deadline is 2x llama-server's completion of the prompt uma-trio
+    ended last, the whole load is due by then, and the efficiency that asks for is set beside
+    what each server achieved."""
+    from uma_trio.loadgen import ScenarioResult, load_suite
+
+    compare = compare_module()
+    scenario = next(s for s in load_suite(compare.SCENARIOS / "mixed.json").runs if s.name == "mixed")
+
+    def bulk(sent: float, first: float, end: float) -> RequestRecord:
+        return RequestRecord(
+            client="bulk", lane="background", index=0, sent=sent, token_times=[first, end], ended=end,
+            eos_reason="length", prompt_tokens=1000, completion_tokens=2,
+        )  # fmt: skip
+
+    ours = [record("chat-0", 100.0, [100.5, 101.0, 101.5], 100), bulk(101.0, 110.0, 111.0)]
+    theirs = [record("chat-0", 0.0, [6.0, 6.5, 7.0], 100), bulk(1.0, 3.0, 5.0)]  # bulk in 4 s
+    results = [
+        ScenarioResult(scenario=scenario, started=100.0, finished=111.0, records=ours, target="uma-trio"),
+        ScenarioResult(scenario=scenario, started=0.0, finished=7.0, records=theirs, target="llama-server"),
+    ]
+    rep = compare.Rep(results=results, steal="", rss={}, gc="", out=Path("."), capacity=CAPACITY)
+    row = compare.deadline_table([rep]).strip().splitlines()[-1]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    ideal = ideal_seconds(ours, CAPACITY, {})
+    # due 2 x 4 s after uma-trio sent the prompt (1 s after its first request): 9 s
+    assert cells[1] == "9.00"
+    assert cells[2] == f"{ideal:.2f}"
+    assert float(cells[3]) == pytest.approx(ideal / 9.0, abs=1e-3)
+    assert cells[4] == str(efficiency(ours, CAPACITY, {}))
+    assert cells[5] == str(efficiency(theirs, CAPACITY, {}))
+    assert cells[6] == "2.50"  # 10 s against 4 s

@@ -114,3 +114,19 @@ def efficiency(
 ) -> float | None:
     busy = busy_seconds(records)
     return round(ideal_seconds(records, capacity, prompt_of) / busy, 3) if busy > 0 else None
+
+
+def needed_for(
+    records: Sequence[RequestRecord], capacity: Capacity, prompt_of: Mapping[str, int], done_by: float
+) -> float | None:
+    """The efficiency a server needs to end all of ``records``' work by ``done_by`` (on the
+    records' clock): that work's ideal time over the time from the first send to ``done_by``.
+
+    A request that has to end last (a background prompt the latency guard cannot read beside
+    the chats, benches/guard_bound.py) is due only when the whole load is done, so its
+    deadline asks this much of the server; above 1.0 no scheduler on that engine meets it."""
+    done = [r for r in records if r.ended is not None]
+    if not done:
+        return None
+    window = done_by - min(r.sent for r in done)
+    return round(ideal_seconds(done, capacity, prompt_of) / window, 3) if window > 0 else None
