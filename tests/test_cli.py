@@ -16,6 +16,8 @@ import pytest
 import trio
 
 from uma_trio.client import UmaClient
+from uma_trio.config import ServerConfig
+from uma_trio.engine.llama import LlamaModel
 from uma_trio.protocol.messages import EosEvent, TokenEvent
 from uma_trio.runtime.server import Server
 
@@ -202,3 +204,119 @@ def test_a_damaged_calibration_file_is_passed_over_with_a_warning(
     assert "not used" in caplog.text and "uma-trio calibrate" in caplog.text
     CostCoefficients(source="test").save(tmp_path / "cost-model.json")
     assert _calibrated_cost_model(log) == tmp_path / "cost-model.json"
+
+
+def test_a_flag_the_parser_refuses_exits_1_not_the_daemons_2(tmp_path: Path) -> None:
+    """cyclopts exits 2 for a flag it cannot parse: the code generate documents for an error
+    the daemon reported, so a script could not tell a typo from a refusal."""
+    sock = str(tmp_path / "none.sock")
+    for args in (
+        ["generate", "--prompt", "x", "--bogus"],
+        ["generate", "--prompt", "x", "--max-tokens", "abc"],
+        ["generate"],
+        ["metrics", "--bogus"],
+        ["top", "--interval", "abc"],
+    ):
+        done = run_cli(*args, "--socket", sock)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, (args, done.stderr)
+    # A prompt may start with a hyphen ("-5 + 3 ="): taken as text, then no daemon there.
+    for args in (
+        ["generate", "--prompt", "-5 + 3 =", "--system", "-"],
+        ["snapshot", "save", "s", "--prompt", "-x"],
+    ):
+        done = run_cli(*args, "--socket", sock)
+        assert done.returncode == 3 and "cannot talk to the daemon" in done.stderr, (args, done.stderr)
+
+
+def test_serves_environment_variables_stay_with_serve(tmp_path: Path) -> None:
+    """Read app-wide, UMA_SYSTEM (a serve string) was parsed as `snapshot save`'s bool flag and
+    UMA_PROMPT filled its --prompt; the clients still read UMA_SOCKET."""
+    sock = tmp_path / "none.sock"
+    env = {**os.environ, "UMA_SYSTEM": "You are terse.", "UMA_PROMPT": "hello", "UMA_SOCKET": str(sock)}
+    for args in (
+        ["snapshot", "save", "n1", "--prompt", "hi"],
+        ["snapshot", "save", "n2", "--file", "/dev/null"],
+    ):
+        done = subprocess.run([*UMA, *args], capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 3, (args, done.stderr)  # parsed, then no daemon at UMA_SOCKET
+        assert f"cannot talk to the daemon at {sock}" in done.stderr
+
+
+async def test_generate_with_serves_max_tokens_in_the_environment(server: Server) -> None:
+    """UMA_MAX_TOKENS is serve's cap; generate took it as its own request size and was refused
+    (E_LIMIT_003) whenever it was over the daemon's --max-tokens."""
+    env = {**os.environ, "UMA_MAX_TOKENS": str(server.config.max_tokens * 2)}
+    done = await trio.run_process(
+        [*UMA, "generate", "--prompt", "Say hi.", "--temp", "0", "--socket", str(server.config.socket_path)],
+        capture_stdout=True, capture_stderr=True, check=False, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+async def test_generate_exits_2_when_the_daemon_cancels_the_request(
+    llama_model: LlamaModel, server_config: ServerConfig, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A request the daemon cancels (its shutdown's grace over, a stall) ended with exit 0 and
+    the text cut short, as if it had succeeded."""
+    from uma_trio.cli.client_commands import _generate
+
+    from .conftest import running_server
+
+    async with running_server(llama_model, server_config, shutdown_grace_s=0.0) as daemon:
+        count = "Count from 1 to 500, separated by commas."
+        request = {"messages": [{"role": "user", "content": count}], "max_tokens": 400, "temperature": 0.0}
+
+        async def stop_soon() -> None:
+            await trio.sleep(0.5)
+            daemon.request_shutdown()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop_soon)
+            code = await _generate(daemon.config.socket_path, request)
+    assert code == 2
+    assert "the daemon cancelled the request (shutdown)" in capsys.readouterr().err
+
+
+async def test_serve_refuses_a_live_socket_and_a_bad_store_before_loading(
+    server: Server, tmp_path: Path
+) -> None:
+    """A second daemon on a live socket loaded the model (on a GPU its KV cache too) before
+    saying another one was running; a bad --models-dir was found after the load as well."""
+    live = str(server.config.socket_path)
+    for args in (
+        ["--socket", live],
+        ["--socket", str(tmp_path / "s.sock"), "--models-dir", str(tmp_path / "none")],
+    ):
+        done = await trio.run_process(
+            [*UMA, "serve", *args], capture_stdout=True, capture_stderr=True, check=False
+        )  # fmt: skip
+        err = done.stderr.decode()
+        assert done.returncode == 2, err
+        assert "already listening" in err or "not a directory" in err, err
+        assert "loading" not in err, err  # refused before the model was read
+
+
+def test_calibrate_refuses_an_unwritable_out_before_measuring(tmp_path: Path) -> None:
+    """`--out` was first tried after the whole measurement (a minute here, longer on a GPU)."""
+    for out in (tmp_path, Path("/proc/uma-trio/cost.json")):
+        done = run_cli("calibrate", "--out", str(out), "--repeats", "1", timeout=30)
+        assert done.returncode == 2 and f"cannot write {out}" in done.stderr, done.stderr
+        assert "prefilling" not in done.stderr  # nothing measured
+
+
+async def test_top_into_a_pipe_prints_a_frame_each_interval(server: Server) -> None:
+    """Drawn on the alternate screen, `top | tee` (or top into a file) wrote nothing at all."""
+    sock = str(server.config.socket_path)
+    proc = await trio.lowlevel.open_process(
+        [*UMA, "top", "--interval", "0.3", "--socket", sock], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    await trio.sleep(3.0)
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout is not None
+    out = b""
+    with trio.fail_after(10):
+        while chunk := await proc.stdout.receive_some():
+            out += chunk
+        await proc.wait()
+    assert proc.returncode == 0
+    assert out.decode().count("requests in flight") >= 2

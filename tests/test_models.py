@@ -127,12 +127,14 @@ class Shelf:
 
 
 @asynccontextmanager
-async def daemon(shelf: Shelf, **overrides: Any) -> AsyncIterator[tuple[Server, SimEngine]]:
+async def daemon(
+    shelf: Shelf, store: ModelStore | None = None, **overrides: Any
+) -> AsyncIterator[tuple[Server, SimEngine]]:
     with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
         config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock", **overrides)
         sizes = {"b": 2, "c": 2, "bad": 2, "huge": 10}  # each model's footprint, in bytes
         others = [StoreEntry(name, Path(f"{name}.gguf"), size) for name, size in sizes.items()]
-        store = ModelStore([StoreEntry("sim", Path("sim.gguf"), 1, primary=True), *others])
+        store = store or ModelStore([StoreEntry("sim", Path("sim.gguf"), 1, primary=True), *others])
         primary = SimEngine(shelf.cost, n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
         server = Server(primary, config, store=store, loading=Loading(shelf.load, budget_bytes=shelf.budget))
         async with trio.open_nursery() as nursery:
@@ -330,6 +332,27 @@ async def test_models_are_listed_loaded_and_unloaded_on_request(autojump_clock: 
         with pytest.raises(RequestFailed) as broken:
             await c.models("load", "bad")
         assert broken.value.event.code == "E_MODEL_003"
+
+
+async def test_the_list_reads_the_models_directory_again(tmp_path: Path) -> None:
+    """A model pulled or copied into --models-dir was listed (/v1/models, /api/tags, ps) only
+    once a request had named it, so a picker filled from the list could never offer it; one
+    deleted stayed listed.  The primary says it is loaded for good, as a loaded model does."""
+    models = tmp_path / "models"
+    models.mkdir()
+    primary = tmp_path / "sim.gguf"
+    primary.write_bytes(b"x")
+    (models / "b.gguf").write_bytes(b"xx")
+    store = ModelStore.scan(primary, models)
+    async with daemon(Shelf(), store=store) as (server, _), UmaClient.connect(socket_of(server)) as c:
+        first = (await c.models()).models
+        assert [m["id"] for m in first] == ["sim", "b"]
+        main = first[0]
+        assert main["keep_alive_s"] is None and main["busy"] is False and main["idle_s"] >= 0
+        (models / "new.gguf").write_bytes(b"xxx")
+        (models / "b.gguf").unlink()
+        assert [m["id"] for m in (await c.models()).models] == ["sim", "new"]
+        assert [m["id"] for m in server.metrics_snapshot()["models"]] == ["sim", "new"]
 
 
 # -- the real engine: the default model and a tiny random one --------------------------------

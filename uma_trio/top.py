@@ -19,6 +19,11 @@ async def run_top(socket: Path, interval: float, once: bool = False, console: Co
         if once:
             console.print(frame)
             return
+        if not console.is_terminal:  # `top | tee`, a log: a frame each interval, as `top -b`
+            while True:
+                console.print(frame)
+                await trio.sleep(interval)
+                frame = dashboard(await client.metrics())
         # The metrics request is answered by the connection task, never behind a decode
         # tick, so the view keeps refreshing while a long prompt is being prefilled.
         with Live(frame, console=console, screen=True, auto_refresh=False) as live:

@@ -1,9 +1,13 @@
 """``uma-trio``: serve, info, generate, metrics, top, bench, snapshot, calibrate, ps, load, unload
 and fetch-model.
 
-Every ``serve`` flag also reads an environment variable: ``--n-ctx`` ⇄ ``UMA_N_CTX`` and so
-on (``--socket`` also honours the seeds' ``UMA_SOCK``); the flags are ServerConfig's fields
-(uma_trio/config.py).  One module per group of commands; this one assembles the app.
+Every ``serve`` (and ``info``) flag also reads an environment variable: ``--n-ctx`` ⇄
+``UMA_N_CTX`` and so on (``--socket`` also honours the seeds' ``UMA_SOCK``); the flags are
+ServerConfig's fields (uma_trio/config.py).  The client commands read only ``UMA_SOCKET`` /
+``UMA_SOCK`` (and ``bench`` ``UMA_API_KEY``): read app-wide, serve's ``UMA_MAX_TOKENS`` became
+``generate``'s request size and ``UMA_SYSTEM`` a flag ``snapshot save`` could not parse.  A bad
+option exits 1 (cyclopts' own exit is 2, the code for an error the daemon reported).  One module
+per group of commands; this one assembles the app.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import cyclopts
 
 from ..config import ConfigError
 from .client_commands import bench, generate, metrics, top
-from .common import EXIT_PROTOCOL_ERROR, EXIT_SERVER_ERROR
+from .common import EXIT_PROTOCOL_ERROR, EXIT_SERVER_ERROR, EXIT_USAGE
 from .models import load, ps, pull, unload
 from .serve import info, serve
 from .snapshot import snapshot_app
@@ -23,18 +27,20 @@ from .tools import calibrate, fetch_model
 __all__ = ["EXIT_PROTOCOL_ERROR", "EXIT_SERVER_ERROR", "app", "main", "metrics", "top"]
 
 app = cyclopts.App(
-    name="uma-trio",
-    help="A local multi-tenant LLM daemon with token-level scheduling, on trio.",
-    config=cyclopts.config.Env("UMA_", command=False),
+    name="uma-trio", help="A local multi-tenant LLM daemon with token-level scheduling, on trio."
 )
-for command in (serve, info, generate, metrics, top, bench, snapshot_app, calibrate, ps, load, unload, pull):
-    app.command(command)
+for daemon_command in (serve, info):
+    app.command(daemon_command, config=cyclopts.config.Env("UMA_", command=False))
+for client_command in (generate, metrics, top, bench, snapshot_app, calibrate, ps, load, unload, pull):
+    app.command(client_command)
 app.command(fetch_model, name="fetch-model")
 
 
 def main() -> None:
     try:
-        result = app()
+        result = app(exit_on_error=False)
+    except cyclopts.CycloptsError:  # already printed, with the usage
+        sys.exit(EXIT_USAGE)
     except ConfigError as exc:  # ServerConfig's own checks run as cyclopts builds it
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(EXIT_SERVER_ERROR)

@@ -26,11 +26,13 @@ from .common import (
     daemon_failure,
 )
 
+Text = Annotated[str, Parameter(allow_leading_hyphen=True)]  # a prompt may start with "-"
+
 
 def generate(
     *,
-    prompt: str,
-    system: str | None = None,
+    prompt: Text,
+    system: Text | None = None,
     max_tokens: int = 128,
     temp: float = 0.8,
     top_p: float = 0.95,
@@ -46,8 +48,9 @@ def generate(
 ) -> int:
     """Send one request and print the answer to stdout (the seeds' uma-cli).
 
-    Exit status: 0 success, 1 a bad option or file, 2 the daemon reported an error, 3
-    connection or protocol error, 141 when the output's reader went away (`| head`).
+    Exit status: 0 success, 1 a bad option or file, 2 the daemon reported an error or
+    cancelled the request (its shutdown, a stall), 3 connection or protocol error, 130 on
+    Ctrl-C, 141 when the output's reader went away (`| head`).
 
     Parameters
     ----------
@@ -140,7 +143,12 @@ async def _generate(socket: Path, request: dict[str, object]) -> int:
                         calls = [msgspec.to_builtins(call) for call in event.tool_calls]
                         sys.stdout.write(json.dumps(calls) + "\n")
                     sys.stdout.flush()
-                    return EXIT_SERVER_ERROR if event.reason == "error" else 0
+                    if event.reason == "cancelled":  # by the daemon: shutdown, a stall...
+                        why = f" ({event.cancel_reason})" if event.cancel_reason else ""
+                        print(
+                            f"the daemon cancelled the request{why}: the answer is cut short", file=sys.stderr
+                        )
+                    return EXIT_SERVER_ERROR if event.reason in ("error", "cancelled") else 0
     except BrokenPipeError:
         # Our reader went away (`| head`): the request was cancelled on the way out; no
         # daemon failure, and no second complaint when Python flushes stdout at exit.
@@ -194,7 +202,8 @@ def top(*, socket: SocketPath = DEFAULT_SOCKET, interval: float = 1.0, once: boo
     interval
         Seconds between refreshes.
     once
-        Draw one frame and exit (for scripts).
+        Draw one frame and exit (for scripts). Where the output is not a terminal, a frame
+        is printed every interval instead of a redrawn screen (as `top -b`).
     """
     from ..top import run_top
 

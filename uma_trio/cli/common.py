@@ -13,10 +13,10 @@ from cyclopts import Parameter
 from ..client import RequestFailed
 from ..config import ServerConfig
 
-SocketPath = Annotated[Path, Parameter(env_var="UMA_SOCK")]  # UMA_SOCKET comes from the app's Env config
+SocketPath = Annotated[Path, Parameter(env_var=["UMA_SOCKET", "UMA_SOCK"])]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
-EXIT_USAGE = 1  # a bad option or file, as cyclopts exits for a bad flag
+EXIT_USAGE = 1  # a bad option or file (cli.main maps cyclopts' own 2 to it)
 EXIT_SERVER_ERROR = 2
 EXIT_PROTOCOL_ERROR = 3
 EXIT_READER_GONE = 141  # stdout's reader went away (`| head`), as a tool killed by SIGPIPE exits

@@ -15,7 +15,8 @@ from cyclopts import Parameter
 
 from ..config import ConfigError, ServerConfig
 from ..model_files import ModelFileError, check_model_path, ensure_default_model
-from ..runtime.unix_socket import SocketInUseError, check_socket_path, ensure_private_dir
+from ..model_store import ModelStore, StoreError
+from ..runtime.unix_socket import SocketInUseError, check_socket_path, ensure_private_dir, refuse_taken_socket
 from .common import (
     DEFAULTS,
     EXIT_SERVER_ERROR,
@@ -77,9 +78,13 @@ def serve(
         return EXIT_SERVER_ERROR
     try:
         model_path = check_model_path(model) if model is not None else ensure_default_model()
-        check_socket_path(config.socket_path)  # both checked again at bind; fail before loading
+        # All checked again at bind and when the store is built; here they fail in a second,
+        # not after the model (and on a GPU its KV cache) has loaded.
+        check_socket_path(config.socket_path)
         ensure_private_dir(config.socket_path.parent)
-    except (ModelFileError, SocketInUseError) as exc:
+        refuse_taken_socket(config.socket_path)  # a live daemon there: "already running"
+        ModelStore.scan(model_path, config.models_dir, config.alias)
+    except (ModelFileError, SocketInUseError, StoreError) as exc:
         log.error("%s", exc)
         return EXIT_SERVER_ERROR
     if config.allowed_uids is None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import cyclopts
+from cyclopts import Parameter
 
 from ..client import ConnectionLost, RequestFailed, UmaClient
 from ..config import DEFAULT_SOCKET
@@ -28,7 +29,7 @@ snapshot_app = cyclopts.App(
 def snapshot_save(
     name: str,
     *,
-    prompt: str | None = None,
+    prompt: Annotated[str | None, Parameter(allow_leading_hyphen=True)] = None,
     file: Path | None = None,
     system: bool = False,
     socket: SocketPath = DEFAULT_SOCKET,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -68,6 +69,10 @@ def calibrate(
     if repeats < 1 or (threads is not None and threads < 1):
         print("error: --repeats and --threads must be positive", file=sys.stderr)
         return EXIT_SERVER_ERROR
+    target = out if out is not None else default_cost_model_path()
+    if (problem := _unwritable(target)) is not None:  # found now, not after a minute of measuring
+        print(f"error: cannot write {target}: {problem}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
     try:
         model_path = check_model_path(model) if model is not None else ensure_default_model()
     except ModelFileError as exc:
@@ -114,7 +119,6 @@ def calibrate(
     print(f"device           {c.device}")
     print(f"R²               {q.r2:.4f}  ({q.n_samples} configurations, medians)")
     print(f"mean |rel. err|  {100.0 * q.mean_abs_rel_error:.1f} %")
-    target = out if out is not None else default_cost_model_path()
     try:
         c.save(target)
     except OSError as exc:
@@ -122,3 +126,16 @@ def calibrate(
         return EXIT_SERVER_ERROR
     print(f"wrote {target}")
     return 0
+
+
+def _unwritable(target: Path) -> str | None:
+    """Why the cost model could not be written to ``target``, or None."""
+    if target.is_dir():
+        return "it is a directory"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not os.access(target.parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return "permission denied"
+    return None

@@ -116,6 +116,7 @@ class ModelHost:
         self._room = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self.loads = self.unloads = 0
+        self.primary_loop: DecodeLoop | None = None  # --model's, the server's own: for describe
 
     # -- the request path --------------------------------------------------------------
 
@@ -163,7 +164,11 @@ class ModelHost:
         return "loading" if lock is not None and lock.locked() else "unloaded"
 
     def describe(self) -> list[dict[str, Any]]:
-        """Every model of the store and its state (metrics, /v1/models, /api/ps)."""
+        """Every model of the store and its state (metrics, /v1/models, /api/tags, /api/ps, the
+        socket's ``models``): the directory is read again first, so a model pulled or copied in
+        since is listed (a picker filled from the list could not name it otherwise) and one
+        deleted since is not."""
+        self.store = self.store.rescanned(loaded=self.units)
         now, described = self._clock(), []
         for entry in self.store.entries():
             unit = self.units.get(entry.id)
@@ -178,6 +183,10 @@ class ModelHost:
                 item["keep_alive_s"] = None if math.isinf(unit.keep_alive_s) else unit.keep_alive_s
                 item["busy"] = not unit.loop.idle or unit.pending > 0
                 item["idle_s"] = round(now - max(unit.loop.idle_since, unit.last_used), 3)
+            elif entry.primary and self.primary_loop is not None:  # loaded for good
+                item["keep_alive_s"] = None
+                item["busy"] = not self.primary_loop.idle
+                item["idle_s"] = round(now - self.primary_loop.idle_since, 3)
             described.append(item)
         return described
 

@@ -84,6 +84,7 @@ class Server:
             engine, config, self.metrics, policy=policy, sharing=share, clients=self.clients
         )
         self.models = ModelHost(store, loading, config, self.metrics, machine=machine, clients=self.clients)
+        self.models.primary_loop = self.loop
         self.process = ProcessSampler()
         self.registry = build_registry(self.metrics.registry, self.metrics_snapshot)
         self.metrics_url: str | None = None  # set by the daemon once --metrics-port serves

@@ -112,20 +112,28 @@ def _probe_live(path: Path) -> bool:
         probe.close()
 
 
-def remove_stale_socket(path: Path) -> None:
-    """Remove a socket file no daemon listens on; refuse a live one or a non-socket."""
+def refuse_taken_socket(path: Path) -> bool:
+    """SocketInUseError where ``path`` is not ours to bind (a live daemon's socket, another
+    user's, not a socket); True where a stale socket of ours is there to replace."""
     try:
-        mode = path.lstat().st_mode
+        info = path.lstat()
     except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
+        return False
+    if not stat.S_ISSOCK(info.st_mode):
         raise SocketInUseError(f"{path} exists and is not a socket; refusing to replace it")
-    owner = path.lstat().st_uid
-    if owner != os.geteuid():
-        raise SocketInUseError(f"{path} belongs to uid {owner}, not to this user; refusing to replace it")
+    if info.st_uid != os.geteuid():
+        raise SocketInUseError(
+            f"{path} belongs to uid {info.st_uid}, not to this user; refusing to replace it"
+        )
     if _probe_live(path):
         raise SocketInUseError(f"another daemon is already listening on {path}")
-    path.unlink(missing_ok=True)
+    return True
+
+
+def remove_stale_socket(path: Path) -> None:
+    """Remove a socket file no daemon listens on; refuse a live one or a non-socket."""
+    if refuse_taken_socket(path):
+        path.unlink(missing_ok=True)
 
 
 async def bind_unix_listener(path: Path, backlog: int = 128) -> tuple[trio.SocketListener, int]:
