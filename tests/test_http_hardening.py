@@ -445,3 +445,40 @@ async def test_clients_that_never_read_their_answers_lose_their_slots() -> None:
                 assert (await http.get("/v1/models")).status_code == 200
         for hog, _ in hogs:
             hog.close()
+
+
+async def test_more_choices_than_the_daemon_can_ever_hold_are_a_400() -> None:
+    """n over --max-sessions + --max-queue was a 429 with Retry-After on an idle daemon, for
+    ever, each try starting and cancelling its choices; a streamed choice refused once the
+    stream had begun was missing from the errors metric."""
+    async with (
+        gateway_on_sim(max_sessions=2, max_queue=0) as (server, _, url),
+        httpx.AsyncClient(base_url=url, timeout=30) as http,
+    ):
+        for stream in (False, True):
+            body = {"model": "sim", "prompt": "hello", "max_tokens": 4, "n": 3, "stream": stream}
+            answer = await http.post("/v1/completions", json=body)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "n", answer.text
+        assert sum(server.metrics_snapshot()["requests"]["interactive"].values()) == 0  # none started
+        two = await http.post(
+            "/v1/completions", json={"model": "sim", "prompt": "hi", "max_tokens": 4, "n": 2}
+        )
+        assert two.status_code == 200 and len(two.json()["choices"]) == 2
+
+        async with trio.open_nursery() as nursery:  # one session taken: the second choice is refused
+            busy = {"model": "sim", "prompt": "go", "max_tokens": 400, "stream": True}
+            started = trio.Event()
+
+            async def hold() -> None:
+                async with http.stream("POST", "/v1/completions", json=busy) as held:
+                    async for _ in held.aiter_lines():
+                        started.set()
+
+            nursery.start_soon(hold)
+            await started.wait()
+            before = server.metrics_snapshot()["errors"].get("E_LIMIT_004", 0)
+            body = {"model": "sim", "prompt": "hello", "max_tokens": 50, "n": 2, "stream": True}
+            answer = await http.post("/v1/completions", json=body)
+            assert answer.status_code == 200 and "E_LIMIT_004" in answer.text
+            assert server.metrics_snapshot()["errors"].get("E_LIMIT_004", 0) == before + 1
+            nursery.cancel_scope.cancel()

@@ -66,6 +66,15 @@ async def test_a_prompt_over_the_context_is_one_litellm_and_claude_code_recognis
         with pytest.raises(openai.BadRequestError) as overflow:
             await chat.chat.completions.create(model=MODEL, messages=LONG, max_tokens=8)  # type: ignore[arg-type]
         assert overflow.value.code == "context_length_exceeded"
+        # A prompt that fits with a max_tokens that does not: the message names max_tokens (it
+        # said "prompt is too long", and a client shortened the wrong thing) and the room left.
+        short = [{"role": "user", "content": "Hi"}]
+        with pytest.raises(openai.BadRequestError) as asked:
+            await chat.chat.completions.create(model=MODEL, messages=short, max_tokens=300)  # type: ignore[arg-type]
+        assert asked.value.code == "context_length_exceeded"
+        message: Any = asked.value.body
+        assert message["message"].startswith("max_tokens is too large: ") and "at most " in message["message"]
+        assert "exceeds the available context size" in message["message"]
 
 
 @pytest.mark.model

@@ -316,6 +316,10 @@ class Gateway:
         translated.request = msgspec.structs.replace(translated.request, model=body.model)
         owner = request_owner(request)
         if translated.n > 1:
+            room = server.config.max_sessions + server.config.max_queue
+            if translated.n > room:  # never all admitted: not a 429 to retry for ever
+                held = f"this daemon holds at most {room} requests at once (sessions and queue)"
+                raise ApiError(400, f"n={translated.n}: {held}", param="n")
             return await self._choices(request, body, translated, arrived, owner, completion_id)
         async with self._in_flight(translated.request, arrived, translated.auto_max_tokens, owner) as flight:
             return await self._openai_response(request, body, flight, completion_id, translated.include_usage)
@@ -501,7 +505,8 @@ class Gateway:
                     case ErrorEvent(code=code, message=message):
                         yield openai.sse(_json.encode(openai.api_error(ErrorCode(code), message).body()))
                         return
-                    case ApiError():
+                    case ApiError():  # a choice refused once the stream began
+                        self._count_error(item)
                         yield openai.sse(_json.encode(item.body()))
                         return
                     case _:

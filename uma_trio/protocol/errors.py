@@ -80,6 +80,13 @@ def too_long(detail: str) -> str:
     return f"prompt is too long: {detail} (the request exceeds the available context size)"
 
 
+def too_many_tokens_asked(detail: str) -> str:
+    """The message of a prompt that fits but leaves less room than ``max_tokens`` asks for: it
+    names what to lower (the prompt is not what is too long), and keeps the words LiteLLM
+    reads as a context overflow (:func:`too_long`)."""
+    return f"max_tokens is too large: {detail} (the request exceeds the available context size)"
+
+
 def shown(value: str, limit: int = 64) -> str:
     """Client-supplied text as it may appear in a message or a log line: control characters
     escaped (a newline cannot forge a log line) and at most ``limit`` characters, marked

@@ -50,7 +50,7 @@ import trio
 from ..config import ServerConfig
 from ..engine.base import BatchEntry, Engine, EngineError, Follow, StepResult, TokenArray
 from ..observability.metrics import Metrics
-from ..protocol.errors import ErrorCode, UmaError, too_long
+from ..protocol.errors import ErrorCode, UmaError, too_long, too_many_tokens_asked
 from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEvent
 from ..sched.graph_shapes import ShapeStreak, plan_shape
 from ..sched.kv_manager import Claim, KvManager, common_prefix
@@ -143,21 +143,23 @@ class DecodeLoop:
 
     # -- called from connection tasks (synchronous: they only record and wake) --
 
+    def _overflow(self, session: Session) -> str:
+        """Why ``session`` cannot fit the per-request context, naming what to cut."""
+        n_ctx, prompt = self.engine.n_ctx_seq, len(session.prompt)
+        room = f"exceeds the per-request context of {n_ctx} tokens"
+        if session.request.embed:
+            return too_long(f"the input to embed ({prompt} tokens; truncate cuts it to fit) {room}")
+        needs = f"prompt ({prompt} tokens) + max_tokens ({session.request.max_tokens}) {room}"
+        if prompt < n_ctx:  # the prompt fits: what it asks to generate does not
+            return too_many_tokens_asked(f"{needs}; at most {n_ctx - prompt} can follow this prompt")
+        return too_long(needs)
+
     def submit(self, session: Session) -> None:
         """Queue an accepted request, or raise :class:`UmaError` if the daemon is full."""
         if not self._accepting:
             raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=session.id)
         if session.reserved_cells > self.engine.n_ctx_seq:
-            needs = (
-                f"the input to embed ({len(session.prompt)} tokens; truncate cuts it to fit)"
-                if session.request.embed
-                else f"prompt ({len(session.prompt)} tokens) + max_tokens ({session.request.max_tokens})"
-            )
-            raise UmaError(
-                ErrorCode.CONTEXT_OVERFLOW,
-                too_long(f"{needs} exceeds the per-request context of {self.engine.n_ctx_seq} tokens"),
-                request_id=session.id,
-            )
+            raise UmaError(ErrorCode.CONTEXT_OVERFLOW, self._overflow(session), request_id=session.id)
         if self._queue_full(session):
             raise UmaError(
                 ErrorCode.SERVER_BUSY,
