@@ -9,7 +9,15 @@ import pytest
 
 from uma_trio.protocol import openai, openai_errors
 from uma_trio.protocol.errors import ErrorCode
-from uma_trio.protocol.messages import EosEvent, Timings, TokenLogprob, ToolCall, ToolCallFunction, Usage
+from uma_trio.protocol.messages import (
+    EosEvent,
+    Timings,
+    TokenLogprob,
+    ToolCall,
+    ToolCallFunction,
+    TopLogprob,
+    Usage,
+)
 from uma_trio.protocol.openai_logprobs import TextOffsets, completion_logprobs
 
 MODEL = "m"
@@ -241,6 +249,19 @@ def test_text_offsets_count_characters_not_the_u_fffd_of_split_ones() -> None:
     ]
     described = completion_logprobs(entries, TextOffsets(2))
     assert described is not None and described.text_offset == [2, 2, 3]  # "ab" + "éx": "x" at 3
+
+
+def test_legacy_tokens_of_a_split_character_are_named_by_their_bytes() -> None:
+    """Each half of "é" read U+FFFD: the tokens did not join to the text, and two such
+    alternatives collided as one key of top_logprobs.  OpenAI writes them "bytes:\\xc3"."""
+    halves = [TopLogprob("\ufffd", -1.0, [0xC3]), TopLogprob("\ufffd", -2.0, [0xC4])]
+    entries = [TokenLogprob("\ufffd", -0.1, [0xC3], halves), TokenLogprob("\ufffd", -0.1, [0xA9], [])]
+    described = completion_logprobs(entries)
+    assert described is not None
+    assert described.tokens == ["bytes:\\xc3", "bytes:\\xa9"]
+    assert described.top_logprobs[0] == {"bytes:\\xc3": -1.0, "bytes:\\xc4": -2.0}
+    whole = completion_logprobs([TokenLogprob("é", -0.1, list("é".encode()), [])])
+    assert whole is not None and whole.tokens == ["é"]
 
 
 def lp(token: str, data: bytes | None = None) -> TokenLogprob:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from msgspec import Struct
 
-from .messages import TokenLogprob
+from .messages import TokenLogprob, TopLogprob
 
 
 class ChatLogprobs(Struct):
@@ -20,6 +20,17 @@ class CompletionLogprobs(Struct):
     token_logprobs: list[float]
     top_logprobs: list[dict[str, float]]
     text_offset: list[int]  # where each token's text starts in the completion
+
+
+def legacy_token(entry: TokenLogprob | TopLogprob) -> str:
+    """A token as the legacy completions' lists name it: its text, or where its bytes are part
+    of a character split across tokens, ``bytes:\\xe5\\x9b`` as OpenAI writes them (the text
+    read U+FFFD, the same for every such token, so the tokens no longer joined to the text
+    and two of them collided as one key of ``top_logprobs``)."""
+    try:
+        return bytes(entry.bytes).decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in entry.bytes)
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob] | None) -> ChatLogprobs | None:
@@ -52,8 +63,8 @@ def completion_logprobs(
     if entries is None:
         return None
     return CompletionLogprobs(
-        tokens=[e.token for e in entries],
+        tokens=[legacy_token(e) for e in entries],
         token_logprobs=[e.logprob for e in entries],
-        top_logprobs=[{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+        top_logprobs=[{legacy_token(t): t.logprob for t in e.top_logprobs} for e in entries],
         text_offset=(offsets or TextOffsets()).starts(entries),
     )
