@@ -19,13 +19,18 @@ from uma_trio.runtime.delivery import deliver
 
 from .helpers import sim_daemon
 
-LAST_TICK = (
+LAST_TICK = (  # labels besides the model's
     ("uma_scheduler_served_decoders", ()),
     ("uma_scheduler_tokens_per_tick", (("kind", "decode"),)),
     ("uma_scheduler_tick_seconds", (("kind", "last"),)),
     ("uma_scheduler_tick_seconds", (("kind", "predicted"),)),
     ("uma_scheduler_bmt_bytes", (("kind", "estimate"),)),
 )
+
+
+def _of(model: str, key: tuple[str, tuple[tuple[str, str], ...]]) -> tuple[str, tuple[tuple[str, str], ...]]:
+    name, labels = key
+    return name, tuple(sorted((*labels, ("model", model))))
 
 
 def _scrape(snapshot: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -51,19 +56,36 @@ async def test_last_tick_gauges_read_zero_while_nothing_runs(autojump_clock: tri
     assert idle["sessions"]["active"] == 0 and idle["sessions"]["waiting"] == 0
     assert idle["scheduler"]["served_decoders"] > 0 and idle["scheduler"]["decode_ms_last"] > 0  # kept
     samples = _scrape(idle)
+    model = next(iter(idle["by_model"]))
     for key in LAST_TICK:
-        assert samples[key] == 0.0, key
-    assert samples[("uma_scheduler_tick_seconds", (("kind", "ewma"),))] > 0  # smoothed: kept
+        assert samples[_of(model, key)] == 0.0, key
+    assert samples[_of(model, ("uma_scheduler_tick_seconds", (("kind", "ewma"),)))] > 0  # smoothed: kept
 
     # The same figures while a request runs (or waits): the last tick's, as before.
-    for state in ("active", "waiting"):
-        busy = {**idle, "sessions": {**idle["sessions"], state: 1}}
-        samples = _scrape(busy)
-        scheduler = idle["scheduler"]
-        assert samples[LAST_TICK[0]] == scheduler["served_decoders"]
-        assert samples[LAST_TICK[1]] == scheduler["tokens_per_tick"]["decode"]
-        assert samples[LAST_TICK[2]] == pytest.approx(scheduler["decode_ms_last"] / 1000)
-        assert samples[LAST_TICK[3]] == pytest.approx(scheduler["predicted_ms_last"] / 1000)
+    busy = {**idle, "by_model": {m: {**v, "idle": False} for m, v in idle["by_model"].items()}}
+    samples = _scrape(busy)
+    scheduler = idle["scheduler"]
+    assert samples[_of(model, LAST_TICK[0])] == scheduler["served_decoders"]
+    assert samples[_of(model, LAST_TICK[1])] == scheduler["tokens_per_tick"]["decode"]
+    assert samples[_of(model, LAST_TICK[2])] == pytest.approx(scheduler["decode_ms_last"] / 1000)
+    assert samples[_of(model, LAST_TICK[3])] == pytest.approx(scheduler["predicted_ms_last"] / 1000)
+
+
+async def test_the_routers_headroom_is_the_least_any_busy_model_has(autojump_clock: trio.abc.Clock) -> None:
+    """With several models the headroom read the primary's slack alone: a second model whose
+    streams had spent theirs showed a router all of it left while the primary sat idle."""
+    async with sim_daemon() as server:
+        snap = server.metrics_snapshot()
+    primary = next(iter(snap["by_model"]))
+    spent = {**snap["scheduler"], "slack": {**snap["scheduler"]["slack"], "used": 0.05, "budget": 0.05}}
+    snap["by_model"] = {
+        primary: {"scheduler": snap["scheduler"], "idle": True},
+        "b": {"scheduler": spent, "idle": False},
+    }
+    samples = _scrape(snap)
+    assert samples[("uma_p95_headroom_ratio", ())] == 0.0
+    snap["by_model"]["b"]["idle"] = True
+    assert _scrape(snap)[("uma_p95_headroom_ratio", ())] == 1.0
 
 
 def test_an_embedding_counts_as_embedded_and_not_as_a_request_duration() -> None:

@@ -195,6 +195,10 @@ async def test_requests_to_other_models_count_in_the_daemons_gauges(autojump_clo
         assert busy["sessions"]["active"] + busy["sessions"]["waiting"] == 1
         assert busy["kv_loaded"]["cells_total"] == 2 * busy["kv"]["cells_total"]  # both models'
         assert "uma_num_requests_running 1.0" in texts[-1] or "uma_num_requests_waiting 1.0" in texts[-1]
+        # Each loaded model's scheduler, by its label: the primary's alone were exported.
+        assert set(busy["by_model"]) == {"sim", "b"} and busy["by_model"]["sim"]["idle"]
+        assert 'uma_scheduler_served_decoders{model="b"}' in texts[-1]
+        assert 'uma_scheduler_served_decoders{model="sim"} 0.0' in texts[-1]
 
 
 async def test_a_request_waiting_for_its_model_to_load_is_queued_in_the_gauges() -> None:

@@ -95,8 +95,7 @@ class SnapshotCollector(Collector):
             "uma_prefix_cache_held", "What the prefix cache holds now", ["kind"],
             {"cells": cache["cells"], "sequences": cache["sequences"]},
         )  # fmt: skip
-        sessions = snap["sessions"]
-        yield from self._scheduler(snap["scheduler"], idle=not sessions["active"] and not sessions["waiting"])
+        yield from self._scheduler(_loops(snap))
         yield from self._garbage_collector(snap["process"])
         yield from self._router(snap)
         yield from self._window_quantiles(snap["latency"]["window"])
@@ -151,7 +150,7 @@ class SnapshotCollector(Collector):
     def _router(self, snap: dict[str, Any]) -> Iterator[Metric]:
         """What a router in front of several daemons reads (docs/FLEET.md): the Gateway API
         Inference Extension's endpoint picker takes the first three by name."""
-        sessions, kv, slack = snap["sessions"], snap["kv"], snap["scheduler"]["slack"]
+        sessions, kv = snap["sessions"], snap["kv"]
         yield _gauge(
             "uma_num_requests_waiting", "Requests queued for a sequence", [], {"": sessions["waiting"]}
         )
@@ -167,9 +166,8 @@ class SnapshotCollector(Collector):
         # The window counts ticks, so it keeps the last streams' overruns while nothing runs:
         # an idle daemon has all its headroom (a request's first tick beside no stream spends
         # none), and once read 0 until 400 interactive ticks had run.
-        idle = not sessions["active"] and not sessions["waiting"]
-        left = max(0.0, 1.0 - slack["used"] / slack["budget"]) if slack["budget"] else 0.0
-        headroom = 1.0 if idle else left
+        # With several models, the least any busy one has left: they share the machine.
+        headroom = min((_headroom(s["slack"], idle) for s, idle in _loops(snap).values()), default=1.0)
         yield _gauge(
             "uma_p95_headroom_ratio",
             "Share of the p95 slack not spent (1: all of it left)",
@@ -179,46 +177,71 @@ class SnapshotCollector(Collector):
         models = {(m["id"], m["state"]): 1 for m in snap.get("models", [])}
         yield _gauge("uma_model", "The daemon's models, by state", ["model", "state"], models)
 
-    def _scheduler(self, s: dict[str, Any], *, idle: bool) -> Iterator[Metric]:
-        """``idle``: nothing runs or waits.  The last tick's figures (its time, prediction,
-        tokens, decoders, ΣBMT estimate) then read 0: the policy keeps the last busy tick's,
-        which would otherwise stand for ever on an idle daemon (the JSON snapshot keeps them)."""
-        last = 0.0 if idle else _seconds(s["decode_ms_last"])
-        predicted = 0.0 if idle else _seconds(s["predicted_ms_last"])
+    def _scheduler(self, loops: dict[str, tuple[dict[str, Any], bool]]) -> Iterator[Metric]:
+        """Each loaded model's scheduler, labelled by ``model``: ``loops`` maps a model id to
+        its policy snapshot and whether its loop is idle (nothing runs or waits).  An idle
+        loop's last-tick figures (its time, prediction, tokens, decoders, ΣBMT estimate) read
+        0: the policy keeps the last busy tick's, which would otherwise stand for ever (the
+        JSON snapshot keeps them)."""
+        rows: dict[str, dict[Any, Any]] = {}
+
+        def put(name: str, key: Any, value: Any) -> None:
+            rows.setdefault(name, {})[key] = value
+
+        for model, (s, idle) in loops.items():
+            kinds = {
+                "last": 0.0 if idle else _seconds(s["decode_ms_last"]), "ewma": _seconds(s["decode_ms_ewma"]),
+                "budget": _seconds(s["budget_ms_last"]),
+                "predicted": 0.0 if idle else _seconds(s["predicted_ms_last"]),
+            }  # fmt: skip
+            for kind, value in kinds.items():
+                put("tick", (model, kind), value)
+            for kind, n in s["tokens_per_tick"].items():
+                put("tokens", (model, kind), 0 if idle else n)
+            put("decoders", (model,), 0 if idle else s["served_decoders"])
+            put("guard", (model,), int(s["prefill_guard_active"]))
+            put("over", (model,), s["ticks_over_budget"])
+            put("rescue", (model,), s["rescue_ticks"])
+            put("preempted", (model,), s["preempted_ticks"])
+            put("slack", (model,), s["slack"]["used"])
+            put("bmt", (model, "estimate"), 0 if idle else s["bmt_estimate_last"])
+            put("bmt", (model, "budget"), s["bmt_budget"])
+        by = ["model"]
         yield _gauge(
-            "uma_scheduler_tick_seconds", "Last tick: measured, budget, predicted, smoothed", ["kind"],
-            {"last": last, "ewma": _seconds(s["decode_ms_ewma"]),
-             "budget": _seconds(s["budget_ms_last"]), "predicted": predicted},
+            "uma_scheduler_tick_seconds", "Last tick: measured, budget, predicted, smoothed", [*by, "kind"],
+            rows.get("tick", {}),
         )  # fmt: skip
-        per_tick = {kind: 0 for kind in s["tokens_per_tick"]} if idle else s["tokens_per_tick"]
         yield _gauge(
-            "uma_scheduler_tokens_per_tick", "Tokens in the last tick (0 while idle)", ["kind"], per_tick
+            "uma_scheduler_tokens_per_tick", "Tokens in the last tick (0 while idle)", [*by, "kind"],
+            rows.get("tokens", {}),
+        )  # fmt: skip
+        yield _gauge(
+            "uma_scheduler_served_decoders",
+            "Decoders in the last tick (0 while idle)",
+            by,
+            rows.get("decoders", {}),
         )
-        decoders = 0 if idle else s["served_decoders"]
         yield _gauge(
-            "uma_scheduler_served_decoders", "Decoders in the last tick (0 while idle)", [], {"": decoders}
-        )
-        yield _gauge(
-            "uma_scheduler_prefill_guard_active", "1 while background prefill is held or ramping", [],
-            {"": int(s["prefill_guard_active"])},
+            "uma_scheduler_prefill_guard_active", "1 while background prefill is held or ramping", by,
+            rows.get("guard", {}),
         )  # fmt: skip
         yield _counter(
-            "uma_scheduler_ticks_over_budget", "Ticks over budget × 1.25", [], s["ticks_over_budget"]
+            "uma_scheduler_ticks_over_budget", "Ticks over budget × 1.25", by, rows.get("over", {})
         )
         yield _counter(
-            "uma_scheduler_rescue_ticks", "Ticks that served a starving session", [], s["rescue_ticks"]
+            "uma_scheduler_rescue_ticks", "Ticks that served a starving session", by, rows.get("rescue", {})
         )
         yield _counter(
             "uma_scheduler_preempted_ticks", "Steps stopped midway for an arriving interactive request",
-            [], s["preempted_ticks"],
+            by, rows.get("preempted", {}),
         )  # fmt: skip
         yield _gauge(
             "uma_scheduler_slack_used", "Share of the recent interactive ticks that ran past the cap",
-            [], {"": s["slack"]["used"]},
+            by, rows.get("slack", {}),
         )  # fmt: skip
         yield _gauge(
-            "uma_scheduler_bmt_bytes", "Last tick's ΣBMT estimate and the guard's budget", ["kind"],
-            {"estimate": 0 if idle else s["bmt_estimate_last"], "budget": s["bmt_budget"]},
+            "uma_scheduler_bmt_bytes", "Last tick's ΣBMT estimate and the guard's budget", [*by, "kind"],
+            rows.get("bmt", {}),
         )  # fmt: skip
 
     def _window_quantiles(self, window: dict[str, Any]) -> Iterator[Metric]:
@@ -287,3 +310,22 @@ def build_registry(registry: CollectorRegistry, snapshot: Snapshot) -> Collector
 
 def exposition(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)
+
+
+def _loops(snap: dict[str, Any]) -> dict[str, tuple[dict[str, Any], bool]]:
+    """Each loaded model's scheduler snapshot and whether its loop is idle, by model id
+    (``by_model``, runtime/loop_gauges.py); a snapshot without it is the one model's."""
+    by_model = snap.get("by_model")
+    if not by_model:
+        sessions = snap["sessions"]
+        return {
+            snap.get("model", ""): (snap["scheduler"], not sessions["active"] and not sessions["waiting"])
+        }
+    return {model: (m["scheduler"], m["idle"]) for model, m in by_model.items()}
+
+
+def _headroom(slack: dict[str, Any], idle: bool) -> float:
+    """1: no recent interactive tick ran past the latency cap; 0: the p95 slack is spent."""
+    if idle:
+        return 1.0
+    return max(0.0, 1.0 - slack["used"] / slack["budget"]) if slack["budget"] else 0.0

@@ -102,13 +102,24 @@ def add_models_sessions(
     snapshot: dict[str, Any], primary: str, others: Mapping[str, dict[str, Any]],
     awaiting_load: Mapping[str, int] | None = None,
 ) -> None:  # fmt: skip
-    """Fold the other loaded models' requests into ``snapshot`` (the primary loop's gauges):
+    """Fold the other loaded models' requests into ``snapshot`` (the primary loop's gauges),
+    and set ``by_model``: each loaded model's scheduler snapshot and whether its loop is idle.
+    The rest:
     ``in_flight`` rows of every model, each naming its model, ``sessions`` summed (with the
     requests waiting for their model to load, ``awaiting_load``, among the waiting and
     counted as ``loading`` too), and
     ``kv_loaded`` the running requests' reserved cells of every loaded model over their
     cells, for the router's usage gauge.  Without it a daemon busy on another model read as
     idle to a router (docs/FLEET.md)."""
+
+    def idle(gauges: dict[str, Any]) -> bool:
+        return not gauges["sessions"]["active"] and not gauges["sessions"]["waiting"]
+
+    # Each loaded model's scheduler (Prometheus labels its series by model), before the sums.
+    snapshot["by_model"] = {
+        primary: {"scheduler": snapshot["scheduler"], "idle": idle(snapshot)},
+        **{model: {"scheduler": g["scheduler"], "idle": idle(g)} for model, g in others.items()},
+    }
     loading = sum((awaiting_load or {}).values())
     snapshot["sessions"]["waiting"] += loading
     snapshot["sessions"]["loading"] = loading  # of the waiting, those whose model is loading
