@@ -194,6 +194,59 @@ def test_under_the_grammar_any_draw_is_a_valid_call(
                 assert set(json.loads(call.arguments)) == {"zone"}
 
 
+class Place(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    city: str = pydantic.Field(max_length=20)
+
+
+class Trip(pydantic.BaseModel):
+    """Nested models: pydantic writes them under "$defs", referenced as "#/$defs/Place"."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    start: Place
+    stops: list[Place] = pydantic.Field(max_length=2)
+
+
+TRIP = msgspec.convert(
+    {"type": "function", "function": {"name": "plan_trip", "parameters": Trip.model_json_schema()}}, Tool
+)
+# Its own root referenced ("#"): a recursive schema, a list of lists of integers or an integer.
+NESTED = msgspec.convert(
+    {"type": "function", "function": {"name": "nest", "parameters": {
+        "type": "object", "properties": {"value": {"$ref": "#/$defs/node"}}, "required": ["value"],
+        "additionalProperties": False,
+        "$defs": {"node": {"anyOf": [{"type": "integer"}, {"type": "array", "maxItems": 2,
+                                                            "items": {"$ref": "#/$defs/node"}}]}},
+    }}},
+    Tool,
+)  # fmt: skip
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("fmt", ["hermes", "generic"])
+def test_tools_whose_schemas_use_defs_are_constrained_by_them(
+    llama_model: LlamaModel, fmt: ToolFormat
+) -> None:
+    """A tool's "$ref": "#/$defs/..." pointed at the call grammar's root once the parameters
+    were nested in it: every request offering such a tool (pydantic's nested models) was
+    refused, "Pointer '/$defs/Place' does not exist"."""
+    tools = [TRIP, NESTED]
+    grammar = tool_call_grammar(fmt, tools, "required", parallel=False)
+    assert grammar is not None
+    rng = np.random.default_rng(2)
+    for seed in range(3):
+        sampler = llama_model.vocabulary.sampler(
+            SamplingParams(temperature=1.0, seed=seed), lark_constraint(grammar, "tools")
+        )
+        text = draw_until_end(llama_model, sampler, rng, limit=800, scale=3)
+        _, calls = parse_tool_calls(text.decode(), fmt, ["plan_trip", "nest"])
+        assert len(calls) == 1, text
+        if calls[0].name == "plan_trip":
+            Trip.model_validate_json(calls[0].arguments)
+        else:
+            assert isinstance(json.loads(calls[0].arguments)["value"], int | list)
+
+
 # -- end to end ------------------------------------------------------------------------
 
 

@@ -93,18 +93,52 @@ def generic_instructions(tools: Sequence[Tool], choice: ToolChoice) -> str:
     return f"You can call these tools:\n{listed}\nAnswer with one JSON object. {how}"
 
 
-def _call_schema(tool: Tool, arguments_key: str) -> dict[str, Any]:
-    parameters = tool.function.parameters or {"type": "object", "properties": {}}
+def _call_schema(index: int, tool: Tool, arguments_key: str) -> dict[str, Any]:
+    """A call of ``tool`` (the ``index``-th offered): its arguments are its parameters, kept
+    under the grammar's root ``$defs`` (:func:`_tool_defs`)."""
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.function.name}, arguments_key: parameters},
+        "properties": {
+            "name": {"const": tool.function.name},
+            arguments_key: {"$ref": f"#/$defs/{_def(index)}"},
+        },
         "required": ["name", arguments_key],
         "additionalProperties": False,
     }
 
 
-def _json(schema: dict[str, Any]) -> str:
-    return "%json " + json.dumps({"x-guidance": _JSON_STYLE, **schema})
+def _def(index: int) -> str:
+    return f"uma_tool_{index}"
+
+
+def _tool_defs(tools: Sequence[Tool]) -> dict[str, Any]:
+    """Each tool's parameters as a definition of the call grammar's root schema.  A tool's
+    own references (``#/$defs/...``, ``#/definitions/...``, ``#`` itself) point at its
+    parameters' root; nested in the call's schema they pointed at the grammar's, and a tool
+    whose schema used ``$defs`` (as pydantic writes nested models) was refused ("Pointer
+    '/$defs/A' does not exist").  Moved under ``#/$defs/uma_tool_N``, they are rewritten to
+    match."""
+    return {
+        _def(i): _rebased(t.function.parameters or {"type": "object", "properties": {}}, f"#/$defs/{_def(i)}")
+        for i, t in enumerate(tools)
+    }
+
+
+def _rebased(node: Any, root: str) -> Any:
+    """``node`` with every local ``$ref`` (``#...``) moved under ``root``."""
+    if isinstance(node, dict):
+        return {
+            key: root + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+            else _rebased(value, root)
+            for key, value in node.items()
+        }  # fmt: skip
+    if isinstance(node, list):
+        return [_rebased(item, root) for item in node]
+    return node
+
+
+def _json(schema: dict[str, Any], defs: dict[str, Any]) -> str:
+    return "%json " + json.dumps({"x-guidance": _JSON_STYLE, **schema, "$defs": defs})
 
 
 def tool_call_grammar(
@@ -117,21 +151,19 @@ def tool_call_grammar(
         return None
     parallel = parallel and not isinstance(choice, NamedToolChoice)  # the named call, once
     key = "parameters" if fmt == "llama3" else "arguments"
-    call = _json({"anyOf": [_call_schema(t, key) for t in chosen]})
+    defs = _tool_defs(chosen)
+    one_of = [_call_schema(i, t, key) for i, t in enumerate(chosen)]
+    call = _json({"anyOf": one_of}, defs)
     many = "+" if parallel else ""
     if fmt == "hermes":
         return f'start: call{many}\ncall: "<tool_call>\\n" {call} "\\n</tool_call>\\n"?\n'
     if fmt == "llama3":
         return f"start: {call}\n"
-    items: dict[str, Any] = {
-        "type": "array",
-        "items": {"anyOf": [_call_schema(t, key) for t in chosen]},
-        "minItems": 1,
-    }
+    items: dict[str, Any] = {"type": "array", "items": {"anyOf": one_of}, "minItems": 1}
     if not parallel:
         items["maxItems"] = 1
     if fmt == "mistral":
-        return f'start: "[TOOL_CALLS]"? {_json(items)}\n'
+        return f'start: "[TOOL_CALLS]"? {_json(items, defs)}\n'
     calls = {
         "type": "object",
         "properties": {"tool_calls": items},
@@ -139,14 +171,14 @@ def tool_call_grammar(
         "additionalProperties": False,
     }
     if must_call:
-        return f"start: {_json(calls)}\n"
+        return f"start: {_json(calls, defs)}\n"
     answer = {
         "type": "object",
         "properties": {"response": {"type": "string"}},
         "required": ["response"],
         "additionalProperties": False,
     }
-    return f"start: {_json({'anyOf': [calls, answer]})}\n"
+    return f"start: {_json({'anyOf': [calls, answer]}, defs)}\n"
 
 
 @dataclass(frozen=True, slots=True)
