@@ -511,6 +511,54 @@ async def test_calls_cut_off_by_max_tokens_finish_with_length(keyed_http_server:
         assert finish == ["length"] and streamed == [calls[0].function.arguments]
 
 
+@pytest.mark.parametrize("cut", ["{", '{"', '{"to', '{"tool_calls"', '{"tool_calls":', ' { "tool_calls" : '])
+def test_a_generic_answer_cut_before_its_first_call_shows_no_json(cut: str) -> None:
+    """Cut off (max_tokens) before the list of calls had begun, the JSON written so far was
+    the answer's content in every API (`{"tool_calls":` as the text of a message)."""
+    assert parse_tool_calls(cut, "generic", NAMES) == ("", [])
+    assert parse_tool_calls('{"resp', "generic", NAMES) == ("", [])
+    assert parse_tool_calls('{"response": "Hel', "generic", NAMES) == ("Hel", [])
+    assert parse_tool_calls("not json", "generic", NAMES) == ("not json", [])  # no grammar held it
+
+
+@pytest.mark.model
+async def test_a_forced_call_cut_short_leaks_no_json_in_any_api(keyed_http_server: Server) -> None:
+    """tool_choice required / any, max_tokens 5: the answer ends before any call is whole."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    ask = [{"role": "user", "content": "Forecast Paris"}]
+    async with openai_sdk(keyed_http_server) as client:
+        tool = {"type": "function", "function": {"name": "forecast", "parameters": schema}}
+        chat = await client.chat.completions.create(
+            model=MODEL,
+            messages=ask,
+            tools=[tool],
+            tool_choice="required",
+            max_tokens=5,  # type: ignore[list-item]
+        )
+        assert chat.choices[0].finish_reason == "length"
+        assert not chat.choices[0].message.content and not chat.choices[0].message.tool_calls
+        tool_r = {"type": "function", "name": "forecast", "parameters": schema}
+        response = await client.responses.create(
+            model=MODEL,
+            input="Forecast Paris",
+            tools=[tool_r],
+            tool_choice="required",
+            max_output_tokens=5,  # type: ignore[list-item]
+        )
+        assert response.status == "incomplete" and "{" not in response.output_text, response.output
+    claude = anthropic.AsyncAnthropic(base_url=str(keyed_http_server.http_url), api_key="k", max_retries=0)
+    tool_a = {"name": "forecast", "input_schema": schema}
+    message = await claude.messages.create(
+        model=MODEL,
+        max_tokens=5,
+        messages=ask,
+        tools=[tool_a],
+        tool_choice={"type": "any"},  # type: ignore[list-item,arg-type]
+    )
+    assert message.stop_reason == "max_tokens"
+    assert all(block.type != "text" or not block.text for block in message.content), message.content
+
+
 @pytest.mark.model
 async def test_a_tool_stream_carries_the_logprobs_of_the_whole_answer(keyed_http_server: Server) -> None:
     """Offered tools (the generic format holds the whole answer back), a stream with

@@ -187,6 +187,11 @@ class ParsedCall:
     arguments: str  # JSON text, as OpenAI sends it
 
 
+# What a generic answer opens with (tool_call_grammar), without whitespace: an answer cut off
+# (max_tokens) before its first call or its text began is one of their prefixes.
+_GENERIC_CALLS = '{"tool_calls":['
+_GENERIC_ANSWER = '{"response":"'
+
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
 
 
@@ -223,10 +228,13 @@ def parse_tool_calls(text: str, fmt: ToolFormat, names: Sequence[str]) -> tuple[
         elif answer := re.match(r'\{\s*"response"\s*:\s*"', stripped):
             # Cut off (max_tokens) inside the answer: its text, not the JSON around it.
             return _cut_string(stripped[answer.end() :]), []
+        elif _GENERIC_ANSWER.startswith(compact := re.sub(r"\s+", "", stripped)) and compact:
+            return "", []  # cut off before the answer's text began
         else:  # cut off in the middle of a list: the calls written whole
             opening = re.match(r'\{\s*"tool_calls"\s*:\s*\[', stripped)
             objects = _leading_items(stripped, opening.end()) if opening else []
-            opened = opening is not None
+            # Or before the list began ('{"tool_calls":'): a call, none of it written yet.
+            opened = opening is not None or _GENERIC_CALLS.startswith(compact)
     calls = [c for c in (_call(o, names) for o in objects) if c] if isinstance(objects, list) else []
     # The call being written when it was cut is lost (docs/HTTP.md), not shown as its JSON.
     return ("" if (calls or opened) and len(calls) == len(objects) else text), calls
