@@ -6,7 +6,8 @@ Every ``serve`` (and ``info``) flag also reads an environment variable: ``--n-ct
 ServerConfig's fields (uma_trio/config.py).  The client commands read only ``UMA_SOCKET`` /
 ``UMA_SOCK`` (and ``bench`` ``UMA_API_KEY``): read app-wide, serve's ``UMA_MAX_TOKENS`` became
 ``generate``'s request size and ``UMA_SYSTEM`` a flag ``snapshot save`` could not parse.  A bad
-option exits 1 (cyclopts' own exit is 2, the code for an error the daemon reported).  One module
+option of a client command exits 1 (cyclopts' own exit is 2, the code for an error the daemon
+reported); serve and info exit 2 for every refusal at start-up.  One module
 per group of commands; this one assembles the app.
 """
 
@@ -40,7 +41,8 @@ def main() -> None:
     try:
         result = app(exit_on_error=False)
     except cyclopts.CycloptsError:  # already printed, with the usage
-        sys.exit(EXIT_USAGE)
+        # serve's and info's refusals at start-up are all exit 2 (CONFIG.md), the clients' 1.
+        sys.exit(EXIT_SERVER_ERROR if sys.argv[1:2] in (["serve"], ["info"]) else EXIT_USAGE)
     except ConfigError as exc:  # ServerConfig's own checks run as cyclopts builds it
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(EXIT_SERVER_ERROR)
