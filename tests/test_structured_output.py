@@ -245,3 +245,44 @@ async def test_the_cli_sends_a_schema_or_a_grammar(server: Server, tmp_path: Pat
     grammar.write_text("root ::= (")
     done = await trio.run_process([*base, "--grammar", str(grammar)], capture_stderr=True, check=False)
     assert done.returncode == 2 and "E_GRAMMAR_001" in done.stderr.decode()
+
+
+def test_strict_closes_every_object_of_the_schema() -> None:
+    from uma_trio.protocol.strict_schema import closed
+
+    schema = {
+        "type": "object", "required": ["a"],
+        "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}},
+                       "properties": {"type": "string"}},  # a property named like the keyword
+        "$defs": {"D": {"properties": {"c": {"type": "integer"}}}, "Open": {"type": "object",
+                                                                          "additionalProperties": True}},
+        "anyOf": [{"type": "object"}, {"type": "array", "items": {"type": "object"}}],
+    }  # fmt: skip
+    strict = closed(schema)
+    assert strict["additionalProperties"] is False
+    assert strict["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in strict["properties"]["properties"]  # a string's schema
+    assert strict["$defs"]["D"]["additionalProperties"] is False
+    assert strict["$defs"]["Open"]["additionalProperties"] is True  # said otherwise: kept
+    assert strict["anyOf"][0]["additionalProperties"] is False
+    assert strict["anyOf"][1]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the request's own schema is left as it was
+
+
+async def test_a_strict_schema_gives_no_key_it_does_not_name(server: Server) -> None:
+    """strict: true was read and ignored: with additionalProperties left open the model could
+    add keys, the same one again too, and the answer ran to max_tokens as invalid JSON."""
+    schema = {
+        "type": "object",
+        "properties": {"k": {"const": "x"}, "b": {"type": "boolean"}},
+        "required": ["k", "b"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    async with UmaClient.connect(server.config.socket_path) as client:
+        for seed in range(3):
+            done = await client.complete(
+                messages=ask("Give me an example with many keys."), response_format=fmt, max_tokens=60,
+                temperature=1.5, seed=seed,
+            )  # fmt: skip
+            assert done.eos.reason == "stop", done.text
+            assert set(json.loads(done.text)) == {"k", "b"}, done.text

@@ -638,3 +638,19 @@ async def test_a_hermes_stream_sends_the_text_after_a_call_and_the_logprobs(
             assert "".join(deltas) == replied.output_text and "I will tell you soon." in replied.output_text
     finally:
         model.close()
+
+
+def test_a_strict_tools_objects_are_closed_in_its_grammar() -> None:
+    """function.strict was read and ignored: the arguments could carry keys it does not name."""
+    loose = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+    def parameters(strict: bool) -> Any:
+        tool = msgspec.convert(
+            {"type": "function", "function": {"name": "f", "parameters": loose, "strict": strict}}, Tool
+        )
+        grammar = tool_call_grammar("generic", [tool], "required", parallel=False)
+        assert grammar is not None
+        return json.loads(grammar.removeprefix("start: %json ").strip())["$defs"]["uma_tool_0"]
+
+    assert parameters(True)["additionalProperties"] is False
+    assert "additionalProperties" not in parameters(False)

@@ -29,6 +29,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from .strict_schema import closed
+
 ToolFormat = Literal["hermes", "llama3", "mistral", "generic"]
 FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.\-]{1,64}\Z")]
 
@@ -117,11 +119,14 @@ def _tool_defs(tools: Sequence[Tool]) -> dict[str, Any]:
     parameters' root; nested in the call's schema they pointed at the grammar's, and a tool
     whose schema used ``$defs`` (as pydantic writes nested models) was refused ("Pointer
     '/$defs/A' does not exist").  Moved under ``#/$defs/uma_tool_N``, they are rewritten to
-    match."""
-    return {
-        _def(i): _rebased(t.function.parameters or {"type": "object", "properties": {}}, f"#/$defs/{_def(i)}")
-        for i, t in enumerate(tools)
-    }
+    match.  A ``strict`` tool's objects are closed (protocol/strict_schema.py)."""
+    defs = {}
+    for i, tool in enumerate(tools):
+        parameters = tool.function.parameters or {"type": "object", "properties": {}}
+        defs[_def(i)] = _rebased(
+            closed(parameters) if tool.function.strict else parameters, f"#/$defs/{_def(i)}"
+        )
+    return defs
 
 
 def _rebased(node: Any, root: str) -> Any:

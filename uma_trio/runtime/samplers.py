@@ -17,6 +17,7 @@ from ..engine.constraints import (
 from ..engine.sampling import Sampler, SamplingParams, banned
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, JsonObjectFormat, JsonSchemaFormat
+from ..protocol.strict_schema import closed
 from .off_loop import compile_limiter, off_loop
 
 if TYPE_CHECKING:
@@ -43,7 +44,8 @@ def output_constraint(request: GenerateRequest) -> OutputConstraint | None:
         return grammar_constraint(request.grammar)
     fmt = request.response_format
     if isinstance(fmt, JsonSchemaFormat):
-        return json_schema_constraint(fmt.json_schema.schema)
+        schema = fmt.json_schema.schema
+        return json_schema_constraint(closed(schema) if fmt.json_schema.strict else schema)
     if isinstance(fmt, JsonObjectFormat):
         return json_schema_constraint(fmt.schema)
     return None
