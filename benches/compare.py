@@ -338,15 +338,17 @@ def deadline_table(reps: Sequence[Rep], ratio: float = 2.0) -> str:
             continue
         peer_s = match.ended - match.sent
         due = last.sent + ratio * peer_s
-        first = min(r.sent for r in uma.records)
-        ideal = ideal_seconds([r for r in uma.records if r.ended is not None], rep.capacity, prompts)
-        needed = needed_for(uma.records, rep.capacity, prompts, due)
-        ours = efficiency(uma.records, rep.capacity, prompts)
-        theirs_share = efficiency(peer.records, rep.capacity, prompts)
-        lines.append(
-            f"| {index + 1} | {due - first:.2f} | {ideal:.2f} | {needed} | {ours} | {theirs_share} "
-            f"| {(last.ended - last.sent) / peer_s:.2f} |"
+        done = [r for r in uma.records if r.ended is not None]  # as needed_for counts them
+        first = min(r.sent for r in done)
+        ideal = ideal_seconds(done, rep.capacity, prompts)
+        figures = (
+            needed_for(uma.records, rep.capacity, prompts, due),
+            efficiency(uma.records, rep.capacity, prompts),
+            efficiency(peer.records, rep.capacity, prompts),
         )
+        shown = " | ".join("—" if f is None else str(f) for f in figures)
+        ratio = (last.ended - last.sent) / peer_s
+        lines.append(f"| {index + 1} | {due - first:.2f} | {ideal:.2f} | {shown} | {ratio:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -228,3 +228,22 @@ def taught_to_call(after: str = "") -> list[dict[str, str]]:
         messages.append({"role": "user", "content": f"Weather in {city}?"})
         messages.append({"role": "assistant", "content": said(city)})
     return [*messages, {"role": "user", "content": "Weather in Paris?"}]
+
+
+def grammar_accepts(grammar: str, text: str) -> bool:
+    """Whether llguidance's ``grammar`` (a compiled constraint's) takes ``text`` whole, byte by
+    byte over a 256-byte vocabulary: a schema's meaning checked with no model loaded."""
+    import llguidance
+
+    class Bytes:
+        tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+        eos_token_id, bos_token_id, is_tokenizer_wrapper = 256, None, True
+
+        def __call__(self, text: str | bytes) -> list[int]:
+            return list(text.encode() if isinstance(text, str) else text)
+
+    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    assert not failed, messages
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    return all(matcher.consume_token(b) for b in text.encode()) and matcher.is_accepting()

@@ -320,3 +320,36 @@ async def test_top_into_a_pipe_prints_a_frame_each_interval(server: Server) -> N
         await proc.wait()
     assert proc.returncode == 0
     assert out.decode().count("requests in flight") >= 2
+
+
+async def test_top_into_a_pipe_whose_reader_leaves_exits_141(server: Server) -> None:
+    """`top | head`: rich took the closed pipe for an error and exited 1, a bad option's code."""
+    proc = await trio.lowlevel.open_process(
+        [*UMA, "top", "--interval", "0.2", "--socket", str(server.config.socket_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    with trio.fail_after(30):
+        assert await proc.stdout.receive_some()  # the first frame
+        await proc.stdout.aclose()  # the reader leaves
+        await proc.wait()
+    assert proc.returncode == 141
+
+
+def test_serve_answers_a_socket_it_cannot_probe_with_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A live daemon whose backlog is full times the probe out: an OSError other than
+    "refused", which left `serve` with a traceback and exit 1."""
+    import importlib
+
+    serve_command = importlib.import_module("uma_trio.cli.serve")  # the package's `serve` is the function
+
+    def times_out(path: Path) -> bool:
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(serve_command, "refuse_taken_socket", times_out)
+    sock = tmp_path / "s.sock"
+    with caplog.at_level(logging.ERROR):
+        assert serve_command.serve(config=ServerConfig(socket_path=sock)) == 2
+    assert f"cannot start on {sock}: timed out" in caplog.text

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import trio
 
@@ -460,10 +461,18 @@ async def test_more_choices_than_the_daemon_can_ever_hold_are_a_400() -> None:
             answer = await http.post("/v1/completions", json=body)
             assert answer.status_code == 400 and answer.json()["error"]["param"] == "n", answer.text
         assert sum(server.metrics_snapshot()["requests"]["interactive"].values()) == 0  # none started
-        two = await http.post(
-            "/v1/completions", json={"model": "sim", "prompt": "hi", "max_tokens": 4, "n": 2}
-        )
+        pair = {"model": "sim", "prompt": "hi", "max_tokens": 4, "n": 2}
+        two = await http.post("/v1/completions", json=pair)
         assert two.status_code == 200 and len(two.json()["choices"]) == 2
+        # A snapshot's pinned sequence is an id no request gets: two choices can never all run.
+        kv = server.loop.kv
+        seq = next(iter(kv._free))  # white box: pin a sequence as a saved snapshot does
+        kv._free.discard(seq)
+        kv.release(seq, np.arange(8, dtype=np.int32), pin=True)
+        pinned = await http.post("/v1/completions", json=pair)
+        assert pinned.status_code == 400 and pinned.json()["error"]["param"] == "n", pinned.text
+        kv.unpin(seq)
+        assert (await http.post("/v1/completions", json=pair)).status_code == 200
 
         async with trio.open_nursery() as nursery:  # one session taken: the second choice is refused
             busy = {"model": "sim", "prompt": "go", "max_tokens": 400, "stream": True}

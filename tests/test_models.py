@@ -224,6 +224,7 @@ async def test_a_request_waiting_for_its_model_to_load_is_queued_in_the_gauges()
         assert snap["sessions"]["waiting"] == 1 and snap["sessions"]["loading"] == 1
         assert "uma_num_requests_waiting 1.0" in text
         assert 'uma_sessions{state="loading"} 1.0' in text
+        assert not snap["by_model"]["sim"]["idle"]  # the headroom reads the slack, not "idle: 1"
         assert server.metrics_snapshot()["sessions"]["loading"] == 0
 
 
@@ -357,6 +358,17 @@ async def test_the_list_reads_the_models_directory_again(tmp_path: Path) -> None
         (models / "b.gguf").unlink()
         assert [m["id"] for m in (await c.models()).models] == ["sim", "new"]
         assert [m["id"] for m in server.metrics_snapshot()["models"]] == ["sim", "new"]
+
+
+async def test_a_model_gone_from_the_store_before_its_load_is_not_found(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A listing reads the directory again, so a model resolved by a request may have left
+    the store (its file deleted) by the time its load begins: a KeyError, an internal error."""
+    async with daemon(Shelf()) as (server, _):
+        with pytest.raises(UmaError) as gone:
+            await server.models.acquire("deleted-meanwhile")
+        assert gone.value.code == ErrorCode.MODEL_NOT_FOUND
 
 
 # -- the real engine: the default model and a tiny random one --------------------------------

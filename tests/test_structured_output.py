@@ -21,7 +21,7 @@ from uma_trio.engine.sampling import SamplingParams
 from uma_trio.runtime.server import Server
 
 from .conftest import openai_sdk
-from .helpers import draw_until_end
+from .helpers import draw_until_end, grammar_accepts
 
 pytestmark = pytest.mark.model
 
@@ -247,26 +247,39 @@ async def test_the_cli_sends_a_schema_or_a_grammar(server: Server, tmp_path: Pat
     assert done.returncode == 2 and "E_GRAMMAR_001" in done.stderr.decode()
 
 
-def test_strict_closes_every_object_of_the_schema() -> None:
+def test_strict_closes_every_whole_object_and_leaves_composed_ones_working() -> None:
+    """Closed where an object names all its keys (nested, in definitions, each branch of a
+    union); left as it is where closing would forbid what another part brings (an allOf base,
+    an allOf member, branches beside a node's own properties): a first version closed those
+    too, and schemas that worked matched nothing."""
     from uma_trio.protocol.strict_schema import closed
 
-    schema = {
-        "type": "object", "required": ["a"],
-        "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}},
-                       "properties": {"type": "string"}},  # a property named like the keyword
-        "$defs": {"D": {"properties": {"c": {"type": "integer"}}}, "Open": {"type": "object",
-                                                                          "additionalProperties": True}},
-        "anyOf": [{"type": "object"}, {"type": "array", "items": {"type": "object"}}],
+    def strict_takes(schema: dict[str, Any], text: str) -> bool:
+        return grammar_accepts(json_schema_constraint(closed(schema)).grammar, text)
+
+    plain = {"type": "object", "properties": {"k": {"type": "string"}, "in": {"type": "object",
+             "properties": {"q": {"type": "integer"}}}}, "required": ["k"]}  # fmt: skip
+    assert strict_takes(plain, '{"k": "x", "in": {"q": 1}}')
+    assert not strict_takes(plain, '{"k": "x", "s": "y"}') and not strict_takes(
+        plain, '{"k": "x", "in": {"z": 1}}'
+    )
+    assert grammar_accepts(json_schema_constraint(plain).grammar, '{"k": "x", "s": "y"}')  # not strict: open
+    a = {"properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    b = {"properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    union = {"type": "object", "anyOf": [a, b]}
+    assert strict_takes(union, '{"a": 1}') and not strict_takes(union, '{"a": 1, "z": 2}')
+    base_def = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+    base = {
+        "type": "object", "allOf": [{"$ref": "#/$defs/Base"}], "properties": {"extra": {"type": "string"}},
+        "required": ["extra"], "$defs": {"Base": base_def},
     }  # fmt: skip
-    strict = closed(schema)
-    assert strict["additionalProperties"] is False
-    assert strict["properties"]["a"]["additionalProperties"] is False
-    assert "additionalProperties" not in strict["properties"]["properties"]  # a string's schema
-    assert strict["$defs"]["D"]["additionalProperties"] is False
-    assert strict["$defs"]["Open"]["additionalProperties"] is True  # said otherwise: kept
-    assert strict["anyOf"][0]["additionalProperties"] is False
-    assert strict["anyOf"][1]["items"]["additionalProperties"] is False
-    assert "additionalProperties" not in schema  # the request's own schema is left as it was
+    assert strict_takes(base, '{"id": 1, "extra": "x"}')
+    assert strict_takes({"type": "object", "allOf": [a, b]}, '{"a": 1, "b": 2}')
+    beside = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "anyOf": [b]}
+    assert strict_takes(beside, '{"x": 1, "b": 2}')
+    said = {"type": "object", "properties": {"k": {"type": "string"}}, "additionalProperties": True}
+    assert strict_takes(said, '{"k": "x", "s": "y"}')  # the schema's own word is kept
+    assert "additionalProperties" not in plain  # the request's own schema is left as it was
 
 
 async def test_a_strict_schema_gives_no_key_it_does_not_name(server: Server) -> None:

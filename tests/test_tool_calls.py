@@ -34,7 +34,7 @@ from uma_trio.protocol.tools import (
 from uma_trio.runtime.server import Server
 
 from .conftest import openai_sdk, running_server
-from .helpers import draw_until_end, taught_to_call
+from .helpers import draw_until_end, grammar_accepts, taught_to_call
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
@@ -210,7 +210,7 @@ class Trip(pydantic.BaseModel):
 TRIP = msgspec.convert(
     {"type": "function", "function": {"name": "plan_trip", "parameters": Trip.model_json_schema()}}, Tool
 )
-# Its own root referenced ("#"): a recursive schema, a list of lists of integers or an integer.
+# A recursive definition: a list of lists of integers, or an integer.
 NESTED = msgspec.convert(
     {"type": "function", "function": {"name": "nest", "parameters": {
         "type": "object", "properties": {"value": {"$ref": "#/$defs/node"}}, "required": ["value"],
@@ -654,3 +654,48 @@ def test_a_strict_tools_objects_are_closed_in_its_grammar() -> None:
 
     assert parameters(True)["additionalProperties"] is False
     assert "additionalProperties" not in parameters(False)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "arguments"),
+    [
+        ({"type": "object", "properties": {"c": {"$ref": "#"}}, "additionalProperties": False},
+         {"c": {"c": {}}}),
+        ({"$id": "https://example.com/t.json", "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
+          "required": ["p"], "$defs": {"P": {"type": "integer"}}}, {"p": 1}),
+        ({"type": "object", "properties": {"p": {"$ref": "#pint"}}, "required": ["p"],
+          "$defs": {"P": {"$anchor": "pint", "type": "integer"}}}, {"p": 1}),
+        ({"type": "object", "properties": {"r": {"const": {"$ref": "#/a"}}}, "required": ["r"]},
+         {"r": {"$ref": "#/a"}}),
+    ],
+    ids=["own-root", "own-id", "anchor", "data-that-looks-like-a-ref"],
+)  # fmt: skip
+def test_a_tools_references_keep_their_meaning_in_the_call_grammar(parameters: Any, arguments: Any) -> None:
+    """Rebased under the grammar's $defs, a tool's refs must still point where they pointed:
+    its own root ("#"), a schema with its own $id (refs relative to it), an anchor, and a
+    const that merely holds a "$ref" key (data, not a reference)."""
+    tool = msgspec.convert({"type": "function", "function": {"name": "f", "parameters": parameters}}, Tool)
+    grammar = tool_call_grammar("generic", [tool], "required", parallel=False)
+    assert grammar is not None
+    answer = json.dumps({"tool_calls": [{"name": "f", "arguments": arguments}]})
+    assert grammar_accepts(lark_constraint(grammar, "tools").grammar, answer)
+
+
+def test_a_tool_nested_too_deeply_to_rewrite_is_a_grammar_error() -> None:
+    """Rebasing a tool's refs is Python recursion: a nesting msgspec accepts could raise
+    RecursionError from the grammar's construction, an internal error for the client."""
+    from uma_trio.protocol.errors import UmaError
+    from uma_trio.protocol.messages import GenerateRequest
+    from uma_trio.runtime.tool_use import tool_constraint
+
+    depth = sys.getrecursionlimit() * 7 // 10  # msgspec takes it; two Python frames a level do not
+    deep = '{"type": "array", "items": ' * depth + '{"type": "integer"}' + "}" * depth
+    body = (
+        '{"id": "r", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": '
+        '[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": '
+        '{"x": ' + deep + "}}}}]}"
+    )
+    request = msgspec.json.decode(body, type=GenerateRequest)
+    with pytest.raises(UmaError) as refused:
+        tool_constraint(request, "generic")
+    assert refused.value.code == "E_GRAMMAR_001" and "nested too deeply" in refused.value.message

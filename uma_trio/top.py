@@ -21,7 +21,10 @@ async def run_top(socket: Path, interval: float, once: bool = False, console: Co
             return
         if not console.is_terminal:  # `top | tee`, a log: a frame each interval, as `top -b`
             while True:
-                console.print(frame)
+                with console.capture() as drawn:  # rich exits 1 on a closed pipe: write it here
+                    console.print(frame)
+                console.file.write(drawn.get())
+                console.file.flush()  # BrokenPipeError when the reader is gone (`| head`)
                 await trio.sleep(interval)
                 frame = dashboard(await client.metrics())
         # The metrics request is answered by the connection task, never behind a decode

@@ -212,6 +212,9 @@ def top(*, socket: SocketPath = DEFAULT_SOCKET, interval: float = 1.0, once: boo
         return EXIT_USAGE
     try:
         trio.run(run_top, socket, interval, once)
+    except BrokenPipeError:  # `top | head`: the reader went away, as generate says it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_READER_GONE
     except (RequestFailed, ConnectionLost, OSError) as exc:
         return daemon_failure(socket, exc)
     except KeyboardInterrupt:

@@ -87,6 +87,9 @@ def serve(
     except (ModelFileError, SocketInUseError, StoreError) as exc:
         log.error("%s", exc)
         return EXIT_SERVER_ERROR
+    except OSError as exc:  # the probe of a socket there: not refused, not answered (a full backlog)
+        log.error("cannot start on %s: %s", config.socket_path, exc)
+        return EXIT_SERVER_ERROR
     if config.allowed_uids is None:
         owner = "root" if os.geteuid() == 0 else f"uid {os.geteuid()} and root"
         log.info("socket clients: any process that can open the 0600 socket (%s)", owner)

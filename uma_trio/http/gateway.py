@@ -316,9 +316,12 @@ class Gateway:
         translated.request = msgspec.structs.replace(translated.request, model=body.model)
         owner = request_owner(request)
         if translated.n > 1:
-            room = server.config.max_sessions + server.config.max_queue
+            # Sessions less the ids pinned snapshots hold, and the queue: the most ever admitted.
+            kv = server.loop.kv  # of the cached ids, those no request may take: pinned
+            pinned = kv.cached_seqs - (kv.available_seqs() - kv.free_seqs)
+            room = server.config.max_sessions - pinned + server.config.max_queue
             if translated.n > room:  # never all admitted: not a 429 to retry for ever
-                held = f"this daemon holds at most {room} requests at once (sessions and queue)"
+                held = f"this daemon holds at most {room} requests at once (free sessions and queue)"
                 raise ApiError(400, f"n={translated.n}: {held}", param="n")
             return await self._choices(request, body, translated, arrived, owner, completion_id)
         async with self._in_flight(translated.request, arrived, translated.auto_max_tokens, owner) as flight:

@@ -265,7 +265,10 @@ def served_context(models: ModelHost, model_id: str) -> int:
     what the store says every model gets (--n-ctx)."""
     if (unit := models.units.get(model_id)) is not None:
         return int(unit.loop.engine.n_ctx_seq)
-    return int(next(m["context_length"] for m in models.describe() if m["id"] == model_id))
+    listed = next((m["context_length"] for m in models.describe() if m["id"] == model_id), None)
+    if listed is None:  # its file deleted since the request named it (a listing rescans)
+        raise api_error(ErrorCode.MODEL_NOT_FOUND, f"model {model_id!r} is not here any more")
+    return int(listed)
 
 
 def fill_in_middle(engine: Any) -> bool:

@@ -129,17 +129,27 @@ def _tool_defs(tools: Sequence[Tool]) -> dict[str, Any]:
     return defs
 
 
+_DATA = frozenset({"const", "enum", "default", "examples"})  # values, not schemas: kept as they are
+
+
 def _rebased(node: Any, root: str) -> Any:
-    """``node`` with every local ``$ref`` (``#...``) moved under ``root``."""
+    """``node`` with every pointer ``$ref`` into its own document (``#``, ``#/...``) moved under
+    ``root``.  Left alone: anchors (``#name``), other documents' refs, data (``const``,
+    ``enum``...), and a schema with its own ``$id``, whose refs are relative to it anyway."""
     if isinstance(node, dict):
+        if "$id" in node:
+            return node
         return {
-            key: root + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
-            else _rebased(value, root)
+            key: value if key in _DATA else _moved(value, root) if key == "$ref" else _rebased(value, root)
             for key, value in node.items()
-        }  # fmt: skip
+        }
     if isinstance(node, list):
         return [_rebased(item, root) for item in node]
     return node
+
+
+def _moved(ref: Any, root: str) -> Any:
+    return root + ref[1:] if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) else ref
 
 
 def _json(schema: dict[str, Any], defs: dict[str, Any]) -> str:

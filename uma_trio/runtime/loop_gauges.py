@@ -121,6 +121,8 @@ def add_models_sessions(
         **{model: {"scheduler": g["scheduler"], "idle": idle(g)} for model, g in others.items()},
     }
     loading = sum((awaiting_load or {}).values())
+    if loading:  # requests wait on a load, in no loop yet: the daemon is not idle to a router
+        snapshot["by_model"][primary]["idle"] = False
     snapshot["sessions"]["waiting"] += loading
     snapshot["sessions"]["loading"] = loading  # of the waiting, those whose model is loading
     for row in snapshot["in_flight"]:

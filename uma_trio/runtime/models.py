@@ -186,7 +186,7 @@ class ModelHost:
             elif entry.primary and self.primary_loop is not None:  # loaded for good
                 item["keep_alive_s"] = None
                 item["busy"] = not self.primary_loop.idle
-                item["idle_s"] = round(now - self.primary_loop.idle_since, 3)
+                item["idle_s"] = 0.0 if item["busy"] else round(now - self.primary_loop.idle_since, 3)
             described.append(item)
         return described
 
@@ -251,7 +251,10 @@ class ModelHost:
         loading = self.loading
         if loading is None or self._nursery is None:
             raise UmaError(ErrorCode.MODEL_LOAD, f"model {model_id!r} cannot be loaded by this daemon")
-        entry = self.store.entry(model_id)
+        try:
+            entry = self.store.entry(model_id)
+        except KeyError:  # its file was deleted since the request named it (a listing rescans)
+            raise UmaError(ErrorCode.MODEL_NOT_FOUND, f"model {model_id!r} is not here any more") from None
         try:
             need = await trio.to_thread.run_sync(loading.footprint, entry)
         except Exception as exc:  # not a GGUF llama.cpp can read: refused before making room

@@ -45,7 +45,12 @@ def output_constraint(request: GenerateRequest) -> OutputConstraint | None:
     fmt = request.response_format
     if isinstance(fmt, JsonSchemaFormat):
         schema = fmt.json_schema.schema
-        return json_schema_constraint(closed(schema) if fmt.json_schema.strict else schema)
+        if fmt.json_schema.strict:
+            try:
+                schema = closed(schema)
+            except RecursionError:
+                raise ConstraintError("invalid JSON schema: nested too deeply") from None
+        return json_schema_constraint(schema)
     if isinstance(fmt, JsonObjectFormat):
         return json_schema_constraint(fmt.schema)
     return None

@@ -11,6 +11,7 @@ import msgspec
 
 from ..engine.base import Engine
 from ..engine.constraints import OutputConstraint, lark_constraint
+from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, ToolCall, ToolCallFunction
 from ..protocol.tools import (
     ToolFormat,
@@ -82,7 +83,11 @@ def tool_constraint(request: GenerateRequest, fmt: ToolFormat | None) -> OutputC
     """The grammar a tool-calling answer must follow, where it must follow one."""
     if fmt is None or request.tools is None:
         return None
-    grammar = tool_call_grammar(fmt, request.tools, request.tool_choice, request.parallel_tool_calls)
+    try:
+        grammar = tool_call_grammar(fmt, request.tools, request.tool_choice, request.parallel_tool_calls)
+    except RecursionError:  # schemas rewritten in Python: a nesting msgspec took can be too deep
+        message = "invalid tool call grammar: a tool's parameters are nested too deeply"
+        raise UmaError(ErrorCode.GRAMMAR, message, request_id=request.id) from None
     return lark_constraint(grammar, "tool call grammar") if grammar is not None else None
 
 
