@@ -347,8 +347,8 @@ def deadline_table(reps: Sequence[Rep], ratio: float = 2.0) -> str:
             efficiency(peer.records, rep.capacity, prompts),
         )
         shown = " | ".join("—" if f is None else str(f) for f in figures)
-        ratio = (last.ended - last.sent) / peer_s
-        lines.append(f"| {index + 1} | {due - first:.2f} | {ideal:.2f} | {shown} | {ratio:.2f} |")
+        took = (last.ended - last.sent) / peer_s  # not `ratio`: the next run's deadline reads it
+        lines.append(f"| {index + 1} | {due - first:.2f} | {ideal:.2f} | {shown} | {took:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -127,8 +127,9 @@ def test_compare_prices_the_background_deadline_against_the_whole_run() -> None:
         ScenarioResult(scenario=scenario, started=0.0, finished=7.0, records=theirs, target="llama-server"),
     ]
     rep = compare.Rep(results=results, steal="", rss={}, gc="", out=Path("."), capacity=CAPACITY)
-    row = compare.deadline_table([rep]).strip().splitlines()[-1]
-    cells = [c.strip() for c in row.strip("|").split("|")]
+    rows = compare.deadline_table([rep, rep]).strip().splitlines()[-2:]
+    assert rows[0].split("|")[2:] == rows[1].split("|")[2:]  # a run's figures leak not into the next's
+    cells = [c.strip() for c in rows[-1].strip("|").split("|")]
     ideal = ideal_seconds(ours, CAPACITY, {})
     # due 2 x 4 s after uma-trio sent the prompt (1 s after its first request): 9 s
     assert cells[1] == "9.00"
