@@ -95,9 +95,10 @@ class SnapshotCollector(Collector):
             "uma_prefix_cache_held", "What the prefix cache holds now", ["kind"],
             {"cells": cache["cells"], "sequences": cache["sequences"]},
         )  # fmt: skip
-        yield from self._scheduler(_loops(snap))
+        loops = _loops(snap)  # read once: the scheduler's series and the router's headroom
+        yield from self._scheduler(loops)
         yield from self._garbage_collector(snap["process"])
-        yield from self._router(snap)
+        yield from self._router(snap, loops)
         yield from self._window_quantiles(snap["latency"]["window"])
         yield from self._scorecard(snap["scorecard"])
 
@@ -147,7 +148,9 @@ class SnapshotCollector(Collector):
             {"": _seconds(process["gc_pause_max_ms"])},
         )
 
-    def _router(self, snap: dict[str, Any]) -> Iterator[Metric]:
+    def _router(
+        self, snap: dict[str, Any], loops: dict[str, tuple[dict[str, Any], bool]]
+    ) -> Iterator[Metric]:
         """What a router in front of several daemons reads (docs/FLEET.md): the Gateway API
         Inference Extension's endpoint picker takes the first three by name."""
         sessions, kv = snap["sessions"], snap["kv"]
@@ -167,7 +170,7 @@ class SnapshotCollector(Collector):
         # an idle daemon has all its headroom (a request's first tick beside no stream spends
         # none), and once read 0 until 400 interactive ticks had run.
         # With several models, the least any busy one has left: they share the machine.
-        headroom = min((_headroom(s["slack"], idle) for s, idle in _loops(snap).values()), default=1.0)
+        headroom = min((_headroom(s["slack"], idle) for s, idle in loops.values()), default=1.0)
         yield _gauge(
             "uma_p95_headroom_ratio",
             "Share of the p95 slack not spent (1: all of it left)",
