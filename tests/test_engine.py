@@ -301,3 +301,51 @@ async def test_a_preempted_run_ahead_chain_keeps_the_steps_before_the_one_it_sto
             engine.step_sync([one_token(0, tokens[-1], len(prompt) + len(tokens) - 1)]).sampled[0].token_id
         )
     assert tokens == reference
+
+
+def greedy_tokens(engine: LlamaEngine, seq_id: int, first: int, pos: int, n: int) -> list[int]:
+    greedy, out = Sampler(SamplingParams(temperature=0.0)), [first]
+    for _ in range(n):
+        result = engine.step_sync([BatchEntry(seq_id, np.array([out[-1]], np.int32), pos, greedy)])
+        out.append(result.sampled[0].token_id)
+        pos += 1
+    return out
+
+
+ROMAN = "The history of the Roman empire is long and " * 4
+QUARKS = "Quantum chromodynamics describes the strong force " * 4
+
+
+async def test_a_state_saved_before_the_next_decode_holds_a_queued_copy(engine: LlamaEngine) -> None:
+    # llama.cpp copies between KV streams at its next llama_decode; reading a copy's
+    # destination before that read what its buffer held before (the loop saves a cached
+    # prefix with nothing running, so no decode comes between).
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    prompt = engine.tokenize(ROMAN)
+    first = engine.step_sync([BatchEntry(0, prompt, 0, greedy)]).sampled[0].token_id
+    engine.copy_seq(0, 1, len(prompt))
+    saved = await engine.save_seq(1)
+    expected = greedy_tokens(engine, 0, first, len(prompt), 8)
+    engine.free_seq(0)
+    engine.free_seq(1)
+    await engine.load_seq(3, saved)
+    assert greedy_tokens(engine, 3, first, len(prompt), 8) == expected
+
+
+async def test_a_state_loaded_into_a_queued_copys_source_is_not_copied(engine: LlamaEngine) -> None:
+    # A copy's source evicted and refilled from a snapshot before the next decode: the
+    # copy must still carry what the source held when it was asked for.
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    engine.step_sync([BatchEntry(2, engine.tokenize(QUARKS), 0, greedy)])
+    other = await engine.save_seq(2)
+    engine.free_seq(2)
+    prompt = engine.tokenize(ROMAN)
+    first = engine.step_sync([BatchEntry(0, prompt, 0, greedy)]).sampled[0].token_id
+    engine.copy_seq(0, 1, len(prompt))
+    engine.free_seq(0)
+    await engine.load_seq(0, other)
+    copied = greedy_tokens(engine, 1, first, len(prompt), 8)
+    engine.free_seq(0)
+    engine.free_seq(1)
+    engine.step_sync([BatchEntry(0, prompt, 0, greedy)])
+    assert copied == greedy_tokens(engine, 0, first, len(prompt), 8)

@@ -221,6 +221,8 @@ class LlamaEngine:
         self._preemptible = False  # the step in flight may be preempted
         self._install_abort()
         self._embedding = False  # the context outputs hidden states (a tick with an embedding)
+        # Copies between KV streams asked for, and how many of them a llama_decode has made.
+        self._copies_asked = self._copies_made = 0
         self.rebuilds = 0
         self._n_ctx = int(llama.llama_n_ctx(self._ctx))
         # llama.cpp pads a stream to 256 cells; the request limit stays what was asked.  One
@@ -376,6 +378,7 @@ class LlamaEngine:
         self._device_greedy = DeviceGreedy(self._ctx, self.config.device_greedy)
         self._install_abort()
         self._embedding = False
+        self._copies_made = self._copies_asked  # the old context's queue went with it
         self.rebuilds += 1
 
     def _install_abort(self) -> None:
@@ -401,6 +404,8 @@ class LlamaEngine:
             self.free_seq(dst)
             return
         llama.llama_memory_seq_cp(self._memory, src, dst, -1, -1)
+        if not self.config.kv_unified:  # within one stream a copy is only bookkeeping
+            self._copies_asked += 1
         self.trim_seq(dst, keep)
 
     async def save_seq(self, seq_id: int) -> bytes:
@@ -409,13 +414,37 @@ class LlamaEngine:
     async def load_seq(self, seq_id: int, data: bytes) -> None:
         await self._compute.run(self._load_seq, seq_id, data)
 
+    def _make_queued_copies(self, seq_id: int) -> None:
+        """Have llama.cpp make the stream copies it holds for its next ``llama_decode``.
+
+        Reading or writing a sequence's saved state does not make them: a saved copy's
+        destination would hold what its buffer held before, and a state loaded into a copy's
+        source (evicted meanwhile) would be copied instead.  One token decoded at the end of
+        ``seq_id`` (and removed) makes them; only then is the state read or written."""
+        asked = self._copies_asked
+        if self._copies_made == asked:
+            return
+        pos = int(llama.llama_memory_seq_pos_max(self._memory, seq_id)) + 1
+        self._abort.value = b""  # a job runs between steps: nothing may preempt this one
+        self._embedding_mode(False)
+        buf = self._buffers
+        buf.token[0], buf.pos[0], buf.seq[0], buf.logits[0] = 0, pos, seq_id, 0
+        buf.batch.n_tokens = 1
+        status = llama.llama_decode(self._ctx, buf.batch)
+        llama.llama_memory_seq_rm(self._memory, seq_id, pos, -1)
+        if status != 0:
+            raise EngineError(status, f"llama_decode returned {status} making the queued KV copies")
+        self._copies_made = asked
+
     def _save_seq(self, seq_id: int) -> bytes:
+        self._make_queued_copies(seq_id)
         size = llama.llama_state_seq_get_size(self._ctx, seq_id)
         buf = (ctypes.c_uint8 * size)()
         n = llama.llama_state_seq_get_data(self._ctx, buf, size, seq_id)
         return ctypes.string_at(buf, n)
 
     def _load_seq(self, seq_id: int, data: bytes) -> None:
+        self._make_queued_copies(seq_id)
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if llama.llama_state_seq_set_data(self._ctx, buf, len(data), seq_id) == 0:
             self.free_seq(seq_id)
@@ -537,10 +566,13 @@ class LlamaEngine:
         returns once the step is queued: :meth:`_collect` waits for the device."""
         started = time.perf_counter()
         self.step_gaps.on_start(filled.began, started)
+        asked = self._copies_asked  # llama_decode makes the copies queued by now first
         if decode_started is not None:
             decode_started.set()
         status = llama.llama_decode(self._ctx, self._buffers.batch)
-        if status != 0:
+        if status == 0:
+            self._copies_made = asked
+        else:
             self.step_gaps.on_end(None)
             n = filled.n_tokens
             if status == 2:  # preempted: undo the micro-batches that did finish, too
