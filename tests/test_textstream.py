@@ -60,3 +60,13 @@ def test_the_stop_string_that_matched_is_named() -> None:
     assert (first.text, first.stop) == ("do not ", None)
     delta = stream.push(b"op here")
     assert (delta.text, delta.stopped, delta.stop) == ("", True, "stop")  # "stop" starts before "op"
+
+
+def test_a_character_begun_after_the_stop_string_is_not_flushed() -> None:
+    # The token that completes the stop may go on into half a character (byte-level BPE):
+    # the end of generation flushes nothing after the stop, not a U+FFFD.
+    stream = TextStream(["END"])
+    assert stream.push(b"hello ").text == "hello "
+    delta = stream.push(b"END\xe2\x82")
+    assert (delta.text, delta.stopped) == ("", True)
+    assert stream.flush() == ""

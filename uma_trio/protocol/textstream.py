@@ -40,6 +40,9 @@ class TextStream:
         if found is not None:
             cut, stop = found
             text, self._held = self._held[:cut], ""
+            # Bytes of a character begun after the stop string are never sent: without the
+            # reset, flush() would turn them into a stray U+FFFD after the stop.
+            self._decoder.reset()
             return TextDelta(text, True, stop)
         keep = _longest_stop_prefix_suffix(self._held, self._stops)
         split = len(self._held) - keep
