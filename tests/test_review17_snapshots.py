@@ -19,15 +19,17 @@ import trio
 
 from uma_trio.client import RequestFailed, UmaClient
 from uma_trio.config import ServerConfig
+from uma_trio.engine.base import Engine
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.engine.llama_model import FileFingerprint, ModelFileChanged
+from uma_trio.engine.sim import SimEngine
 from uma_trio.protocol.errors import ErrorCode, UmaError
 from uma_trio.protocol.messages import SnapshotRequest
 from uma_trio.runtime.snapshot_service import SNAPSHOT_FILE_IO, file_io_limiter
 from uma_trio.runtime.snapshots import STALE_TMP_S, SUFFIX, SnapshotHeader, SnapshotStore, encode
 
 from .conftest import running_server
-from .helpers import sim_daemon
+from .helpers import assert_nothing_held, sim_daemon
 
 MB = 1 << 20
 Read = tuple[SnapshotHeader, bytes]
@@ -259,3 +261,35 @@ async def test_stale_temporary_files_are_removed_when_the_daemon_starts(
     left = sorted(p.name for p in snaps.iterdir())
     assert left == sorted([f"a{SUFFIX}", writing.name, ".notes.tmp", "keep.txt", ".d.dir.tmp"])
     assert "removed 2 stale snapshot temporary file(s)" in caplog.text
+
+
+# -- review 20: a restore that fails in an unexpected way gives its sequence id back ----------
+
+
+async def test_a_restore_failing_unexpectedly_gives_its_sequence_back(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """Only an EngineError released the id the restore had claimed: any other failure left
+    it counted as running for good, one sequence fewer for every later request."""
+    snaps = tmp_path / "snaps"
+    async with (
+        sim_daemon(snapshot_dir=snaps, prefix_cache_cells=None) as server,
+        UmaClient.connect(server.config.socket_path) as client,
+    ):
+        await client.snapshot("save", "a", prompt="word " * 20)
+
+    def failing_loads(sim: SimEngine) -> Engine:
+        async def load_seq(seq_id: int, data: bytes) -> None:
+            raise RuntimeError("injected: the load broke")
+
+        sim.load_seq = load_seq  # type: ignore[method-assign]
+        return sim
+
+    async with (
+        sim_daemon(failing_loads, snapshot_dir=snaps, prefix_cache_cells=None) as server,
+        UmaClient.connect(server.config.socket_path) as client,
+    ):
+        with pytest.raises(RequestFailed) as failed:
+            await client.snapshot("restore", "a")
+        assert "injected" in failed.value.event.message
+        assert_nothing_held(server)

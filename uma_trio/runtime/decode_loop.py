@@ -148,7 +148,7 @@ class DecodeLoop:
         n_ctx, prompt = self.engine.n_ctx_seq, len(session.prompt)
         room = f"exceeds the per-request context of {n_ctx} tokens"
         if session.request.embed:
-            return too_long(f"the input to embed ({prompt} tokens; truncate cuts it to fit) {room}")
+            return too_long(f"the input to embed ({prompt} tokens) {room}")
         needs = f"prompt ({prompt} tokens) + max_tokens ({session.request.max_tokens}) {room}"
         if prompt < n_ctx:  # the prompt fits: what it asks to generate does not
             return too_many_tokens_asked(f"{needs}; at most {n_ctx - prompt} can follow this prompt")
@@ -296,9 +296,11 @@ class DecodeLoop:
                 raise EngineError(
                     -1, f"the saved KV state holds {self.engine.seq_cells(seq_id)} cells, not {len(tokens)}"
                 )
-        except EngineError as exc:
+        except BaseException as exc:  # the id goes back whatever stopped the load
             self._free_cells(self.kv.release(seq_id, tokens[:0]))
-            raise UmaError(ErrorCode.SNAPSHOT_INVALID, str(exc)) from None
+            if isinstance(exc, EngineError):
+                raise UmaError(ErrorCode.SNAPSHOT_INVALID, str(exc)) from None
+            raise
         self._free_cells(self.kv.add(seq_id, tokens, owner))
 
     # -- the task ----------------------------------------------------------------
