@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 
 from uma_trio.config import ConfigError, ServerConfig
 from uma_trio.daemon import chat_template_file
-from uma_trio.engine.chat_template import ChatTemplateError, JinjaChatTemplate
+from uma_trio.engine.chat_template import ChatTemplateError, JinjaChatTemplate, RenderLimits
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.protocol import openai as openai_protocol
 
@@ -48,6 +49,37 @@ def test_the_sandbox_keeps_a_template_away_from_python_internals() -> None:
             JinjaChatTemplate(source).render([{"role": "user", "content": "x"}])
     # On a str the sandbox answers an unsafe attribute with an undefined value: nothing leaks.
     assert JinjaChatTemplate("{{ ''.__class__ }}").render([]) == ""
+
+
+@pytest.mark.parametrize(
+    ("template", "names"),
+    [
+        # Each ran without end on the event loop (SIGTERM unanswered) or took all memory.
+        ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", "ranges"),
+        ('{{ "x" * 3000000000 }}', "built a value"),
+        ("{{ [0] * 3000000000 }}", "built a value"),
+        ("{{ 3 ** 100000000 }}", "raised a number"),
+        ("{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}", "rendered prompt"),
+    ],
+)
+def test_a_template_doing_work_without_end_is_stopped(template: str, names: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=names):
+        JinjaChatTemplate(template).render([{"role": "user", "content": "x" * 1000}])
+    assert time.monotonic() - start < 5
+
+
+def test_a_slow_render_stops_at_its_deadline() -> None:
+    limits = RenderLimits(seconds=0.2, range_items=10**9)
+    slow = "{% for a in range(3000) %}{% for b in range(3000) %}{% endfor %}.{% endfor %}"
+    with pytest.raises(ChatTemplateError, match=r"took more than 0\.2 s"):
+        JinjaChatTemplate(slow, limits=limits).render([{"role": "user", "content": "Hi"}])
+
+
+def test_templates_within_the_limits_render_as_before() -> None:
+    loops = "{% for i in range(3) %}{{ i * 2 }}{{ '-' * 2 }}{{ 2 ** 10 }}{% endfor %}"
+    loops += "{{ messages[0].content }}"
+    assert JinjaChatTemplate(loops).render([{"role": "user", "content": "Hi"}]) == "0--10242--10244--1024Hi"
 
 
 def test_helpers_that_templates_use() -> None:
