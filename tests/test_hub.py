@@ -6,18 +6,22 @@ reaching the internet; ``uma-trio pull``, and Ollama's ``/api/pull`` through the
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import ollama
 import openai
 import pytest
 
+from uma_trio import hub as hub_module
 from uma_trio.config import ServerConfig
 from uma_trio.engine.llama import LlamaModel
-from uma_trio.hub import HubFile, PullError, choose_file, parse_reference, pull
+from uma_trio.hub import HubFile, Progress, PullError, choose_file, parse_reference, pull
 
 from .conftest import running_server
 from .hub_server import Repos, fake_hub
@@ -171,3 +175,93 @@ def test_pulls_at_once_keep_out_of_each_other_s_way(hub: Repos, tmp_path: Path, 
     worker.join(60)
     assert again == results["first"] and hub.downloads.count(again.name) == 2  # once per round
     assert not (store / ".pull").exists()
+
+
+Q4_1 = "SmolLM2-135M-Instruct-Q4_1.gguf"
+
+
+def test_a_file_of_that_name_from_another_repository_never_replaces_the_store_s(
+    hub: Repos, tmp_path: Path, model_path: Path
+) -> None:
+    """Review: any repository with a file of the store's file's name replaced it, and one of
+    the same size passed for the pulled one.  Now the hub's sha256 decides: a 409, the file
+    kept, nothing fetched."""
+    store = tmp_path / "store"
+    store.mkdir()
+    own = bytearray(model_path.read_bytes())
+    own[-1] ^= 0xFF  # the same size, other bytes
+    for planted in (bytes(own), b"GGUF" + b"\0" * 100):
+        (store / Q4_1).write_bytes(planted)
+        with pytest.raises(PullError, match=f"already has a different {Q4_1}.*remove or rename") as refused:
+            pull(f"{REPO}:Q4_1", store)
+        assert refused.value.status == 409 and (store / Q4_1).read_bytes() == planted
+    assert Q4_1 not in hub.downloads
+
+
+def test_without_the_hub_s_sha256_only_the_same_size_counts_as_pulled(
+    hub: Repos, tmp_path: Path, model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    size = model_path.stat().st_size
+    monkeypatch.setattr(hub_module, "hub_files", lambda repo: [HubFile(Q4_1, size, None)])
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / Q4_1).write_bytes(b"GGUF" + b"\0" * (size - 4))
+    assert pull(f"{REPO}:Q4_1", store) == store / Q4_1  # taken as present: nothing to tell them apart
+    (store / Q4_1).write_bytes(b"GGUF" + b"\0" * 100)
+    with pytest.raises(PullError, match="already has a different") as refused:
+        pull(f"{REPO}:Q4_1", store)
+    assert refused.value.status == 409 and (store / Q4_1).stat().st_size == 104 and not hub.downloads
+
+
+def test_a_file_that_appears_during_the_pull_is_not_replaced(
+    hub: Repos, tmp_path: Path, model_path: Path
+) -> None:
+    """Another process (``uma-trio pull``) may put a file of that name there while this one
+    downloads: a different one is kept and the pull refused, the same one is the pull's."""
+    store = tmp_path / "store"
+    store.mkdir()
+    target = store / Q4_1
+
+    def planting(data: bytes) -> Progress:
+        def report(what: str, done: int, total: int) -> None:
+            if what == "verifying" and not target.exists():
+                target.write_bytes(data)
+
+        return report
+
+    with pytest.raises(PullError, match="already has a different") as refused:
+        pull(f"{REPO}:Q4_1", store, planting(b"GGUF another"))
+    assert refused.value.status == 409 and target.read_bytes() == b"GGUF another"
+    target.unlink()
+    assert pull(f"{REPO}:Q4_1", store, planting(model_path.read_bytes())) == target
+    assert not (store / ".pull").exists()
+
+
+def test_a_pull_needs_room_for_the_file_and_a_margin(
+    hub: Repos, tmp_path: Path, model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    free = [model_path.stat().st_size + 1]  # room for the file, not the margin
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=free[0]))
+    with pytest.raises(PullError, match="GiB free in the model store") as refused:
+        pull(f"{REPO}:Q4_1", store)
+    assert refused.value.status == 507 and not hub.downloads and not list(store.iterdir())
+    free[0] = 1 << 50
+    assert pull(f"{REPO}:Q4_1", store).exists()
+
+
+def test_a_pull_removes_staging_folders_left_by_a_daemon_that_exited(hub: Repos, tmp_path: Path) -> None:
+    """A pull thread does not hold the daemon up, so its staging folder outlived it; the next
+    pull removes those untouched for 10 minutes, and leaves a live one (another process's)."""
+    store = tmp_path / "store"
+    stale = store / ".pull" / "someone--gone.abc123"
+    live = store / ".pull" / "someone--live.def456"
+    for folder in (stale, live):
+        folder.mkdir(parents=True)
+        (folder / "half.gguf.incomplete").write_bytes(b"GGUF half")
+    past = time.time() - 3600
+    for path in (stale / "half.gguf.incomplete", stale):
+        os.utime(path, (past, past))
+    pull(f"{REPO}:Q4_1", store)
+    assert not stale.exists() and (live / "half.gguf.incomplete").exists()

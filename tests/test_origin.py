@@ -3,9 +3,15 @@ and Content-Type checks; http/origin.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
 import httpx
 import pytest
+import trio
 
+from uma_trio.daemon import _serve as serve_daemon
 from uma_trio.http.origin import (
     DEFAULT_CORS_ORIGINS,
     allowed_hosts,
@@ -13,7 +19,9 @@ from uma_trio.http.origin import (
     host_name,
     origin_pattern,
 )
+from uma_trio.loadgen.simulate import SIM_CONFIG
 
+from .helpers import sim_server
 from .test_http_hardening import gateway_on_sim
 
 ORIGINS = origin_pattern(DEFAULT_CORS_ORIGINS)
@@ -125,3 +133,25 @@ async def test_allowed_hosts_and_origins_are_configurable() -> None:
         assert ok.status_code == 200
         local = await http.post("/v1/completions", json=BODY, headers={"origin": "http://localhost:3000"})
         assert local.status_code == 403  # the list replaces the defaults
+
+
+async def test_the_metrics_port_refuses_a_rebinding_host_too(tmp_path: Path) -> None:
+    """Review: ``--metrics-port`` had no Host check, so a DNS-rebinding page read it while
+    the gateway's own ``/metrics`` was a 403."""
+    config = replace(SIM_CONFIG, socket_path=tmp_path / "d.sock", metrics_port=0, allowed_hosts=("llm.lan",))
+    server = sim_server(config)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_daemon, server, None, handle_signals=False))
+        url = server.metrics_url
+        assert url is not None
+        try:
+            async with httpx.AsyncClient() as http:
+                rebound = await http.get(url, headers={"host": "evil.example:9100"})
+                assert (
+                    rebound.status_code == 403 and "'evil.example:9100' is not this server's" in rebound.text
+                )
+                for host in ("llm.lan:9100", "localhost"):  # --allowed-hosts, loopback
+                    assert (await http.get(url, headers={"host": host})).status_code == 200
+                assert (await http.get(url)).status_code == 200  # 127.0.0.1:PORT
+        finally:
+            server.request_shutdown(force=True)

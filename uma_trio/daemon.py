@@ -307,9 +307,12 @@ async def _serve(
             if metrics_sock is not None:
                 metrics_sock.close()
             raise
-        if metrics_sock is not None:
+        if metrics_sock is not None and address is not None:
+            # The gateway's Host check: a DNS-rebinding page could read the port otherwise.
+            own = (socket.gethostname(), socket.getfqdn())
+            hosts = allowed_hosts(address[0], server.config.allowed_hosts, own)
             base = await nursery.start(partial(
-                serve_asgi, metrics_app(server.registry), metrics_sock, name="metrics_http",
+                serve_asgi, metrics_app(server.registry, hosts), metrics_sock, name="metrics_http",
                 max_connections=server.config.max_connections,
             ))  # fmt: skip
             server.metrics_url = f"{base}/metrics"

@@ -8,27 +8,35 @@ name carries that quantization, else the repository's only GGUF, else its Q4_K_M
 
 Nothing half-written joins the store: the file is downloaded under ``.pull/`` in the store
 directory (not a ``*.gguf`` the store lists), checked (GGUF magic, size, and sha256 where the
-hub gives one), and only then renamed into place; a failed check deletes it.  Each pull has
-a staging folder of its own; a pull of a file already being pulled waits for that one.
-Blocking: the daemon runs it in a worker thread.
+hub gives one), and only then linked into place; a failed check deletes it.  Each pull has
+a staging folder of its own; a pull of a file already being pulled waits for that one, and
+staging folders nothing has touched for 10 minutes (a pull whose process ended) are removed.
+
+A file of that name already in the store is never replaced: it counts as pulled when it is
+the hub's file (its sha256, or without one its size), and is otherwise a 409.  Blocking: the
+daemon runs it in a worker thread.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import re
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .model_files import sha256_of
+
 GGUF_MAGIC = b"GGUF"
+DISK_MARGIN = 1 << 30  # bytes left free besides the file: the store's disk is the user's too
+STALE_S = 600.0  # a staging folder untouched this long is a pull whose process ended
 _SILENT = io.StringIO()  # where huggingface_hub's own progress bar is drawn: nowhere
 _PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$")  # split GGUFs: not supported yet
 
@@ -36,7 +44,8 @@ _PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$")  # split GGUFs: not supported yet
 class PullError(Exception):
     """The reference, the hub or the file is not right; the message says which, and ``status``
     is the HTTP status ``/api/pull`` answers with (400 the reference, 404 nothing to pull
-    there, 502 the hub or what it sent)."""
+    there, 409 another file of that name in the store, 502 the hub or what it sent, 507 too
+    little disk)."""
 
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
@@ -123,8 +132,8 @@ def _lock_for(target: Path) -> threading.Lock:
 
 
 def pull(reference: str, store: Path, progress: Progress | None = None) -> Path:
-    """Download ``reference``'s GGUF into ``store`` (checked, then renamed into place); the
-    file's path.  A file already there with the same size is kept."""
+    """Download ``reference``'s GGUF into ``store`` (checked, then linked into place); the
+    file's path.  The hub's file already there is kept; another of its name is a 409."""
     report = progress or (lambda _what, _done, _total: None)
     repo, quant = parse_reference(reference)
     chosen = choose_file(hub_files(repo), quant, repo)
@@ -132,9 +141,10 @@ def pull(reference: str, store: Path, progress: Progress | None = None) -> Path:
     # A second pull of a file being pulled (a client that hung up and asked again) waits for
     # the first and then finds it there.
     with _lock_for(target):
-        if target.exists() and (chosen.size is None or target.stat().st_size == chosen.size):
-            report("done", target.stat().st_size, target.stat().st_size)
-            return target
+        if target.exists():
+            return _already_there(target, chosen, repo, report)
+        _remove_stale(store / ".pull")
+        _check_space(store, chosen)
         # A folder of its own: pulls of one repository's files shared one, and the first to
         # end removed the other's download.
         staging = _staging_folder(store / ".pull", repo.replace("/", "--") + ".")
@@ -142,7 +152,8 @@ def pull(reference: str, store: Path, progress: Progress | None = None) -> Path:
             downloaded = Path(_download(repo, chosen, staging, report))
             report("verifying", 0, chosen.size or 0)
             check(downloaded, chosen)
-            os.replace(downloaded, target)
+            if not _place(downloaded, target):  # another process's pull put one there meanwhile
+                return _already_there(target, chosen, repo, report)
         finally:  # nothing half-written stays, whatever happened
             shutil.rmtree(staging, ignore_errors=True)
             with contextlib.suppress(OSError):  # the last pull under way leaves no .pull behind
@@ -150,6 +161,65 @@ def pull(reference: str, store: Path, progress: Progress | None = None) -> Path:
     size = target.stat().st_size
     report("done", size, size)
     return target
+
+
+def _place(downloaded: Path, target: Path) -> bool:
+    """Move ``downloaded`` to ``target`` unless a file is there (False): a link, unlike a
+    rename, never replaces one, even one another process (``uma-trio pull``) just put there."""
+    try:
+        os.link(downloaded, target)
+    except FileExistsError:
+        return False
+    except OSError:  # a file system without hard links (exFAT): checked, then renamed
+        if target.exists():
+            return False
+        os.rename(downloaded, target)
+    return True
+
+
+def _already_there(target: Path, chosen: HubFile, repo: str, report: Progress) -> Path:
+    """``target`` if it is the hub's file (its sha256; without one, its size), else a 409:
+    anyone may publish a file of the same name, and the store's must not be swapped."""
+    size = target.stat().st_size
+    if chosen.sha256 is not None:
+        report("verifying", 0, size)
+        same = chosen.size in (None, size) and sha256_of(target) == chosen.sha256
+    else:
+        same = chosen.size is not None and size == chosen.size
+    if not same:
+        raise PullError(
+            f"the model store already has a different {chosen.name} from {repo}'s; "
+            "remove or rename it to pull this one",
+            409,
+        )
+    report("done", size, size)
+    return target
+
+
+def _remove_stale(parent: Path) -> None:
+    """Staging folders nothing in has changed for :data:`STALE_S`: pulls a daemon that exited
+    left (its pull threads do not hold it up).  A live pull, of another process too, writes."""
+    if not parent.is_dir():
+        return
+    for folder in parent.iterdir():
+        try:
+            newest = max(p.lstat().st_mtime for p in (folder, *folder.rglob("*")))
+        except OSError:  # removed meanwhile by the pull that owned it
+            continue
+        if time.time() - newest > STALE_S:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _check_space(store: Path, chosen: HubFile) -> None:
+    """A 507 unless the disk has room for the file and :data:`DISK_MARGIN` more."""
+    free = shutil.disk_usage(store).free
+    need = (chosen.size or 0) + DISK_MARGIN
+    if free < need:
+        raise PullError(
+            f"{chosen.name} needs {need / 2**30:.1f} GiB free in the model store "
+            f"(its size and {DISK_MARGIN / 2**30:.0f} GiB to spare); the disk has {free / 2**30:.1f} GiB",
+            507,
+        )
 
 
 def _staging_folder(parent: Path, prefix: str) -> Path:
@@ -170,15 +240,8 @@ def check(path: Path, expected: HubFile) -> None:
             raise PullError(f"{expected.name} is not a GGUF file (its first bytes are not GGUF)", 502)
     if expected.size is not None and size != expected.size:
         raise PullError(f"{expected.name}: {size} bytes arrived, the hub says {expected.size}", 502)
-    if expected.sha256 is not None:
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-        if digest.hexdigest() != expected.sha256:
-            raise PullError(
-                f"{expected.name}: sha256 {digest.hexdigest()} is not the hub's {expected.sha256}", 502
-            )
+    if expected.sha256 is not None and (digest := sha256_of(path)) != expected.sha256:
+        raise PullError(f"{expected.name}: sha256 {digest} is not the hub's {expected.sha256}", 502)
 
 
 def _endpoint() -> str:
@@ -218,4 +281,6 @@ def _download(repo: str, chosen: HubFile, staging: Path, report: Progress) -> st
             )
         )
     except Exception as exc:  # as in hub_files: httpx's errors and the hub client's own
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise  # writing the file failed (a full disk): the store's failure, not the hub's
         raise PullError(f"{repo}/{chosen.name}: the download failed ({_reason(exc)})", 502) from None

@@ -4,14 +4,18 @@
 manifest``, then ``downloading`` lines with ``total`` and ``completed`` bytes (at most four a
 second), ``verifying sha256 digest``, and ``success``, or one ``{"error"}`` line; with
 ``"stream": false`` only the last of them, an error with its status (400 a bad reference, 404
-nothing to pull there, 502 the hub unreachable or its file wrong, 500 anything else).  The
-download runs in a thread of its own and goes on if the client hangs up (the same pull asked
-again waits for it and finds the file); the daemon's store then lists the model, and a request
-may name it by its file name without ``.gguf``.
+nothing to pull there, 409 another file of that name in the store, 502 the hub unreachable or
+its file wrong, 507 too little disk, 500 anything else; the store's and internal failures in
+detail in the daemon's log only).  The download runs in a thread of its own and goes on if the
+client hangs up (the same pull asked again waits for it and finds the file); at most
+:data:`MAX_PULLS` references are pulled at once, another is a 429 before anything streams.
+The daemon's store then lists the model, and a request may name it by its file name without
+``.gguf``.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
@@ -26,14 +30,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from ..hub import PullError, pull
+from ..hub import PullError, parse_reference, pull
 from ..model_store import default_models_dir, model_id
+from ..protocol.openai import ApiError
 from .flight import GatewayCore, answering_as, decode_body
 from .responses import json_response
 
 log = logging.getLogger(__name__)
 
 _REPORT_EVERY_S = 0.25
+MAX_PULLS = 2  # references pulled at once: each is a thread, a download and its disk space
 
 
 class PullBody(msgspec.Struct, kw_only=True):
@@ -46,6 +52,8 @@ class PullBody(msgspec.Struct, kw_only=True):
 class PullApi:
     def __init__(self, gateway: GatewayCore) -> None:
         self.gateway = gateway
+        self._lock = threading.Lock()  # the pull threads, ending, take themselves off
+        self._under_way: dict[str, int] = {}  # a reference being pulled → its threads
 
     def routes(self) -> list[Route]:
         return [Route("/api/pull", answering_as("ollama", self.pull), methods=["POST"])]
@@ -56,7 +64,10 @@ class PullApi:
         models = self.gateway._ready().models
         store = models.store.directory or default_models_dir()
         outcome: dict[str, Any] = {}
-        lines = self._pulling(reference, store, outcome)
+        # Started here, before the response: a 429 has its status, and a client gone before
+        # the first line leaves no count behind.
+        thread, progress = self._start(reference, store, outcome)
+        lines = self._pulling(thread, progress, outcome)
         if body.stream:
             return StreamingResponse(_ndjson(lines), media_type="application/x-ndjson")
         last: dict[str, Any] = {}
@@ -64,11 +75,20 @@ class PullApi:
             last = line
         return json_response(last, status=outcome.get("status", 200))
 
-    async def _pulling(
+    def _start(
         self, reference: str, store: Path, outcome: dict[str, Any]
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Progress lines while ``pull`` runs in a thread; then the store learns the file.
-        ``outcome`` gets the pulled ``path``, or the ``error`` and its HTTP ``status``."""
+    ) -> tuple[threading.Thread, queue.SimpleQueue[dict[str, Any]]]:
+        """``pull`` in a thread of its own, reporting to the queue; ``outcome`` gets the pulled
+        ``path``, or the ``error`` and its HTTP ``status``.  A 429 past :data:`MAX_PULLS`
+        (the same reference again waits for its pull, uncounted)."""
+        key = _key(reference)
+        with self._lock:
+            if key not in self._under_way and len(self._under_way) >= MAX_PULLS:
+                raise ApiError(
+                    429, f"{MAX_PULLS} pulls are under way, the most at once; try again when one has ended",
+                    type="rate_limit_error", code="too_many_pulls",
+                )  # fmt: skip
+            self._under_way[key] = self._under_way.get(key, 0) + 1
         progress: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         last = [0.0]
 
@@ -88,15 +108,38 @@ class PullApi:
                 outcome["path"] = pull(reference, store, report)
             except PullError as exc:
                 outcome.update(error=str(exc), status=exc.status)
-            except OSError as exc:  # the store: not writable, full
-                outcome.update(error=f"the model store {store}: {exc}", status=500)
-            except Exception as exc:  # a bug: an error line, not a thread dying in silence
+            except OSError as exc:  # the store: the client learns which kind, the log the rest
+                log.warning("pull of %r into %s failed: %s", reference, store, exc)
+                full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                kind = "is full" if full else "could not be written"
+                outcome.update(
+                    error=f"the model store {kind}; see the daemon's log", status=507 if full else 500
+                )
+            except Exception:  # a bug: an error line, not a thread dying in silence
                 log.exception("pull of %r failed", reference)
-                outcome.update(error=f"internal error: {type(exc).__name__}: {exc}", status=500)
+                outcome.update(error="internal error while pulling; see the daemon's log", status=500)
+            finally:
+                self._done(key)
 
-        yield {"status": "pulling manifest"}
         thread = threading.Thread(target=work, name="uma-pull", daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            self._done(key)
+            raise
+        return thread, progress
+
+    def _done(self, key: str) -> None:
+        with self._lock:
+            self._under_way[key] -= 1
+            if not self._under_way[key]:
+                del self._under_way[key]
+
+    async def _pulling(
+        self, thread: threading.Thread, progress: queue.SimpleQueue[dict[str, Any]], outcome: dict[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Progress lines while the pull's ``thread`` runs; then the store learns the file."""
+        yield {"status": "pulling manifest"}
         while thread.is_alive() or not progress.empty():
             while not progress.empty():
                 yield progress.get()
@@ -110,6 +153,15 @@ class PullApi:
         models = self.gateway._ready().models
         models.store = models.store.rescanned(loaded=models.units)
         yield {"status": "success", "model": model_id(Path(outcome["path"]).name)}
+
+
+def _key(reference: str) -> str:
+    """A reference as pulls share it: ``hf.co/A/B:q4_k_m`` and ``A/B:Q4_K_M`` are one pull."""
+    try:
+        repo, quant = parse_reference(reference)
+    except PullError:  # refused at once, in its thread
+        return reference
+    return f"{repo}:{quant or ''}".lower()
 
 
 async def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
