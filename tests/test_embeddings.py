@@ -247,3 +247,13 @@ async def test_a_client_that_hangs_up_cancels_its_inputs(open_server: Server) ->
         ).http_response.json()["data"][0]["embedding"]
     )
     assert len(raw) == 4 * 576
+
+
+@pytest.mark.model
+async def test_encoding_format_null_is_float(open_server: Server) -> None:
+    async with httpx.AsyncClient(base_url=str(open_server.http_url)) as http:
+        body = {"model": MODEL, "input": "hi", "encoding_format": None}
+        answer = await http.post("/v1/embeddings", json=body)
+    assert answer.status_code == 200, answer.text
+    vector = answer.json()["data"][0]["embedding"]
+    assert isinstance(vector, list) and len(vector) == 576

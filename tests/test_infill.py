@@ -145,3 +145,41 @@ async def test_a_model_without_fim_tokens_is_a_clear_error(keyed_http_server: Se
                 messages=[{"role": "user", "content": "a"}], suffix="b", max_tokens=4
             )
         assert failed.value.event.code == "E_PROTO_002" and "suffix" in failed.value.event.message
+
+
+@pytest.mark.model
+async def test_n_predict_past_the_limits_is_cut_to_them(
+    fim_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    """As llama-server caps n_predict to what fits: --max-tokens, then the context's room."""
+    body: dict[str, Any] = {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n"}
+    async with (
+        running_server(fim_model, server_config, http="127.0.0.1:0", api_key=API_KEY, max_tokens=6) as server,
+        http(server) as client,
+    ):
+        answer = await client.post("/infill", json={**body, "n_predict": 99999, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["tokens_predicted"] <= 6
+    async with (
+        running_server(fim_model, server_config, http="127.0.0.1:0", api_key=API_KEY, n_ctx=256) as server,
+        http(server) as client,
+    ):
+        assert server.loop.engine.n_ctx_seq == 256 and server.config.max_tokens > 1000
+        answer = await client.post("/infill", json={**body, "n_predict": 1000, "stop": ["\n"]})
+        assert answer.status_code == 200, answer.text  # prompt + n_predict > the context: cut
+
+
+@pytest.mark.model
+async def test_a_stream_cut_short_ends_with_an_error(fim_server: Server) -> None:
+    """A stall or a shutdown cancels the request: the editor is told, as chat's stream tells."""
+    body = {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n", "n_predict": 400}
+    body["stream"] = True
+    chunks = []
+    async with http(fim_server) as client, client.stream("POST", "/infill", json=body) as streamed:
+        fim_server.loop.cancel_all("stalled")
+        async for line in streamed.aiter_lines():
+            if line.startswith("data: "):
+                chunks.append(json.loads(line[6:]))
+    assert chunks and "error" in chunks[-1], chunks[-3:]
+    assert "cancelled (stalled)" in chunks[-1]["error"]["message"]
+    assert all(c["stop"] is False for c in chunks[:-1])

@@ -96,3 +96,135 @@ def test_function_calls_cut_off_by_max_output_tokens_are_incomplete() -> None:
     answer = response_object("resp_1", 0, body, [], cut)
     assert answer["status"] == "incomplete"
     assert answer["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def sdk_error(error: openai.BadRequestError) -> tuple[str | None, str]:
+    return error.param, error.message
+
+
+async def test_refusals_name_the_fields_the_client_sent(keyed_http_server: Server) -> None:
+    """Not the chat request's they become: max_tokens, messages[i], tools[i].function."""
+    nameless = {"type": "function", "parameters": {"type": "object", "properties": {}}}
+    call = {"type": "function_call", "call_id": "c1", "arguments": "{}"}
+    allowed = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "f"}]}
+    refused: list[tuple[dict[str, Any], str, str]] = [
+        ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens 100000"),
+        ({"input": []}, "input", "input is empty"),
+        ({"input": "hi", "tools": [nameless]}, "tools[0].name", "name"),
+        ({"input": "hi", "tools": [{**WEATHER, "name": "get weather"}]}, "tools[0].name", "$.tools[0].name"),
+        ({"input": [{"role": "user", "content": "hi"}, call]}, "input[1].name", "name"),
+        ({"input": "hi", "tools": [WEATHER], "tool_choice": allowed}, "tool_choice", "'allowed_tools'"),
+        # Developer items join the instructions' turn: the daemon's messages[2] is input[2].
+        (
+            {
+                "instructions": "Be brief.",
+                "input": [
+                    {"role": "developer", "content": "Use tools."}, {"role": "user", "content": "hi"},
+                    {**call, "name": "n" * 300},
+                ],
+            },
+            "input[2].name",
+            "$.input[2].name",
+        ),
+    ]  # fmt: skip
+    async with openai_sdk(keyed_http_server) as client:
+        for body, param, said in refused:
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.responses.create(model=MODEL, **body)
+            assert error.value.param == param, body
+            assert said in error.value.message and "messages" not in error.value.message, body
+            assert "max_tokens" not in error.value.message and ".function" not in error.value.message
+
+
+async def test_text_format_is_text_json_object_or_a_json_schema(keyed_http_server: Server) -> None:
+    async with openai_sdk(keyed_http_server) as client:
+        for fmt in ({"type": "json_schema", "name": "x"}, {"type": "bogus"}, "json"):
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.responses.create(
+                    model=MODEL, input="hi", text={"format": fmt},  # type: ignore[typeddict-item]
+                    max_output_tokens=2,
+                )  # fmt: skip
+            assert error.value.param == "text.format", fmt
+        for ok in ({"type": "text"}, {"type": "json_object"}):
+            answer = await client.responses.create(
+                model=MODEL, input="hi", text={"format": ok},  # type: ignore[typeddict-item]
+                max_output_tokens=2,
+            )  # fmt: skip
+            assert answer.status in ("completed", "incomplete")
+
+
+async def test_function_call_items_and_outputs_need_their_call_ids(keyed_http_server: Server) -> None:
+    ask = {"role": "user", "content": "Weather in Paris?"}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "sunny"}
+    refused: list[tuple[list[dict[str, Any]], str]] = [
+        ([ask, call, {**output, "call_id": None}], "input[2].call_id"),  # was tool_call_id ""
+        ([ask, {**call, "call_id": ""}, output], "input[1].call_id"),
+        ([ask, output], "input[1].call_id"),  # answers no call
+        ([ask, call, {**output, "call_id": "c2"}], "input[2].call_id"),
+    ]
+    async with openai_sdk(keyed_http_server) as client:
+        for items, param in refused:
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.responses.create(model=MODEL, input=items, max_output_tokens=2)  # type: ignore[arg-type]
+            assert error.value.param == param, items
+        # Arguments that are not JSON are replayed as sent (the model wrote them), as in chat.
+        broken = {**call, "arguments": '{"city": "Par'}
+        answer = await client.responses.create(model=MODEL, input=[ask, broken, output], max_output_tokens=2)  # type: ignore[list-item]
+        assert answer.output
+
+
+async def test_a_cut_off_message_is_incomplete_whole_and_streamed(keyed_http_server: Server) -> None:
+    ask: dict[str, Any] = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 3}
+    async with openai_sdk(keyed_http_server) as client:
+        whole = await client.responses.create(**ask, temperature=0)
+        async with client.responses.stream(**ask, temperature=0) as stream:
+            done = [e.item async for e in stream if e.type == "response.output_item.done"]
+            final = await stream.get_final_response()
+    assert whole.status == final.status == "incomplete"
+    assert [i.status for i in whole.output] == [i.status for i in final.output] == ["incomplete"]
+    assert [i.status for i in done] == ["incomplete"]
+    assert whole.output_text == final.output_text != ""
+
+
+async def test_an_empty_answer_is_an_empty_message_whole_and_streamed(
+    keyed_http_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from contextlib import aclosing
+
+    from uma_trio.http.gateway import Gateway
+    from uma_trio.protocol.messages import EosEvent, TokenEvent
+
+    events = Gateway._events
+
+    async def silent(self: Gateway, flight: Any) -> Any:  # the model writes nothing
+        async with aclosing(events(self, flight)) as real:
+            async for event in real:
+                if isinstance(event, EosEvent):
+                    yield msgspec.structs.replace(event, text="", content=None)
+                elif not isinstance(event, TokenEvent):
+                    yield event
+
+    monkeypatch.setattr(Gateway, "_events", silent)
+    ask: dict[str, Any] = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
+    async with openai_sdk(keyed_http_server) as client:
+        whole = await client.responses.create(**ask)
+        async with client.responses.stream(**ask) as stream:
+            final = await stream.get_final_response()
+    texts = [[part["text"] for part in item.model_dump()["content"]] for item in whole.output]
+    assert texts == [[part["text"] for part in item.model_dump()["content"]] for item in final.output]
+    assert texts == [[""]] and [i.type for i in final.output] == ["message"]  # was [] streamed
+
+
+async def test_the_lane_comes_from_the_header_or_service_tier(keyed_http_server: Server) -> None:
+    ask: dict[str, Any] = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 1}
+    async with openai_sdk(keyed_http_server) as client:
+        await client.responses.create(**ask, extra_headers={"X-Uma-Priority": "background"})
+        await client.responses.create(**ask, service_tier="flex")
+        await client.responses.create(**ask)
+        with pytest.raises(openai.BadRequestError) as error:
+            await client.responses.create(**ask, extra_headers={"X-Uma-Priority": "urgent"})
+        assert "X-Uma-Priority" in error.value.message
+    lanes = keyed_http_server.metrics_snapshot()["requests"]
+    counts = {lane: sum(reasons.values()) for lane, reasons in lanes.items()}
+    assert counts == {"interactive": 1, "background": 2}

@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from ..engine.model_card import card_of
 from ..protocol import embeddings
+from ..protocol.errors import ErrorCode
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, ServerEvent
 from ..protocol.ollama_durations import keep_alive_seconds
 from ..protocol.openai import LANE_HEADER, ApiError, lane_from_header
@@ -55,7 +56,7 @@ class EmbeddingsApi:
             raise ApiError(400, "`input` is empty: give a text or a list of texts", param="input")
         check = partial(embeddings.check_dimensions, body.dimensions)
         ends = await self._embed(request, texts, arrived, model, check=check)
-        return json_response(embeddings.openai_answer(model, ends, body.encoding_format))
+        return json_response(embeddings.openai_answer(model, ends, body.encoding_format or "float"))
 
     async def ollama_embed(self, request: Request) -> Response:
         data, arrived = await self.gateway._arriving(request)
@@ -68,9 +69,14 @@ class EmbeddingsApi:
             await load_or_unload(self.gateway, model, keep_alive)
         else:
             check = partial(embeddings.check_ollama_dimensions, body.dimensions)
-            ends = await self._embed(
-                request, texts, arrived, model, check=check, truncate=body.truncate, keep_alive=keep_alive
-            )
+            try:
+                ends = await self._embed(
+                    request, texts, arrived, model, check=check, truncate=body.truncate, keep_alive=keep_alive
+                )
+            except ApiError as exc:  # the daemon's message names no field of Ollama's: this one
+                if exc.uma_code == ErrorCode.CONTEXT_OVERFLOW:
+                    exc.message += "; truncate: true cuts it to fit"
+                raise
         total_s = trio.current_time() - arrived
         return json_response(embeddings.ollama_embed_answer(body.model, ends, total_s, body.dimensions))
 

@@ -66,7 +66,7 @@ from .anthropic import AnthropicApi
 from .auth import BearerAuth, request_owner
 from .embeddings import EmbeddingsApi
 from .event_stream import EventStream, until_disconnect
-from .flight import Flight, client_gone, completed, decode_body, last_word
+from .flight import Flight, answer_limits, client_gone, completed, decode_body, last_word
 from .fresh import FreshConnections, peer_of
 from .ollama import OllamaApi
 from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pattern
@@ -549,7 +549,8 @@ class Gateway:
                 return Response(event, media_type="text/event-stream", headers=headers)
             return json_response(answer, headers=headers)
         try:
-            generate_request = infill_request(body, rid, server.config.max_tokens)
+            limits = answer_limits(self, self.model)
+            generate_request = infill_request(body, rid, limits.max_tokens, limits.context)
         except (msgspec.ValidationError, ValueError) as exc:
             raise openai.validation_error(exc) from None
         # No limit given: up to --max-tokens, within the context's room (as chat's default).
@@ -567,6 +568,8 @@ class Gateway:
                                 yield openai.sse(_json.encode(InfillAnswer(content=text, stop=False)))
                             case EosEvent(reason="stop" | "length"):
                                 yield openai.sse(_json.encode(infill_answer(event, self.model, "")))
+                            case EosEvent(reason="cancelled"):  # a stall, shutdown: say so, as chat's
+                                yield openai.sse(_json.encode(openai.ended_early(event).body()))
                             case ErrorEvent(code=code, message=message):
                                 error = openai.api_error(ErrorCode(code), message)
                                 yield openai.sse(_json.encode(error.body()))

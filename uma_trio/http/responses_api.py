@@ -14,9 +14,8 @@ from starlette.routing import Route
 
 from ..protocol import responses_api as api
 from ..protocol.errors import ErrorCode
-from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
-from ..protocol.openai import api_error, ended_early, validation_error
-from ..protocol.openai_errors import client_param
+from ..protocol.messages import EosEvent, ErrorEvent, TokenEvent
+from ..protocol.openai import LANE_HEADER, ApiError, api_error, ended_early
 from ..protocol.tools import ToolTextFilter
 from .auth import request_owner
 from .flight import Flight, GatewayCore, completed, decode_body
@@ -35,11 +34,17 @@ class ResponsesApi:
         data, arrived = await gateway._arriving(request)
         body = self._body(data)
         response_id, created = api.new_id("resp"), api.now()
-        generate_request = self._translate(body, response_id)  # its X-Request-Id, for /priority
+        # The request's id is the response's (its X-Request-Id, for /priority).
+        generate_request, names = api.responses_request(body, response_id, request.headers.get(LANE_HEADER))
+        generate_request = msgspec.structs.replace(generate_request, model=body.model)
         auto = body.max_output_tokens is None
-        async with gateway._in_flight(generate_request, arrived, auto, request_owner(request)) as flight:
-            headers = {"x-request-id": response_id}
-            if not body.stream:
+        try:
+            async with gateway._in_flight(generate_request, arrived, auto, request_owner(request)) as flight:
+                headers = {"x-request-id": response_id}
+                if body.stream:
+                    return gateway._event_stream(
+                        lambda: self._events(flight, body, response_id, created), flight, headers
+                    )
                 events = await gateway._collect(request, flight)
                 eos = completed(events)
                 text = (
@@ -47,14 +52,12 @@ class ResponsesApi:
                     if eos.content is not None
                     else "".join(e.text for e in events if isinstance(e, TokenEvent))
                 )
-                output = [api.message_item(api.new_id("msg"), text)] if text or not eos.tool_calls else []
-                output += api.call_items(eos)
+                output = api.answer_items(api.new_id("msg"), text, eos)
                 return json_response(
                     api.response_object(response_id, created, body, output, eos), headers=headers
                 )
-            return gateway._event_stream(
-                lambda: self._events(flight, body, response_id, created), flight, headers
-            )
+        except ApiError as exc:  # the daemon's checks (--max-tokens, ...) name the chat's fields
+            raise api.as_sent(exc, names) from None
 
     async def _events(
         self, flight: Flight, body: api.ResponsesBody, response_id: str, created: int
@@ -101,7 +104,7 @@ class ResponsesApi:
                     case EosEvent(reason="stop" | "length"):
                         # The text the filter held back, after the calls too (as chat streams do).
                         rest = text_filter.rest(item.content or "") if text_filter else ""
-                        if rest and not opened:
+                        if not opened and (rest or not item.tool_calls):  # an empty answer too, as unstreamed
                             for chunk in open_text():
                                 yield chunk
                             opened = True
@@ -115,7 +118,7 @@ class ResponsesApi:
                             yield event(
                                 "response.content_part.done", {**where, "part": api.output_text(text)}
                             )
-                            output.append(api.message_item(msg_id, text))
+                            output.append(api.message_item(msg_id, text, api.message_status(item)))
                             yield event("response.output_item.done", {"output_index": 0, "item": output[-1]})
                         for call in api.call_items(item):
                             index = len(output)
@@ -156,9 +159,3 @@ class ResponsesApi:
     def _body(self, data: bytes) -> api.ResponsesBody:
         body = decode_body(data, api.ResponsesBody)
         return msgspec.structs.replace(body, model=self.gateway.model_for(body.model))
-
-    def _translate(self, body: api.ResponsesBody, rid: str) -> GenerateRequest:
-        try:
-            return msgspec.structs.replace(api.responses_request(body, rid), model=body.model)
-        except (msgspec.ValidationError, ValueError) as exc:
-            raise client_param(validation_error(exc), {"max_tokens": "max_output_tokens"}) from None

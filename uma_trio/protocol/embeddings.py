@@ -26,7 +26,7 @@ class OpenAIBody(Struct, kw_only=True):
 
     model: str
     input: str | list[Any]
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64"] | None = "float"  # null: float (OpenAI's default)
     dimensions: int | None = None
     user: str | None = None
 

@@ -5,7 +5,8 @@
 (``{"filename", "text"}``; other keys, such as llama.vim's ``time``, are dropped) as context,
 and ``prompt`` is the start of the middle already typed.  Sampling fields are the socket's
 (llama-server's names); ``n_predict`` is its ``max_tokens``: -1 or unset, up to
-``--max-tokens`` (and the context's room); 0, nothing generated (:func:`no_tokens_answer`).
+``--max-tokens`` (and the context's room); more than those, cut to them (as llama-server cuts
+it to the context), never refused; 0, nothing generated (:func:`no_tokens_answer`).
 """
 
 from __future__ import annotations
@@ -56,13 +57,20 @@ def n_predict(body: InfillBody) -> int | None:
     return None if n is None or n < 0 else n
 
 
-def infill_request(body: InfillBody, request_id: str, max_tokens_limit: int) -> GenerateRequest:
-    """The daemon request for an /infill body that generates (``n_predict`` is not 0);
-    ``msgspec.ValidationError`` or ``ValueError`` for a bad one (the socket protocol's checks)."""
-    fields: dict[str, Any] = {
-        "id": request_id, "prompt": body.input_prefix, "suffix": body.input_suffix,
-        "max_tokens": n if (n := n_predict(body)) is not None else max_tokens_limit,
-    }  # fmt: skip
+def infill_request(
+    body: InfillBody, request_id: str, max_tokens_limit: int, context: int | None = None
+) -> GenerateRequest:
+    """The daemon request for an /infill body that generates (``n_predict`` is not 0), its
+    answer within ``max_tokens_limit`` (--max-tokens) and ``context`` (the per-request
+    context); ``msgspec.ValidationError`` or ``ValueError`` for a bad one (the socket
+    protocol's checks)."""
+    fields: dict[str, Any] = {"id": request_id, "prompt": body.input_prefix, "suffix": body.input_suffix}
+    if (n := n_predict(body)) is None:
+        fields["max_tokens"] = max_tokens_limit  # the gateway cuts it to the context's room
+    else:  # a ceiling, as llama-server's: cut, never refused
+        fields["max_tokens"] = min(n, max_tokens_limit)
+        if context is not None:  # the daemon cuts max_tokens to max_context less the prompt
+            fields["max_context"] = context
     if body.prompt:
         fields["middle"] = body.prompt
     if body.input_extra:

@@ -5,11 +5,14 @@ response object and its stream events.  Pure.
 model's earlier ``function_call`` items and their ``function_call_output`` items, which map
 onto chat turns, tool calls and ``tool`` turns.  Nothing is stored: ``previous_response_id``
 and ``store: true`` are refused by name (a client sends the whole conversation each time).
+A refusal names the field the client sent (``input[2].call_id``, ``max_output_tokens``), also
+for the checks the daemon request goes through after (:func:`as_sent`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from typing import Any
@@ -18,7 +21,10 @@ import msgspec
 from msgspec import Struct
 
 from .messages import EosEvent, GenerateRequest
-from .openai_errors import bad_request
+from .openai import lane_from_header
+from .openai_errors import ApiError, bad_request, validation_error
+
+Names = dict[str, str]  # a daemon request's field → the body's field it came from
 
 
 class ResponsesBody(Struct, kw_only=True):
@@ -38,6 +44,7 @@ class ResponsesBody(Struct, kw_only=True):
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    service_tier: str | None = None  # "flex": the background lane (docs/HTTP.md)
 
 
 def _text(content: Any, where: str) -> str:
@@ -54,25 +61,29 @@ def _text(content: Any, where: str) -> str:
     return "\n\n".join(parts)  # paragraphs: parts must not run together
 
 
-def _turns(body: ResponsesBody) -> list[dict[str, Any]]:
+def _turns(body: ResponsesBody, names: Names) -> list[dict[str, Any]]:
+    """The chat turns of ``instructions`` and ``input``; ``names`` learns which item each
+    turn (and each call in it) came from."""
     turns: list[dict[str, Any]] = []
     if body.instructions:
         turns.append({"role": "system", "content": body.instructions})
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-    for i, item in enumerate(items):
+        names.update({"messages[0]": "instructions", "messages[0].content": "instructions"})
+    if isinstance(body.input, str):
+        names.update({f"messages[{len(turns)}]": "input", f"messages[{len(turns)}].content": "input"})
+        return [*turns, {"role": "user", "content": body.input}]
+    if not body.input and not body.instructions:
+        raise bad_request("input is empty: give a text or at least one item to answer", "input")
+    calls: set[str] = set()  # the call_ids of the function_call items so far
+    for i, item in enumerate(body.input):
         kind, where = item.get("type", "message"), f"input[{i}]"
         if kind == "message":
-            _add(turns, _message(item, where))
+            _add(turns, _message(item, where), names, where)
         elif kind == "function_call":
-            _add_call(turns, _call(item))
+            call = _call(item, where)
+            _add_call(turns, call, names, where)
+            calls.add(call["id"])
         elif kind == "function_call_output":
-            turns.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": str(item.get("call_id", "")),
-                    "content": _text(item.get("output", ""), f"{where}.output"),
-                }
-            )
+            _add_output(turns, item, calls, names, where)
         else:
             raise bad_request(f"{where}: an item of type {kind!r} is not supported", where)
     return turns
@@ -86,35 +97,119 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     return {"role": role, "content": _text(item.get("content", ""), f"{where}.content")}
 
 
-def _add(turns: list[dict[str, Any]], turn: dict[str, Any]) -> None:
+def _add(turns: list[dict[str, Any]], turn: dict[str, Any], names: Names, where: str) -> None:
     """Leading system turns (``instructions``, then Codex's developer items) are one: chat
     templates take a single system message, first."""
     if turn["role"] == "system" and turns and all(t["role"] == "system" for t in turns):
         turns[-1]["content"] += "\n\n" + turn["content"]
     else:
+        names[f"messages[{len(turns)}]"] = where
         turns.append(turn)
 
 
-def _call(item: dict[str, Any]) -> dict[str, Any]:
+def _add_output(
+    turns: list[dict[str, Any]], item: dict[str, Any], calls: set[str], names: Names, where: str
+) -> None:
+    """A ``function_call_output`` item as a ``tool`` turn; as OpenAI, it answers a call the
+    input holds before it (``calls``: their call_ids)."""
+    call_id = _call_id(item, where)
+    if call_id not in calls:
+        raise bad_request(f"{where}: no function_call before it has call_id {call_id!r}", f"{where}.call_id")
+    output = _text(item.get("output", ""), f"{where}.output")
+    t = f"messages[{len(turns)}]"
+    names.update({t: where, f"{t}.tool_call_id": f"{where}.call_id", f"{t}.content": f"{where}.output"})
+    turns.append({"role": "tool", "tool_call_id": call_id, "content": output})
+
+
+def _call_id(item: dict[str, Any], where: str) -> str:
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad_request(f"{where}.call_id: a {item.get('type')} item needs its call_id", f"{where}.call_id")
+    return call_id
+
+
+def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``function_call`` item as a chat tool call.  Its ``arguments`` are replayed as sent,
+    JSON or not (the model wrote them; the chat API takes them so too)."""
+    call_id, name = _call_id(item, where), item.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"{where}.name: a function_call item needs the function's name", f"{where}.name")
     arguments = item.get("arguments", "{}")
     if not isinstance(arguments, str):  # an object where OpenAI sends its JSON text
         arguments = json.dumps(arguments)
-    return {
-        "id": str(item.get("call_id", "")),
-        "function": {"name": item.get("name", ""), "arguments": arguments},
-    }
+    return {"id": call_id, "function": {"name": name, "arguments": arguments}}
 
 
-def _add_call(turns: list[dict[str, Any]], call: dict[str, Any]) -> None:
+def _add_call(turns: list[dict[str, Any]], call: dict[str, Any], names: Names, where: str) -> None:
     """A call belongs to the assistant turn just before it, text and all: a replayed
     ``message`` then its ``function_call`` items are one turn."""
     if turns and turns[-1]["role"] == "assistant":
         turns[-1].setdefault("tool_calls", []).append(call)
     else:
+        names[f"messages[{len(turns)}]"] = where
         turns.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    c = f"messages[{len(turns) - 1}].tool_calls[{len(turns[-1]['tool_calls']) - 1}]"
+    names.update({
+        c: where, f"{c}.id": f"{where}.call_id", f"{c}.function": where,
+        f"{c}.function.name": f"{where}.name", f"{c}.function.arguments": f"{where}.arguments",
+    })  # fmt: skip
 
 
-def responses_request(body: ResponsesBody, request_id: str) -> GenerateRequest:
+def _tools(body: ResponsesBody, names: Names) -> list[dict[str, Any]]:
+    tools = []
+    for i, tool in enumerate(body.tools or ()):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise bad_request(f"tools[{i}]: only function tools are supported", f"tools[{i}].type")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad_request(f"tools[{i}].name: a function tool needs a name", f"tools[{i}].name")
+        names[f"tools[{i}].function"] = f"tools[{i}]"
+        spec = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        tools.append({"type": "function", "function": spec})
+    return tools
+
+
+_CHOICES = 'none, auto, required or {"type": "function", "name": ...}'
+
+
+def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> Any:
+    """OpenAI's ``tool_choice`` of the Responses API as chat's; others (``allowed_tools``,
+    hosted tools' types) are refused by name."""
+    if choice in ("none", "auto", "required"):
+        return choice
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind != "function":
+        what = f"a {kind!r} tool_choice is not supported" if kind else f"tool_choice {choice!r} is not one"
+        raise bad_request(f"{what}; give {_CHOICES}", "tool_choice")
+    name = choice.get("name")
+    if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
+        raise bad_request(f"tool_choice names {name!r}, which is not one of `tools`", "tool_choice.name")
+    return {"type": "function", "function": {"name": name}}
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` as chat's ``response_format``; None for free text."""
+    fmt = (text or {}).get("format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema" and isinstance(fmt, dict) and isinstance(fmt.get("schema"), dict):
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    raise bad_request(
+        'text.format must be {"type": "text"}, {"type": "json_object"} or '
+        '{"type": "json_schema", "name": ..., "schema": {...}} (the schema an object)',
+        "text.format",
+    )
+
+
+def responses_request(
+    body: ResponsesBody, request_id: str, lane_header: str | None
+) -> tuple[GenerateRequest, Names]:
+    """The daemon request for ``body`` and the :data:`Names` to refuse it with (:func:`as_sent`);
+    :class:`ApiError` naming the body's fields.  The lane: ``lane_header`` (X-Uma-Priority),
+    else ``service_tier: flex`` → background, else interactive (as chat completions)."""
     if body.previous_response_id is not None:
         raise bad_request(
             "previous_response_id: responses are not stored here; send the whole input",
@@ -124,25 +219,18 @@ def responses_request(body: ResponsesBody, request_id: str) -> GenerateRequest:
         raise bad_request("store: responses are not stored here (send store: false)", "store")
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise bad_request("max_output_tokens: must be at least 1", "max_output_tokens")
-    fields: dict[str, Any] = {"id": request_id, "stream": True, "messages": _turns(body)}
-    if body.tools:
-        tools = []
-        for i, tool in enumerate(body.tools):
-            if tool.get("type") != "function":
-                raise bad_request(f"tools[{i}]: only function tools are supported", f"tools[{i}].type")
-            tools.append(
-                {
-                    "type": "function",
-                    "function": {
-                        k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool
-                    },
-                }
-            )
+    names: Names = {
+        "messages": "input", "max_tokens": "max_output_tokens", "tool_choice.function": "tool_choice",
+        "response_format": "text.format", "response_format.json_schema": "text.format",
+    }  # fmt: skip
+    lane = lane_from_header(lane_header) or ("background" if body.service_tier == "flex" else "interactive")
+    fields: dict[str, Any] = {"id": request_id, "stream": True, "priority": lane}
+    fields["messages"] = _turns(body, names)
+    tools = _tools(body, names)
+    choice = _tool_choice(body.tool_choice, tools) if body.tool_choice is not None else None
+    if tools:  # else tool_choice and parallel_tool_calls have nothing to say
         fields["tools"] = tools
-        choice = body.tool_choice
-        if isinstance(choice, dict) and choice.get("type") == "function":
-            fields["tool_choice"] = {"type": "function", "function": {"name": choice.get("name", "")}}
-        elif choice is not None:
+        if choice is not None:
             fields["tool_choice"] = choice
         if body.parallel_tool_calls is not None:
             fields["parallel_tool_calls"] = body.parallel_tool_calls
@@ -151,13 +239,42 @@ def responses_request(body: ResponsesBody, request_id: str) -> GenerateRequest:
     for name in ("temperature", "top_p"):
         if (value := getattr(body, name)) is not None:
             fields[name] = value
-    fmt = (body.text or {}).get("format")
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-        fields["response_format"] = {"type": "json_schema", "json_schema": spec}
-    elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
-        fields["response_format"] = {"type": "json_object"}
-    return msgspec.convert(fields, GenerateRequest)
+    if (response_format := _response_format(body.text)) is not None:
+        fields["response_format"] = response_format
+    try:
+        return msgspec.convert(fields, GenerateRequest), names
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise as_sent(validation_error(exc), names) from None
+
+
+# A chat request's field in an error's message: a path ("at `$.messages[1].content`"), a
+# quoted name, or max_tokens (the limits' refusals name it bare).  Not "messages" in prose.
+_FIELD = re.compile(
+    r"(?:(?<=\$\.)|(?<=`))(?:messages|max_tokens|tools|tool_choice|response_format)(?:\[\d+\]|\.\w+)*"
+    r"|(?<!\w)max_tokens(?!\w)"
+)
+_LAST = re.compile(r"(?:\.\w+|\[\d+\])\Z")  # a path's last step
+
+
+def _renamed(path: str, names: Names) -> str:
+    """``path`` as the client's: its longest prefix that ``names`` holds, replaced."""
+    head, tail = path, ""
+    while head not in names:
+        step = _LAST.search(head)
+        if step is None:
+            return path
+        head, tail = head[: step.start()], head[step.start() :] + tail
+    return names[head] + tail
+
+
+def as_sent(error: ApiError, names: Names) -> ApiError:
+    """``error`` (of the daemon request's checks: --max-tokens, the body's shape) naming the
+    fields the client sent: ``max_tokens`` is ``max_output_tokens``, ``messages[i]`` the input
+    item it came from, ``tools[i].function`` ``tools[i]``."""
+    if error.param is not None:
+        error.param = _renamed(error.param, names)
+    error.message = _FIELD.sub(lambda found: _renamed(found.group(0), names), error.message)
+    return error
 
 
 # -- the response object -------------------------------------------------------------
@@ -168,13 +285,26 @@ def new_id(prefix: str) -> str:
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """The answer's message item: ``in_progress`` (empty, as a stream opens it), ``completed``,
+    or ``incomplete`` (cut off by max_output_tokens, as OpenAI marks it)."""
     return {
         "type": "message",
         "id": item_id,
         "status": status,
         "role": "assistant",
-        "content": [] if status != "completed" else [output_text(text)],
+        "content": [] if status == "in_progress" else [output_text(text)],
     }
+
+
+def message_status(eos: EosEvent) -> str:
+    return "incomplete" if eos.reason == "length" else "completed"
+
+
+def answer_items(msg_id: str, text: str, eos: EosEvent) -> list[dict[str, Any]]:
+    """A whole answer's output: its message (also an empty one, unless calls stand in its
+    place), then its calls.  A stream sends the same items."""
+    message = [message_item(msg_id, text, message_status(eos))] if text or not eos.tool_calls else []
+    return message + call_items(eos)
 
 
 def output_text(text: str) -> dict[str, Any]:
