@@ -82,7 +82,7 @@ def test_text_blocks_are_joined_as_paragraphs() -> None:
     assert turns[1].content == "<system-reminder>x</system-reminder>\n\nhi"
     parts = [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]
     asked = resp.ResponsesBody(model="m", input=[{"role": "user", "content": parts}])
-    assert (resp.responses_request(asked, "r").messages or [])[0].content == "a\n\nb"
+    assert (resp.responses_request(asked, "r", None)[0].messages or [])[0].content == "a\n\nb"
 
 
 # -- 3. a Responses stream that fails midway --------------------------------------------
@@ -116,7 +116,7 @@ def test_replayed_items_keep_one_assistant_turn_and_one_system_turn() -> None:
         {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
     ]
     body = resp.ResponsesBody(model="m", instructions="inst", input=items)
-    turns = resp.responses_request(body, "r").messages or []
+    turns = resp.responses_request(body, "r", None)[0].messages or []
     assert [t.role for t in turns] == ["system", "user", "assistant", "tool"]
     assert turns[0].content == "inst\n\ndev" and turns[2].content == "Looking."
     calls = turns[2].tool_calls or []
