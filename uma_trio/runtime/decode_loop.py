@@ -426,7 +426,10 @@ class DecodeLoop:
         interactive = any(s.lane == "interactive" for s in (*self._active.values(), *self._waiting))
         if not interactive:
             self._sharing.arbiter.quiet(self._sharing.name)
-        cap = self._sharing.arbiter.grant(self._sharing.name, interactive=interactive)
+        # The cheapest step this loop can take: one token at the shortest context it holds.
+        cells = min((s.n_past for s in self._active.values()), default=0)
+        smallest = self.policy.cost.predict(1, 0, cells)
+        cap = self._sharing.arbiter.grant(self._sharing.name, interactive=interactive, smallest_s=smallest)
         self._limited = cap is not None and cap > 0
         return cap
 

@@ -75,7 +75,8 @@ class Server:
         # With other models to load, every loop's steps take turns under one arbiter.
         # A cap over the arbiter's 1.8 pause (SCHEDULER.md lets users raise it) raises the pause
         # with it: it was a start-up traceback whenever the store held a second model.
-        arbiter = Arbiter(latency_cap=config.latency_cap, max_pause=max(1.8, config.latency_cap))
+        pause = max(1.8, config.latency_cap)
+        arbiter = Arbiter(latency_cap=config.latency_cap, max_pause=pause, max_gap=max(2.0, pause))
         machine = Machine(arbiter) if len(store.entries()) > 1 else None
         share = machine.share(store.primary.id) if machine is not None else None
         # Open connections on every front end: a lone client's next request needs no burst wait.

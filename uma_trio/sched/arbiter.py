@@ -8,7 +8,10 @@ only slow each other).  A model's own policy keeps its own streams' gaps under t
 arbiter keeps them there across models.  While model A streams, a tick of model B lands in the
 middle of A's gap: the guard allows such a stretched gap in at most ``share`` of A's ticks
 (the p95 slack) and never longer than
-``max_pause`` × A's tick, so B's tick is given ``(max_pause - 1)`` × A's tick at most.  With
+``max_pause`` × A's tick, so B's tick is given ``(max_pause - 1)`` × A's tick at most.  B's
+smallest step (one token) is what B's policy cannot cut: one predicted past ``(max_gap - 1)``
+× A's tick (``max_gap``: the guard's bound on any gap) would break the guard, so B then waits
+for A's streams to pause.  With
 no interactive stream elsewhere, or with interactive work of its own (then both models' chats
 pay for each other, as two chats of one model do), a model runs unconstrained.  Pure: fed the
 measured ticks, no clock, no I/O.
@@ -29,11 +32,12 @@ class _Standing:
 
 class Arbiter:
     def __init__(
-        self, latency_cap: float = 1.2, max_pause: float = 1.8, share: float = 0.04, window: int = 100
-    ) -> None:
-        if latency_cap < 1.0 or max_pause < latency_cap:
-            raise ValueError("need 1 <= latency_cap <= max_pause")
-        self.latency_cap, self.max_pause, self.share = latency_cap, max_pause, share
+        self, latency_cap: float = 1.2, max_pause: float = 1.8, share: float = 0.04, window: int = 100,
+        max_gap: float = 2.0,
+    ) -> None:  # fmt: skip
+        if latency_cap < 1.0 or max_pause < latency_cap or max_gap < max_pause:
+            raise ValueError("need 1 <= latency_cap <= max_pause <= max_gap")
+        self.latency_cap, self.max_pause, self.share, self.max_gap = latency_cap, max_pause, share, max_gap
         # The last `window` stream gaps, True where another model's tick stretched one past the
         # cap; and how many gaps since the last stretched one.  A gap is stretched at most once
         # in 1 / share: spread out so, even a short run keeps its p95 (a burst spent at once
@@ -52,8 +56,10 @@ class Arbiter:
         self._listeners[model] = (wake, preempt)
 
     def leave(self, model: str) -> None:
+        """``model``'s loop is gone (unloaded, or failed): the others may no longer wait for it."""
         self._standing.pop(model, None)
         self._listeners.pop(model, None)
+        self._wake_others(model)  # a failed tick never reached ran(), which would have woken them
 
     def wants(self, model: str) -> None:
         """An interactive request arrived for ``model``: from now the others' background
@@ -65,17 +71,19 @@ class Arbiter:
             if name != model:
                 preempt()
 
-    def grant(self, model: str, *, interactive: bool) -> float | None:
+    def grant(self, model: str, *, interactive: bool, smallest_s: float = 0.0) -> float | None:
         """The longest tick ``model`` may take now: None for no limit, 0.0 to wait for its
-        turn (the next tick of another model wakes it)."""
+        turn (the next tick of another model wakes it).  ``smallest_s``: its cheapest step."""
         streaming = [s.tick_s for name, s in self._standing.items() if name != model and s.streams]
         if interactive or not streaming:
             return None
-        if min(streaming) <= 0.0 or self._since_stretched * self.share < 1.0:
-            self.refused += 1  # its first tick is not done yet, or the slack is spent
+        tick = min(streaming)
+        fits = smallest_s <= (self.max_gap - 1.0) * tick
+        if tick <= 0.0 or self._since_stretched * self.share < 1.0 or not fits:
+            self.refused += 1  # its first tick is not done yet, the slack is spent, or no step fits
             return 0.0
         self.granted += 1
-        return (self.max_pause - 1.0) * min(streaming)
+        return (self.max_pause - 1.0) * tick
 
     def ran(self, model: str, *, streams: bool, seconds: float, limited: bool) -> None:
         """A tick of ``model`` ended: ``streams``, whether interactive sessions decoded in it;
