@@ -144,6 +144,7 @@ def pull(reference: str, store: Path, progress: Progress | None = None) -> Path:
         if target.exists():
             return _already_there(target, chosen, repo, report)
         _remove_stale(store / ".pull")
+        store.mkdir(parents=True, exist_ok=True)  # the CLI's first pull makes the store
         _check_space(store, chosen)
         # A folder of its own: pulls of one repository's files shared one, and the first to
         # end removed the other's download.
