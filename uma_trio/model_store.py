@@ -16,7 +16,7 @@ import platformdirs
 
 log = logging.getLogger(__name__)
 
-_WARNED: set[str] = set()  # the names not UTF-8 already warned about: once each, not per rescan
+_WARNED: set[str] = set()  # the files already warned about (skipped): once each, not per rescan
 
 
 class StoreError(ValueError):
@@ -87,11 +87,19 @@ class ModelStore:
             return self
         kept = [e for e in self._entries.values() if e.id in loaded or not _gone(e)]
         known = {e.id for e in kept}
-        new = [
-            StoreEntry(model_id(path.name), path, _size(path), found=True)
-            for path in _gguf_files(self.directory)
-            if model_id(path.name) not in known
-        ]
+        # Every name a request may use already: a new file that would take one of them is left
+        # out (the older one answered for it, so the new file was listed but unreachable).
+        taken = {name: e for e in kept for name in (e.id, e.path.name, *e.aliases)}
+        new = []
+        for path in _gguf_files(self.directory):
+            key = model_id(path.name)
+            if key in known:
+                continue
+            if clash := next((name for name in (key, path.name) if name in taken), None):
+                _warn_hidden(path, clash, taken[clash])
+                continue
+            new.append(entry := StoreEntry(key, path, _size(path), found=True))
+            taken.update({key: entry, path.name: entry})
         if not new and len(kept) == len(self._entries):
             return self
         return ModelStore([*kept, *new], self.directory)
@@ -188,6 +196,20 @@ def _warn_once(path: Path) -> None:
     _WARNED.add(str(path))
     shown = repr(path.name.encode("utf-8", "surrogateescape"))  # a log line must be UTF-8 too
     log.warning("skipping the model file %s in %s: its name is not UTF-8", shown, path.parent)
+
+
+def _warn_hidden(path: Path, name: str, owner: StoreEntry) -> None:
+    """Once per file and name: ``path``, new in the directory, is not served: ``name`` (its id
+    or file name) already names the model ``owner``."""
+    key = f"{path}\0{name}"
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    what = "an --alias of" if name in owner.aliases else "already the name of"
+    log.warning(
+        "skipping the model file %s in %s: %r is %s the model %r; rename the file to serve it",
+        path.name, path.parent, name, what, owner.id,
+    )  # fmt: skip
 
 
 def _gone(entry: StoreEntry) -> bool:

@@ -59,7 +59,7 @@ class OllamaApi:
 
     async def tags(self, request: Request) -> Response:
         models = self.gateway._ready().models.describe()
-        others = [await self._other_entry(m) for m in models if not m["primary"]]
+        others = [e for m in models if not m["primary"] if (e := await self._other_entry(m)) is not None]
         return json_response(ollama.ModelList([self._entry(), *others]))
 
     async def ps(self, request: Request) -> Response:
@@ -75,7 +75,8 @@ class OllamaApi:
         loaded = []  # the store's other models while loaded: they expire after their keep-alive
         for model in self.gateway._ready().models.describe():
             if model["state"] == "loaded" and not model["primary"]:
-                other = await self._other_entry(model)
+                if (other := await self._other_entry(model)) is None:
+                    continue
                 keep = model.get("keep_alive_s")
                 # Kept for good, or longer than a year (a socket client's /load may ask for
                 # more): a year from now, as the primary model (a timedelta overflows past ~1e14 s).
@@ -229,11 +230,17 @@ class OllamaApi:
             quantization_level=card.quantization if card else "",
         )  # fmt: skip
 
-    async def _other_entry(self, model: dict[str, Any]) -> ollama.ModelEntry:
-        """A model of the store other than the primary, from its file alone."""
+    async def _other_entry(self, model: dict[str, Any]) -> ollama.ModelEntry | None:
+        """A model of the store other than the primary, from its file alone; None when the
+        store has forgotten it since ``model`` was listed: the caller reads one card after
+        another, and meanwhile a rescan drops the model of a deleted file that has unloaded."""
+        try:
+            card = await self._card(model["id"])
+        except KeyError:
+            return None
         return ollama.ModelEntry(
             name=model["id"], model=model["id"], modified_at=ollama.now_rfc3339(), size=model["bytes"],
-            digest="", details=self._card_details(await self._card(model["id"])),
+            digest="", details=self._card_details(card),
         )  # fmt: skip
 
     def _entry(self) -> ollama.ModelEntry:

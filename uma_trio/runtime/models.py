@@ -11,7 +11,11 @@ A unit goes when it has been idle (nothing waiting or running) for its keep-aliv
 semantics: ``keep_alive`` seconds of the last request that named it, ``--keep-alive`` by
 default, 0 for "unload after this request", negative for "never"), or when a request needs
 room for another model and at most ``--max-loaded`` may be loaded: the least recently used
-idle unit goes first, and a unit with requests in flight never goes.
+idle unit goes first, and a unit with requests in flight never goes.  A unit being freed
+still counts against both limits until its engine is.
+
+Over 400 lines: the host is one state machine (loading, serving, freeing, and the limits
+that tie them together) whose races are easier to read in one place than split apart.
 """
 
 from __future__ import annotations
@@ -114,6 +118,14 @@ class ModelHost:
         # Loads of different models take turns: each makes room counting the ones loaded
         # before it (two at once both saw room for one and overshot --max-loaded / the budget).
         self._room = trio.Lock()
+        # Units whose engine a worker thread is freeing: their memory is not free until it has.
+        self._closing: set[ModelUnit] = set()
+        self._closed = trio.Event()  # set (and replaced) each time one of them is freed
+        # keep_alive 0 asked of a model while it loads, by id: applied once it has.
+        self._keep_after_load: dict[str, float] = {}
+        # False once the daemon drains (runtime/server.py): a unit whose load ends later takes
+        # no request, which is then refused as every other is at shutdown.
+        self.accepting = True
         self._nursery: trio.Nursery | None = None
         self.loads = self.unloads = 0
         self.primary_loop: DecodeLoop | None = None  # --model's, the server's own: for describe
@@ -138,9 +150,14 @@ class ModelHost:
         until :meth:`release`, which the caller owes once the request is in its loop."""
         lock = self._loading.setdefault(model_id, trio.Lock())
         self.awaiting_load[model_id] = self.awaiting_load.get(model_id, 0) + 1
+        asked_meanwhile = None
         try:
             async with lock:  # a second request for a model being loaded waits for that load
-                unit = self.units.get(model_id) or await self._load(model_id)
+                if (unit := self.units.get(model_id)) is None:
+                    try:
+                        unit = await self._load(model_id)
+                    finally:  # a keep_alive 0 that came during this load: it is the later word
+                        asked_meanwhile = self._keep_after_load.pop(model_id, None)
         finally:
             if (left := self.awaiting_load[model_id] - 1) > 0:
                 self.awaiting_load[model_id] = left
@@ -148,8 +165,9 @@ class ModelHost:
                 del self.awaiting_load[model_id]
         unit.pending += 1
         unit.last_used = self._clock()
-        if keep_alive_s is not None:
-            unit.keep_alive_s = math.inf if keep_alive_s < 0 else keep_alive_s
+        for keep in (keep_alive_s, asked_meanwhile):
+            if keep is not None:
+                unit.keep_alive_s = math.inf if keep < 0 else keep
         return unit
 
     def release(self, unit: ModelUnit) -> None:
@@ -225,9 +243,12 @@ class ModelHost:
             self.release(await self.acquire(model_id, keep_alive_s))
 
     async def unload_when_idle(self, model_id: str) -> None:
-        """Unload ``model_id`` now if idle, else as soon as it is (Ollama's keep_alive 0)."""
+        """Unload ``model_id`` now if idle, else as soon as it is (Ollama's keep_alive 0); a
+        model still loading is unloaded once the request that loads it is done."""
         unit = self.units.get(model_id)
         if unit is None:
+            if (lock := self._loading.get(model_id)) is not None and lock.locked():
+                self._keep_after_load[model_id] = 0.0
             return
         unit.keep_alive_s = 0.0
         if unit.loop.idle and not unit.pending:
@@ -242,7 +263,7 @@ class ModelHost:
         unit.loop.stop_accepting()
         self._forget(unit)
         log.info("unloaded %s (%s)", model_id, reason)
-        await trio.to_thread.run_sync(unit.loaded.close)
+        await self._close(unit)
         return True
 
     # -- loading -----------------------------------------------------------------------
@@ -264,12 +285,22 @@ class ModelHost:
             await self._make_room(model_id, need)
             began = self._clock()
             log.info("loading %s (%s, %d MiB with its KV cache)", model_id, entry.path, need >> 20)
+            if not self.accepting:  # the daemon began draining while this request waited
+                raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
             try:
                 loaded = await trio.to_thread.run_sync(loading.load, entry)
             except Exception as exc:  # a corrupt or unloadable file: this request fails, the rest go on
                 log.warning("cannot load %s: %s", model_id, exc)
                 raise UmaError(ErrorCode.MODEL_LOAD, f"cannot load model {model_id!r}: {exc}") from None
-            return self._start_unit(model_id, loaded, need, began)
+            try:
+                return self._start_unit(model_id, loaded, need, began)
+            except Exception as exc:  # say, --tick-trace's file for it cannot be opened
+                log.warning("cannot start %s: %s", model_id, exc)
+                if self._machine is not None:  # its loop may have joined before it failed
+                    self._machine.arbiter.leave(model_id)
+                await trio.to_thread.run_sync(loaded.close)  # still under _room: nothing loads meanwhile
+                message = f"cannot start model {model_id!r} after loading it: {exc}"
+                raise UmaError(ErrorCode.MODEL_LOAD, message) from None
 
     def _start_unit(self, model_id: str, loaded: LoadedModel, need: int, began: float) -> ModelUnit:
         """A loaded model's unit, registered and its decode loop started."""
@@ -282,17 +313,19 @@ class ModelHost:
             loaded.engine, config, self._metrics, clock=self._clock, policy=loaded.policy, sharing=share,
             clients=self._clients,
         )  # fmt: skip
+        if not self.accepting:  # loaded after the drain began: the requests waiting for it are refused
+            loop.stop_accepting()
         unit = ModelUnit(model_id, loaded, loop, self._config.keep_alive_s, self._clock(), footprint=need)
+        self._nursery.start_soon(self._run_unit, unit)
         self.units[model_id] = unit
         self.loads += 1
-        self._nursery.start_soon(self._run_unit, unit)
         log.info("loaded %s in %.1f s", model_id, self._clock() - began)
         return unit
 
     def used_bytes(self) -> int:
-        """What the loaded models take of ``--memory-budget``."""
+        """What the loaded models take of ``--memory-budget``, counting those being freed."""
         primary = self.loading.primary_bytes if self.loading is not None else 0
-        return primary + sum(u.footprint for u in self.units.values())
+        return primary + sum(u.footprint for u in [*self.units.values(), *self._closing])
 
     async def _make_room(self, model_id: str, need: int) -> None:
         """Unload least recently used idle units until one more model of ``need`` bytes fits
@@ -314,11 +347,14 @@ class ModelHost:
                 "alone (--memory-budget, or a smaller --n-ctx / --max-sessions)",
             )
         while True:
-            too_many = len(self.units) + 1 >= self._config.max_loaded
+            too_many = len(self.units) + len(self._closing) + 1 >= self._config.max_loaded
             too_big = budget is not None and self.used_bytes() + need > budget
             if not (too_many or too_big):
                 return
             idle = [u for u in self.units.values() if u.loop.idle and not u.pending]
+            if not idle and self._closing:  # one being freed (the reaper's): room once it is
+                await self._closed.wait()
+                continue
             if not idle:
                 limit = (
                     f"{len(self.units) + 1} models are loaded (--max-loaded {self._config.max_loaded})"
@@ -347,7 +383,18 @@ class ModelHost:
         message = f"model {unit.id!r} failed ({exc}) and was unloaded; a new request loads it again"
         _fail_sessions(unit.loop, message)
         self._forget(unit)
-        await trio.to_thread.run_sync(unit.loaded.close)
+        await self._close(unit)
+
+    async def _close(self, unit: ModelUnit) -> None:
+        """Free a forgotten unit's engine in a worker thread; its bytes and its place count
+        against the limits until that returns (a load meanwhile would overshoot them)."""
+        self._closing.add(unit)
+        try:
+            await trio.to_thread.run_sync(unit.loaded.close)
+        finally:
+            self._closing.discard(unit)
+            self._closed.set()
+            self._closed = trio.Event()
 
     def _forget(self, unit: ModelUnit) -> None:
         if self._machine is not None:  # the others no longer wait for its streams

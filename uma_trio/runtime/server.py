@@ -294,6 +294,8 @@ class Server:
         self.metrics.connections_open = len(self._connections)
 
     async def _drain(self) -> None:
+        # A model whose load ends from now takes no request (its waiting ones are refused).
+        self.models.accepting = False
         loops = [self.loop, *self.models.loops()]  # every loaded model's
         for loop in loops:
             loop.stop_accepting()
