@@ -10,11 +10,13 @@ really freed and created again.
 from __future__ import annotations
 
 import random
+import tempfile
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,9 +26,11 @@ from uma_trio.config import ServerConfig
 from uma_trio.daemon import engine_for, policy_for
 from uma_trio.engine.faults import FaultKind, FaultyEngine, seed_is
 from uma_trio.engine.llama import LlamaEngine, LlamaModel
-from uma_trio.runtime.server import Server
+from uma_trio.engine.llama_model import ModelLoadError
+from uma_trio.loadgen.simulate import SIM_CONFIG
+from uma_trio.runtime.server import DaemonFailed, Server
 
-from .helpers import RawClient, assert_nothing_held, sim_daemon, text_of
+from .helpers import RawClient, assert_nothing_held, sim_daemon, sim_server, text_of
 
 Events = list[dict[str, Any]]
 
@@ -120,6 +124,44 @@ async def test_a_poisoned_context_is_rebuilt_and_waiting_requests_go_on(
     assert server.metrics.context_rebuilds == 1 and engine.inner.rebuilds == 1  # type: ignore[attr-defined]
     assert server.metrics.errors == Counter({"E_RUNTIME_004": 2})
     assert_nothing_held(server)
+
+
+class UnrebuildableFaultyEngine(FaultyEngine):
+    async def rebuild(self) -> None:
+        raise ModelLoadError("injected: llama.cpp could not create a new context")
+
+
+async def test_a_context_that_cannot_be_rebuilt_ends_every_request_and_stops_the_daemon(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The rebuild's failure went up the daemon's nursery: the running requests had their
+    error, the queued one none (its connection just closed), and serve ended with a traceback."""
+    results: dict[str, Events] = {}
+    failures: list[BaseException] = []
+    with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
+        config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock", max_sessions=2, interactive_reserve=0)
+        server = sim_server(config, UnrebuildableFaultyEngine)
+        assert isinstance(server.engine, FaultyEngine)
+        server.engine.arm("poison", both(seed_is(1), after(30)))
+
+        async def one(rid: str, seed: int, delay: float = 0.0) -> None:
+            await trio.sleep(delay)
+            results[rid] = await run_request(server, request(rid, seed))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.serve)
+                async with trio.open_nursery() as clients:
+                    clients.start_soon(one, "a", 1)
+                    clients.start_soon(one, "b", 2)
+                    clients.start_soon(one, "queued", 3, 0.01)  # waits: both sessions are taken
+        except* DaemonFailed as group:
+            failures.extend(group.exceptions)
+    assert {rid: events[-1].get("code") for rid, events in results.items()} == dict.fromkeys(
+        ("a", "b", "queued"), "E_RUNTIME_004"
+    )
+    assert "could not create a new context" in results["queued"][-1]["message"]
+    assert len(failures) == 1 and "cannot serve" in str(failures[0])
 
 
 async def test_random_faults_under_load_end_only_what_they_hit(autojump_clock: trio.abc.Clock) -> None:

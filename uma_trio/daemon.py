@@ -40,7 +40,7 @@ from .http.origin import DEFAULT_CORS_ORIGINS, allowed_hosts
 from .http.serve import BindError, bind_tcp, serve_asgi
 from .model_store import ModelStore, StoreEntry, StoreError
 from .runtime.models import LoadedModel, Loading
-from .runtime.server import Server
+from .runtime.server import DaemonFailed, Server
 from .runtime.unix_socket import SocketInUseError
 from .sched.bmt import BmtGuard
 from .sched.cost import CostCoefficients, CostModelError
@@ -382,5 +382,5 @@ async def run_daemon(model_path: Path, config: ServerConfig) -> None:
             if engine is not None:
                 engine.close()
                 engine.model.close()
-    except* (SocketInUseError, BindError, DaemonStartError) as group:
+    except* (SocketInUseError, BindError, DaemonStartError, DaemonFailed) as group:
         raise DaemonStartError(str(first_leaf(group))) from None

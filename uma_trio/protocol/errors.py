@@ -40,6 +40,7 @@ class ErrorCode(enum.StrEnum):
     KV_FULL = "E_RUNTIME_002"
     SAMPLING_FAILED = "E_RUNTIME_003"  # choosing this request's next token raised
     CONTEXT_LOST = "E_RUNTIME_004"  # the context failed beyond repair and was rebuilt
+    INTERNAL = "E_RUNTIME_005"  # a bug or a figure that could not be read; the log has the detail
     # Structured output: the request's JSON schema or grammar cannot be compiled.
     GRAMMAR = "E_GRAMMAR_001"
     # Access control: the peer may not use this daemon.

@@ -84,6 +84,7 @@ _STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.KV_FULL: (503, "server_error"),
     ErrorCode.SAMPLING_FAILED: (500, "server_error"),
     ErrorCode.CONTEXT_LOST: (503, "server_error"),  # a retry runs on the rebuilt context
+    ErrorCode.INTERNAL: (500, "server_error"),
     # Socket-only (framing, peer credentials); mapped so every code has an answer.
     ErrorCode.FRAME_TIMEOUT: (408, "invalid_request_error"),
     ErrorCode.PEER_NOT_ALLOWED: (403, "permission_error"),

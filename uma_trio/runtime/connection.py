@@ -138,7 +138,13 @@ class Connection:
             case PriorityRequest(id=request_id, priority=lane):
                 self._on_admitted(request_id, lambda stream: stream.set_lane(lane))
             case MetricsRequest(id=request_id):
-                await self._send(MetricsEvent(metrics=self.server.metrics_snapshot(), id=request_id))
+                try:  # a figure that cannot be read fails this request, not the connection
+                    metrics = self.server.metrics_snapshot()
+                except Exception as exc:
+                    log.exception("connection %d: the metrics snapshot failed", self.number)
+                    failed = f"the metrics could not be read: {exc}"
+                    raise UmaError(ErrorCode.INTERNAL, failed, request_id=request_id) from None
+                await self._send(MetricsEvent(metrics=metrics, id=request_id))
             case SnapshotRequest() | ModelsRequest():
                 # Saving prefills a whole prompt, loading reads a model: answer in its own task,
                 # so the reader goes on.  It counts as in flight: against --max-in-flight, and
@@ -325,10 +331,14 @@ class Connection:
         log.debug("connection %d: %s", self.number, shown(str(error), 300))
         await self._send(ErrorEvent(id=error.request_id, code=error.code, message=error.message))
 
+    @property
+    def busy(self) -> bool:
+        """A request in flight, being admitted, or a snapshot or models request unanswered."""
+        return bool(self.requests or self._admitting or self._snapshots)
+
     def _set_idle_deadline(self) -> None:
         idle = self.config.idle_timeout_s
-        busy = self.requests or self._admitting or self._snapshots
-        self._idle_deadline = math.inf if busy else trio.current_time() + idle
+        self._idle_deadline = math.inf if self.busy else trio.current_time() + idle
         if self._read_scope is not None:
             self._read_scope.deadline = self._read_deadline()
 

@@ -4,7 +4,12 @@ Shutdown (first SIGINT/SIGTERM, or :meth:`Server.request_shutdown`): stop
 accepting connections and requests, remove the socket file, let running
 requests finish for ``shutdown_grace_s``, cancel what is left with
 ``eos(cancelled, cancel_reason=shutdown)``, give the connections a moment to
-flush those events, then cancel everything.  A second signal skips the grace.
+flush those events (and to answer requests still being admitted, refused as the daemon is
+shutting down), then cancel everything.  A second signal skips the grace.
+
+If ``--model``'s decode loop dies (its context cannot be rebuilt, or a bug), the daemon
+cannot serve: every request of that loop ends with an error, the daemon drains as above
+without the grace, and :meth:`Server.serve` raises :class:`DaemonFailed`.
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ from .unix_socket import bind_unix_listener, unlink_if_ours
 log = logging.getLogger(__name__)
 
 _FLUSH_TIMEOUT_S = 5.0
+
+
+class DaemonFailed(Exception):
+    """--model's decode loop stopped: the daemon drained and stopped with this error."""
 
 
 class Server:
@@ -98,6 +107,7 @@ class Server:
         self._shutdown = trio.Event()
         self._force = trio.Event()
         self._next_number = 0
+        self._failure: Exception | None = None  # what stopped --model's decode loop
 
     # -- public ------------------------------------------------------------------
 
@@ -113,7 +123,7 @@ class Server:
         )  # fmt: skip
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self.loop.run)
+                nursery.start_soon(self._run_primary)
                 await nursery.start(self.models.run)
                 nursery.start_soon(self._metrics_task)
                 if handle_signals:
@@ -132,6 +142,20 @@ class Server:
         finally:
             unlink_if_ours(self.config.socket_path, inode)
             log.info("stopped")
+        if self._failure is not None:
+            raise DaemonFailed(f"the daemon cannot serve: {self._failure}") from self._failure
+
+    async def _run_primary(self) -> None:
+        """--model's decode loop.  If it dies, its requests end with an error the connections
+        still write (the drain's flush), rather than a daemon gone with a traceback."""
+        try:
+            await self.loop.run()
+        except Exception as exc:
+            log.exception("the decode loop of %s stopped", self.engine.model_name)
+            self._failure = exc
+            self.loop.stop_accepting()
+            self.loop.fail_all(ErrorCode.CONTEXT_LOST, f"the daemon cannot serve ({exc}) and is stopping")
+            self.request_shutdown(force=True)
 
     def request_shutdown(self, *, force: bool = False) -> None:
         self._shutdown.set()
@@ -315,7 +339,7 @@ class Server:
                 await loop.wait_idle()
             # Let every front end (socket or HTTP) write each request's final event before the
             # connections are cancelled.
-            while self.open_deliveries or any(c.requests for c in self._connections):  # noqa: ASYNC110
+            while self.open_deliveries or any(c.busy for c in self._connections):  # noqa: ASYNC110
                 await trio.sleep(0.01)
 
     async def _cancel_on_force(self, scope: trio.CancelScope) -> None:
@@ -338,7 +362,11 @@ class Server:
         while True:
             await trio.sleep(self.config.metrics_interval_s)
             now = trio.current_time()
-            card = self.scorecard(now)
+            try:  # a figure that cannot be read (psutil out of file descriptors) skips one line
+                card = self.scorecard(now)
+            except Exception:
+                log.exception("the scorecard failed; trying again in %g s", self.config.metrics_interval_s)
+                continue
             if (activity := self.metrics.activity) != last_activity:
                 log.info("%s", card.log_line())
                 last_activity = activity
