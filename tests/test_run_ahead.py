@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from uma_trio.client import UmaClient
-from uma_trio.engine.base import BatchEntry, Follow, Sampled, StepResult
+from uma_trio.engine.base import BatchEntry, EngineError, Follow, Sampled, StepResult
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.engine.sampling import Sampler, SamplingParams
 from uma_trio.engine.sim import SimEngine
@@ -104,6 +104,36 @@ async def test_steady_streams_run_ahead_and_every_token_arrives(autojump_clock: 
             assert len(tokens) == 40 + i and events[f"r{i}"][-1]["reason"] == "length"
         gauges = server.loop.gauges()
         assert gauges["run_ahead"]["steps"] > 0.7 * server.loop._tick  # most steps ran ahead
+        await server.loop.wait_idle()
+        assert_nothing_held(server)
+
+
+async def test_a_step_llama_cpp_refused_while_running_ahead_is_planned_again(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """llama_decode returning 1 (no KV slot) or -1 runs nothing: a planned step is retried, a
+    step run ahead failed every running request (E_RUNTIME_004) and rebuilt the context."""
+    refused: list[int] = []
+
+    def refusing_once(sim: SimEngine) -> SimEngine:
+        real = sim.next_ahead
+
+        async def next_ahead() -> tuple[Sequence[BatchEntry], StepResult]:
+            if not refused and sim.running_ahead:
+                refused.append(1)
+                sim._ahead.clear()  # the chain ends at the step llama.cpp refused
+                raise EngineError(1, "injected: llama_decode found no KV slot")
+            return await real()
+
+        sim.next_ahead = next_ahead  # type: ignore[method-assign]
+        return sim
+
+    async with sim_daemon(refusing_once, run_ahead=True, prefix_cache_cells=None, stream_buffer=64) as server:
+        events = await stream_all(server, [req(f"r{i}", 40) for i in range(3)])
+        for i in range(3):
+            tokens = [e for e in events[f"r{i}"] if e["event"] == "token"]
+            assert (len(tokens), events[f"r{i}"][-1].get("reason")) == (40, "length"), events[f"r{i}"][-1]
+        assert refused and server.metrics.context_rebuilds == 0
         await server.loop.wait_idle()
         assert_nothing_held(server)
 

@@ -481,6 +481,8 @@ class DecodeLoop:
                 try:
                     ahead, result = await self.engine.next_ahead()
                 except EngineError as exc:
+                    if exc.rejected:  # llama.cpp ran none of it: the next plan feeds the same
+                        break  # tokens again, and a planned step refused is retried apart
                     if not exc.preempted:
                         raise
                     # Undone, like a planned step: the steps before it stand, delivered.
