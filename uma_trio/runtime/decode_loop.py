@@ -228,20 +228,21 @@ class DecodeLoop:
         for session in [*self._waiting, *self._active.values()]:
             self.cancel(session, reason)
 
-    def fail_all(self, code: ErrorCode, message: str) -> list[Session]:
+    def fail_all(self, code: ErrorCode, message: str) -> None:
         """After this loop's task died (only it ends its sessions otherwise): end every
-        waiting and running session with ``code``; those whose own ending raised too (their
-        bookkeeping is in doubt) are returned for the caller to close."""
+        waiting and running session with ``code``.  One whose own ending raises too (its
+        bookkeeping is in doubt) still gets its error and its end, straight into its stream;
+        then the loop is idle, so a drain does not wait for it."""
         sessions = [*self._waiting, *self._active.values()]
         self._waiting.clear()
-        left = []
         for session in sessions:
             try:
                 self._fail(session, code, message)
             except Exception:
                 log.exception("ending %s of a failed loop", session.id)
-                left.append(session)
-        return left
+                _end_stream(session, code, message)
+        self._active.clear()
+        self._update_idle()
 
     async def wait_idle(self) -> None:
         """Return once no session is waiting or running."""
@@ -937,3 +938,14 @@ class DecodeLoop:
             },
             **kv,
         }
+
+
+def _end_stream(session: Session, code: ErrorCode, message: str) -> None:
+    """``session``'s error and end, sent without the loop's bookkeeping (which failed)."""
+    if session.finished:
+        return
+    session.error = ErrorEvent(id=session.id, code=code, message=message)
+    session.final = session.eos_event("error", None)
+    with contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):  # END_SLOTS keeps room
+        session.events.send_nowait(StreamEnd(session.final, session.error))
+    session.events.close()

@@ -20,7 +20,6 @@ that tie them together) whose races are easier to read in one place than split a
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -34,12 +33,10 @@ from ..engine.base import Engine
 from ..model_store import ModelStore, StoreEntry
 from ..observability.metrics import Metrics
 from ..protocol.errors import ErrorCode, UmaError
-from ..protocol.messages import ErrorEvent
 from ..sched.policy import Policy
 from .clients import Clients
 from .decode_loop import DecodeLoop
 from .machine import Machine
-from .session import Session, StreamEnd
 
 log = logging.getLogger(__name__)
 
@@ -408,18 +405,7 @@ class ModelHost:
 def _fail_sessions(loop: DecodeLoop, message: str) -> None:
     """End every request waiting or running in ``loop``, whose task has died, with
     E_MODEL_003; their clients would wait for good."""
-    for session in loop.fail_all(ErrorCode.MODEL_LOAD, message):
-        _end_stream(session, message)
-
-
-def _end_stream(session: Session, message: str) -> None:
-    if session.finished:
-        return
-    session.error = ErrorEvent(id=session.id, code=ErrorCode.MODEL_LOAD, message=message)
-    session.final = session.eos_event("error", None)
-    with contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):  # END_SLOTS keeps room
-        session.events.send_nowait(StreamEnd(session.final, session.error))
-    session.events.close()
+    loop.fail_all(ErrorCode.MODEL_LOAD, message)
 
 
 def _gib(size: int) -> str:
