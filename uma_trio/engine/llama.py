@@ -419,21 +419,30 @@ class LlamaEngine:
 
         Reading or writing a sequence's saved state does not make them: a saved copy's
         destination would hold what its buffer held before, and a state loaded into a copy's
-        source (evicted meanwhile) would be copied instead.  One token decoded at the end of
-        ``seq_id`` (and removed) makes them; only then is the state read or written."""
+        source (evicted meanwhile) would be copied instead.  One token decoded (and removed)
+        makes them: in an empty sequence, ``seq_id`` itself when it is (a load's), else at the
+        end of ``seq_id``; only then is the state read or written."""
         asked = self._copies_asked
         if self._copies_made == asked:
             return
-        pos = int(llama.llama_memory_seq_pos_max(self._memory, seq_id)) + 1
+        empty = (
+            s
+            for s in (seq_id, *range(self._n_seq_max))
+            if llama.llama_memory_seq_pos_max(self._memory, s) < 0
+        )
+        scratch = next(empty, seq_id)
+        pos = int(llama.llama_memory_seq_pos_max(self._memory, scratch)) + 1
         self._abort.value = b""  # a job runs between steps: nothing may preempt this one
         self._embedding_mode(False)
         buf = self._buffers
-        buf.token[0], buf.pos[0], buf.seq[0], buf.logits[0] = 0, pos, seq_id, 0
+        buf.token[0], buf.pos[0], buf.seq[0], buf.logits[0] = 0, pos, scratch, 0
         buf.batch.n_tokens = 1
         status = llama.llama_decode(self._ctx, buf.batch)
-        llama.llama_memory_seq_rm(self._memory, seq_id, pos, -1)
-        if status != 0:
-            raise EngineError(status, f"llama_decode returned {status} making the queued KV copies")
+        removed = llama.llama_memory_seq_rm(self._memory, scratch, pos, -1)
+        if status != 0 or not removed:
+            raise EngineError(
+                status or -1, f"making the queued KV copies failed (llama_decode returned {status})"
+            )
         self._copies_made = asked
 
     def _save_seq(self, seq_id: int) -> bytes:
