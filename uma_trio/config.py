@@ -372,8 +372,8 @@ class ServerConfig:
     allowed_hosts: Annotated[
         tuple[str, ...], _COMMA_LIST, Parameter(show_default="IP addresses, localhost, the --http host")
     ] = ()
-    """Comma-separated extra Host names the HTTP API answers to ("*": any); other Host headers
-    (a DNS-rebinding web page) get 403 (SECURITY.md "Web pages")."""
+    """Comma-separated extra Host names the HTTP API and the metrics port answer to ("*": any);
+    other Host headers (a DNS-rebinding web page) get 403 (SECURITY.md "Web pages")."""
     cors_origins: Annotated[
         tuple[str, ...] | None,
         _COMMA_LIST,

@@ -9,12 +9,23 @@ transformers defines it (plain ``json.dumps``, not Jinja's HTML-escaping one).  
 built-in formatter (``llama_chat_apply_template``) knows a fixed list of template families by
 their text and cannot render tools; it stays the fallback for a template Jinja cannot compile.
 
+A template is code from a model file, and Jinja's sandbox keeps it from Python's internals
+but not from work without end.  A render here is held to :data:`LIMITS` in the ways a
+template usually runs away: ``range`` items over the whole render; strings and lists that
+``*``, padding (``center``, ``indent``, ``ljust``...) and ``format`` widths would build;
+``**`` results; the output's size; and a deadline, checked at every call, attribute and item
+the template reads and every piece it writes.  ``lipsum`` is gone.  Not a proof: loops with
+nothing in them over data already there escape every check, so a model file stays trusted
+input (SECURITY.md "The model store and pulls").  Each limit is a :class:`ChatTemplateError`.
+
 Pure: no I/O, no llama.cpp.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -55,19 +66,35 @@ def _tojson(value: Any, indent: int | None = None, separators: Any = None, sort_
     return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+_PADDING = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})  # str methods sized by an argument
+_FORMAT_WIDTH = re.compile(r"%[-+ #0]*(\d+)")  # a %-format's field width
+
+
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, with ``*``, ``**`` and ``range`` held to :data:`LIMITS`."""
+    """The immutable sandbox, held to :data:`LIMITS`: ``range``'s items over a render; values
+    ``*``, ``**``, padding and ``format`` would build; the deadline, checked at each call,
+    attribute and item a template reads (and at each piece of output, by the renderer)."""
 
     intercepted_binops = frozenset(["*", "**"])
 
     def __init__(self, limits: RenderLimits) -> None:
         super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         self.limits = limits
-        self._render = threading.local()  # range items left to the render on this thread
+        self._render = threading.local()  # this thread's render: range items left, deadline
         self.globals["range"] = self._range
+        del self.globals["lipsum"]  # lipsum(10**7) wrote for minutes before its first output
+        for name in ("center", "indent", "format"):
+            self.filters[name] = self._sized(name, self.filters[name])
 
-    def start_render(self) -> None:
+    def start_render(self) -> float:
+        """Arm this thread's budget; the render's deadline (monotonic)."""
         self._render.range_left = self.limits.range_items
+        self._render.deadline = time.monotonic() + self.limits.seconds
+        return float(self._render.deadline)
+
+    def check_deadline(self) -> None:
+        if time.monotonic() > getattr(self._render, "deadline", math.inf):
+            raise SecurityError(f"the render took more than {self.limits.seconds:g} s")
 
     def _range(self, *args: int) -> range:
         items = range(*args)
@@ -77,14 +104,45 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         self._render.range_left = left
         return items
 
+    def _too_big(self, size: int) -> None:
+        if size > self.limits.chars:
+            raise SecurityError(f"the template built a value past {self.limits.chars:,} items")
+
+    def _sized(self, name: str, jinja_filter: Any) -> Any:
+        """Jinja's ``name`` filter, refused where its width would build an oversized value."""
+
+        def sized(value: Any, *args: Any, **kwargs: Any) -> Any:
+            if name == "format" and isinstance(value, str):
+                self._too_big(max((int(w) for w in _FORMAT_WIDTH.findall(value)), default=0))
+            elif args and isinstance(width := args[0], int):  # center(width), indent(width)
+                lines = str(value).count("\n") + 1 if name == "indent" else 1
+                self._too_big(width * lines)
+            return jinja_filter(value, *args, **kwargs)
+
+        return sized
+
+    def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        __self.check_deadline()
+        padding = getattr(__obj, "__name__", None) in _PADDING and isinstance(
+            getattr(__obj, "__self__", None), str
+        )
+        if padding and args and isinstance(args[0], int):  # "x".ljust(3_000_000_000)
+            __self._too_big(args[0])
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        self.check_deadline()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        self.check_deadline()
+        return super().getitem(obj, argument)
+
     def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
             for repeated, times in ((left, right), (right, left)):
-                if (
-                    isinstance(repeated, str | list | tuple) and isinstance(times, int)
-                    and len(repeated) * times > self.limits.chars
-                ):  # fmt: skip
-                    raise SecurityError(f"the template built a value past {self.limits.chars:,} items")
+                if isinstance(repeated, str | list | tuple) and isinstance(times, int):
+                    self._too_big(len(repeated) * times)
         elif (
             isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1
             and left.bit_length() * right > self.limits.exponent_bits
@@ -116,7 +174,7 @@ class JinjaChatTemplate:
         add_generation_prompt: bool = True,
     ) -> str:
         try:
-            self._env.start_render()
+            deadline = self._env.start_render()
             pieces = self._template.generate(
                 messages=messages,  # the sandbox is immutable: the template cannot change them
                 tools=tools or None,
@@ -124,7 +182,7 @@ class JinjaChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-            return self._bounded(pieces)
+            return self._bounded(pieces, deadline)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template failed: {_describe(exc)}") from None
         except MemoryError:
@@ -134,11 +192,10 @@ class JinjaChatTemplate:
                 f"the model's chat template failed: {type(exc).__name__}: {exc}"
             ) from None
 
-    def _bounded(self, pieces: Iterator[str]) -> str:
+    def _bounded(self, pieces: Iterator[str], deadline: float) -> str:
         """``pieces`` joined, stopped past the size limit or the deadline (checked at each
         piece of output the template yields)."""
-        limits = self._env.limits
-        deadline, size, out = time.monotonic() + limits.seconds, 0, []
+        limits, size, out = self._env.limits, 0, []
         for piece in pieces:
             size += len(piece)
             if size > limits.chars:

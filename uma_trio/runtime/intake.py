@@ -108,9 +108,11 @@ async def open_on(
     if request.max_context is not None and not request.embed:
         room = request.max_context - len(prompt)
         if room < 1:
+            # The client's own cap, or (as /infill sets it) the per-request context itself.
+            whose = "the request's max_context" if request.max_context < engine.n_ctx_seq else "--n-ctx"
             raise UmaError(
                 ErrorCode.CONTEXT_OVERFLOW,
-                too_long(f"{len(prompt)} tokens > {request.max_context} maximum (the request's max_context)"),
+                too_long(f"{len(prompt)} tokens > {request.max_context} maximum ({whose})"),
                 request_id=rid,
             )
         request = msgspec.structs.replace(request, max_tokens=min(request.max_tokens, room))
