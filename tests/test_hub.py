@@ -5,12 +5,15 @@ reaching the internet; ``uma-trio pull``, and Ollama's ``/api/pull`` through the
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
+import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -265,3 +268,117 @@ def test_a_pull_removes_staging_folders_left_by_a_daemon_that_exited(hub: Repos,
         os.utime(path, (past, past))
     pull(f"{REPO}:Q4_1", store)
     assert not stale.exists() and (live / "half.gguf.incomplete").exists()
+
+
+def test_a_file_already_verified_is_not_read_again_until_it_changes(
+    hub: Repos, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: every pull of a file already there read it whole for its sha256 (a 20 GB
+    model, re-pulled by each front end, read each time).  The digest is kept until the file's
+    inode, size, mtime or ctime changes; one written over with its mtime put back is read."""
+    store = tmp_path / "store"
+    store.mkdir()
+    path = pull(f"{REPO}:Q4_1", store)
+    reads: list[Path] = []
+    real = hub_module.sha256_of
+    monkeypatch.setattr(hub_module, "sha256_of", lambda p: reads.append(p) or real(p))
+    for _ in range(3):
+        assert pull(f"{REPO}:Q4_1", store) == path
+    assert reads == []  # read once, when it was downloaded
+    time.sleep(0.05)  # past the file system's timestamp tick
+    path.write_bytes(path.read_bytes())  # the same bytes, written again: read again, once
+    for _ in range(2):
+        assert pull(f"{REPO}:Q4_1", store) == path
+    assert len(reads) == 1
+    before = path.stat()
+    time.sleep(0.05)
+    tampered = bytearray(path.read_bytes())
+    tampered[-1] ^= 0xFF
+    path.write_bytes(bytes(tampered))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # the same size and mtime
+    with pytest.raises(PullError, match="already has a different") as refused:
+        pull(f"{REPO}:Q4_1", store)
+    assert refused.value.status == 409 and len(reads) == 2 and hub.downloads.count(Q4_1) == 1
+
+
+def test_two_pulls_at_once_do_not_count_the_same_free_space(
+    hub: Repos, tmp_path: Path, model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: two pulls at once both found room for their file and the 1 GiB margin in the
+    same free space.  A pull's check counts what the others have still to write, and its
+    reservation ends with it, a failed one's too."""
+    import threading
+
+    hub.add(REPO, "SmolLM2-135M-Instruct-Q8_0.gguf", model_path)
+    size = model_path.stat().st_size
+    # Room for one file and the margin (the fake disk does not fill: the first pull's bytes
+    # still to write are what keeps the second out).
+    room = SimpleNamespace(free=size + hub_module.DISK_MARGIN)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: room)
+    store = tmp_path / "store"
+    store.mkdir()
+    reached, go_on = threading.Event(), threading.Event()
+    results: dict[str, Path | str] = {}
+
+    def held(what: str, done: int, total: int) -> None:  # the first pull waits mid-download
+        if what == "downloading":
+            reached.set()
+            go_on.wait(60)
+
+    def first(reference: str) -> None:
+        try:
+            results[reference] = pull(reference, store, held)
+        except PullError as exc:
+            results[reference] = str(exc)
+
+    for reference in (f"{REPO}:Q4_1", f"{REPO}:bad"):  # one that lands, one that fails its check
+        reached.clear()
+        go_on.clear()
+        worker = threading.Thread(target=first, args=(reference,))
+        worker.start()
+        assert reached.wait(60)
+        with pytest.raises(PullError, match=r"GiB free in the model store.* pulls under way") as refused:
+            pull(f"{REPO}:Q8_0", store)
+        assert refused.value.status == 507
+        go_on.set()
+        worker.join(60)
+        assert not hub_module._RESERVED  # released, however the pull ended
+    assert results[f"{REPO}:Q4_1"] == store / Q4_1 and "sha256" in str(results[f"{REPO}:bad"])
+    assert pull(f"{REPO}:Q8_0", store).exists()  # alone, it has the room
+
+
+@pytest.mark.parametrize(
+    ("failure", "store_s"),
+    [
+        (lambda staging: ssl.SSLError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] verify failed"), False),
+        (lambda staging: ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), False),
+        (lambda staging: OSError(errno.ENOSPC, "No space left on device"), True),
+        (lambda staging: FileNotFoundError(errno.ENOENT, "gone", str(staging / "x.incomplete")), True),
+    ],
+    ids=["tls", "reset", "disk-full", "staging-file"],
+)
+def test_a_network_error_in_the_download_is_the_hub_s_not_the_store_s(
+    hub: Repos, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    failure: Callable[[Path], OSError], store_s: bool,
+) -> None:  # fmt: skip
+    """Review: any OSError with an errno from the download was taken for the store's (500,
+    "the model store could not be written"), a reset connection or a TLS failure too (an
+    ssl.SSLError's errno 1 is EPERM's).  Only the store's errnos, or a file in the pull's
+    staging folder, are the store's; the rest is a 502 naming the hub."""
+    import huggingface_hub
+
+    def failing(*args: object, local_dir: Path, **kwargs: object) -> str:
+        raise failure(Path(local_dir))
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", failing)
+    store = tmp_path / "store"
+    if store_s:
+        with pytest.raises(OSError) as raised:
+            pull(f"{REPO}:Q4_1", store)
+        assert not isinstance(raised.value, PullError)
+    else:
+        hub_named = rf"download failed \(.*; the hub at {re.escape(os.environ['HF_ENDPOINT'])}\)"
+        with pytest.raises(PullError, match=hub_named) as refused:
+            pull(f"{REPO}:Q4_1", store)
+        assert refused.value.status == 502
+    assert not list(store.glob("*.gguf")) and not (store / ".pull").exists()

@@ -5,6 +5,7 @@ pull itself, against a local hub, is tests/test_hub.py's."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -94,3 +95,85 @@ async def test_a_failed_pull_tells_the_kind_and_logs_the_detail(
         assert "private-store" not in text and str(failure.args[-1]) not in text
     logged = "\n".join(r.getMessage() + (r.exc_text or "") for r in caplog.records)
     assert str(failure.args[-1]) in logged and (str(store) in logged or not isinstance(failure, OSError))
+
+
+async def test_at_most_eight_requests_wait_on_one_pull(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: the same reference asked again is not counted against MAX_PULLS (it waits for
+    the first), but each was a thread of its own without a cap: clients that hang up and ask
+    again piled threads up.  Past MAX_WAITERS for one reference, a 429."""
+    release = threading.Event()
+    started: list[str] = []
+
+    def held(reference: str, store: Path, report: Progress) -> Path:
+        started.append(reference)
+        release.wait(10)
+        raise PullError("the hub went away", 502)
+
+    monkeypatch.setattr(pull_module, "pull", held)
+    assert pull_module.MAX_WAITERS == 8
+    async with gateway_on_sim() as (server, _, url), httpx.AsyncClient(base_url=url) as http:
+        server.models.store.directory = tmp_path
+        try:
+            with trio.fail_after(5):
+                for _ in range(pull_module.MAX_WAITERS):  # each client hangs up at once
+                    async with http.stream("POST", "/api/pull", json={"model": "a/one"}) as first:
+                        assert first.status_code == 200
+                refused = await http.post("/api/pull", json={"model": "hf.co/a/one", "stream": False})
+                assert refused.status_code == 429 and refused.headers["retry-after"]
+                assert refused.json() == {
+                    "error": "8 requests for this pull are under way, the most at once; "
+                    "try again when it has ended"
+                }
+                async with http.stream("POST", "/api/pull", json={"model": "b/two"}) as other:
+                    assert other.status_code == 200  # another reference is counted apart
+        finally:
+            release.set()
+        with trio.fail_after(5):
+            while (
+                again := await http.post("/api/pull", json={"model": "a/one", "stream": False})
+            ).status_code == 429:
+                await trio.sleep(0.05)
+        assert again.status_code == 502 and len(started) == pull_module.MAX_WAITERS + 2
+
+
+@pytest.mark.parametrize(
+    ("file", "answer"),
+    [
+        ("coder.gguf", "'coder' is an --alias of the model 'sim'"),
+        ("sim.gguf", "'sim' is already the name of the model 'sim'"),
+    ],
+)
+async def test_a_pulled_file_the_store_leaves_out_is_a_409_not_a_success(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file: str, answer: str
+) -> None:
+    """Review: a new file whose id or file name is already another model's alias or id is
+    left out by the store's rescan, yet /api/pull answered ``success`` with a ``model`` that
+    named the other model.  Now a 409 saying which name and which model; a file of a free
+    name is served under its id."""
+    from dataclasses import replace
+
+    from uma_trio.model_store import ModelStore
+
+    def landing(reference: str, store: Path, report: Progress) -> Path:
+        path = store / (reference.partition("/")[2] + ".gguf")
+        path.write_bytes(b"GGUF pulled")
+        return path
+
+    monkeypatch.setattr(pull_module, "pull", landing)
+    async with gateway_on_sim() as (server, _, url), httpx.AsyncClient(base_url=url) as http:
+        entries = [replace(e, aliases=("coder",)) for e in server.models.store.entries()]
+        server.models.store = ModelStore(entries, tmp_path)
+        name = file.removesuffix(".gguf")
+        refused = await http.post("/api/pull", json={"model": f"someone/{name}", "stream": False})
+        streamed = await http.post("/api/pull", json={"model": f"someone/{name}"})
+        served = await http.post("/api/pull", json={"model": "someone/fresh", "stream": False})
+    message = (
+        f"{file} is in the model store, but {answer}, which that name keeps serving; "
+        "rename the file to serve it"
+    )
+    assert refused.status_code == 409 and refused.json() == {"error": message}
+    assert json.loads(streamed.text.splitlines()[-1]) == {"error": message}
+    assert served.status_code == 200 and served.json() == {"status": "success", "model": "fresh"}
+    assert server.models.store.resolve("fresh") == "fresh" and server.models.store.resolve(name) == "sim"

@@ -13,21 +13,27 @@ a staging folder of its own; a pull of a file already being pulled waits for tha
 staging folders nothing has touched for 10 minutes (a pull whose process ended) are removed.
 
 A file of that name already in the store is never replaced: it counts as pulled when it is
-the hub's file (its sha256, or without one its size), and is otherwise a 409.  Blocking: the
+the hub's file (its sha256, or without one its size), and is otherwise a 409.  A file's sha256
+is read once: it is kept, in this process, until the file's inode, size, mtime or ctime
+changes, so a front end that pulls again does not read a 20 GB file each time.  The disk
+check counts the bytes the other pulls of this process have still to write.  Blocking: the
 daemon runs it in a worker thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import re
 import shutil
+import socket
+import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +45,10 @@ DISK_MARGIN = 1 << 30  # bytes left free besides the file: the store's disk is t
 STALE_S = 600.0  # a staging folder untouched this long is a pull whose process ended
 _SILENT = io.StringIO()  # where huggingface_hub's own progress bar is drawn: nowhere
 _PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$")  # split GGUFs: not supported yet
+# A download's OSError that is the store's failure (the daemon's 507/500), not the hub's (502).
+_STORE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS})
+# Network errors that are OSErrors with an errno: ssl.SSLError's is an SSL code (1 is EPERM's).
+_NETWORK_ERRORS = (ssl.SSLError, ConnectionError, TimeoutError, socket.gaierror, socket.herror)
 
 
 class PullError(Exception):
@@ -145,20 +155,23 @@ def pull(reference: str, store: Path, progress: Progress | None = None) -> Path:
             return _already_there(target, chosen, repo, report)
         _remove_stale(store / ".pull")
         store.mkdir(parents=True, exist_ok=True)  # the CLI's first pull makes the store
-        _check_space(store, chosen)
-        # A folder of its own: pulls of one repository's files shared one, and the first to
-        # end removed the other's download.
-        staging = _staging_folder(store / ".pull", repo.replace("/", "--") + ".")
-        try:
-            downloaded = Path(_download(repo, chosen, staging, report))
-            report("verifying", 0, chosen.size or 0)
-            check(downloaded, chosen)
-            if not _place(downloaded, target):  # another process's pull put one there meanwhile
-                return _already_there(target, chosen, repo, report)
-        finally:  # nothing half-written stays, whatever happened
-            shutil.rmtree(staging, ignore_errors=True)
-            with contextlib.suppress(OSError):  # the last pull under way leaves no .pull behind
-                staging.parent.rmdir()
+        with _space_for(store, chosen) as reservation:
+            # A folder of its own: pulls of one repository's files shared one, and the first
+            # to end removed the other's download.
+            staging = _staging_folder(store / ".pull", repo.replace("/", "--") + ".")
+            try:
+                downloaded = Path(_download(repo, chosen, staging, reservation.counting(report)))
+                report("verifying", 0, chosen.size or 0)
+                digest = check(downloaded, chosen)
+                if not _place(downloaded, target):  # another process's pull put one there meanwhile
+                    return _already_there(target, chosen, repo, report)
+                placed = target.stat()
+            finally:  # nothing half-written stays, whatever happened
+                shutil.rmtree(staging, ignore_errors=True)
+                with contextlib.suppress(OSError):  # the last pull under way leaves no .pull behind
+                    staging.parent.rmdir()
+        if digest is not None:  # read before it was linked: not read again when pulled again
+            _remember_digest(target, placed, digest)
     size = target.stat().st_size
     report("done", size, size)
     return target
@@ -184,7 +197,7 @@ def _already_there(target: Path, chosen: HubFile, repo: str, report: Progress) -
     size = target.stat().st_size
     if chosen.sha256 is not None:
         report("verifying", 0, size)
-        same = chosen.size in (None, size) and sha256_of(target) == chosen.sha256
+        same = chosen.size in (None, size) and _digest(target) == chosen.sha256
     else:
         same = chosen.size is not None and size == chosen.size
     if not same:
@@ -211,16 +224,98 @@ def _remove_stale(parent: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _check_space(store: Path, chosen: HubFile) -> None:
-    """A 507 unless the disk has room for the file and :data:`DISK_MARGIN` more."""
-    free = shutil.disk_usage(store).free
-    need = (chosen.size or 0) + DISK_MARGIN
-    if free < need:
-        raise PullError(
-            f"{chosen.name} needs {need / 2**30:.1f} GiB free in the model store "
-            f"(its size and {DISK_MARGIN / 2**30:.0f} GiB to spare); the disk has {free / 2**30:.1f} GiB",
-            507,
-        )
+@dataclass(eq=False)  # removed from _RESERVED by identity
+class _Reservation:
+    """The disk space a pull under way still needs: its file's size less what it wrote."""
+
+    device: int
+    size: int
+    written: int = 0  # set by the pull's thread, read under _SPACE_LOCK: an int, atomic
+
+    def counting(self, report: Progress) -> Progress:
+        """``report``, keeping :attr:`written` up to date from the download's progress."""
+
+        def counted(what: str, done: int, total: int) -> None:
+            if what == "downloading":
+                self.written = done
+            report(what, done, total)
+
+        return counted
+
+
+_SPACE_LOCK = threading.Lock()
+_RESERVED: list[_Reservation] = []  # the pulls of this process between their check and end
+
+
+@contextlib.contextmanager
+def _space_for(store: Path, chosen: HubFile) -> Iterator[_Reservation]:
+    """A 507 unless the disk has room for the file and :data:`DISK_MARGIN` more, besides
+    what the other pulls under way (in this process) still have to write to it: checked
+    and reserved at once, so two pulls cannot both count the same free space.  The
+    reservation lasts until the pull ends, however it ends."""
+    with _SPACE_LOCK:
+        device = store.stat().st_dev
+        free = shutil.disk_usage(store).free
+        others = sum(max(r.size - r.written, 0) for r in _RESERVED if r.device == device)
+        need = (chosen.size or 0) + DISK_MARGIN
+        if free - others < need:
+            pending = f", {others / 2**30:.1f} GiB of it for the pulls under way" if others else ""
+            raise PullError(
+                f"{chosen.name} needs {need / 2**30:.1f} GiB free in the model store "
+                f"(its size and {DISK_MARGIN / 2**30:.0f} GiB to spare); "
+                f"the disk has {free / 2**30:.1f} GiB{pending}",
+                507,
+            )
+        reservation = _Reservation(device, chosen.size or 0)
+        _RESERVED.append(reservation)
+    try:
+        yield reservation
+    finally:
+        with _SPACE_LOCK:
+            _RESERVED.remove(reservation)
+
+
+_DIGEST_LOCK = threading.Lock()
+_DIGESTS: dict[Path, tuple[tuple[int, ...], str]] = {}  # a file → (what it was, its sha256)
+_DIGESTS_KEPT = 256  # files remembered at most: the oldest is forgotten first
+
+
+def _identity(path: Path) -> tuple[int, ...]:
+    """What changes when the file does: a file replaced (the inode), rewritten (the size, the
+    mtime) or touched back to its old mtime after a write (the ctime, which no one sets)."""
+    st = path.stat()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _digest(path: Path) -> str:
+    """``path``'s sha256, read only when it is not the file last read under that path."""
+    key = path.resolve()
+    before = _identity(key)
+    with _DIGEST_LOCK:
+        known = _DIGESTS.get(key)
+    if known is not None and known[0] == before:
+        return known[1]
+    digest = sha256_of(key)
+    if _identity(key) == before:  # not changed while it was read
+        _keep_digest(key, before, digest)
+    return digest
+
+
+def _remember_digest(path: Path, placed: os.stat_result, digest: str) -> None:
+    """``digest`` is ``path``'s, read before it was linked there (``placed``: a link keeps the
+    inode).  Taken after the staging link is removed, which changes the ctime."""
+    key = path.resolve()
+    identity = _identity(key)
+    if identity[:3] == (placed.st_dev, placed.st_ino, placed.st_size):  # still the file placed
+        _keep_digest(key, identity, digest)
+
+
+def _keep_digest(key: Path, identity: tuple[int, ...], digest: str) -> None:
+    with _DIGEST_LOCK:
+        _DIGESTS.pop(key, None)  # put last: the newest
+        _DIGESTS[key] = (identity, digest)
+        while len(_DIGESTS) > _DIGESTS_KEPT:
+            del _DIGESTS[next(iter(_DIGESTS))]
 
 
 def _staging_folder(parent: Path, prefix: str) -> Path:
@@ -233,16 +328,20 @@ def _staging_folder(parent: Path, prefix: str) -> Path:
             continue
 
 
-def check(path: Path, expected: HubFile) -> None:
-    """GGUF magic, size and sha256; :class:`PullError` naming what differs."""
+def check(path: Path, expected: HubFile) -> str | None:
+    """GGUF magic, size and sha256; :class:`PullError` naming what differs.  The sha256 read
+    (None where the hub gives none)."""
     size = path.stat().st_size
     with path.open("rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise PullError(f"{expected.name} is not a GGUF file (its first bytes are not GGUF)", 502)
     if expected.size is not None and size != expected.size:
         raise PullError(f"{expected.name}: {size} bytes arrived, the hub says {expected.size}", 502)
-    if expected.sha256 is not None and (digest := sha256_of(path)) != expected.sha256:
+    if expected.sha256 is None:
+        return None
+    if (digest := sha256_of(path)) != expected.sha256:
         raise PullError(f"{expected.name}: sha256 {digest} is not the hub's {expected.sha256}", 502)
+    return digest
 
 
 def _endpoint() -> str:
@@ -282,6 +381,19 @@ def _download(repo: str, chosen: HubFile, staging: Path, report: Progress) -> st
             )
         )
     except Exception as exc:  # as in hub_files: httpx's errors and the hub client's own
-        if isinstance(exc, OSError) and exc.errno is not None:
+        if _store_failure(exc, staging):
             raise  # writing the file failed (a full disk): the store's failure, not the hub's
-        raise PullError(f"{repo}/{chosen.name}: the download failed ({_reason(exc)})", 502) from None
+        raise PullError(
+            f"{repo}/{chosen.name}: the download failed ({_reason(exc)}; the hub at {_endpoint()})", 502
+        ) from None
+
+
+def _store_failure(exc: Exception, staging: Path) -> bool:
+    """Whether a download's error is the store's: an OSError of writing (a full, read-only or
+    forbidden disk) or one naming a file in the pull's staging folder.  Any other (a network
+    error the hub client lets through, a TLS failure) is the hub's."""
+    if not isinstance(exc, OSError) or isinstance(exc, _NETWORK_ERRORS):
+        return False
+    names = [os.fsdecode(n) for n in (exc.filename, exc.filename2) if isinstance(n, str | bytes | Path)]
+    folder = os.path.realpath(staging)  # huggingface_hub may resolve the folder it was given
+    return exc.errno in _STORE_ERRNOS or any(Path(os.path.realpath(n)).is_relative_to(folder) for n in names)

@@ -8,9 +8,10 @@ nothing to pull there, 409 another file of that name in the store, 502 the hub u
 its file wrong, 507 too little disk, 500 anything else; the store's and internal failures in
 detail in the daemon's log only).  The download runs in a thread of its own and goes on if the
 client hangs up (the same pull asked again waits for it and finds the file); at most
-:data:`MAX_PULLS` references are pulled at once, another is a 429 before anything streams.
-The daemon's store then lists the model, and a request may name it by its file name without
-``.gguf``.
+:data:`MAX_PULLS` references are pulled at once, and at most :data:`MAX_WAITERS` requests wait
+on one of them; another is a 429 before anything streams.  The daemon's store then lists the
+model, and a request may name it by its file name without ``.gguf``; a file the store leaves
+out (its name already another model's alias or id) is a 409 saying so, not a ``success``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Container
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ..hub import PullError, parse_reference, pull
-from ..model_store import default_models_dir, model_id
+from ..model_store import ModelStore, default_models_dir, model_id
 from ..protocol.openai import ApiError
 from .flight import GatewayCore, answering_as, decode_body
 from .responses import json_response
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 _REPORT_EVERY_S = 0.25
 MAX_PULLS = 2  # references pulled at once: each is a thread, a download and its disk space
+MAX_WAITERS = 8  # requests for one reference at once (each a thread, most waiting on the first)
 
 
 class PullBody(msgspec.Struct, kw_only=True):
@@ -80,12 +82,19 @@ class PullApi:
     ) -> tuple[threading.Thread, queue.SimpleQueue[dict[str, Any]]]:
         """``pull`` in a thread of its own, reporting to the queue; ``outcome`` gets the pulled
         ``path``, or the ``error`` and its HTTP ``status``.  A 429 past :data:`MAX_PULLS`
-        (the same reference again waits for its pull, uncounted)."""
+        (the same reference again waits for its pull, uncounted there), or past
+        :data:`MAX_WAITERS` requests for one reference."""
         key = _key(reference)
         with self._lock:
             if key not in self._under_way and len(self._under_way) >= MAX_PULLS:
                 raise ApiError(
                     429, f"{MAX_PULLS} pulls are under way, the most at once; try again when one has ended",
+                    type="rate_limit_error", code="too_many_pulls",
+                )  # fmt: skip
+            if self._under_way.get(key, 0) >= MAX_WAITERS:
+                raise ApiError(
+                    429, f"{MAX_WAITERS} requests for this pull are under way, the most at once; "
+                    "try again when it has ended",
                     type="rate_limit_error", code="too_many_pulls",
                 )  # fmt: skip
             self._under_way[key] = self._under_way.get(key, 0) + 1
@@ -152,7 +161,38 @@ class PullApi:
             return
         models = self.gateway._ready().models
         models.store = models.store.rescanned(loaded=models.units)
-        yield {"status": "success", "model": model_id(Path(outcome["path"]).name)}
+        path = Path(outcome["path"])
+        if (refused := _not_served(models.store, path, models.units)) is not None:
+            outcome.update(error=refused, status=409)
+            yield {"error": refused}
+            return
+        yield {"status": "success", "model": model_id(path.name)}
+
+
+def _not_served(store: ModelStore, path: Path, loaded: Container[str]) -> str | None:
+    """None when ``store`` serves the pulled file at ``path`` under its id; else why not.
+    The rescan leaves out a new file whose id or file name already names another model (an
+    ``--alias``, the ``--model`` file's id): a ``success`` would name that other model."""
+    pulled = model_id(path.name)
+    served = store.resolve(pulled, loaded=loaded)
+    if served is not None and _same_file(store.entry(served).path, path):
+        return None
+    for name in (pulled, path.name):
+        owner = store.resolve(name, loaded=loaded)
+        if owner is not None and not _same_file(store.entry(owner).path, path):
+            what = "an --alias of" if name in store.entry(owner).aliases else "already the name of"
+            return (
+                f"{path.name} is in the model store, but {name!r} is {what} the model {owner!r}, "
+                "which that name keeps serving; rename the file to serve it"
+            )
+    return f"{path.name} was pulled but is no longer in the model store"
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:
+        return False
 
 
 def _key(reference: str) -> str:
