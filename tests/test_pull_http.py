@@ -23,11 +23,9 @@ from .test_http_hardening import gateway_on_sim
 Pull = Callable[[str, Path, Progress], Path]
 
 
-async def test_at_most_two_pulls_run_at_once_and_the_same_one_is_not_counted_twice(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Review: each request started a thread of its own, counted nowhere, so clients that
-    hung up and asked for other repositories filled the disk with downloads."""
+def held_pulls(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[str]]:
+    """Pulls that wait (up to 10 s) for the returned event, then fail as a hub gone away; the
+    references they were started for, in order."""
     release = threading.Event()
     started: list[str] = []
 
@@ -37,6 +35,15 @@ async def test_at_most_two_pulls_run_at_once_and_the_same_one_is_not_counted_twi
         raise PullError("the hub went away", 502)
 
     monkeypatch.setattr(pull_module, "pull", held)
+    return release, started
+
+
+async def test_at_most_two_pulls_run_at_once_and_the_same_one_is_not_counted_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: each request started a thread of its own, counted nowhere, so clients that
+    hung up and asked for other repositories filled the disk with downloads."""
+    release, started = held_pulls(monkeypatch)
     async with gateway_on_sim() as (server, _, url), httpx.AsyncClient(base_url=url) as http:
         server.models.store.directory = tmp_path
         try:
@@ -103,15 +110,7 @@ async def test_at_most_eight_requests_wait_on_one_pull(
     """Review: the same reference asked again is not counted against MAX_PULLS (it waits for
     the first), but each was a thread of its own without a cap: clients that hang up and ask
     again piled threads up.  Past MAX_WAITERS for one reference, a 429."""
-    release = threading.Event()
-    started: list[str] = []
-
-    def held(reference: str, store: Path, report: Progress) -> Path:
-        started.append(reference)
-        release.wait(10)
-        raise PullError("the hub went away", 502)
-
-    monkeypatch.setattr(pull_module, "pull", held)
+    release, started = held_pulls(monkeypatch)
     assert pull_module.MAX_WAITERS == 8
     async with gateway_on_sim() as (server, _, url), httpx.AsyncClient(base_url=url) as http:
         server.models.store.directory = tmp_path
