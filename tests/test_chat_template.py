@@ -65,6 +65,10 @@ def test_the_sandbox_keeps_a_template_away_from_python_internals() -> None:
         ('{{ "%3000000000s"|format("x") }}', "built a value"),
         ('{{ "x".ljust(3000000000) }}', "built a value"),
         ("{{ lipsum(10000000) }}", "lipsum"),
+        ('{{ "%3000000000s" % "x" }}', "built a value"),
+        ('{{ "%.3000000000f"|format(1.0) }}', "built a value"),
+        ('{{ "{:>3000000000}".format("x") }}', "built a value"),
+        ('{{ "x"|center(width=3000000000) }}', "built a value"),
     ],
 )
 def test_a_template_doing_work_without_end_is_stopped(template: str, names: str) -> None:
@@ -91,8 +95,11 @@ def test_a_slow_render_stops_at_its_deadline(slow: str) -> None:
 
 def test_templates_within_the_limits_render_as_before() -> None:
     loops = "{% for i in range(3) %}{{ i * 2 }}{{ '-' * 2 }}{{ 2 ** 10 }}{% endfor %}"
-    loops += "{{ messages[0].content }}"
-    assert JinjaChatTemplate(loops).render([{"role": "user", "content": "Hi"}]) == "0--10242--10244--1024Hi"
+    loops += "{{ messages[0].content }}{{ '5%%'|format() }}{{ '%d%%' % 5 }}{{ '{:>3}'.format('a') }}"
+    assert (
+        JinjaChatTemplate(loops).render([{"role": "user", "content": "Hi"}])
+        == "0--10242--10244--1024Hi5%5%  a"
+    )
 
 
 def test_helpers_that_templates_use() -> None:

@@ -64,3 +64,25 @@ async def test_a_metrics_figure_that_cannot_be_read_fails_one_answer_not_the_dae
     assert failed is not None and (failed["event"], failed["code"]) == ("error", "E_RUNTIME_005"), failed
     assert served[-1]["event"] == "eos" and served[-1]["reason"] == "length"
     assert answered is not None and answered["event"] == "metrics"
+
+
+@pytest.mark.parametrize(
+    ("max_context", "says"),
+    [
+        (64, "> 64 maximum (the request's max_context)"),
+        (256, "> 256 maximum (--n-ctx)"),
+        (260, "> 256 maximum (--n-ctx)"),
+    ],
+)
+async def test_a_prompt_past_max_context_names_the_limit_that_applies(
+    autojump_clock: trio.abc.Clock, max_context: int, says: str
+) -> None:
+    """A max_context at or past the per-request context (/infill sets it so, Ollama's
+    num_ctx may) read "N maximum (the request's max_context)", a field those clients never
+    sent, and N was not always the limit that stopped the prompt."""
+    async with sim_daemon(n_ctx=256) as server:
+        client = await RawClient.connect(server.config.socket_path)
+        prompt = "word " * (server.engine.n_ctx_seq + 10)
+        await client.send({"id": "p", "prompt": prompt, "max_tokens": 1, "max_context": max_context})
+        refused = await client.next_event()
+    assert refused is not None and refused["code"] == "E_LIMIT_002" and says in refused["message"], refused

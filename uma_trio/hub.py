@@ -306,7 +306,7 @@ def _remember_digest(path: Path, placed: os.stat_result, digest: str) -> None:
     inode).  Taken after the staging link is removed, which changes the ctime."""
     key = path.resolve()
     identity = _identity(key)
-    if identity[:3] == (placed.st_dev, placed.st_ino, placed.st_size):  # still the file placed
+    if identity[:4] == (placed.st_dev, placed.st_ino, placed.st_size, placed.st_mtime_ns):  # as placed
         _keep_digest(key, identity, digest)
 
 

@@ -12,11 +12,12 @@ their text and cannot render tools; it stays the fallback for a template Jinja c
 A template is code from a model file, and Jinja's sandbox keeps it from Python's internals
 but not from work without end.  A render here is held to :data:`LIMITS` in the ways a
 template usually runs away: ``range`` items over the whole render; strings and lists that
-``*``, padding (``center``, ``indent``, ``ljust``...) and ``format`` widths would build;
-``**`` results; the output's size; and a deadline, checked at every call, attribute and item
-the template reads and every piece it writes.  ``lipsum`` is gone.  Not a proof: loops with
-nothing in them over data already there escape every check, so a model file stays trusted
-input (SECURITY.md "The model store and pulls").  Each limit is a :class:`ChatTemplateError`.
+``*``, padding (``center``, ``indent``, ``ljust``...) and format widths (``%``, ``format``,
+``str.format``) would build; ``**`` results; the output's size; and a deadline, checked at
+every call, attribute and item the template reads and every piece it writes.  ``lipsum`` is
+gone.  Best effort, not a proof: loops with nothing in them over data already there,
+``replace``, ``join`` and ``~`` escape these checks, so a model file stays trusted input
+(SECURITY.md "The model store and pulls").  Each limit is a :class:`ChatTemplateError`.
 
 Pure: no I/O, no llama.cpp.
 """
@@ -67,7 +68,14 @@ def _tojson(value: Any, indent: int | None = None, separators: Any = None, sort_
 
 
 _PADDING = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})  # str methods sized by an argument
-_FORMAT_WIDTH = re.compile(r"%[-+ #0]*(\d+)")  # a %-format's field width
+# A %-format's field width and precision ("%%" is a percent sign), and a str.format field's.
+_PERCENT_FIELD = re.compile(r"%%|%[-+ #0]*(\d*)(?:\.(\d+))?")
+_BRACE_FIELD = re.compile(r"\{[^{}:]*:[^{}\d.]*(\d*)(?:\.(\d+))?[^{}]*\}")
+
+
+def _format_size(fmt: str, field: re.Pattern[str]) -> int:
+    """The widest field ``fmt`` asks for: its width plus its precision."""
+    return max((int(m[1] or 0) + int(m[2] or 0) for m in field.finditer(fmt) if m[0] != "%%"), default=0)
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -75,7 +83,7 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     ``*``, ``**``, padding and ``format`` would build; the deadline, checked at each call,
     attribute and item a template reads (and at each piece of output, by the renderer)."""
 
-    intercepted_binops = frozenset(["*", "**"])
+    intercepted_binops = frozenset(["*", "**", "%"])
 
     def __init__(self, limits: RenderLimits) -> None:
         super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -113,25 +121,26 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 
         def sized(value: Any, *args: Any, **kwargs: Any) -> Any:
             if name == "format" and isinstance(value, str):
-                self._too_big(max((int(w) for w in _FORMAT_WIDTH.findall(value)), default=0))
-            elif args and isinstance(width := args[0], int):  # center(width), indent(width)
+                self._too_big(_format_size(value, _PERCENT_FIELD))
+            elif (width := args[0] if args else kwargs.get("width")) is not None:  # center, indent
+                size = width if isinstance(width, int) else len(str(width))
                 lines = str(value).count("\n") + 1 if name == "indent" else 1
-                self._too_big(width * lines)
+                self._too_big(size * lines)
             return jinja_filter(value, *args, **kwargs)
 
         return sized
 
     def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         __self.check_deadline()
-        padding = getattr(__obj, "__name__", None) in _PADDING and isinstance(
-            getattr(__obj, "__self__", None), str
-        )
+        padding = isinstance(getattr(__obj, "__self__", None), str) and __obj.__name__ in _PADDING
         if padding and args and isinstance(args[0], int):  # "x".ljust(3_000_000_000)
             __self._too_big(args[0])
         return super().call(__context, __obj, *args, **kwargs)
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         self.check_deadline()
+        if isinstance(obj, str) and attribute in ("format", "format_map"):  # "{:>3000000000}".format
+            self._too_big(_format_size(obj, _BRACE_FIELD))
         return super().getattr(obj, attribute)
 
     def getitem(self, obj: Any, argument: Any) -> Any:
@@ -143,6 +152,9 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
             for repeated, times in ((left, right), (right, left)):
                 if isinstance(repeated, str | list | tuple) and isinstance(times, int):
                     self._too_big(len(repeated) * times)
+        elif operator == "%":
+            if isinstance(left, str):  # "%3000000000s" % "x"
+                self._too_big(_format_size(left, _PERCENT_FIELD))
         elif (
             isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1
             and left.bit_length() * right > self.limits.exponent_bits

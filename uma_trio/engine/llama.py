@@ -223,6 +223,9 @@ class LlamaEngine:
         self._embedding = False  # the context outputs hidden states (a tick with an embedding)
         # Copies between KV streams asked for, and how many of them a llama_decode has made.
         self._copies_asked = self._copies_made = 0
+        # A sequence's last tokens can be removed (attention KV, not a recurrent state).
+        handle = model.handle
+        self._trims_tail = not (llama.llama_model_is_recurrent(handle) or llama.llama_model_is_hybrid(handle))
         self.rebuilds = 0
         self._n_ctx = int(llama.llama_n_ctx(self._ctx))
         # llama.cpp pads a stream to 256 cells; the request limit stays what was asked.  One
@@ -431,6 +434,8 @@ class LlamaEngine:
             if llama.llama_memory_seq_pos_max(self._memory, s) < 0
         )
         scratch = next(empty, seq_id)
+        if scratch == seq_id and not self._trims_tail:  # a recurrent state takes the token in for good
+            raise EngineError(-1, "no empty sequence to make the queued KV copies in; try again later")
         pos = int(llama.llama_memory_seq_pos_max(self._memory, scratch)) + 1
         self._abort.value = b""  # a job runs between steps: nothing may preempt this one
         self._embedding_mode(False)

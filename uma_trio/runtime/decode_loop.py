@@ -235,14 +235,16 @@ class DecodeLoop:
         then the loop is idle, so a drain does not wait for it."""
         sessions = [*self._waiting, *self._active.values()]
         self._waiting.clear()
-        for session in sessions:
-            try:
-                self._fail(session, code, message)
-            except Exception:
-                log.exception("ending %s of a failed loop", session.id)
-                _end_stream(session, code, message)
-        self._active.clear()
-        self._update_idle()
+        try:
+            for session in sessions:
+                try:
+                    self._fail(session, code, message)
+                except Exception:
+                    log.exception("ending %s of a failed loop", session.id)
+                    _end_stream(session, code, message)
+        finally:
+            self._active.clear()
+            self._update_idle()
 
     async def wait_idle(self) -> None:
         """Return once no session is waiting or running."""
@@ -944,8 +946,12 @@ def _end_stream(session: Session, code: ErrorCode, message: str) -> None:
     """``session``'s error and end, sent without the loop's bookkeeping (which failed)."""
     if session.finished:
         return
-    session.error = ErrorEvent(id=session.id, code=code, message=message)
-    session.final = session.eos_event("error", None)
-    with contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):  # END_SLOTS keeps room
-        session.events.send_nowait(StreamEnd(session.final, session.error))
-    session.events.close()
+    try:
+        session.error = ErrorEvent(id=session.id, code=code, message=message)
+        session.final = session.eos_event("error", None)
+        with contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):  # END_SLOTS keeps room
+            session.events.send_nowait(StreamEnd(session.final, session.error))
+    except Exception:  # its client at least sees its stream end
+        log.exception("ending %s", session.id)
+    finally:
+        session.events.close()

@@ -109,10 +109,13 @@ async def open_on(
         room = request.max_context - len(prompt)
         if room < 1:
             # The client's own cap, or (as /infill sets it) the per-request context itself.
-            whose = "the request's max_context" if request.max_context < engine.n_ctx_seq else "--n-ctx"
+            own = request.max_context < engine.n_ctx_seq
+            limit, whose = (
+                (request.max_context, "the request's max_context") if own else (engine.n_ctx_seq, "--n-ctx")
+            )
             raise UmaError(
                 ErrorCode.CONTEXT_OVERFLOW,
-                too_long(f"{len(prompt)} tokens > {request.max_context} maximum ({whose})"),
+                too_long(f"{len(prompt)} tokens > {limit} maximum ({whose})"),
                 request_id=rid,
             )
         request = msgspec.structs.replace(request, max_tokens=min(request.max_tokens, room))
