@@ -94,11 +94,10 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         for name in ("center", "indent", "format"):
             self.filters[name] = self._sized(name, self.filters[name])
 
-    def start_render(self) -> float:
-        """Arm this thread's budget; the render's deadline (monotonic)."""
+    def start_render(self) -> None:
+        """Arm this thread's budget: its range items and its deadline."""
         self._render.range_left = self.limits.range_items
         self._render.deadline = time.monotonic() + self.limits.seconds
-        return float(self._render.deadline)
 
     def check_deadline(self) -> None:
         if time.monotonic() > getattr(self._render, "deadline", math.inf):
@@ -186,7 +185,7 @@ class JinjaChatTemplate:
         add_generation_prompt: bool = True,
     ) -> str:
         try:
-            deadline = self._env.start_render()
+            self._env.start_render()
             pieces = self._template.generate(
                 messages=messages,  # the sandbox is immutable: the template cannot change them
                 tools=tools or None,
@@ -194,7 +193,7 @@ class JinjaChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-            return self._bounded(pieces, deadline)
+            return self._bounded(pieces)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template failed: {_describe(exc)}") from None
         except MemoryError:
@@ -204,16 +203,15 @@ class JinjaChatTemplate:
                 f"the model's chat template failed: {type(exc).__name__}: {exc}"
             ) from None
 
-    def _bounded(self, pieces: Iterator[str], deadline: float) -> str:
-        """``pieces`` joined, stopped past the size limit or the deadline (checked at each
-        piece of output the template yields)."""
-        limits, size, out = self._env.limits, 0, []
+    def _bounded(self, pieces: Iterator[str]) -> str:
+        """``pieces`` joined, stopped past the size limit or the render's deadline (checked at
+        each piece of output the template yields)."""
+        limit, size, out = self._env.limits.chars, 0, []
         for piece in pieces:
             size += len(piece)
-            if size > limits.chars:
-                raise SecurityError(f"the rendered prompt went past {limits.chars:,} characters")
-            if time.monotonic() > deadline:
-                raise SecurityError(f"the render took more than {limits.seconds:g} s")
+            if size > limit:
+                raise SecurityError(f"the rendered prompt went past {limit:,} characters")
+            self._env.check_deadline()
             out.append(piece)
         return "".join(out)
 

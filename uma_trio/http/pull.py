@@ -86,18 +86,19 @@ class PullApi:
         :data:`MAX_WAITERS` requests for one reference."""
         key = _key(reference)
         with self._lock:
-            if key not in self._under_way and len(self._under_way) >= MAX_PULLS:
-                raise ApiError(
-                    429, f"{MAX_PULLS} pulls are under way, the most at once; try again when one has ended",
-                    type="rate_limit_error", code="too_many_pulls",
-                )  # fmt: skip
-            if self._under_way.get(key, 0) >= MAX_WAITERS:
-                raise ApiError(
-                    429, f"{MAX_WAITERS} requests for this pull are under way, the most at once; "
-                    "try again when it has ended",
-                    type="rate_limit_error", code="too_many_pulls",
-                )  # fmt: skip
-            self._under_way[key] = self._under_way.get(key, 0) + 1
+            waiting = self._under_way.get(key, 0)
+            if not waiting and len(self._under_way) >= MAX_PULLS:
+                full = f"{MAX_PULLS} pulls are under way, the most at once; try again when one has ended"
+            elif waiting >= MAX_WAITERS:
+                full = (
+                    f"{MAX_WAITERS} requests for this pull are under way, the most at once; "
+                    "try again when it has ended"
+                )
+            else:
+                full = None
+            if full is not None:
+                raise ApiError(429, full, type="rate_limit_error", code="too_many_pulls")
+            self._under_way[key] = waiting + 1
         progress: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         last = [0.0]
 

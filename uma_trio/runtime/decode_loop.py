@@ -429,9 +429,13 @@ class DecodeLoop:
         interactive = any(s.lane == "interactive" for s in (*self._active.values(), *self._waiting))
         if not interactive:
             self._sharing.arbiter.quiet(self._sharing.name)
-        # The cheapest step this loop can take: one token at the shortest context it holds.
-        cells = min((s.n_past for s in self._active.values()), default=0)
-        smallest = self.policy.cost.predict(1, 0, cells)
+        # The cheapest step this loop can take (priced only where a grant weighs it): one
+        # token at the shortest context it holds.
+        smallest = 0.0
+        if not interactive:
+            smallest = self.policy.cost.predict(
+                1, 0, min((s.n_past for s in self._active.values()), default=0)
+            )
         cap = self._sharing.arbiter.grant(self._sharing.name, interactive=interactive, smallest_s=smallest)
         self._limited = cap is not None and cap > 0
         return cap

@@ -378,7 +378,7 @@ class ModelHost:
         request that names its model loads it afresh."""
         unit.loop.stop_accepting()
         message = f"model {unit.id!r} failed ({exc}) and was unloaded; a new request loads it again"
-        _fail_sessions(unit.loop, message)
+        unit.loop.fail_all(ErrorCode.MODEL_LOAD, message)  # its waiting and running requests
         self._forget(unit)
         await self._close(unit)
 
@@ -400,12 +400,6 @@ class ModelHost:
             del self.units[unit.id]
             self.unloads += 1
         unit.scope.cancel()
-
-
-def _fail_sessions(loop: DecodeLoop, message: str) -> None:
-    """End every request waiting or running in ``loop``, whose task has died, with
-    E_MODEL_003; their clients would wait for good."""
-    loop.fail_all(ErrorCode.MODEL_LOAD, message)
 
 
 def _gib(size: int) -> str:
