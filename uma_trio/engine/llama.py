@@ -428,15 +428,12 @@ class LlamaEngine:
         asked = self._copies_asked
         if self._copies_made == asked:
             return
-        empty = (
-            s
-            for s in (seq_id, *range(self._n_seq_max))
-            if llama.llama_memory_seq_pos_max(self._memory, s) < 0
-        )
-        scratch = next(empty, seq_id)
-        if scratch == seq_id and not self._trims_tail:  # a recurrent state takes the token in for good
+        seqs = (seq_id, *range(self._n_seq_max))
+        empty = next((s for s in seqs if llama.llama_memory_seq_pos_max(self._memory, s) < 0), None)
+        if empty is None and not self._trims_tail:  # a recurrent state takes the token in for good
             raise EngineError(-1, "no empty sequence to make the queued KV copies in; try again later")
-        pos = int(llama.llama_memory_seq_pos_max(self._memory, scratch)) + 1
+        scratch = seq_id if empty is None else empty
+        pos = 0 if empty is not None else int(llama.llama_memory_seq_pos_max(self._memory, seq_id)) + 1
         self._abort.value = b""  # a job runs between steps: nothing may preempt this one
         self._embedding_mode(False)
         buf = self._buffers
