@@ -145,3 +145,30 @@ def test_tool_calls_cut_off_by_max_tokens_stop_for_max_tokens() -> None:
     ended = {"id": "r", "usage": Usage(3, 70, 73), "timings": Timings(0.0, 1.0), "tool_calls": [call]}
     assert stop_reason(EosEvent(reason="length", **ended)) == "max_tokens"
     assert stop_reason(EosEvent(reason="stop", **ended)) == "tool_use"
+
+
+def test_a_system_message_among_the_messages_is_a_system_turn_where_it_stands() -> None:
+    """Claude Code (2.1.332) sends its environment as a ``system`` message after the user's
+    prompt; one right after ``system`` joins it (templates take one system message, first)."""
+    import msgspec
+
+    from uma_trio.protocol.anthropic import MessagesBody, messages_request
+
+    environment = [{"type": "text", "text": "# Environment", "cache_control": {"type": "ephemeral"}}]
+    messages = [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+        {"role": "system", "content": environment},
+    ]  # fmt: skip
+    body = msgspec.convert(
+        {"model": MODEL, "system": SYSTEM, "messages": messages, "max_tokens": 8}, MessagesBody
+    )
+    turns = messages_request(body, "r").messages or []
+    assert [(t.role, t.content) for t in turns] == [
+        ("system", f"{SYSTEM}\n\nBe brief."), ("user", "hi"), ("system", "# Environment"),
+    ]  # fmt: skip
+    tool = {"role": "tool", "content": "x"}
+    with pytest.raises(Exception, match="must be user, assistant or system") as refused:
+        messages_request(
+            msgspec.convert({"model": MODEL, "messages": [tool], "max_tokens": 8}, MessagesBody), "r"
+        )
+    assert getattr(refused.value, "param", None) == "messages[0].role"

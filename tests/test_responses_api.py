@@ -9,6 +9,7 @@ import openai
 import pydantic
 import pytest
 
+from uma_trio.protocol.openai_errors import ApiError
 from uma_trio.runtime.server import Server
 
 from .conftest import openai_sdk
@@ -228,3 +229,98 @@ async def test_the_lane_comes_from_the_header_or_service_tier(keyed_http_server:
     lanes = keyed_http_server.metrics_snapshot()["requests"]
     counts = {lane: sum(reasons.values()) for lane, reasons in lanes.items()}
     assert counts == {"interactive": 1, "background": 2}
+
+
+# Codex's tools (codex-cli 0.171): functions, a namespace of functions, a free-form tool, and
+# OpenAI's hosted web search.
+READ_FILE = {
+    "type": "function", "name": "read_file", "description": "Read a file.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 20}},
+                   "required": ["path"], "additionalProperties": False},
+}  # fmt: skip
+NAMESPACE = {"type": "namespace", "name": "mcp__fs__", "description": "Files.", "tools": [READ_FILE]}
+PATCH = {
+    "type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" /(.|\\n)*/'},
+}  # fmt: skip
+CODEX_TOOLS: list[Any] = [WEATHER, NAMESPACE, PATCH, {"type": "web_search", "external_web_access": False}]
+
+
+def test_codex_tools_become_what_the_model_is_shown() -> None:
+    """Hosted tools are left out, a namespace's functions get flat names, a custom tool is a
+    function of one string that its grammar describes."""
+    from uma_trio.protocol.responses_api import ResponsesBody, responses_request
+
+    body = msgspec.convert({"model": MODEL, "input": "hi", "tools": CODEX_TOOLS}, ResponsesBody)
+    request, _ = responses_request(body, "r", None)
+    tools = {t.function.name: t.function for t in request.tools or ()}
+    assert list(tools) == ["get_weather", "mcp__fs__read_file", "apply_patch"]
+    assert tools["apply_patch"].parameters == {
+        "type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    assert "*** Begin Patch" in (tools["apply_patch"].description or "")
+    unknown = msgspec.convert({"model": MODEL, "input": "hi", "tools": [{"type": "teleport"}]}, ResponsesBody)
+    with pytest.raises(ApiError, match=r"a 'teleport' tool is not supported") as refused:
+        responses_request(unknown, "r", None)
+    assert refused.value.param == "tools[0].type"
+
+
+def test_codex_history_replays_into_chat_turns() -> None:
+    """What Codex sends back: its reasoning and web-search items (skipped), a namespaced call,
+    a custom tool's call and output, a tool output holding an image (a placeholder)."""
+    from uma_trio.protocol.responses_api import ResponsesBody, responses_request
+
+    history: list[Any] = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix a.py"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA"},
+        {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}},
+        {"type": "function_call", "call_id": "c1", "name": "read_file", "namespace": "mcp__fs__",
+         "arguments": '{"path": "a.py"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_text", "text": "x = 1"}, {"type": "input_image", "image_url": "data:,"}]},
+        {"type": "custom_tool_call", "call_id": "c2", "name": "apply_patch", "input": "*** Begin Patch"},
+        {"type": "custom_tool_call_output", "call_id": "c2", "output": "Done"},
+    ]  # fmt: skip
+    body = msgspec.convert({"model": MODEL, "input": history, "tools": CODEX_TOOLS}, ResponsesBody)
+    turns = responses_request(body, "r", None)[0].messages or []
+    assert [t.role for t in turns] == ["system", "user", "assistant", "tool", "assistant", "tool"]
+    calls = [*(turns[2].tool_calls or ()), *(turns[4].tool_calls or ())]
+    assert [c.function.name for c in calls] == ["mcp__fs__read_file", "apply_patch"]
+    assert msgspec.json.decode(calls[1].function.arguments) == {"input": "*** Begin Patch"}
+    assert turns[3].content == "x = 1\n\n[input_image omitted: this model reads text only]"
+
+
+async def test_codex_calls_come_back_as_codex_reads_them(keyed_http_server: Server) -> None:
+    """A namespace's function is called by its own name with its ``namespace``; a custom tool's
+    call is a ``custom_tool_call`` whose ``input`` is the text, whole and streamed."""
+    ask: list[Any] = [{"role": "user", "content": "Read the file a.py, then patch it."}]
+    in_namespace = {"type": "function", "name": "read_file", "namespace": "mcp__fs__"}
+    async with openai_sdk(keyed_http_server) as client:
+        read = await client.responses.create(
+            model=MODEL, input=ask, tools=CODEX_TOOLS, tool_choice=in_namespace,  # type: ignore[arg-type]
+            temperature=0, max_output_tokens=60, store=False,
+        )  # fmt: skip
+        call = next(item for item in read.output if item.type == "function_call").model_dump()
+        assert (call["name"], call["namespace"]) == ("read_file", "mcp__fs__")
+        assert "path" in msgspec.json.decode(call["arguments"])
+        patched = await client.responses.create(
+            model=MODEL, input=ask, tools=CODEX_TOOLS, tool_choice={"type": "custom", "name": "apply_patch"},  # type: ignore[arg-type]
+            temperature=0, max_output_tokens=40, store=False,
+        )  # fmt: skip
+        custom = next(item for item in patched.output if item.type == "custom_tool_call")
+        assert custom.name == "apply_patch" and custom.call_id and isinstance(custom.input, str)
+        async with client.responses.stream(
+            model=MODEL, input=ask, tools=CODEX_TOOLS, tool_choice={"type": "custom", "name": "apply_patch"},  # type: ignore[arg-type]
+            temperature=0, max_output_tokens=40, store=False,
+        ) as stream:  # fmt: skip
+            deltas = [e.delta async for e in stream if e.type == "response.custom_tool_call_input.delta"]
+            final = await stream.get_final_response()
+        streamed = next(item for item in final.output if item.type == "custom_tool_call")
+        assert "".join(deltas) == streamed.input == custom.input
+        # Only the hosted web search: nothing the model can call, so it answers in text.
+        hosted = await client.responses.create(
+            model=MODEL, input="Say hi.", tools=[{"type": "web_search"}], max_output_tokens=8, store=False,
+        )  # fmt: skip
+        assert [item.type for item in hosted.output] == ["message"]

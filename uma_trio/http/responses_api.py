@@ -3,7 +3,7 @@ on the same request path as the other routes."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -52,7 +52,7 @@ class ResponsesApi:
                     if eos.content is not None
                     else "".join(e.text for e in events if isinstance(e, TokenEvent))
                 )
-                output = api.answer_items(api.new_id("msg"), text, eos)
+                output = api.answer_items(api.new_id("msg"), text, eos, body)
                 return json_response(
                     api.response_object(response_id, created, body, output, eos), headers=headers
                 )
@@ -120,25 +120,11 @@ class ResponsesApi:
                             )
                             output.append(api.message_item(msg_id, text, api.message_status(item)))
                             yield event("response.output_item.done", {"output_index": 0, "item": output[-1]})
-                        for call in api.call_items(item):
+                        for call in api.call_items(item, body):
                             index = len(output)
-                            yield event(
-                                "response.output_item.added",
-                                {
-                                    "output_index": index,
-                                    "item": {**call, "arguments": "", "status": "in_progress"},
-                                },
-                            )
-                            ids = {"item_id": call["id"], "output_index": index}
-                            yield event(
-                                "response.function_call_arguments.delta", {**ids, "delta": call["arguments"]}
-                            )
-                            yield event(
-                                "response.function_call_arguments.done",
-                                {**ids, "arguments": call["arguments"], "name": call["name"]},
-                            )
+                            for chunk in _call_events(event, call, index):
+                                yield chunk
                             output.append(call)
-                            yield event("response.output_item.done", {"output_index": index, "item": call})
                         final = api.response_object(response_id, created, body, output, item)
                         yield event("response.completed", {"response": final})
                     case EosEvent(reason="cancelled"):
@@ -159,3 +145,22 @@ class ResponsesApi:
     def _body(self, data: bytes) -> api.ResponsesBody:
         body = decode_body(data, api.ResponsesBody)
         return msgspec.structs.replace(body, model=self.gateway.model_for(body.model))
+
+
+def _call_events(
+    event: Callable[[str, dict[str, Any]], bytes], call: dict[str, Any], index: int
+) -> list[bytes]:
+    """A call item's events, whole: added, its arguments (or a custom tool's input), done."""
+    custom = call["type"] == "custom_tool_call"
+    field, kind = ("input", "custom_tool_call_input") if custom else ("arguments", "function_call_arguments")
+    ids = {"item_id": call["id"], "output_index": index}
+    done = {**ids, field: call[field]} if custom else {**ids, field: call[field], "name": call["name"]}
+    return [
+        event(
+            "response.output_item.added",
+            {"output_index": index, "item": {**call, field: "", "status": "in_progress"}},
+        ),
+        event(f"response.{kind}.delta", {**ids, "delta": call[field]}),
+        event(f"response.{kind}.done", done),
+        event("response.output_item.done", {"output_index": index, "item": call}),
+    ]

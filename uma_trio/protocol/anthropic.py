@@ -79,8 +79,11 @@ def _turns(body: MessagesBody) -> list[dict[str, Any]]:
         turns.append({"role": "system", "content": _text_of(body.system, "system")})
     for i, message in enumerate(body.messages):
         role, content, where = message.get("role"), message.get("content", ""), f"messages[{i}]"
+        if role == "system":  # Claude Code sends its environment so, after the prompt
+            _add_system(turns, _text_of(content, f"{where}.content"))
+            continue
         if role not in ("user", "assistant"):
-            raise bad_request(f"{where}.role must be user or assistant", f"{where}.role")
+            raise bad_request(f"{where}.role must be user, assistant or system", f"{where}.role")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise bad_request(f"{where}.content must be a string or a list of blocks", f"{where}.content")
@@ -108,6 +111,15 @@ def _turns(body: MessagesBody) -> list[dict[str, Any]]:
                 turn["tool_calls"] = calls
             turns.append(turn)
     return turns
+
+
+def _add_system(turns: list[dict[str, Any]], text: str) -> None:
+    """A system message among ``messages`` is a system turn where it stands; one that follows
+    only system turns joins them (chat templates take a single system message, first)."""
+    if turns and all(t["role"] == "system" for t in turns):
+        turns[-1]["content"] += _JOIN + text
+    else:
+        turns.append({"role": "system", "content": text})
 
 
 def _call(block: dict[str, Any], where: str) -> dict[str, Any]:

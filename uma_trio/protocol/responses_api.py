@@ -2,9 +2,14 @@
 response object and its stream events.  Pure.
 
 ``input`` is a string or items: messages (``input_text`` / ``output_text`` parts), the
-model's earlier ``function_call`` items and their ``function_call_output`` items, which map
-onto chat turns, tool calls and ``tool`` turns.  Nothing is stored: ``previous_response_id``
-and ``store: true`` are refused by name (a client sends the whole conversation each time).
+model's earlier ``function_call`` / ``custom_tool_call`` items and their outputs, which map
+onto chat turns, tool calls and ``tool`` turns.  Tools as Codex sends them: ``function``,
+``namespace`` (its functions, each called by a flat name the answer splits back) and
+``custom`` (free-form text in: a function of one string, ``input``); hosted tools the daemon
+cannot run (``web_search``...) are left out, and the items they left in a replayed history
+(``reasoning``, ``web_search_call``) carry nothing for this model and are skipped.  Nothing is
+stored: ``previous_response_id`` and ``store: true`` are refused by name (a client sends the
+whole conversation each time).
 A refusal names the field the client sent (``input[2].call_id``, ``max_output_tokens``), also
 for the checks the daemon request goes through after (:func:`as_sent`).
 """
@@ -47,7 +52,10 @@ class ResponsesBody(Struct, kw_only=True):
     service_tier: str | None = None  # "flex": the background lane (docs/HTTP.md)
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, *, tool_output: bool = False) -> str:
+    """Text parts joined.  In a tool's output an image or file becomes a placeholder: refused,
+    it stayed in the history and refused the session's every later request (Codex's
+    ``view_image`` answers with one)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -55,6 +63,9 @@ def _text(content: Any, where: str) -> str:
     parts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if tool_output and kind in ("input_image", "input_file"):
+            parts.append(f"[{kind} omitted: this model reads text only]")
+            continue
         if kind not in ("input_text", "output_text", "text"):
             raise bad_request(f"{where}[{i}]: a {kind!r} part is not supported; only text", where)
         parts.append(str(part.get("text", "")))
@@ -73,20 +84,28 @@ def _turns(body: ResponsesBody, names: Names) -> list[dict[str, Any]]:
         return [*turns, {"role": "user", "content": body.input}]
     if not body.input and not body.instructions:
         raise bad_request("input is empty: give a text or at least one item to answer", "input")
-    calls: set[str] = set()  # the call_ids of the function_call items so far
+    calls: set[str] = set()  # the call_ids of the call items so far
     for i, item in enumerate(body.input):
         kind, where = item.get("type", "message"), f"input[{i}]"
         if kind == "message":
             _add(turns, _message(item, where), names, where)
-        elif kind == "function_call":
-            call = _call(item, where)
+        elif kind in ("function_call", "custom_tool_call"):
+            call = _call(item, where) if kind == "function_call" else _custom_call(item, where)
             _add_call(turns, call, names, where)
             calls.add(call["id"])
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             _add_output(turns, item, calls, names, where)
-        else:
+        elif kind not in _SKIPPED_ITEMS:
             raise bad_request(f"{where}: an item of type {kind!r} is not supported", where)
     return turns
+
+
+# Items a replayed history holds that a local model never wrote and cannot read: OpenAI's
+# encrypted reasoning, hosted tools' calls (the daemon runs none of them).
+_SKIPPED_ITEMS = frozenset({
+    "reasoning", "web_search_call", "file_search_call", "image_generation_call",
+    "code_interpreter_call", "tool_search_call", "tool_search_output",
+})  # fmt: skip
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -110,12 +129,12 @@ def _add(turns: list[dict[str, Any]], turn: dict[str, Any], names: Names, where:
 def _add_output(
     turns: list[dict[str, Any]], item: dict[str, Any], calls: set[str], names: Names, where: str
 ) -> None:
-    """A ``function_call_output`` item as a ``tool`` turn; as OpenAI, it answers a call the
-    input holds before it (``calls``: their call_ids)."""
+    """A ``function_call_output`` (or ``custom_tool_call_output``) item as a ``tool`` turn; as
+    OpenAI, it answers a call the input holds before it (``calls``: their call_ids)."""
     call_id = _call_id(item, where)
     if call_id not in calls:
         raise bad_request(f"{where}: no function_call before it has call_id {call_id!r}", f"{where}.call_id")
-    output = _text(item.get("output", ""), f"{where}.output")
+    output = _text(item.get("output", ""), f"{where}.output", tool_output=True)
     t = f"messages[{len(turns)}]"
     names.update({t: where, f"{t}.tool_call_id": f"{where}.call_id", f"{t}.content": f"{where}.output"})
     turns.append({"role": "tool", "tool_call_id": call_id, "content": output})
@@ -131,13 +150,28 @@ def _call_id(item: dict[str, Any], where: str) -> str:
 def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
     """A ``function_call`` item as a chat tool call.  Its ``arguments`` are replayed as sent,
     JSON or not (the model wrote them; the chat API takes them so too)."""
-    call_id, name = _call_id(item, where), item.get("name")
-    if not isinstance(name, str) or not name:
-        raise bad_request(f"{where}.name: a function_call item needs the function's name", f"{where}.name")
+    call_id, name = _call_id(item, where), _call_name(item, where)
     arguments = item.get("arguments", "{}")
     if not isinstance(arguments, str):  # an object where OpenAI sends its JSON text
         arguments = json.dumps(arguments)
+    namespace = item.get("namespace")
+    if isinstance(namespace, str) and namespace:
+        name = flat_name(namespace, name)
     return {"id": call_id, "function": {"name": name, "arguments": arguments}}
+
+
+def _custom_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``custom_tool_call`` item as the call of its one-string function (:func:`_tools`)."""
+    call_id, name, given = _call_id(item, where), _call_name(item, where), item.get("input", "")
+    arguments = json.dumps({CUSTOM_INPUT: given if isinstance(given, str) else json.dumps(given)})
+    return {"id": call_id, "function": {"name": name, "arguments": arguments}}
+
+
+def _call_name(item: dict[str, Any], where: str) -> str:
+    name = item.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"{where}.name: a {item.get('type')} item needs the tool's name", f"{where}.name")
+    return name
 
 
 def _add_call(turns: list[dict[str, Any]], call: dict[str, Any], names: Names, where: str) -> None:
@@ -155,32 +189,105 @@ def _add_call(turns: list[dict[str, Any]], call: dict[str, Any], names: Names, w
     })  # fmt: skip
 
 
+# Tools OpenAI runs on its side; the daemon runs none, so the model is not shown them (Codex
+# sends web_search by default: refused, no request of Codex's would be served).
+HOSTED_TOOLS = frozenset({
+    "web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
+    "code_interpreter", "image_generation", "computer_use", "computer_use_preview", "mcp",
+    "local_shell", "shell", "apply_patch", "tool_search",
+})  # fmt: skip
+CUSTOM_INPUT = "input"  # the one parameter a custom (free-form) tool's function takes
+
+
+def flat_name(namespace: str, name: str) -> str:
+    """The name the model calls a namespace's function by (``mcp__fs__`` + ``read``)."""
+    return namespace + name if namespace.endswith("_") else f"{namespace}__{name}"
+
+
+def _custom(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    """A free-form tool as a function of one string; its grammar, if any, told in words."""
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise bad_request(f"{where}.name: a custom tool needs a name", f"{where}.name")
+    about = str(tool.get("description") or "")
+    fmt = tool.get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        about += f"\n\nThe input follows this {fmt.get('syntax', '')} grammar:\n{fmt['definition']}"
+    parameters = {
+        "type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}},
+        "required": [CUSTOM_INPUT], "additionalProperties": False,
+    }  # fmt: skip
+    return {"type": "function", "function": {"name": tool["name"], "description": about.strip(),
+                                             "parameters": parameters}}  # fmt: skip
+
+
 def _tools(body: ResponsesBody, names: Names) -> list[dict[str, Any]]:
-    tools = []
+    """The chat tools the model is shown: functions, a namespace's functions (flat names),
+    custom tools as one-string functions; hosted tools left out."""
+    tools: list[dict[str, Any]] = []
     for i, tool in enumerate(body.tools or ()):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise bad_request(f"tools[{i}]: only function tools are supported", f"tools[{i}].type")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise bad_request(f"tools[{i}].name: a function tool needs a name", f"tools[{i}].name")
-        names[f"tools[{i}].function"] = f"tools[{i}]"
-        spec = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-        tools.append({"type": "function", "function": spec})
+        where = f"tools[{i}]"
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in HOSTED_TOOLS:
+            continue
+        if kind == "function":
+            tools.append(_named(tool, where, names, len(tools)))
+        elif kind == "namespace" and isinstance(tool.get("name"), str) and tool["name"]:
+            for j, inner in enumerate(tool.get("tools") or ()):
+                if isinstance(inner, dict) and inner.get("type") == "function":
+                    tools.append(_named(inner, f"{where}.tools[{j}]", names, len(tools), tool["name"]))
+        elif kind == "custom":
+            names[f"tools[{len(tools)}].function"] = where
+            tools.append(_custom(tool, where))
+        else:
+            raise bad_request(
+                f"{where}: a {kind!r} tool is not supported (function, namespace, custom, or a hosted "
+                "tool, which is left out)",
+                f"{where}.type",
+            )
     return tools
 
 
-_CHOICES = 'none, auto, required or {"type": "function", "name": ...}'
+def _named(tool: dict[str, Any], where: str, names: Names, index: int, namespace: str = "") -> dict[str, Any]:
+    """A function tool (of ``namespace``, if given), as chat's ``tools[index]``."""
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise bad_request(f"{where}.name: a function tool needs a name", f"{where}.name")
+    names[f"tools[{index}].function"] = where
+    spec = {k: tool[k] for k in ("description", "parameters", "strict") if k in tool}
+    name = flat_name(namespace, tool["name"]) if namespace else tool["name"]
+    return {"type": "function", "function": {"name": name, **spec}}
+
+
+def tool_kinds(body: ResponsesBody) -> dict[str, tuple[str, str | None]]:
+    """Each flat name the model may call → how the answer names the call: ``("custom", None)``
+    for a custom tool, ``("function", namespace)`` for a namespace's function (plain functions
+    are left out: their calls are what they were)."""
+    kinds: dict[str, tuple[str, str | None]] = {}
+    for tool in body.tools or ():
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "custom" and isinstance(tool.get("name"), str):
+            kinds[tool["name"]] = ("custom", None)
+        elif kind == "namespace" and isinstance(tool.get("name"), str):
+            for inner in tool.get("tools") or ():
+                if isinstance(inner, dict) and isinstance(inner.get("name"), str):
+                    kinds[flat_name(tool["name"], inner["name"])] = ("function", tool["name"])
+    return kinds
+
+
+_CHOICES = 'none, auto, required, {"type": "function", "name": ...} or {"type": "custom", "name": ...}'
 
 
 def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> Any:
-    """OpenAI's ``tool_choice`` of the Responses API as chat's; others (``allowed_tools``,
-    hosted tools' types) are refused by name."""
+    """OpenAI's ``tool_choice`` of the Responses API as chat's (a namespace's function by its
+    flat name); others (``allowed_tools``, hosted tools' types) are refused by name."""
     if choice in ("none", "auto", "required"):
         return choice
     kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind != "function":
+    if kind not in ("function", "custom"):
         what = f"a {kind!r} tool_choice is not supported" if kind else f"tool_choice {choice!r} is not one"
         raise bad_request(f"{what}; give {_CHOICES}", "tool_choice")
-    name = choice.get("name")
+    name, namespace = choice.get("name"), choice.get("namespace")
+    if isinstance(name, str) and isinstance(namespace, str) and namespace:
+        name = flat_name(namespace, name)
     if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
         raise bad_request(f"tool_choice names {name!r}, which is not one of `tools`", "tool_choice.name")
     return {"type": "function", "function": {"name": name}}
@@ -300,29 +407,51 @@ def message_status(eos: EosEvent) -> str:
     return "incomplete" if eos.reason == "length" else "completed"
 
 
-def answer_items(msg_id: str, text: str, eos: EosEvent) -> list[dict[str, Any]]:
+def answer_items(msg_id: str, text: str, eos: EosEvent, body: ResponsesBody) -> list[dict[str, Any]]:
     """A whole answer's output: its message (also an empty one, unless calls stand in its
     place), then its calls.  A stream sends the same items."""
     message = [message_item(msg_id, text, message_status(eos))] if text or not eos.tool_calls else []
-    return message + call_items(eos)
+    return message + call_items(eos, body)
 
 
 def output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def call_items(eos: EosEvent) -> list[dict[str, Any]]:
-    return [
-        {
-            "type": "function_call",
-            "id": new_id("fc"),
-            "call_id": c.id,
-            "name": c.function.name,
-            "arguments": c.function.arguments,
-            "status": "completed",
-        }
-        for c in eos.tool_calls or ()
-    ]
+def call_items(eos: EosEvent, body: ResponsesBody) -> list[dict[str, Any]]:
+    """The answer's calls as items: a ``function_call`` (with its ``namespace`` and own name
+    for a namespace's function), or a ``custom_tool_call`` whose ``input`` is the text the
+    model gave its one parameter."""
+    kinds = tool_kinds(body)
+    items = []
+    for c in eos.tool_calls or ():
+        kind, namespace = kinds.get(c.function.name, ("function", None))
+        if kind == "custom":
+            items.append({
+                "type": "custom_tool_call", "id": new_id("ctc"), "call_id": c.id,
+                "name": c.function.name, "input": _custom_input(c.function.arguments), "status": "completed",
+            })  # fmt: skip
+            continue
+        item = {
+            "type": "function_call", "id": new_id("fc"), "call_id": c.id, "name": c.function.name,
+            "arguments": c.function.arguments, "status": "completed",
+        }  # fmt: skip
+        if namespace is not None:
+            item["name"] = c.function.name.removeprefix(flat_name(namespace, ""))
+            item["namespace"] = namespace
+        items.append(item)
+    return items
+
+
+def _custom_input(arguments: str) -> str:
+    """The text of a custom tool's call: its one parameter's, or what the model wrote."""
+    try:
+        given = json.loads(arguments)
+    except ValueError:
+        return arguments
+    if isinstance(given, dict) and isinstance(given.get(CUSTOM_INPUT), str):
+        return str(given[CUSTOM_INPUT])
+    return arguments
 
 
 def response_object(

@@ -1,0 +1,122 @@
+"""The coding agents themselves, unmodified: OpenAI's Codex CLI (``codex exec``, the Responses
+API) and Anthropic's Claude Code (``claude -p``, the Messages API) against a real daemon.
+
+Each sends what it sends to OpenAI or Anthropic: a ~10k-token prompt, its whole tool set
+(Codex: functions, a ``namespace`` of functions, the hosted ``web_search``; Claude Code: two
+dozen tools, and a ``system`` message after the user's), ``reasoning`` / ``thinking`` settings
+and its own metadata.  Before this file, both got a 400 on their first request.
+
+The model is the default model's vocabulary over two random layers (benches/gpu/gen_model.py),
+its embeddings and output rows set so that it answers every prompt with ``Hello`` and ends:
+the 10k-token prompts then take a second, and what the CLI prints is known.  Its chat template
+is Qwen 2.5's (tests/fixtures): tools in the system prompt, Hermes ``<tool_call>`` calls.
+
+The CLIs come from npm (``.ci/run`` installs them into ``~/.cache/uma-trio/agent-clis``, or
+``UMA_AGENT_CLIS`` names a ``node_modules/.bin``); without them the tests are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .test_fleet import free_port, wait_for
+
+pytestmark = pytest.mark.model
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE = ROOT / "tests" / "fixtures" / "chat_templates" / "qwen2.5-instruct.jinja"
+CLIS = Path(os.environ.get("UMA_AGENT_CLIS", Path.home() / ".cache/uma-trio/agent-clis/node_modules/.bin"))
+MODEL = "hello"
+ASK = "Say hello in one word."
+
+
+def agent_cli(name: str) -> Path:
+    path = CLIS / name
+    if not path.exists():
+        pytest.skip(f"{name} is not installed in {CLIS} (.ci/run installs it from npm)")
+    return path
+
+
+def write_hello_model(vocab: Path, out: Path) -> None:
+    """A two-layer random model over ``vocab``'s tokenizer that answers ``Hello`` and ends: one
+    embedding dimension is 1 for every token but ``Hello`` (whose own is another), and only
+    ``Hello``'s and ``<|im_end|>``'s output rows read those two dimensions, so after any token
+    the model says ``Hello``, and after ``Hello`` it ends, by a logit margin of ~80 at any
+    temperature (the random rest adds up to ~0.1)."""
+    gguf = pytest.importorskip("gguf")
+    shape = ["--layers", "2", "--embd", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128"]
+    command = [sys.executable, str(ROOT / "benches/gpu/gen_model.py"), "--vocab", str(vocab)]
+    subprocess.run([*command, "--out", str(out), *shape, "--ctx", "32768", "--name", MODEL], check=True,
+                   capture_output=True)  # fmt: skip
+    reader = gguf.GGUFReader(out, "r+")
+    field = reader.fields["tokenizer.ggml.tokens"]
+    tokens = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+    hello, end = tokens.index("Hello"), tokens.index("<|im_end|>")
+    tensors = {t.name: t.data for t in reader.tensors}
+    embeddings, output = tensors["token_embd.weight"], tensors["output.weight"]  # rows: tokens
+    embeddings[:, 0], embeddings[:, 1] = 1.0, 0.0
+    embeddings[hello, 0], embeddings[hello, 1] = 0.0, 1.0
+    output[:, 0:2] = 0.0
+    output[hello, 0], output[end, 1] = 10.0, 10.0
+
+
+@pytest.fixture(scope="module")
+def hello_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The base URL of ``uma-trio serve`` on the Hello model, with room for the agents' prompts."""
+    tmp = tmp_path_factory.mktemp("agents")
+    model = tmp / f"{MODEL}.gguf"
+    write_hello_model(model_path, model)
+    port = free_port()
+    command = [
+        sys.executable, "-m", "uma_trio", "serve", "--model", str(model), "--chat-template", str(TEMPLATE),
+        "--socket", str(tmp / "d.sock"), "--http", f"127.0.0.1:{port}", "--n-ctx", "32768",
+        "--max-prompt-tokens", "30000", "--max-sessions", "2", "--threads", "2",
+    ]  # fmt: skip
+    with (tmp / "daemon.log").open("wb") as log:
+        daemon = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for(f"http://127.0.0.1:{port}/v1/models", daemon)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
+
+
+def run_agent(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        command, env={**os.environ, **env}, cwd=cwd, capture_output=True, text=True, timeout=300,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 0, f"{command[0]} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def test_codex_exec_is_answered_through_the_responses_api(hello_daemon: str, tmp_path: Path) -> None:
+    codex = agent_cli("codex")
+    home, work = tmp_path / "codex-home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (home / "config.toml").write_text(
+        f'model = "{MODEL}"\nmodel_provider = "uma"\n\n[model_providers.uma]\n'
+        f'name = "uma-trio"\nbase_url = "{hello_daemon}/v1"\nwire_api = "responses"\n'
+    )
+    done = run_agent([str(codex), "exec", "--skip-git-repo-check", ASK], {"CODEX_HOME": str(home)}, work)
+    assert done.stdout.strip() == "Hello", done.stderr  # the final message, alone on stdout
+
+
+def test_claude_code_print_mode_is_answered_through_the_messages_api(
+    hello_daemon: str, tmp_path: Path
+) -> None:
+    claude = agent_cli("claude")
+    env = {
+        "HOME": str(tmp_path), "ANTHROPIC_BASE_URL": hello_daemon, "ANTHROPIC_API_KEY": "sk-local",
+        "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    }  # fmt: skip
+    done = run_agent([str(claude), "-p", ASK, "--model", MODEL], env, tmp_path)
+    assert done.stdout.strip() == "Hello", done.stderr
