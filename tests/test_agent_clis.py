@@ -110,6 +110,25 @@ def test_codex_exec_is_answered_through_the_responses_api(hello_daemon: str, tmp
     assert done.stdout.strip() == "Hello", done.stderr  # the final message, alone on stdout
 
 
+def test_codex_oss_mode_takes_the_daemon_for_ollama(hello_daemon: str, tmp_path: Path) -> None:
+    """``codex --oss``: Ollama's version (at least 0.13.4, the Responses API's) and model list,
+    then the same Responses requests."""
+    codex = agent_cli("codex")
+    env = {"CODEX_HOME": str(tmp_path), "CODEX_OSS_BASE_URL": f"{hello_daemon}/v1"}
+    command = [
+        str(codex),
+        "exec",
+        "--oss",
+        "--local-provider",
+        "ollama",
+        "-m",
+        MODEL,
+        "--skip-git-repo-check",
+    ]
+    done = run_agent([*command, ASK], env, tmp_path)
+    assert done.stdout.strip() == "Hello", done.stderr
+
+
 def test_claude_code_print_mode_is_answered_through_the_messages_api(
     hello_daemon: str, tmp_path: Path
 ) -> None:

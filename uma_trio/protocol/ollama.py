@@ -23,7 +23,9 @@ from msgspec import UNSET, Struct, UnsetType
 from .messages import EosEvent, GenerateRequest, ToolCall
 from .openai_errors import ApiError
 
-OLLAMA_VERSION = "0.12.0"  # the API level answered at /api/version
+# The API level answered at /api/version: Ollama's release that added /v1/responses, which
+# clients gate on (`codex --oss` refuses an older one).
+OLLAMA_VERSION = "0.13.4"
 
 
 _WHOLE = ("num_ctx", "num_predict", "seed", "top_k", "repeat_last_n", "mirostat")
