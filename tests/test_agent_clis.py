@@ -1,10 +1,12 @@
 """The coding agents themselves, unmodified: OpenAI's Codex CLI (``codex exec``, the Responses
-API) and Anthropic's Claude Code (``claude -p``, the Messages API) against a real daemon.
+API; ``codex --oss``, Ollama's API first), Anthropic's Claude Code (``claude -p``, the Messages
+API) and OpenCode (``opencode run``, chat completions) against a real daemon.
 
 Each sends what it sends to OpenAI or Anthropic: a ~10k-token prompt, its whole tool set
 (Codex: functions, a ``namespace`` of functions, the hosted ``web_search``; Claude Code: two
 dozen tools, and a ``system`` message after the user's), ``reasoning`` / ``thinking`` settings
-and its own metadata.  Before this file, both got a 400 on their first request.
+and its own metadata; OpenCode asks for ``max_tokens`` 32,000.  Before this file, each got a
+400 on its first request (``codex --oss`` refused the daemon's Ollama version).
 
 The model is the default model's vocabulary over two random layers (benches/gpu/gen_model.py),
 its embeddings and output rows set so that it answers every prompt with ``Hello`` and ends:
@@ -17,6 +19,7 @@ The CLIs come from npm (``.ci/run`` installs them into ``~/.cache/uma-trio/agent
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -126,6 +129,19 @@ def test_codex_oss_mode_takes_the_daemon_for_ollama(hello_daemon: str, tmp_path:
         "--skip-git-repo-check",
     ]
     done = run_agent([*command, ASK], env, tmp_path)
+    assert done.stdout.strip() == "Hello", done.stderr
+
+
+def test_opencode_run_is_answered_through_chat_completions(hello_daemon: str, tmp_path: Path) -> None:
+    opencode = agent_cli("opencode")
+    provider = {
+        "npm": "@ai-sdk/openai-compatible", "name": "uma-trio",
+        "options": {"baseURL": f"{hello_daemon}/v1"}, "models": {MODEL: {"name": MODEL}},
+    }  # fmt: skip
+    config = tmp_path / ".config" / "opencode" / "opencode.json"
+    config.parent.mkdir(parents=True)
+    config.write_text(json.dumps({"provider": {"uma": provider}, "model": f"uma/{MODEL}"}))
+    done = run_agent([str(opencode), "run", ASK], {"HOME": str(tmp_path)}, tmp_path)
     assert done.stdout.strip() == "Hello", done.stderr
 
 

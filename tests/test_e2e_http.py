@@ -4,6 +4,7 @@ cannot send (bad JSON, no key)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -225,6 +226,33 @@ async def test_non_streamed_request_is_cancelled_when_the_client_gives_up(http_s
     assert http_server.metrics_snapshot()["cancels"] == {"disconnect": 1}
 
 
+async def test_max_tokens_past_the_limits_is_a_ceiling(
+    llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    """OpenAI's max_tokens is an upper bound, and agents ask for 32,000 (OpenCode): past
+    --max-tokens, or past the room the prompt leaves, the answer is cut there and ends with
+    ``length``, as llama-server's and Ollama's; not refused (it was a 400, E_LIMIT_003)."""
+    limit = 12
+    config = dataclasses.replace(server_config, max_tokens=limit)
+    async with running_server(llama_model, config, http="127.0.0.1:0", api_key=KEY) as server:
+        client = async_client(server)
+        cut = await client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=10**6, temperature=0
+        )
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=STORY, max_completion_tokens=32000, temperature=0
+        )
+        for answer in (cut, chat):
+            assert answer.choices[0].finish_reason == "length"
+            assert answer.usage is not None and answer.usage.completion_tokens == limit
+        response = await client.responses.create(
+            model=MODEL, input="Tell a long story.", max_output_tokens=10**6
+        )
+        assert response.status == "incomplete" and response.usage is not None
+        assert response.usage.output_tokens == limit
+        assert server.metrics_snapshot()["errors"] == {}
+
+
 async def test_errors_have_the_right_status_and_error_object(http_server: Server) -> None:
     client = async_client(http_server)
     chat: dict[str, Any] = {"model": MODEL, "messages": STORY, "max_tokens": 4}
@@ -241,10 +269,6 @@ async def test_errors_have_the_right_status_and_error_object(http_server: Server
     with pytest.raises(openai.BadRequestError) as wrong_type:
         await client.chat.completions.create(**chat, extra_body={"temperature": "hot"})
     assert wrong_type.value.param == "temperature" and wrong_type.value.code == "E_PROTO_002"
-
-    with pytest.raises(openai.BadRequestError) as out_of_range:
-        await client.completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
-    assert out_of_range.value.param == "max_tokens" and out_of_range.value.code == "E_LIMIT_003"
 
     with pytest.raises(openai.BadRequestError) as unsupported:
         await client.completions.create(model=MODEL, prompt="hi", echo=True)
@@ -283,7 +307,7 @@ async def test_errors_have_the_right_status_and_error_object(http_server: Server
     snapshot = http_server.metrics_snapshot()
     assert snapshot["requests"] == {"interactive": {}, "background": {}}
     assert snapshot["errors"] == {
-        "model_not_found": 1, "invalid_request_error": 2, "E_PROTO_002": 1, "E_LIMIT_003": 1,
+        "model_not_found": 1, "invalid_request_error": 2, "E_PROTO_002": 1,
         "invalid_api_key": 2, "E_PROTO_001": 1, "E_PROTO_004": 1, "unsupported_media_type": 1,
     }  # fmt: skip
 

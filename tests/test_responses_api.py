@@ -109,7 +109,7 @@ async def test_refusals_name_the_fields_the_client_sent(keyed_http_server: Serve
     call = {"type": "function_call", "call_id": "c1", "arguments": "{}"}
     allowed = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "f"}]}
     refused: list[tuple[dict[str, Any], str, str]] = [
-        ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens 100000"),
+        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
         ({"input": []}, "input", "input is empty"),
         ({"input": "hi", "tools": [nameless]}, "tools[0].name", "name"),
         ({"input": "hi", "tools": [{**WEATHER, "name": "get weather"}]}, "tools[0].name", "$.tools[0].name"),

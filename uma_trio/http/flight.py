@@ -9,13 +9,14 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ..protocol import openai
 from ..protocol.errors import ErrorCode
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, ServerEvent
-from ..protocol.ollama import Limits
+from ..protocol.ollama import Limits, Options, answer_bounds
 from ..protocol.openai import ApiError
 from ..runtime.desk import RequestDesk
 from ..runtime.stream import RequestStream
@@ -101,6 +102,17 @@ def answer_limits(gateway: GatewayCore, model: str) -> Limits:
     else:
         context = unit.engine.n_ctx_seq if unit is not None else desk.config.n_ctx
     return Limits(max_tokens=desk.config.max_tokens, context=context)
+
+
+def with_ceiling(gateway: GatewayCore, request: GenerateRequest, model: str) -> GenerateRequest:
+    """``request`` (for ``model``) with the client's ``max_tokens`` as a ceiling, as OpenAI's
+    is an upper bound ("the maximum number of tokens that can be generated"): cut to
+    --max-tokens and to the room the prompt leaves in the context, the answer then ending with
+    ``length``; never refused (coding agents ask for 32,000: OpenCode on chat completions,
+    Claude Code on Messages)."""
+    limits = answer_limits(gateway, model)
+    options = Options(num_predict=request.max_tokens, num_ctx=request.max_context)
+    return msgspec.structs.replace(request, **answer_bounds(options, limits))
 
 
 def decode_body(data: bytes, kind: type[BodyT]) -> BodyT:

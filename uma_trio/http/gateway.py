@@ -66,7 +66,7 @@ from .anthropic import AnthropicApi
 from .auth import BearerAuth, request_owner
 from .embeddings import EmbeddingsApi
 from .event_stream import EventStream, until_disconnect
-from .flight import Flight, answer_limits, client_gone, completed, decode_body, last_word
+from .flight import Flight, answer_limits, client_gone, completed, decode_body, last_word, with_ceiling
 from .fresh import FreshConnections, peer_of
 from .ollama import OllamaApi
 from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pattern
@@ -314,6 +314,8 @@ class Gateway:
             max_tokens_limit=server.config.max_tokens,
         )  # fmt: skip
         translated.request = msgspec.structs.replace(translated.request, model=body.model)
+        if not translated.auto_max_tokens:
+            translated.request = with_ceiling(self, translated.request, body.model)
         owner = request_owner(request)
         if translated.n > 1:
             # Sessions less the ids pinned snapshots hold, and the queue: the most ever admitted.

@@ -18,7 +18,7 @@ from ..protocol.messages import EosEvent, ErrorEvent, TokenEvent
 from ..protocol.openai import LANE_HEADER, ApiError, api_error, ended_early
 from ..protocol.tools import ToolTextFilter
 from .auth import request_owner
-from .flight import Flight, GatewayCore, completed, decode_body
+from .flight import Flight, GatewayCore, completed, decode_body, with_ceiling
 from .responses import json_response
 
 
@@ -38,6 +38,8 @@ class ResponsesApi:
         generate_request, names = api.responses_request(body, response_id, request.headers.get(LANE_HEADER))
         generate_request = msgspec.structs.replace(generate_request, model=body.model)
         auto = body.max_output_tokens is None
+        if not auto:
+            generate_request = with_ceiling(gateway, generate_request, body.model)
         try:
             async with gateway._in_flight(generate_request, arrived, auto, request_owner(request)) as flight:
                 headers = {"x-request-id": response_id}
