@@ -1,6 +1,7 @@
 """The coding agents themselves, unmodified: OpenAI's Codex CLI (``codex exec``, the Responses
 API; ``codex --oss``, Ollama's API first), Anthropic's Claude Code (``claude -p``, the Messages
-API) and OpenCode (``opencode run``, chat completions) against a real daemon.
+API), OpenCode (``opencode run``, chat completions) and Aider (``aider --message``, Ollama's
+API through LiteLLM) against a real daemon.
 
 Each sends what it sends to OpenAI or Anthropic: a ~10k-token prompt, its whole tool set
 (Codex: functions, a ``namespace`` of functions, the hosted ``web_search``; Claude Code: two
@@ -13,8 +14,9 @@ its embeddings and output rows set so that it answers every prompt with ``Hello`
 the 10k-token prompts then take a second, and what the CLI prints is known.  Its chat template
 is Qwen 2.5's (tests/fixtures): tools in the system prompt, Hermes ``<tool_call>`` calls.
 
-The CLIs come from npm (``.ci/run`` installs them into ``~/.cache/uma-trio/agent-clis``, or
-``UMA_AGENT_CLIS`` names a ``node_modules/.bin``); without them the tests are skipped.
+The CLIs come from npm, Aider from PyPI in a venv of its own (``.ci/run`` installs them into
+``~/.cache/uma-trio/agent-clis``, or ``UMA_AGENT_CLIS`` names a ``node_modules/.bin``
+holding them); without them the tests are skipped.
 """
 
 from __future__ import annotations
@@ -143,6 +145,30 @@ def test_opencode_run_is_answered_through_chat_completions(hello_daemon: str, tm
     config.write_text(json.dumps({"provider": {"uma": provider}, "model": f"uma/{MODEL}"}))
     done = run_agent([str(opencode), "run", ASK], {"HOME": str(tmp_path)}, tmp_path)
     assert done.stdout.strip() == "Hello", done.stderr
+
+
+def test_litellm_s_ollama_providers_are_answered(hello_daemon: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LiteLLM's ``ollama_chat`` and ``ollama`` providers (Aider's, and many apps' way to
+    Ollama) POST with no Content-Type: the body is read as JSON, as Ollama reads it (it was a
+    415 unsupported_media_type)."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # read at import: no fetch from GitHub
+    litellm = pytest.importorskip("litellm")
+    ask = [{"role": "user", "content": ASK}]
+    for provider in ("ollama_chat", "ollama"):
+        whole = litellm.completion(model=f"{provider}/{MODEL}", api_base=hello_daemon, messages=ask)
+        assert whole.choices[0].message.content == "Hello", provider
+    streamed = litellm.completion(
+        model=f"ollama_chat/{MODEL}", api_base=hello_daemon, messages=ask, stream=True
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == "Hello"
+
+
+def test_aider_over_ollama_s_api(hello_daemon: str, tmp_path: Path) -> None:
+    aider = agent_cli("aider")
+    env = {"HOME": str(tmp_path), "OLLAMA_API_BASE": hello_daemon, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    flags = ["--yes-always", "--no-git", "--no-show-model-warnings", "--no-check-update", "--no-analytics"]
+    done = run_agent([str(aider), "--model", f"ollama_chat/{MODEL}", "--message", ASK, *flags], env, tmp_path)
+    assert "Hello" in done.stdout and "Exception" not in done.stdout, done.stdout
 
 
 def test_claude_code_print_mode_is_answered_through_the_messages_api(

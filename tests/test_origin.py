@@ -75,7 +75,10 @@ def test_check_host_origin_and_content_type() -> None:
     assert refused(origin="null") == 403
     assert refused(content_type="text/plain") == 415  # a "simple" cross-origin request
     assert refused(content_type="application/x-www-form-urlencoded") == 415
-    assert refused(content_type=None) == 415
+    # No type and no Origin: a tool's (LiteLLM's Ollama provider sends none), read as JSON.
+    # A page always sends an Origin with a POST: without a type it is refused as any other.
+    assert refused(content_type=None) is None
+    assert refused(content_type=None, origin="http://localhost:3000") == 415
     assert refused(method="GET", content_type=None) is None
     anywhere = check(
         method="GET",

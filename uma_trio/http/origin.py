@@ -11,7 +11,9 @@ that, before authentication and routing (docs/SECURITY.md "Web pages"):
   desktop-app and editor webviews).  ``Origin: null`` (sandboxed frames, ``file:``) is refused
   unless listed.  Tools that are not browsers send no Origin and are not affected.
 * **Content-Type** of a POST must be ``application/json``, which no page can send across
-  origins without a preflight that the origin check answers.
+  origins without a preflight that the origin check answers.  A POST with neither an Origin
+  nor a Content-Type comes from a tool (every browser sends an Origin with a POST; a form has
+  a type): its body is read as JSON, as Ollama does (LiteLLM's Ollama provider sends none).
 
 Allowed origins get CORS headers (Starlette's ``CORSMiddleware``, which also answers their
 preflights), on this middleware's own refusals too (a wrong Content-Type): without them the
@@ -109,7 +111,11 @@ def check(
             403, f"requests from the web origin {shown(origin)!r} are not allowed (--cors-origins)",
             type="permission_error", code="origin_not_allowed",
         )  # fmt: skip
-    if method == "POST" and not content_type_is_json(content_type):
+    # No Content-Type from a tool (no Origin) is JSON by default, as Ollama reads it: LiteLLM's
+    # Ollama provider (Aider's) sends none.  A page's request always has an Origin (a POST),
+    # and one without a type is then checked as any other.
+    tool_without_type = content_type is None and origin is None
+    if method == "POST" and not content_type_is_json(content_type) and not tool_without_type:
         got = shown(content_type or "none")
         return ApiError(
             415, f"send the body as JSON with `Content-Type: {JSON_TYPE}` (got {got!r})",
