@@ -2,15 +2,11 @@
 response object and its stream events.  Pure.
 
 ``input`` is a string or items: messages (``input_text`` / ``output_text`` parts), the
-model's earlier ``function_call`` / ``custom_tool_call`` items and their outputs, which map
-onto chat turns, tool calls and ``tool`` turns.  Tools as Codex sends them: ``function``,
-``namespace`` (its functions, each called by a flat name the answer splits back) and
-``custom`` (free-form text in: a function of one string, ``input``); hosted tools the daemon
-cannot run (``web_search``...) are left out, and the items they left in a replayed history
-(``reasoning``, ``web_search_call``) carry nothing for this model and are skipped.  Nothing is
-stored: ``previous_response_id`` and ``store: true`` are refused by name (a client sends the
-whole conversation each time).
-A refusal names the field the client sent (``input[2].call_id``, ``max_output_tokens``), also
+model's earlier ``function_call`` / ``custom_tool_call`` items and their outputs: chat turns,
+tool calls and ``tool`` turns (the tools: responses_tools.py).  Hosted tools' calls and
+OpenAI's ``reasoning`` items in a replayed history carry nothing for this model: skipped.
+Nothing is stored: ``previous_response_id`` and ``store: true`` are refused by name.  A
+refusal names the field the client sent (``input[2].call_id``, ``max_output_tokens``), also
 for the checks the daemon request goes through after (:func:`as_sent`).
 """
 
@@ -28,8 +24,15 @@ from msgspec import Struct
 from .messages import EosEvent, GenerateRequest
 from .openai import lane_from_header
 from .openai_errors import ApiError, bad_request, validation_error
-
-Names = dict[str, str]  # a daemon request's field → the body's field it came from
+from .responses_tools import (
+    CUSTOM_INPUT,
+    Names,
+    chat_tool_choice,
+    chat_tools,
+    custom_input,
+    flat_name,
+    tool_kinds,
+)
 
 
 class ResponsesBody(Struct, kw_only=True):
@@ -189,110 +192,6 @@ def _add_call(turns: list[dict[str, Any]], call: dict[str, Any], names: Names, w
     })  # fmt: skip
 
 
-# Tools OpenAI runs on its side; the daemon runs none, so the model is not shown them (Codex
-# sends web_search by default: refused, no request of Codex's would be served).
-HOSTED_TOOLS = frozenset({
-    "web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
-    "code_interpreter", "image_generation", "computer_use", "computer_use_preview", "mcp",
-    "local_shell", "shell", "apply_patch", "tool_search",
-})  # fmt: skip
-CUSTOM_INPUT = "input"  # the one parameter a custom (free-form) tool's function takes
-
-
-def flat_name(namespace: str, name: str) -> str:
-    """The name the model calls a namespace's function by (``mcp__fs__`` + ``read``)."""
-    return namespace + name if namespace.endswith("_") else f"{namespace}__{name}"
-
-
-def _custom(tool: dict[str, Any], where: str) -> dict[str, Any]:
-    """A free-form tool as a function of one string; its grammar, if any, told in words."""
-    if not isinstance(tool.get("name"), str) or not tool["name"]:
-        raise bad_request(f"{where}.name: a custom tool needs a name", f"{where}.name")
-    about = str(tool.get("description") or "")
-    fmt = tool.get("format")
-    if isinstance(fmt, dict) and fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
-        about += f"\n\nThe input follows this {fmt.get('syntax', '')} grammar:\n{fmt['definition']}"
-    parameters = {
-        "type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}},
-        "required": [CUSTOM_INPUT], "additionalProperties": False,
-    }  # fmt: skip
-    return {"type": "function", "function": {"name": tool["name"], "description": about.strip(),
-                                             "parameters": parameters}}  # fmt: skip
-
-
-def _tools(body: ResponsesBody, names: Names) -> list[dict[str, Any]]:
-    """The chat tools the model is shown: functions, a namespace's functions (flat names),
-    custom tools as one-string functions; hosted tools left out."""
-    tools: list[dict[str, Any]] = []
-    for i, tool in enumerate(body.tools or ()):
-        where = f"tools[{i}]"
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind in HOSTED_TOOLS:
-            continue
-        if kind == "function":
-            tools.append(_named(tool, where, names, len(tools)))
-        elif kind == "namespace" and isinstance(tool.get("name"), str) and tool["name"]:
-            for j, inner in enumerate(tool.get("tools") or ()):
-                if isinstance(inner, dict) and inner.get("type") == "function":
-                    tools.append(_named(inner, f"{where}.tools[{j}]", names, len(tools), tool["name"]))
-        elif kind == "custom":
-            names[f"tools[{len(tools)}].function"] = where
-            tools.append(_custom(tool, where))
-        else:
-            raise bad_request(
-                f"{where}: a {kind!r} tool is not supported (function, namespace, custom, or a hosted "
-                "tool, which is left out)",
-                f"{where}.type",
-            )
-    return tools
-
-
-def _named(tool: dict[str, Any], where: str, names: Names, index: int, namespace: str = "") -> dict[str, Any]:
-    """A function tool (of ``namespace``, if given), as chat's ``tools[index]``."""
-    if not isinstance(tool.get("name"), str) or not tool["name"]:
-        raise bad_request(f"{where}.name: a function tool needs a name", f"{where}.name")
-    names[f"tools[{index}].function"] = where
-    spec = {k: tool[k] for k in ("description", "parameters", "strict") if k in tool}
-    name = flat_name(namespace, tool["name"]) if namespace else tool["name"]
-    return {"type": "function", "function": {"name": name, **spec}}
-
-
-def tool_kinds(body: ResponsesBody) -> dict[str, tuple[str, str | None]]:
-    """Each flat name the model may call → how the answer names the call: ``("custom", None)``
-    for a custom tool, ``("function", namespace)`` for a namespace's function (plain functions
-    are left out: their calls are what they were)."""
-    kinds: dict[str, tuple[str, str | None]] = {}
-    for tool in body.tools or ():
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind == "custom" and isinstance(tool.get("name"), str):
-            kinds[tool["name"]] = ("custom", None)
-        elif kind == "namespace" and isinstance(tool.get("name"), str):
-            for inner in tool.get("tools") or ():
-                if isinstance(inner, dict) and isinstance(inner.get("name"), str):
-                    kinds[flat_name(tool["name"], inner["name"])] = ("function", tool["name"])
-    return kinds
-
-
-_CHOICES = 'none, auto, required, {"type": "function", "name": ...} or {"type": "custom", "name": ...}'
-
-
-def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> Any:
-    """OpenAI's ``tool_choice`` of the Responses API as chat's (a namespace's function by its
-    flat name); others (``allowed_tools``, hosted tools' types) are refused by name."""
-    if choice in ("none", "auto", "required"):
-        return choice
-    kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind not in ("function", "custom"):
-        what = f"a {kind!r} tool_choice is not supported" if kind else f"tool_choice {choice!r} is not one"
-        raise bad_request(f"{what}; give {_CHOICES}", "tool_choice")
-    name, namespace = choice.get("name"), choice.get("namespace")
-    if isinstance(name, str) and isinstance(namespace, str) and namespace:
-        name = flat_name(namespace, name)
-    if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
-        raise bad_request(f"tool_choice names {name!r}, which is not one of `tools`", "tool_choice.name")
-    return {"type": "function", "function": {"name": name}}
-
-
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """``text.format`` as chat's ``response_format``; None for free text."""
     fmt = (text or {}).get("format")
@@ -333,8 +232,8 @@ def responses_request(
     lane = lane_from_header(lane_header) or ("background" if body.service_tier == "flex" else "interactive")
     fields: dict[str, Any] = {"id": request_id, "stream": True, "priority": lane}
     fields["messages"] = _turns(body, names)
-    tools = _tools(body, names)
-    choice = _tool_choice(body.tool_choice, tools) if body.tool_choice is not None else None
+    tools = chat_tools(body.tools, names)
+    choice = chat_tool_choice(body.tool_choice, tools) if body.tool_choice is not None else None
     if tools:  # else tool_choice and parallel_tool_calls have nothing to say
         fields["tools"] = tools
         if choice is not None:
@@ -422,14 +321,14 @@ def call_items(eos: EosEvent, body: ResponsesBody) -> list[dict[str, Any]]:
     """The answer's calls as items: a ``function_call`` (with its ``namespace`` and own name
     for a namespace's function), or a ``custom_tool_call`` whose ``input`` is the text the
     model gave its one parameter."""
-    kinds = tool_kinds(body)
+    kinds = tool_kinds(body.tools)
     items = []
     for c in eos.tool_calls or ():
         kind, namespace = kinds.get(c.function.name, ("function", None))
         if kind == "custom":
             items.append({
                 "type": "custom_tool_call", "id": new_id("ctc"), "call_id": c.id,
-                "name": c.function.name, "input": _custom_input(c.function.arguments), "status": "completed",
+                "name": c.function.name, "input": custom_input(c.function.arguments), "status": "completed",
             })  # fmt: skip
             continue
         item = {
@@ -441,17 +340,6 @@ def call_items(eos: EosEvent, body: ResponsesBody) -> list[dict[str, Any]]:
             item["namespace"] = namespace
         items.append(item)
     return items
-
-
-def _custom_input(arguments: str) -> str:
-    """The text of a custom tool's call: its one parameter's, or what the model wrote."""
-    try:
-        given = json.loads(arguments)
-    except ValueError:
-        return arguments
-    if isinstance(given, dict) and isinstance(given.get(CUSTOM_INPUT), str):
-        return str(given[CUSTOM_INPUT])
-    return arguments
 
 
 def response_object(
