@@ -66,15 +66,21 @@ async def test_a_prompt_over_the_context_is_one_litellm_and_claude_code_recognis
         with pytest.raises(openai.BadRequestError) as overflow:
             await chat.chat.completions.create(model=MODEL, messages=LONG, max_tokens=8)  # type: ignore[arg-type]
         assert overflow.value.code == "context_length_exceeded"
-        # A prompt that fits with a max_tokens that does not: the message names max_tokens (it
-        # said "prompt is too long", and a client shortened the wrong thing) and the room left.
-        short = [{"role": "user", "content": "Hi"}]
-        with pytest.raises(openai.BadRequestError) as asked:
-            await chat.chat.completions.create(model=MODEL, messages=short, max_tokens=300)  # type: ignore[arg-type]
-        assert asked.value.code == "context_length_exceeded"
-        message: Any = asked.value.body
-        assert message["message"].startswith("max_tokens is too large: ") and "at most " in message["message"]
-        assert "exceeds the available context size" in message["message"]
+        # A prompt that fits with a max_tokens that does not: on OpenAI's routes max_tokens is a
+        # ceiling (llama-server's and Ollama's reading; agents ask for 32,000), so the answer
+        # is cut where the context ends.  /generate (the socket's request over HTTP) still
+        # refuses it, naming max_tokens (not "prompt is too long", which a client would
+        # shorten the wrong thing for) and the room left.
+        short = [{"role": "user", "content": "Write a very long story about a dragon and a knight."}]
+        cut = await chat.chat.completions.create(model=MODEL, messages=short, max_tokens=300, temperature=0)  # type: ignore[arg-type]
+        assert cut.choices[0].finish_reason == "length" and cut.usage is not None
+        assert cut.usage.prompt_tokens + cut.usage.completion_tokens == 256
+        async with httpx.AsyncClient(base_url=str(server.http_url)) as http:
+            asked = await http.post("/generate", json={"messages": short, "max_tokens": 300})
+        assert asked.status_code == 400 and asked.json()["error"]["code"] == "context_length_exceeded"
+        message = asked.json()["error"]["message"]
+        assert message.startswith("max_tokens is too large: ") and "at most " in message
+        assert "exceeds the available context size" in message
 
 
 @pytest.mark.model
