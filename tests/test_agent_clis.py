@@ -1,7 +1,8 @@
 """The coding agents themselves, unmodified: OpenAI's Codex CLI (``codex exec``, the Responses
 API; ``codex --oss``, Ollama's API first), Anthropic's Claude Code (``claude -p``, the Messages
-API), OpenCode (``opencode run``, chat completions) and Aider (``aider --message``, Ollama's
-API through LiteLLM) against a real daemon.
+API), OpenCode (``opencode run``), Qwen Code (``qwen -p``) and Continue's CLI (``cn -p``) on
+chat completions, and Aider (``aider --message``, Ollama's API through LiteLLM) against a real
+daemon.
 
 Each sends what it sends to OpenAI or Anthropic: a ~10k-token prompt, its whole tool set
 (Codex: functions, a ``namespace`` of functions, the hosted ``web_search``; Claude Code: two
@@ -144,6 +145,29 @@ def test_opencode_run_is_answered_through_chat_completions(hello_daemon: str, tm
     config.parent.mkdir(parents=True)
     config.write_text(json.dumps({"provider": {"uma": provider}, "model": f"uma/{MODEL}"}))
     done = run_agent([str(opencode), "run", ASK], {"HOME": str(tmp_path)}, tmp_path)
+    assert done.stdout.strip() == "Hello", done.stderr
+
+
+def test_qwen_code_headless_is_answered_through_chat_completions(hello_daemon: str, tmp_path: Path) -> None:
+    qwen = agent_cli("qwen")
+    env = {
+        "HOME": str(tmp_path), "OPENAI_API_KEY": "sk-local", "OPENAI_BASE_URL": f"{hello_daemon}/v1",
+        "OPENAI_MODEL": MODEL,
+    }  # fmt: skip
+    done = run_agent([str(qwen), "-p", ASK], env, tmp_path)
+    assert done.stdout.strip() == "Hello", done.stderr
+
+
+def test_continue_cli_headless_is_answered_through_chat_completions(
+    hello_daemon: str, tmp_path: Path
+) -> None:
+    cn = agent_cli("cn")
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"name: uma\nversion: 1.0.0\nschema: v1\nmodels:\n  - name: {MODEL}\n    provider: openai\n"
+        f"    model: {MODEL}\n    apiBase: {hello_daemon}/v1\n    apiKey: sk-local\n    roles: [chat]\n"
+    )
+    done = run_agent([str(cn), "-p", ASK, "--config", str(config)], {"HOME": str(tmp_path)}, tmp_path)
     assert done.stdout.strip() == "Hello", done.stderr
 
 
