@@ -29,6 +29,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from .test_fleet import free_port, wait_for
@@ -92,6 +93,15 @@ def hello_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         finally:
             daemon.terminate()
             daemon.wait(30)
+
+
+def reused_tokens(base: str) -> float:
+    """The prompt tokens the daemon's prefix cache has saved, from its Prometheus text."""
+    text = httpx.get(f"{base}/metrics", timeout=5).text
+    line = next(
+        line for line in text.splitlines() if line.startswith("uma_prefix_cache_reused_tokens_total ")
+    )
+    return float(line.split()[1])
 
 
 def run_agent(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -198,6 +208,8 @@ def test_aider_over_ollama_s_api(hello_daemon: str, tmp_path: Path) -> None:
 def test_claude_code_print_mode_is_answered_through_the_messages_api(
     hello_daemon: str, tmp_path: Path
 ) -> None:
+    """And its next turn (``--continue``: the whole conversation again) reads the first turn's
+    ~13k-token prompt from the prefix cache instead of prefilling it again."""
     claude = agent_cli("claude")
     env = {
         "HOME": str(tmp_path), "ANTHROPIC_BASE_URL": hello_daemon, "ANTHROPIC_API_KEY": "sk-local",
@@ -205,3 +217,7 @@ def test_claude_code_print_mode_is_answered_through_the_messages_api(
     }  # fmt: skip
     done = run_agent([str(claude), "-p", ASK, "--model", MODEL], env, tmp_path)
     assert done.stdout.strip() == "Hello", done.stderr
+    before = reused_tokens(hello_daemon)
+    again = run_agent([str(claude), "-p", "Again.", "--continue", "--model", MODEL], env, tmp_path)
+    assert again.stdout.strip() == "Hello", again.stderr
+    assert reused_tokens(hello_daemon) - before > 8000
