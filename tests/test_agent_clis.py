@@ -124,6 +124,12 @@ def test_codex_exec_is_answered_through_the_responses_api(hello_daemon: str, tmp
     )
     done = run_agent([str(codex), "exec", "--skip-git-repo-check", ASK], {"CODEX_HOME": str(home)}, work)
     assert done.stdout.strip() == "Hello", done.stderr  # the final message, alone on stdout
+    # The next turn sends the whole conversation again: its ~10k-token start is cached.
+    before = reused_tokens(hello_daemon)
+    resume = [str(codex), "exec", "resume", "--last", "--skip-git-repo-check", "Again."]
+    again = run_agent(resume, {"CODEX_HOME": str(home)}, work)
+    assert again.stdout.strip() == "Hello", again.stderr
+    assert reused_tokens(hello_daemon) - before > 8000
 
 
 def test_codex_oss_mode_takes_the_daemon_for_ollama(hello_daemon: str, tmp_path: Path) -> None:
