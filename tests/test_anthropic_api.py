@@ -166,6 +166,12 @@ def test_a_system_message_among_the_messages_is_a_system_turn_where_it_stands() 
     assert [(t.role, t.content) for t in turns] == [
         ("system", f"{SYSTEM}\n\nBe brief."), ("user", "hi"), ("system", "# Environment"),
     ]  # fmt: skip
+    odd = [{"role": "system", "content": [{"type": ["text"]}]}]  # was a 500: an unhashable type
+    with pytest.raises(Exception, match="block is not supported") as unhashable:
+        messages_request(
+            msgspec.convert({"model": MODEL, "messages": odd, "max_tokens": 8}, MessagesBody), "r"
+        )
+    assert getattr(unhashable.value, "status", None) == 400
     tool = {"role": "tool", "content": "x"}
     with pytest.raises(Exception, match="must be user, assistant or system") as refused:
         messages_request(

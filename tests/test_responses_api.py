@@ -324,3 +324,42 @@ async def test_codex_calls_come_back_as_codex_reads_them(keyed_http_server: Serv
             model=MODEL, input="Say hi.", tools=[{"type": "web_search"}], max_output_tokens=8, store=False,
         )  # fmt: skip
         assert [item.type for item in hosted.output] == ["message"]
+
+
+def test_odd_tools_and_items_are_400s_naming_the_field() -> None:
+    """Found by review: a list where a type goes was a 500 (unhashable), a namespace whose
+    tools are not a list too; two tools the model would know by one name were a 400 naming
+    nothing; a tool_choice of the wrong kind was taken."""
+    from uma_trio.protocol.responses_api import ResponsesBody, responses_request
+
+    def refused(**fields: Any) -> tuple[str | None, str]:
+        body = msgspec.convert({"model": MODEL, "input": "hi", **fields}, ResponsesBody)
+        with pytest.raises(ApiError) as error:
+            responses_request(body, "r", None)
+        return error.value.param, error.value.message
+
+    assert refused(input=[{"type": ["x"]}])[0] == "input[0]"
+    assert refused(tools=[{"type": ["function"]}])[0] == "tools[0].type"
+    assert refused(tools=[{"type": "namespace", "name": "ns", "tools": 5}])[0] == "tools[0].tools"
+    assert refused(tools=[{"type": "namespace", "tools": []}])[0] == "tools[0].name"
+    clash = [{**READ_FILE, "name": "mcp__fs__read_file"}, NAMESPACE]
+    param, said = refused(tools=clash)
+    assert param == "tools[1].tools[0].name" and "tools[0]" in said
+    assert (
+        refused(tools=CODEX_TOOLS, tool_choice={"type": "custom", "name": "get_weather"})[0]
+        == "tool_choice.type"
+    )
+    # A replayed history from an OpenAI model, with hosted tools' calls: skipped.
+    shell = {"type": "local_shell_call", "call_id": "c", "status": "completed", "action": {"type": "exec"}}
+    body = msgspec.convert(
+        {"model": MODEL, "input": [shell, {"role": "user", "content": "hi"}]}, ResponsesBody
+    )
+    assert [t.role for t in responses_request(body, "r", None)[0].messages or []] == ["user"]
+
+
+def test_a_custom_tool_s_input_is_its_text() -> None:
+    from uma_trio.protocol.responses_tools import custom_input
+
+    assert custom_input('{"input": "*** Begin Patch"}') == "*** Begin Patch"
+    assert custom_input('"*** Begin Patch"') == "*** Begin Patch"  # a bare JSON string: its text
+    assert custom_input("*** Begin Patch") == "*** Begin Patch"  # not JSON: as written

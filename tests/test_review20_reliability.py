@@ -86,3 +86,17 @@ async def test_a_prompt_past_max_context_names_the_limit_that_applies(
         await client.send({"id": "p", "prompt": prompt, "max_tokens": 1, "max_context": max_context})
         refused = await client.next_event()
     assert refused is not None and refused["code"] == "E_LIMIT_002" and says in refused["message"], refused
+
+
+async def test_a_max_context_past_the_engine_s_cuts_at_the_engine_s(autojump_clock: trio.abc.Clock) -> None:
+    """A route's ceiling reads --n-ctx for a model not loaded yet, which may load with a
+    smaller context: the answer is cut at the engine's room, not refused for prompt +
+    max_tokens over the context (found by review, session 21)."""
+    async with sim_daemon(n_ctx=256) as server:
+        client = await RawClient.connect(server.config.socket_path)
+        prompt = "word " * (server.engine.n_ctx_seq - 20)
+        await client.send({"id": "p", "prompt": prompt, "max_tokens": 100, "max_context": 100_000})
+        events = await client.until_end("p")
+    assert events[-1]["event"] == "eos" and events[-1]["reason"] == "length", events[-1]
+    usage = events[-1]["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == server.engine.n_ctx_seq

@@ -12,7 +12,7 @@ that, before authentication and routing (docs/SECURITY.md "Web pages"):
   unless listed.  Tools that are not browsers send no Origin and are not affected.
 * **Content-Type** of a POST must be ``application/json``, which no page can send across
   origins without a preflight that the origin check answers.  A POST with neither an Origin
-  nor a Content-Type comes from a tool (every browser sends an Origin with a POST; a form has
+  nor a Content-Type comes from a tool (every current browser sends an Origin with a POST; a form has
   a type): its body is read as JSON, as Ollama does (LiteLLM's Ollama provider sends none).
 
 Allowed origins get CORS headers (Starlette's ``CORSMiddleware``, which also answers their

@@ -16,6 +16,7 @@ from ..protocol import responses_api as api
 from ..protocol.errors import ErrorCode
 from ..protocol.messages import EosEvent, ErrorEvent, TokenEvent
 from ..protocol.openai import LANE_HEADER, ApiError, api_error, ended_early
+from ..protocol.responses_tools import call_items, new_id
 from ..protocol.tools import ToolTextFilter
 from .auth import request_owner
 from .flight import Flight, GatewayCore, completed, decode_body, with_ceiling
@@ -33,7 +34,7 @@ class ResponsesApi:
         gateway = self.gateway
         data, arrived = await gateway._arriving(request)
         body = self._body(data)
-        response_id, created = api.new_id("resp"), api.now()
+        response_id, created = new_id("resp"), api.now()
         # The request's id is the response's (its X-Request-Id, for /priority).
         generate_request, names = api.responses_request(body, response_id, request.headers.get(LANE_HEADER))
         generate_request = msgspec.structs.replace(generate_request, model=body.model)
@@ -54,7 +55,7 @@ class ResponsesApi:
                     if eos.content is not None
                     else "".join(e.text for e in events if isinstance(e, TokenEvent))
                 )
-                output = api.answer_items(api.new_id("msg"), text, eos, body)
+                output = api.answer_items(new_id("msg"), text, eos, body)
                 return json_response(
                     api.response_object(response_id, created, body, output, eos), headers=headers
                 )
@@ -78,7 +79,7 @@ class ResponsesApi:
         yield event(
             "response.created", {"response": api.response_object(response_id, created, body, [], None)}
         )
-        msg_id, text, opened, output = api.new_id("msg"), "", False, []
+        msg_id, text, opened, output = new_id("msg"), "", False, []
         where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
 
         def open_text() -> list[bytes]:
@@ -122,7 +123,7 @@ class ResponsesApi:
                             )
                             output.append(api.message_item(msg_id, text, api.message_status(item)))
                             yield event("response.output_item.done", {"output_index": 0, "item": output[-1]})
-                        for call in api.call_items(item, body):
+                        for call in call_items(item, body.tools):
                             index = len(output)
                             for chunk in _call_events(event, call, index):
                                 yield chunk

@@ -61,6 +61,7 @@ def _text_of(content: Any, where: str, *, omit: frozenset[str] = frozenset()) ->
     parts = []
     for i, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        kind = kind if isinstance(kind, str) else repr(kind)  # a list is no block type, and unhashable
         if kind in omit:
             parts.append(_OMITTED.format(kind=kind))
             continue

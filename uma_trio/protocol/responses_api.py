@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 import time
 from typing import Any
 
@@ -27,9 +26,9 @@ from .openai_errors import ApiError, bad_request, validation_error
 from .responses_tools import (
     CUSTOM_INPUT,
     Names,
+    call_items,
     chat_tool_choice,
     chat_tools,
-    custom_input,
     flat_name,
     tool_kinds,
 )
@@ -90,11 +89,12 @@ def _turns(body: ResponsesBody, names: Names) -> list[dict[str, Any]]:
     calls: set[str] = set()  # the call_ids of the call items so far
     for i, item in enumerate(body.input):
         kind, where = item.get("type", "message"), f"input[{i}]"
+        kind = kind if isinstance(kind, str) else repr(kind)  # a list is no item type, and unhashable
         if kind == "message":
             _add(turns, _message(item, where), names, where)
         elif kind in ("function_call", "custom_tool_call"):
             call = _call(item, where) if kind == "function_call" else _custom_call(item, where)
-            _add_call(turns, call, names, where)
+            _add_call(turns, call, names, where, "arguments" if kind == "function_call" else "input")
             calls.add(call["id"])
         elif kind in ("function_call_output", "custom_tool_call_output"):
             _add_output(turns, item, calls, names, where)
@@ -107,7 +107,10 @@ def _turns(body: ResponsesBody, names: Names) -> list[dict[str, Any]]:
 # encrypted reasoning, hosted tools' calls (the daemon runs none of them).
 _SKIPPED_ITEMS = frozenset({
     "reasoning", "web_search_call", "file_search_call", "image_generation_call",
-    "code_interpreter_call", "tool_search_call", "tool_search_output",
+    "code_interpreter_call", "tool_search_call", "tool_search_output", "local_shell_call",
+    "local_shell_call_output", "shell_call", "shell_call_output", "apply_patch_call",
+    "apply_patch_call_output", "mcp_call", "mcp_list_tools", "mcp_approval_request",
+    "mcp_approval_response", "computer_call", "computer_call_output",
 })  # fmt: skip
 
 
@@ -177,9 +180,12 @@ def _call_name(item: dict[str, Any], where: str) -> str:
     return name
 
 
-def _add_call(turns: list[dict[str, Any]], call: dict[str, Any], names: Names, where: str) -> None:
+def _add_call(
+    turns: list[dict[str, Any]], call: dict[str, Any], names: Names, where: str, arguments: str
+) -> None:
     """A call belongs to the assistant turn just before it, text and all: a replayed
-    ``message`` then its ``function_call`` items are one turn."""
+    ``message`` then its ``function_call`` items are one turn.  ``arguments``: the item's field
+    the call's arguments came from (a custom tool's ``input``)."""
     if turns and turns[-1]["role"] == "assistant":
         turns[-1].setdefault("tool_calls", []).append(call)
     else:
@@ -188,7 +194,7 @@ def _add_call(turns: list[dict[str, Any]], call: dict[str, Any], names: Names, w
     c = f"messages[{len(turns) - 1}].tool_calls[{len(turns[-1]['tool_calls']) - 1}]"
     names.update({
         c: where, f"{c}.id": f"{where}.call_id", f"{c}.function": where,
-        f"{c}.function.name": f"{where}.name", f"{c}.function.arguments": f"{where}.arguments",
+        f"{c}.function.name": f"{where}.name", f"{c}.function.arguments": f"{where}.{arguments}",
     })  # fmt: skip
 
 
@@ -233,7 +239,9 @@ def responses_request(
     fields: dict[str, Any] = {"id": request_id, "stream": True, "priority": lane}
     fields["messages"] = _turns(body, names)
     tools = chat_tools(body.tools, names)
-    choice = chat_tool_choice(body.tool_choice, tools) if body.tool_choice is not None else None
+    choice = (
+        chat_tool_choice(body.tool_choice, tool_kinds(body.tools)) if body.tool_choice is not None else None
+    )
     if tools:  # else tool_choice and parallel_tool_calls have nothing to say
         fields["tools"] = tools
         if choice is not None:
@@ -286,10 +294,6 @@ def as_sent(error: ApiError, names: Names) -> ApiError:
 # -- the response object -------------------------------------------------------------
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
-
-
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     """The answer's message item: ``in_progress`` (empty, as a stream opens it), ``completed``,
     or ``incomplete`` (cut off by max_output_tokens, as OpenAI marks it)."""
@@ -310,36 +314,11 @@ def answer_items(msg_id: str, text: str, eos: EosEvent, body: ResponsesBody) -> 
     """A whole answer's output: its message (also an empty one, unless calls stand in its
     place), then its calls.  A stream sends the same items."""
     message = [message_item(msg_id, text, message_status(eos))] if text or not eos.tool_calls else []
-    return message + call_items(eos, body)
+    return message + call_items(eos, body.tools)
 
 
 def output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def call_items(eos: EosEvent, body: ResponsesBody) -> list[dict[str, Any]]:
-    """The answer's calls as items: a ``function_call`` (with its ``namespace`` and own name
-    for a namespace's function), or a ``custom_tool_call`` whose ``input`` is the text the
-    model gave its one parameter."""
-    kinds = tool_kinds(body.tools)
-    items = []
-    for c in eos.tool_calls or ():
-        kind, namespace = kinds.get(c.function.name, ("function", None))
-        if kind == "custom":
-            items.append({
-                "type": "custom_tool_call", "id": new_id("ctc"), "call_id": c.id,
-                "name": c.function.name, "input": custom_input(c.function.arguments), "status": "completed",
-            })  # fmt: skip
-            continue
-        item = {
-            "type": "function_call", "id": new_id("fc"), "call_id": c.id, "name": c.function.name,
-            "arguments": c.function.arguments, "status": "completed",
-        }  # fmt: skip
-        if namespace is not None:
-            item["name"] = c.function.name.removeprefix(flat_name(namespace, ""))
-            item["namespace"] = namespace
-        items.append(item)
-    return items
 
 
 def response_object(

@@ -11,8 +11,11 @@ out: the daemon runs none of them.
 from __future__ import annotations
 
 import json
+import secrets
+from dataclasses import dataclass
 from typing import Any
 
+from .messages import EosEvent
 from .openai_errors import bad_request
 
 Names = dict[str, str]  # a daemon request's field → the body's field it came from
@@ -49,66 +52,91 @@ def _custom(tool: dict[str, Any], where: str) -> dict[str, Any]:
                                              "parameters": parameters}}  # fmt: skip
 
 
-def chat_tools(given: list[dict[str, Any]] | None, names: Names) -> list[dict[str, Any]]:
-    """The chat tools the model is shown for the Responses ``tools`` ``given``: functions, a
+@dataclass(frozen=True)
+class Shown:
+    """A tool the model is shown: the chat tool, what the client calls it, where it came from."""
+
+    tool: dict[str, Any]  # chat's {"type": "function", "function": {...}}
+    kind: str  # "function" or "custom": the item a call comes back as
+    namespace: str | None  # a namespace's function: the call's `namespace`
+    where: str  # the client's field (tools[i], tools[i].tools[j])
+
+
+def shown_tools(given: list[dict[str, Any]] | None) -> list[Shown]:
+    """The tools the model is shown for the Responses ``tools`` ``given``: functions, a
     namespace's functions (flat names), custom tools as one-string functions; hosted tools
-    left out.  ``names`` learns which of ``given`` each came from."""
-    tools: list[dict[str, Any]] = []
+    left out.  A 400 naming the client's field for a tool that cannot be shown."""
+    shown: list[Shown] = []
     for i, tool in enumerate(given or ()):
         where = f"tools[{i}]"
         kind = tool.get("type") if isinstance(tool, dict) else None
+        kind = kind if isinstance(kind, str) else None
         if kind in HOSTED_TOOLS:
             continue
         if kind == "function":
-            tools.append(_named(tool, where, names, len(tools)))
-        elif kind == "namespace" and isinstance(tool.get("name"), str) and tool["name"]:
-            for j, inner in enumerate(tool.get("tools") or ()):
-                if isinstance(inner, dict) and inner.get("type") == "function":
-                    tools.append(_named(inner, f"{where}.tools[{j}]", names, len(tools), tool["name"]))
+            shown.append(Shown(_named(tool, where), "function", None, where))
+        elif kind == "namespace":
+            shown += _namespace(tool, where)
         elif kind == "custom":
-            names[f"tools[{len(tools)}].function"] = where
-            tools.append(_custom(tool, where))
+            shown.append(Shown(_custom(tool, where), "custom", None, where))
         else:
             raise bad_request(
                 f"{where}: a {kind!r} tool is not supported (function, namespace, custom, or a hosted "
                 "tool, which is left out)",
                 f"{where}.type",
             )
-    return tools
+    seen: dict[str, str] = {}
+    for s in shown:
+        name = s.tool["function"]["name"]
+        if name in seen:
+            raise bad_request(f"{s.where}: its name {name!r} is {seen[name]}'s too", f"{s.where}.name")
+        seen[name] = s.where
+    return shown
 
 
-def _named(tool: dict[str, Any], where: str, names: Names, index: int, namespace: str = "") -> dict[str, Any]:
-    """A function tool (of ``namespace``, if given), as chat's ``tools[index]``."""
+def _namespace(tool: dict[str, Any], where: str) -> list[Shown]:
+    namespace, inner = tool.get("name"), tool.get("tools")
+    if not isinstance(namespace, str) or not namespace:
+        raise bad_request(f"{where}.name: a namespace needs a name", f"{where}.name")
+    if not isinstance(inner, list):
+        raise bad_request(f"{where}.tools: a namespace's tools are a list", f"{where}.tools")
+    return [
+        Shown(_named(t, f"{where}.tools[{j}]", namespace), "function", namespace, f"{where}.tools[{j}]")
+        for j, t in enumerate(inner)
+        if isinstance(t, dict) and t.get("type") == "function"
+    ]
+
+
+def chat_tools(given: list[dict[str, Any]] | None, names: Names) -> list[dict[str, Any]]:
+    """:func:`shown_tools` as chat's ``tools``; ``names`` learns which of ``given`` each is."""
+    shown = shown_tools(given)
+    names.update({f"tools[{i}].function": s.where for i, s in enumerate(shown)})
+    return [s.tool for s in shown]
+
+
+def _named(tool: dict[str, Any], where: str, namespace: str = "") -> dict[str, Any]:
+    """A function tool (of ``namespace``, if given) as chat's."""
     if not isinstance(tool.get("name"), str) or not tool["name"]:
         raise bad_request(f"{where}.name: a function tool needs a name", f"{where}.name")
-    names[f"tools[{index}].function"] = where
     spec = {k: tool[k] for k in ("description", "parameters", "strict") if k in tool}
     name = flat_name(namespace, tool["name"]) if namespace else tool["name"]
     return {"type": "function", "function": {"name": name, **spec}}
 
 
 def tool_kinds(given: list[dict[str, Any]] | None) -> dict[str, tuple[str, str | None]]:
-    """Each flat name the model may call → how the answer names the call: ``("custom", None)``
-    for a custom tool, ``("function", namespace)`` for a namespace's function (plain functions
-    are left out: their calls are what they were)."""
-    kinds: dict[str, tuple[str, str | None]] = {}
-    for tool in given or ():
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind == "custom" and isinstance(tool.get("name"), str):
-            kinds[tool["name"]] = ("custom", None)
-        elif kind == "namespace" and isinstance(tool.get("name"), str):
-            for inner in tool.get("tools") or ():
-                if isinstance(inner, dict) and isinstance(inner.get("name"), str):
-                    kinds[flat_name(tool["name"], inner["name"])] = ("function", tool["name"])
-    return kinds
+    """Each name the model may call → how the client calls it: ``(kind, namespace)``, kind
+    ``function`` or ``custom`` (the same tools as :func:`shown_tools`, which has refused
+    anything else before a call can come)."""
+    return {s.tool["function"]["name"]: (s.kind, s.namespace) for s in shown_tools(given)}
 
 
 _CHOICES = 'none, auto, required, {"type": "function", "name": ...} or {"type": "custom", "name": ...}'
 
 
-def chat_tool_choice(choice: Any, tools: list[dict[str, Any]]) -> Any:
+def chat_tool_choice(choice: Any, kinds: dict[str, tuple[str, str | None]]) -> Any:
     """OpenAI's ``tool_choice`` of the Responses API as chat's (a namespace's function by its
-    flat name); others (``allowed_tools``, hosted tools' types) are refused by name."""
+    flat name), for the tools :func:`tool_kinds` gives; others (``allowed_tools``, hosted
+    tools' types) are refused by name."""
     if choice in ("none", "auto", "required"):
         return choice
     kind = choice.get("type") if isinstance(choice, dict) else None
@@ -118,9 +146,43 @@ def chat_tool_choice(choice: Any, tools: list[dict[str, Any]]) -> Any:
     name, namespace = choice.get("name"), choice.get("namespace")
     if isinstance(name, str) and isinstance(namespace, str) and namespace:
         name = flat_name(namespace, name)
-    if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
+    if not isinstance(name, str) or name not in kinds:
         raise bad_request(f"tool_choice names {name!r}, which is not one of `tools`", "tool_choice.name")
+    if kinds[name][0] != kind:
+        raise bad_request(
+            f"tool_choice: {name!r} is a {kinds[name][0]} tool, not a {kind} one", "tool_choice.type"
+        )
     return {"type": "function", "function": {"name": name}}
+
+
+def new_id(prefix: str) -> str:
+    """An item's or response's id (``fc_...``, ``resp_...``)."""
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def call_items(eos: EosEvent, given: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The answer's calls as items: a ``function_call`` (with its ``namespace`` and own name
+    for a namespace's function), or a ``custom_tool_call`` whose ``input`` is the text the
+    model gave its one parameter (``given``: the request's tools)."""
+    kinds = tool_kinds(given)
+    items = []
+    for c in eos.tool_calls or ():
+        kind, namespace = kinds.get(c.function.name, ("function", None))  # the model's own word
+        if kind == "custom":
+            items.append({
+                "type": "custom_tool_call", "id": new_id("ctc"), "call_id": c.id,
+                "name": c.function.name, "input": custom_input(c.function.arguments), "status": "completed",
+            })  # fmt: skip
+            continue
+        item = {
+            "type": "function_call", "id": new_id("fc"), "call_id": c.id, "name": c.function.name,
+            "arguments": c.function.arguments, "status": "completed",
+        }  # fmt: skip
+        if namespace is not None:
+            item["name"] = c.function.name.removeprefix(flat_name(namespace, ""))
+            item["namespace"] = namespace
+        items.append(item)
+    return items
 
 
 def custom_input(arguments: str) -> str:
@@ -131,4 +193,4 @@ def custom_input(arguments: str) -> str:
         return arguments
     if isinstance(given, dict) and isinstance(given.get(CUSTOM_INPUT), str):
         return str(given[CUSTOM_INPUT])
-    return arguments
+    return given if isinstance(given, str) else arguments  # a bare JSON string: its text

@@ -106,7 +106,9 @@ async def open_on(
         request = msgspec.structs.replace(request, max_tokens=min(config.max_tokens, room))
     # The client's own cap (Ollama's num_ctx): never a reload.
     if request.max_context is not None and not request.embed:
-        room = request.max_context - len(prompt)
+        # Never past the engine's own: a route's ceiling read --n-ctx for a model not loaded
+        # yet, which may load with less (its trained length).
+        room = min(request.max_context, engine.n_ctx_seq) - len(prompt)
         if room < 1:
             # The client's own cap, or (as /infill sets it) the per-request context itself.
             own = request.max_context < engine.n_ctx_seq
