@@ -349,6 +349,10 @@ def test_odd_tools_and_items_are_400s_naming_the_field() -> None:
         refused(tools=CODEX_TOOLS, tool_choice={"type": "custom", "name": "get_weather"})[0]
         == "tool_choice.type"
     )
+    inner = {"type": "namespace", "name": "ns", "tools": [{"type": "custom", "name": "x"}]}
+    assert refused(tools=[inner])[0] == "tools[0].tools[0].type"
+    hosted_only = [{"type": "web_search"}]
+    assert refused(tools=hosted_only, tool_choice="required")[0] == "tool_choice"  # it was dropped
     # A replayed history from an OpenAI model, with hosted tools' calls: skipped.
     shell = {"type": "local_shell_call", "call_id": "c", "status": "completed", "action": {"type": "exec"}}
     body = msgspec.convert(

@@ -94,7 +94,8 @@ Handler = Callable[[Request], Awaitable[Response]]
 def answer_limits(gateway: GatewayCore, model: str) -> Limits:
     """--max-tokens and ``model``'s per-request context (its engine's where it is loaded, else
     --n-ctx, what it will be loaded with): what a route whose clients' token limit is a
-    ceiling (Ollama's num_predict, Anthropic's max_tokens) cuts their answers to."""
+    ceiling (Ollama's num_predict, Anthropic's max_tokens, OpenAI's max_tokens) cuts their
+    answers to."""
     desk = gateway._ready()
     unit = desk.models.units.get(model)
     if desk.models.store.entry(model).primary:
@@ -108,8 +109,8 @@ def with_ceiling(gateway: GatewayCore, request: GenerateRequest, model: str) -> 
     """``request`` (for ``model``) with the client's ``max_tokens`` as a ceiling, as OpenAI's
     is an upper bound ("the maximum number of tokens that can be generated"): cut to
     --max-tokens and to the room the prompt leaves in the context, the answer then ending with
-    ``length``; never refused (coding agents ask for 32,000: OpenCode on chat completions,
-    Claude Code on Messages)."""
+    ``length``; never refused (coding agents ask for 32,000: OpenCode on chat completions).
+    The Anthropic and Ollama routes cap theirs in their own translation (answer_bounds)."""
     limits = answer_limits(gateway, model)
     options = Options(num_predict=request.max_tokens, num_ctx=request.max_context)
     return msgspec.structs.replace(request, **answer_bounds(options, limits))

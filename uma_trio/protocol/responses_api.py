@@ -139,7 +139,7 @@ def _add_output(
     OpenAI, it answers a call the input holds before it (``calls``: their call_ids)."""
     call_id = _call_id(item, where)
     if call_id not in calls:
-        raise bad_request(f"{where}: no function_call before it has call_id {call_id!r}", f"{where}.call_id")
+        raise bad_request(f"{where}: no call item before it has call_id {call_id!r}", f"{where}.call_id")
     output = _text(item.get("output", ""), f"{where}.output", tool_output=True)
     t = f"messages[{len(turns)}]"
     names.update({t: where, f"{t}.tool_call_id": f"{where}.call_id", f"{t}.content": f"{where}.output"})
@@ -167,7 +167,7 @@ def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _custom_call(item: dict[str, Any], where: str) -> dict[str, Any]:
-    """A ``custom_tool_call`` item as the call of its one-string function (:func:`_tools`)."""
+    """A ``custom_tool_call`` item as the call of its one-string function (responses_tools.py)."""
     call_id, name, given = _call_id(item, where), _call_name(item, where), item.get("input", "")
     arguments = json.dumps({CUSTOM_INPUT: given if isinstance(given, str) else json.dumps(given)})
     return {"id": call_id, "function": {"name": name, "arguments": arguments}}
@@ -242,6 +242,10 @@ def responses_request(
     choice = (
         chat_tool_choice(body.tool_choice, tool_kinds(body.tools)) if body.tool_choice is not None else None
     )
+    if not tools and choice == "required":  # hosted tools only: nothing the model can call
+        raise bad_request(
+            "tool_choice: required, but no tool here can be called (hosted tools are left out)", "tool_choice"
+        )
     if tools:  # else tool_choice and parallel_tool_calls have nothing to say
         fields["tools"] = tools
         if choice is not None:

@@ -21,8 +21,10 @@ from .openai_errors import bad_request
 Names = dict[str, str]  # a daemon request's field → the body's field it came from
 
 
-# Tools OpenAI runs on its side; the daemon runs none, so the model is not shown them (Codex
-# sends web_search by default: refused, no request of Codex's would be served).
+# Tools the model is not shown: OpenAI's hosted ones (run on OpenAI's side; the daemon runs
+# none), and client-run ones whose calls have item shapes of their own (local_shell, shell,
+# apply_patch, computer_use).  Codex sends web_search by default: refused, none of its
+# requests would be served.
 HOSTED_TOOLS = frozenset({
     "web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
     "code_interpreter", "image_generation", "computer_use", "computer_use_preview", "mcp",
@@ -40,10 +42,13 @@ def _custom(tool: dict[str, Any], where: str) -> dict[str, Any]:
     """A free-form tool as a function of one string; its grammar, if any, told in words."""
     if not isinstance(tool.get("name"), str) or not tool["name"]:
         raise bad_request(f"{where}.name: a custom tool needs a name", f"{where}.name")
-    about = str(tool.get("description") or "")
+    about = tool.get("description") or ""
+    if not isinstance(about, str):
+        raise bad_request(f"{where}.description: a custom tool's description is text", f"{where}.description")
     fmt = tool.get("format")
     if isinstance(fmt, dict) and fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
-        about += f"\n\nThe input follows this {fmt.get('syntax', '')} grammar:\n{fmt['definition']}"
+        syntax = f"{fmt['syntax']} " if isinstance(fmt.get("syntax"), str) else ""
+        about += f"\n\nThe input follows this {syntax}grammar:\n{fmt['definition']}"
     parameters = {
         "type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}},
         "required": [CUSTOM_INPUT], "additionalProperties": False,
@@ -100,11 +105,15 @@ def _namespace(tool: dict[str, Any], where: str) -> list[Shown]:
         raise bad_request(f"{where}.name: a namespace needs a name", f"{where}.name")
     if not isinstance(inner, list):
         raise bad_request(f"{where}.tools: a namespace's tools are a list", f"{where}.tools")
-    return [
-        Shown(_named(t, f"{where}.tools[{j}]", namespace), "function", namespace, f"{where}.tools[{j}]")
-        for j, t in enumerate(inner)
-        if isinstance(t, dict) and t.get("type") == "function"
-    ]
+    shown = []
+    for j, tool in enumerate(inner):
+        at = f"{where}.tools[{j}]"
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            shown.append(Shown(_named(tool, at, namespace), "function", namespace, at))
+        elif not (isinstance(kind, str) and kind in HOSTED_TOOLS):
+            raise bad_request(f"{at}: a namespace holds function tools, not {kind!r}", f"{at}.type")
+    return shown
 
 
 def chat_tools(given: list[dict[str, Any]] | None, names: Names) -> list[dict[str, Any]]:
@@ -191,6 +200,5 @@ def custom_input(arguments: str) -> str:
         given = json.loads(arguments)
     except ValueError:
         return arguments
-    if isinstance(given, dict) and isinstance(given.get(CUSTOM_INPUT), str):
-        return str(given[CUSTOM_INPUT])
-    return given if isinstance(given, str) else arguments  # a bare JSON string: its text
+    text = given.get(CUSTOM_INPUT) if isinstance(given, dict) else given  # a bare JSON string: its text
+    return text if isinstance(text, str) else arguments
