@@ -195,6 +195,39 @@ def test_continue_cli_headless_is_answered_through_chat_completions(
     assert done.stdout.strip() == "Hello", done.stderr
 
 
+OLLAMA_JS = """
+import { Ollama } from 'ollama'
+const ollama = new Ollama({ host: process.env.HOST })
+const ask = { model: process.env.MODEL, messages: [{ role: 'user', content: 'hi' }] }
+const whole = await ollama.chat(ask)
+let streamed = ''
+for await (const part of await ollama.chat({ ...ask, stream: true })) streamed += part.message.content
+const generated = await ollama.generate({ model: ask.model, prompt: 'hi' })
+const listed = (await ollama.list()).models.map((m) => m.name)
+const shown = await ollama.show({ model: ask.model })
+const embedded = await ollama.embed({ model: ask.model, input: ['a', 'b'] })
+const version = (await ollama.version()).version
+console.log(JSON.stringify({ whole: whole.message.content, reason: whole.done_reason, streamed,
+  generated: generated.response, listed, template: typeof shown.template,
+  vectors: embedded.embeddings.length, version }))
+"""
+
+
+def test_ollama_s_javascript_client(hello_daemon: str, tmp_path: Path) -> None:
+    """The official ``ollama`` npm package, as desktop and editor apps use it."""
+    package = CLIS.parent / "ollama"
+    if not package.exists():
+        pytest.skip(f"the ollama npm package is not installed in {CLIS.parent} (.ci/run installs it)")
+    (tmp_path / "node_modules").symlink_to(CLIS.parent)  # where the script's import resolves
+    script = tmp_path / "client.mjs"
+    script.write_text(OLLAMA_JS)
+    done = run_agent(["node", str(script)], {"HOST": hello_daemon, "MODEL": MODEL}, tmp_path)
+    assert json.loads(done.stdout) == {
+        "whole": "Hello", "reason": "stop", "streamed": "Hello", "generated": "Hello", "listed": [MODEL],
+        "template": "string", "vectors": 2, "version": "0.13.4",
+    }  # fmt: skip
+
+
 def test_litellm_s_ollama_providers_are_answered(hello_daemon: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """LiteLLM's ``ollama_chat`` and ``ollama`` providers (Aider's, and many apps' way to
     Ollama) POST with no Content-Type: the body is read as JSON, as Ollama reads it (it was a
