@@ -2,13 +2,14 @@
 API; ``codex --oss``, Ollama's API first), Anthropic's Claude Code (``claude -p``, the Messages
 API), OpenCode (``opencode run``), Qwen Code (``qwen -p``) and Continue's CLI (``cn -p``) on
 chat completions, and Aider (``aider --message``, Ollama's API through LiteLLM) against a real
-daemon.
+daemon; beside them, Ollama's own JavaScript client as apps use it.
 
 Each sends what it sends to OpenAI or Anthropic: a ~10k-token prompt, its whole tool set
 (Codex: functions, a ``namespace`` of functions, the hosted ``web_search``; Claude Code: two
 dozen tools, and a ``system`` message after the user's), ``reasoning`` / ``thinking`` settings
 and its own metadata; OpenCode asks for ``max_tokens`` 32,000.  Before this file, each got a
-400 on its first request (``codex --oss`` refused the daemon's Ollama version).
+400 on its first request (``codex --oss`` refused the daemon's Ollama version, Aider's
+LiteLLM got a 415); Qwen Code, Continue's CLI and the JavaScript client worked as they were.
 
 The model is the default model's vocabulary over two random layers (benches/gpu/gen_model.py),
 its embeddings and output rows set so that it answers every prompt with ``Hello`` and ends:
