@@ -28,9 +28,9 @@ from .responses_tools import (
     Names,
     call_items,
     chat_tool_choice,
-    chat_tools,
     flat_name,
-    tool_kinds,
+    kinds_of,
+    shown_tools,
 )
 
 
@@ -238,10 +238,10 @@ def responses_request(
     lane = lane_from_header(lane_header) or ("background" if body.service_tier == "flex" else "interactive")
     fields: dict[str, Any] = {"id": request_id, "stream": True, "priority": lane}
     fields["messages"] = _turns(body, names)
-    tools = chat_tools(body.tools, names)
-    choice = (
-        chat_tool_choice(body.tool_choice, tool_kinds(body.tools)) if body.tool_choice is not None else None
-    )
+    shown = shown_tools(body.tools)
+    names.update({f"tools[{i}].function": s.where for i, s in enumerate(shown)})
+    tools = [s.tool for s in shown]
+    choice = chat_tool_choice(body.tool_choice, kinds_of(shown)) if body.tool_choice is not None else None
     if not tools and choice == "required":  # hosted tools only: nothing the model can call
         raise bad_request(
             "tool_choice: required, but no tool here can be called (hosted tools are left out)", "tool_choice"

@@ -116,13 +116,6 @@ def _namespace(tool: dict[str, Any], where: str) -> list[Shown]:
     return shown
 
 
-def chat_tools(given: list[dict[str, Any]] | None, names: Names) -> list[dict[str, Any]]:
-    """:func:`shown_tools` as chat's ``tools``; ``names`` learns which of ``given`` each is."""
-    shown = shown_tools(given)
-    names.update({f"tools[{i}].function": s.where for i, s in enumerate(shown)})
-    return [s.tool for s in shown]
-
-
 def _named(tool: dict[str, Any], where: str, namespace: str = "") -> dict[str, Any]:
     """A function tool (of ``namespace``, if given) as chat's."""
     if not isinstance(tool.get("name"), str) or not tool["name"]:
@@ -132,11 +125,9 @@ def _named(tool: dict[str, Any], where: str, namespace: str = "") -> dict[str, A
     return {"type": "function", "function": {"name": name, **spec}}
 
 
-def tool_kinds(given: list[dict[str, Any]] | None) -> dict[str, tuple[str, str | None]]:
-    """Each name the model may call → how the client calls it: ``(kind, namespace)``, kind
-    ``function`` or ``custom`` (the same tools as :func:`shown_tools`, which has refused
-    anything else before a call can come)."""
-    return {s.tool["function"]["name"]: (s.kind, s.namespace) for s in shown_tools(given)}
+def kinds_of(shown: list[Shown]) -> dict[str, tuple[str, str | None]]:
+    """Each name the model may call → how the client calls it: ``(kind, namespace)``."""
+    return {s.tool["function"]["name"]: (s.kind, s.namespace) for s in shown}
 
 
 _CHOICES = 'none, auto, required, {"type": "function", "name": ...} or {"type": "custom", "name": ...}'
@@ -144,7 +135,7 @@ _CHOICES = 'none, auto, required, {"type": "function", "name": ...} or {"type": 
 
 def chat_tool_choice(choice: Any, kinds: dict[str, tuple[str, str | None]]) -> Any:
     """OpenAI's ``tool_choice`` of the Responses API as chat's (a namespace's function by its
-    flat name), for the tools :func:`tool_kinds` gives; others (``allowed_tools``, hosted
+    flat name), for the tools :func:`kinds_of` gives; others (``allowed_tools``, hosted
     tools' types) are refused by name."""
     if choice in ("none", "auto", "required"):
         return choice
@@ -173,7 +164,7 @@ def call_items(eos: EosEvent, given: list[dict[str, Any]] | None) -> list[dict[s
     """The answer's calls as items: a ``function_call`` (with its ``namespace`` and own name
     for a namespace's function), or a ``custom_tool_call`` whose ``input`` is the text the
     model gave its one parameter (``given``: the request's tools)."""
-    kinds = tool_kinds(given)
+    kinds = kinds_of(shown_tools(given))  # refused before a call could come, if they were bad
     items = []
     for c in eos.tool_calls or ():
         kind, namespace = kinds.get(c.function.name, ("function", None))  # the model's own word
