@@ -317,7 +317,8 @@ class ServerConfig:
     max_prompt_tokens: int = 4096
     """Longest accepted prompt, in tokens."""
     max_tokens: int = 2048
-    """Largest accepted max_tokens of a request."""
+    """Largest max_tokens of a request: the socket and /generate refuse more; the OpenAI,
+    Anthropic and Ollama routes cut the answer there (finish reason length)."""
     idle_timeout_s: Annotated[float, Parameter(name="--idle-timeout")] = 300.0
     """Seconds a connection with nothing in flight may stay silent (any message counts as
     activity)."""
