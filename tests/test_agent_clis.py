@@ -15,6 +15,7 @@ The model is the default model's vocabulary over two random layers (benches/gpu/
 its embeddings and output rows set so that it answers every prompt with ``Hello`` and ends:
 the 10k-token prompts then take a second, and what the CLI prints is known.  Its chat template
 is Qwen 2.5's (tests/fixtures): tools in the system prompt, Hermes ``<tool_call>`` calls.
+test_agent_tool_loops.py has the agents' tool round trips, on models built the same way.
 
 The CLIs come from npm, Aider from PyPI in a venv of its own (``.ci/run`` installs them into
 ``~/.cache/uma-trio/agent-clis``, or ``UMA_AGENT_CLIS`` names a ``node_modules/.bin``
@@ -28,6 +29,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -43,6 +45,7 @@ TEMPLATE = ROOT / "tests" / "fixtures" / "chat_templates" / "qwen2.5-instruct.ji
 CLIS = Path(os.environ.get("UMA_AGENT_CLIS", Path.home() / ".cache/uma-trio/agent-clis/node_modules/.bin"))
 MODEL = "hello"
 ASK = "Say hello in one word."
+END = "<|im_end|>"  # the vocabulary's end of generation
 
 
 def agent_cli(name: str) -> Path:
@@ -52,38 +55,44 @@ def agent_cli(name: str) -> Path:
     return path
 
 
-def write_hello_model(vocab: Path, out: Path) -> None:
-    """A two-layer random model over ``vocab``'s tokenizer that answers ``Hello`` and ends: one
-    embedding dimension is 1 for every token but ``Hello`` (whose own is another), and only
-    ``Hello``'s and ``<|im_end|>``'s output rows read those two dimensions, so after any token
-    the model says ``Hello``, and after ``Hello`` it ends, by a logit margin of ~80 at any
-    temperature (the random rest adds up to ~0.1)."""
+def write_successor_model(vocab: Path, out: Path, name: str, after: dict[str, str], otherwise: str) -> None:
+    """A two-layer random model over ``vocab``'s tokenizer whose next token depends on the last
+    one alone: ``after[t]`` follows token ``t`` (GGUF token strings), ``otherwise`` follows any
+    other.  Each token of ``after`` gets an embedding dimension of its own (1 there, 0 in the
+    others used) and every other token dimension 0; only the successors' output rows read those
+    dimensions, 10 each, so the choice wins by a logit margin of ~80 at any temperature (the
+    random rest adds up to ~0.1)."""
     gguf = pytest.importorskip("gguf")
     shape = ["--layers", "2", "--embd", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128"]
     command = [sys.executable, str(ROOT / "benches/gpu/gen_model.py"), "--vocab", str(vocab)]
-    subprocess.run([*command, "--out", str(out), *shape, "--ctx", "32768", "--name", MODEL], check=True,
+    subprocess.run([*command, "--out", str(out), *shape, "--ctx", "32768", "--name", name], check=True,
                    capture_output=True)  # fmt: skip
     reader = gguf.GGUFReader(out, "r+")
     field = reader.fields["tokenizer.ggml.tokens"]
     tokens = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
-    hello, end = tokens.index("Hello"), tokens.index("<|im_end|>")
+    ids = {token: i for i, token in reversed(list(enumerate(tokens)))}
     tensors = {t.name: t.data for t in reader.tensors}
     embeddings, output = tensors["token_embd.weight"], tensors["output.weight"]  # rows: tokens
-    embeddings[:, 0], embeddings[:, 1] = 1.0, 0.0
-    embeddings[hello, 0], embeddings[hello, 1] = 0.0, 1.0
-    output[:, 0:2] = 0.0
-    output[hello, 0], output[end, 1] = 10.0, 10.0
+    used = len(after) + 1
+    assert used <= embeddings.shape[1]
+    embeddings[:, :used], output[:, :used] = 0.0, 0.0
+    embeddings[:, 0], output[ids[otherwise], 0] = 1.0, 10.0
+    for dimension, (token, successor) in enumerate(after.items(), start=1):
+        embeddings[ids[token], 0], embeddings[ids[token], dimension] = 0.0, 1.0
+        output[ids[successor], dimension] = 10.0
 
 
-@pytest.fixture(scope="module")
-def hello_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The base URL of ``uma-trio serve`` on the Hello model, with room for the agents' prompts."""
-    tmp = tmp_path_factory.mktemp("agents")
-    model = tmp / f"{MODEL}.gguf"
-    write_hello_model(model_path, model)
+def write_hello_model(vocab: Path, out: Path) -> None:
+    """Answers every prompt ``Hello`` and ends."""
+    write_successor_model(vocab, out, MODEL, {"Hello": END}, otherwise="Hello")
+
+
+@contextmanager
+def serving(model: Path, template: Path, tmp: Path) -> Iterator[str]:
+    """The base URL of ``uma-trio serve`` on ``model``, with room for the agents' prompts."""
     port = free_port()
     command = [
-        sys.executable, "-m", "uma_trio", "serve", "--model", str(model), "--chat-template", str(TEMPLATE),
+        sys.executable, "-m", "uma_trio", "serve", "--model", str(model), "--chat-template", str(template),
         "--socket", str(tmp / "d.sock"), "--http", f"127.0.0.1:{port}", "--n-ctx", "32768",
         "--max-prompt-tokens", "30000", "--max-sessions", "2", "--threads", "2",
     ]  # fmt: skip
@@ -95,6 +104,15 @@ def hello_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         finally:
             daemon.terminate()
             daemon.wait(30)
+
+
+@pytest.fixture(scope="module")
+def hello_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The daemon on the Hello model and Qwen 2.5's template."""
+    tmp = tmp_path_factory.mktemp("agents")
+    write_hello_model(model_path, tmp / f"{MODEL}.gguf")
+    with serving(tmp / f"{MODEL}.gguf", TEMPLATE, tmp) as base:
+        yield base
 
 
 def reused_tokens(base: str) -> float:

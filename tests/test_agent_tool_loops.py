@@ -1,0 +1,227 @@
+"""A whole tool round trip with the coding agents themselves, unmodified: the daemon's answer
+is a tool call, the agent runs the tool on this machine and sends its result back, and the
+daemon answers that.  Codex CLI (``codex exec``, the Responses API, a Llama 3.1-style JSON
+call) and OpenCode (chat completions, a Hermes ``<tool_call>``) run ``echo pineapple`` in their
+shell tools, Claude Code (``claude -p``, the Messages API, Hermes) in ``Bash``, and Qwen Code
+(chat completions, Hermes) globs for ``pineapple.txt``.
+
+The model (test_agent_clis.py's ``write_successor_model``) picks its next token from the last
+one alone, so it writes a fixed text: after any token the call's first token, after each of
+the call's tokens the next, after the last the end.  A token may then appear once in the call;
+the calls below are spelled so (JSON's free whitespace, ``Bas`` + ``h``: found by a search
+over the vocabulary; the Hermes marker takes the vocabulary's only ``_``, which is why Codex's
+``exec_command`` goes in Llama 3.1's format).  To answer a tool's result differently, the
+test templates end a prompt whose last turn is a tool's result with one more newline: the
+token ``\\n\\n\\n``, after which the model says ``Done``.  So ``Done`` comes back only if the
+daemon rendered the tool's result as the conversation's last turn.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .test_agent_clis import (
+    END,
+    ROOT,
+    agent_cli,
+    reused_tokens,
+    run_agent,
+    serving,
+    write_successor_model,
+)
+
+pytestmark = pytest.mark.model
+
+TEMPLATES = ROOT / "tests" / "fixtures" / "chat_templates"
+MODEL = "tools"
+ASK = "Say what echo pineapple prints."
+AFTER_A_TOOL = "ĊĊĊ"  # "\n\n\n" in the vocabulary's byte-level spelling ("Ġ" is a space)
+ANSWER = "Done"
+
+# '{"name":"exec_command","parameters": {"cmd":"echo pineapple"} }'
+CODEX_CALL = [
+    '{"', "name", '":"', "exec", "_", "command", '","', "parameters", '":', 'Ġ{"', "cmd", '"', ':"',
+    "echo", "Ġpineapple", '"}', "Ġ}",
+]  # fmt: skip
+# '<tool_call> {"name":"Bash","arguments":{"command":"echo pineapple"} }' (the parser closes it)
+CLAUDE_CALL = [
+    "<", "tool", "_", "call", ">", 'Ġ{"', "name", '":"', "Bas", "h", '","', "arguments", '":', '{"',
+    "command", '"', ':"', "echo", "Ġpineapple", '"}', "Ġ}",
+]  # fmt: skip
+# '<tool_call> {"name":"bash","arguments":{"command":"echo pineapple"} }'
+OPENCODE_CALL = [
+    "<", "tool", "_", "call", ">", 'Ġ{"', "name", '":"', "bash", '","', "arguments", '":', '{"', "command",
+    '"', ':"', "echo", "Ġpineapple", '"}', "Ġ}",
+]  # fmt: skip
+# '<tool_call> {"name":"glob","arguments":{"pattern":"pineapple.txt"} }'
+QWEN_CALL = [
+    "<", "tool", "_", "call", ">", 'Ġ{"', "name", '":"', "glob", '","', "arguments", '":', '{"', "pattern",
+    '"', ':"', "pine", "apple", ".", "txt", '"}', "Ġ}",
+]  # fmt: skip
+
+
+def write_tool_model(vocab: Path, out: Path, call: list[str]) -> None:
+    """Writes ``call`` to any prompt, and ``Done`` after a tool's result."""
+    assert len(set(call)) == len(call) and AFTER_A_TOOL not in call and ANSWER not in call
+    after = dict(itertools.pairwise(call)) | {call[-1]: END, AFTER_A_TOOL: ANSWER, ANSWER: END}
+    write_successor_model(vocab, out, MODEL, after, otherwise=call[0])
+
+
+def with_tool_turn_mark(template: Path, generation_prompt: str, more: str, out: Path) -> Path:
+    """``template`` whose generation prompt (its last ``{{- '...' }}`` of ``generation_prompt``)
+    gets ``more`` newlines after a tool's result, so the prompt ends in the token ``\\n\\n\\n``."""
+    source = template.read_text()
+    statement = "{{- '" + generation_prompt + "' }}"
+    at = source.rindex(statement) + len(statement)
+    mark = "{%- if messages[-1].role in ['tool', 'ipython'] %}{{- '" + more + "' }}{%- endif %}"
+    out.write_text(source[:at] + mark + source[at:])
+    return out
+
+
+HERMES = (TEMPLATES / "qwen2.5-instruct.jinja", "<|im_start|>assistant\\n", "\\n\\n")
+LLAMA3 = (
+    TEMPLATES / "llama-3.1-instruct.jinja",
+    "<|start_header_id|>assistant<|end_header_id|>\\n\\n",
+    "\\n",
+)
+
+
+@contextmanager
+def tool_daemon(vocab: Path, tmp: Path, call: list[str], template: tuple[Path, str, str]) -> Iterator[str]:
+    """``uma-trio serve`` on a model writing ``call``, with ``template`` marking tool turns."""
+    write_tool_model(vocab, tmp / f"{MODEL}.gguf", call)
+    marked = with_tool_turn_mark(*template, tmp / "template.jinja")
+    with serving(tmp / f"{MODEL}.gguf", marked, tmp) as base:
+        yield base
+
+
+@pytest.fixture
+def codex_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with tool_daemon(model_path, tmp_path_factory.mktemp("codex"), CODEX_CALL, LLAMA3) as base:
+        yield base
+
+
+@pytest.fixture
+def claude_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with tool_daemon(model_path, tmp_path_factory.mktemp("claude"), CLAUDE_CALL, HERMES) as base:
+        yield base
+
+
+@pytest.fixture
+def opencode_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with tool_daemon(model_path, tmp_path_factory.mktemp("opencode"), OPENCODE_CALL, HERMES) as base:
+        yield base
+
+
+@pytest.fixture
+def qwen_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with tool_daemon(model_path, tmp_path_factory.mktemp("qwen"), QWEN_CALL, HERMES) as base:
+        yield base
+
+
+def events(stdout: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def claude_style_turns(stdout: str) -> tuple[list[tuple[str, Any]], list[tuple[str, bool]], str]:
+    """From Claude Code's ``stream-json`` (Qwen Code writes the same): the tool uses (name,
+    input), the results sent back (text, is_error), each checked to answer its use, and the
+    final answer."""
+    messages = [e["message"] for e in events(stdout) if e.get("type") in ("assistant", "user")]
+    blocks = [b for m in messages for b in m["content"] if isinstance(b, dict)]
+    uses = {b["id"]: (b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"}
+    results = [b for b in blocks if b["type"] == "tool_result"]
+    assert [r["tool_use_id"] for r in results] == list(uses), stdout
+    final = next(e for e in events(stdout) if e.get("type") == "result")
+    assert final["is_error"] is False, stdout
+    return list(uses.values()), [(r["content"], r["is_error"]) for r in results], final["result"]
+
+
+def test_codex_runs_the_daemon_s_tool_call_and_gets_the_answer_to_its_output(
+    codex_daemon: str, tmp_path: Path
+) -> None:
+    codex = agent_cli("codex")
+    home, work = tmp_path / "codex-home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (home / "config.toml").write_text(
+        f'model = "{MODEL}"\nmodel_provider = "uma"\n\n[model_providers.uma]\n'
+        f'name = "uma-trio"\nbase_url = "{codex_daemon}/v1"\nwire_api = "responses"\n'
+    )
+    reused = reused_tokens(codex_daemon)
+    # No sandbox: Linux's (Landlock, seccomp) may be missing in a container; the command is echo.
+    no_sandbox = "--dangerously-bypass-approvals-and-sandbox"
+    command = [str(codex), "exec", "--json", "--skip-git-repo-check", no_sandbox]
+    done = run_agent([*command, ASK], {"CODEX_HOME": str(home)}, work)
+    items = [e["item"] for e in events(done.stdout) if e.get("type") == "item.completed"]
+    ran = [i for i in items if isinstance(i, dict) and i.get("type") == "command_execution"]
+    assert len(ran) == 1, done.stdout
+    assert "echo pineapple" in str(ran[0]["command"]) and ran[0]["exit_code"] == 0
+    assert ran[0]["aggregated_output"] == "pineapple\n"
+    said = [i["text"] for i in items if isinstance(i, dict) and i.get("type") == "agent_message"]
+    assert said == [ANSWER], done.stdout  # the answer to a prompt ending in the tool's output
+    assert reused_tokens(codex_daemon) - reused > 8000  # the second request's prompt, mostly
+
+
+def test_claude_code_runs_the_daemon_s_tool_use_and_gets_the_answer_to_its_result(
+    claude_daemon: str, tmp_path: Path
+) -> None:
+    claude = agent_cli("claude")
+    env = {
+        "HOME": str(tmp_path), "ANTHROPIC_BASE_URL": claude_daemon, "ANTHROPIC_API_KEY": "sk-local",
+        "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    }  # fmt: skip
+    reused = reused_tokens(claude_daemon)
+    flags = ["--output-format", "stream-json", "--verbose", "--allowedTools", "Bash(echo pineapple)"]
+    done = run_agent([str(claude), "-p", ASK, "--model", MODEL, *flags], env, tmp_path)
+    uses, results, answer = claude_style_turns(done.stdout)
+    assert uses == [("Bash", {"command": "echo pineapple"})], done.stdout
+    assert results == [("pineapple", False)], done.stdout
+    assert answer == ANSWER, done.stdout  # the answer to a prompt ending in the tool's result
+    assert reused_tokens(claude_daemon) - reused > 8000  # the second request's prompt, mostly
+
+
+def test_opencode_runs_the_daemon_s_tool_call_and_gets_the_answer_to_its_output(
+    opencode_daemon: str, tmp_path: Path
+) -> None:
+    opencode = agent_cli("opencode")
+    provider = {
+        "npm": "@ai-sdk/openai-compatible", "name": "uma-trio",
+        "options": {"baseURL": f"{opencode_daemon}/v1"}, "models": {MODEL: {"name": MODEL}},
+    }  # fmt: skip
+    config = tmp_path / ".config" / "opencode" / "opencode.json"
+    config.parent.mkdir(parents=True)
+    config.write_text(json.dumps({"provider": {"uma": provider}, "model": f"uma/{MODEL}"}))
+    reused = reused_tokens(opencode_daemon)
+    done = run_agent([str(opencode), "run", "--format", "json", ASK], {"HOME": str(tmp_path)}, tmp_path)
+    parts = [e["part"] for e in events(done.stdout)]
+    tools = [(p["tool"], p["state"]["input"], p["state"]["status"]) for p in parts if p["type"] == "tool"]
+    assert tools == [("bash", {"command": "echo pineapple"}, "completed")], done.stdout
+    assert next(p for p in parts if p["type"] == "tool")["state"]["output"] == "pineapple\n"
+    assert [p["text"] for p in parts if p["type"] == "text"] == [ANSWER], done.stdout
+    assert reused_tokens(opencode_daemon) - reused > 5000  # the second request's prompt, mostly
+
+
+def test_qwen_code_runs_the_daemon_s_tool_call_and_gets_the_answer_to_its_output(
+    qwen_daemon: str, tmp_path: Path
+) -> None:
+    qwen = agent_cli("qwen")
+    (tmp_path / "pineapple.txt").write_text("a fruit\n")
+    env = {
+        "HOME": str(tmp_path), "OPENAI_API_KEY": "sk-local", "OPENAI_BASE_URL": f"{qwen_daemon}/v1",
+        "OPENAI_MODEL": MODEL,
+    }  # fmt: skip
+    reused = reused_tokens(qwen_daemon)
+    done = run_agent([str(qwen), "-p", ASK, "--output-format", "stream-json"], env, tmp_path)
+    uses, results, answer = claude_style_turns(done.stdout)
+    assert uses == [("glob", {"pattern": "pineapple.txt"})], done.stdout
+    assert results == [("Found 1 matching file(s)", False)], done.stdout
+    assert answer == ANSWER, done.stdout
+    assert reused_tokens(qwen_daemon) - reused > 8000  # the second request's prompt, mostly
