@@ -1,9 +1,9 @@
 """A whole tool round trip with the coding agents themselves, unmodified: the daemon's answer
 is a tool call, the agent runs the tool on this machine and sends its result back, and the
 daemon answers that.  Codex CLI (``codex exec``, the Responses API, a Llama 3.1-style JSON
-call) and OpenCode (chat completions, a Hermes ``<tool_call>``) run ``echo pineapple`` in their
-shell tools, Claude Code (``claude -p``, the Messages API, Hermes) in ``Bash``, and Qwen Code
-(chat completions, Hermes) globs for ``pineapple.txt``.
+call), OpenCode and Continue's CLI (chat completions, a Hermes ``<tool_call>``) run ``echo
+pineapple`` in their shell tools, Claude Code (``claude -p``, the Messages API, Hermes) in
+``Bash``, and Qwen Code (chat completions, Hermes) globs for ``pineapple.txt``.
 
 The model (test_agent_clis.py's ``write_successor_model``) picks its next token from the last
 one alone, so it writes a fixed text: after any token the call's first token, after each of
@@ -225,3 +225,33 @@ def test_qwen_code_runs_the_daemon_s_tool_call_and_gets_the_answer_to_its_output
     assert results == [("Found 1 matching file(s)", False)], done.stdout
     assert answer == ANSWER, done.stdout
     assert reused_tokens(qwen_daemon) - reused > 8000  # the second request's prompt, mostly
+
+
+@pytest.fixture
+def continue_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with tool_daemon(model_path, tmp_path_factory.mktemp("continue"), CLAUDE_CALL, HERMES) as base:
+        yield base
+
+
+def test_continue_cli_runs_the_daemon_s_tool_call_and_gets_the_answer_to_its_output(
+    continue_daemon: str, tmp_path: Path
+) -> None:
+    cn = agent_cli("cn")
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"name: uma\nversion: 1.0.0\nschema: v1\nmodels:\n  - name: {MODEL}\n    provider: openai\n"
+        f"    model: {MODEL}\n    apiBase: {continue_daemon}/v1\n    apiKey: sk-local\n    roles: [chat]\n"
+    )
+    reused = reused_tokens(continue_daemon)
+    command = [str(cn), "-p", ASK, "--config", str(config), "--auto"]  # --auto: Bash runs unasked
+    done = run_agent(command, {"HOME": str(tmp_path)}, tmp_path)
+    assert done.stdout.strip() == ANSWER, done.stderr
+    # What happened in between, from the session Continue keeps.
+    sessions = (tmp_path / ".continue" / "sessions").glob("*.json")
+    (session,) = [f for f in sessions if f.name != "sessions.json"]
+    history = json.loads(session.read_text())["history"]
+    states = [s for h in history for s in h.get("toolCallStates") or []]
+    ran = [(s["toolCall"]["function"]["name"], s["parsedArgs"], s["status"]) for s in states]
+    assert ran == [("Bash", {"command": "echo pineapple"}, "done")], history
+    assert [o["content"] for o in states[0]["output"]] == ["pineapple\n"]
+    assert reused_tokens(continue_daemon) - reused > 1500  # its ~2k-token first prompt, reused
