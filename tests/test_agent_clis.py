@@ -59,7 +59,7 @@ def write_successor_model(vocab: Path, out: Path, name: str, after: dict[str, st
     """A two-layer random model over ``vocab``'s tokenizer whose next token depends on the last
     one alone: ``after[t]`` follows token ``t`` (GGUF token strings), ``otherwise`` follows any
     other.  Each token of ``after`` gets an embedding dimension of its own (1 there, 0 in the
-    others used) and every other token dimension 0; only the successors' output rows read those
+    others used) and every other token 1 in dimension 0; only the successors' output rows read those
     dimensions, 10 each, so the choice wins by a logit margin of ~80 at any temperature (the
     random rest adds up to ~0.1)."""
     gguf = pytest.importorskip("gguf")
@@ -70,7 +70,9 @@ def write_successor_model(vocab: Path, out: Path, name: str, after: dict[str, st
     reader = gguf.GGUFReader(out, "r+")
     field = reader.fields["tokenizer.ggml.tokens"]
     tokens = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
-    ids = {token: i for i, token in reversed(list(enumerate(tokens)))}
+    ids = {token: i for i, token in enumerate(tokens)}
+    spelled = [*after, *after.values(), otherwise]
+    assert all(tokens.count(t) == 1 for t in spelled)  # else the tokenizer may read another id
     tensors = {t.name: t.data for t in reader.tensors}
     embeddings, output = tensors["token_embd.weight"], tensors["output.weight"]  # rows: tokens
     used = len(after) + 1
