@@ -142,15 +142,57 @@ def run_agent(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.
     return done
 
 
+def codex_home(home: Path, base: str, model: str) -> Path:
+    """A ``CODEX_HOME`` whose config sends ``model`` to the daemon at ``base`` (Responses API)."""
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'model = "{model}"\nmodel_provider = "uma"\n\n[model_providers.uma]\n'
+        f'name = "uma-trio"\nbase_url = "{base}/v1"\nwire_api = "responses"\n'
+    )
+    return home
+
+
+def opencode_config(home: Path, base: str, model: str) -> None:
+    """OpenCode's config under ``home``: the daemon as an OpenAI-compatible provider."""
+    provider = {
+        "npm": "@ai-sdk/openai-compatible", "name": "uma-trio",
+        "options": {"baseURL": f"{base}/v1"}, "models": {model: {"name": model}},
+    }  # fmt: skip
+    config = home / ".config" / "opencode" / "opencode.json"
+    config.parent.mkdir(parents=True)
+    config.write_text(json.dumps({"provider": {"uma": provider}, "model": f"uma/{model}"}))
+
+
+def continue_config(path: Path, base: str, model: str) -> Path:
+    """A Continue CLI config naming the daemon's ``model`` as its chat model."""
+    path.write_text(
+        f"name: uma\nversion: 1.0.0\nschema: v1\nmodels:\n  - name: {model}\n    provider: openai\n"
+        f"    model: {model}\n    apiBase: {base}/v1\n    apiKey: sk-local\n    roles: [chat]\n"
+    )
+    return path
+
+
+def qwen_env(home: Path, base: str, model: str) -> dict[str, str]:
+    return {
+        "HOME": str(home),
+        "OPENAI_API_KEY": "sk-local",
+        "OPENAI_BASE_URL": f"{base}/v1",
+        "OPENAI_MODEL": model,
+    }
+
+
+def claude_env(home: Path, base: str) -> dict[str, str]:
+    """Claude Code's settings: the daemon as its Anthropic endpoint, no telemetry."""
+    return {
+        "HOME": str(home), "ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": "sk-local",
+        "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    }  # fmt: skip
+
+
 def test_codex_exec_is_answered_through_the_responses_api(hello_daemon: str, tmp_path: Path) -> None:
     codex = agent_cli("codex")
-    home, work = tmp_path / "codex-home", tmp_path / "work"
-    home.mkdir()
+    home, work = codex_home(tmp_path / "codex-home", hello_daemon, MODEL), tmp_path / "work"
     work.mkdir()
-    (home / "config.toml").write_text(
-        f'model = "{MODEL}"\nmodel_provider = "uma"\n\n[model_providers.uma]\n'
-        f'name = "uma-trio"\nbase_url = "{hello_daemon}/v1"\nwire_api = "responses"\n'
-    )
     asked = prompt_tokens(hello_daemon)
     done = run_agent([str(codex), "exec", "--skip-git-repo-check", ASK], {"CODEX_HOME": str(home)}, work)
     assert done.stdout.strip() == "Hello", done.stderr  # the final message, alone on stdout
@@ -184,24 +226,14 @@ def test_codex_oss_mode_takes_the_daemon_for_ollama(hello_daemon: str, tmp_path:
 
 def test_opencode_run_is_answered_through_chat_completions(hello_daemon: str, tmp_path: Path) -> None:
     opencode = agent_cli("opencode")
-    provider = {
-        "npm": "@ai-sdk/openai-compatible", "name": "uma-trio",
-        "options": {"baseURL": f"{hello_daemon}/v1"}, "models": {MODEL: {"name": MODEL}},
-    }  # fmt: skip
-    config = tmp_path / ".config" / "opencode" / "opencode.json"
-    config.parent.mkdir(parents=True)
-    config.write_text(json.dumps({"provider": {"uma": provider}, "model": f"uma/{MODEL}"}))
+    opencode_config(tmp_path, hello_daemon, MODEL)
     done = run_agent([str(opencode), "run", ASK], {"HOME": str(tmp_path)}, tmp_path)
     assert done.stdout.strip() == "Hello", done.stderr
 
 
 def test_qwen_code_headless_is_answered_through_chat_completions(hello_daemon: str, tmp_path: Path) -> None:
     qwen = agent_cli("qwen")
-    env = {
-        "HOME": str(tmp_path), "OPENAI_API_KEY": "sk-local", "OPENAI_BASE_URL": f"{hello_daemon}/v1",
-        "OPENAI_MODEL": MODEL,
-    }  # fmt: skip
-    done = run_agent([str(qwen), "-p", ASK], env, tmp_path)
+    done = run_agent([str(qwen), "-p", ASK], qwen_env(tmp_path, hello_daemon, MODEL), tmp_path)
     assert done.stdout.strip() == "Hello", done.stderr
 
 
@@ -209,11 +241,7 @@ def test_continue_cli_headless_is_answered_through_chat_completions(
     hello_daemon: str, tmp_path: Path
 ) -> None:
     cn = agent_cli("cn")
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        f"name: uma\nversion: 1.0.0\nschema: v1\nmodels:\n  - name: {MODEL}\n    provider: openai\n"
-        f"    model: {MODEL}\n    apiBase: {hello_daemon}/v1\n    apiKey: sk-local\n    roles: [chat]\n"
-    )
+    config = continue_config(tmp_path / "config.yaml", hello_daemon, MODEL)
     done = run_agent([str(cn), "-p", ASK, "--config", str(config)], {"HOME": str(tmp_path)}, tmp_path)
     assert done.stdout.strip() == "Hello", done.stderr
 
@@ -281,10 +309,7 @@ def test_claude_code_print_mode_is_answered_through_the_messages_api(
     """And its next turn (``--continue``: the whole conversation again) reads the first turn's
     whole ~12.5k-token prompt from the prefix cache instead of prefilling it again."""
     claude = agent_cli("claude")
-    env = {
-        "HOME": str(tmp_path), "ANTHROPIC_BASE_URL": hello_daemon, "ANTHROPIC_API_KEY": "sk-local",
-        "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-    }  # fmt: skip
+    env = claude_env(tmp_path, hello_daemon)
     asked = prompt_tokens(hello_daemon)
     done = run_agent([str(claude), "-p", ASK, "--model", MODEL], env, tmp_path)
     assert done.stdout.strip() == "Hello", done.stderr

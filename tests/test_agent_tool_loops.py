@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,11 @@ from .test_agent_clis import (
     END,
     ROOT,
     agent_cli,
+    claude_env,
+    codex_home,
+    continue_config,
+    opencode_config,
+    qwen_env,
     reused_tokens,
     run_agent,
     serving,
@@ -94,6 +99,7 @@ def with_tool_turn_mark(template: Path, generation_prompt: str, more: str, out: 
     return out
 
 
+Template = tuple[Path, str, str]  # (file, its generation prompt, the newlines a tool turn adds)
 HERMES = (TEMPLATES / "qwen2.5-instruct.jinja", "<|im_start|>assistant\\n", "\\n\\n")
 LLAMA3 = (
     TEMPLATES / "llama-3.1-instruct.jinja",
@@ -103,7 +109,7 @@ LLAMA3 = (
 
 
 @contextmanager
-def tool_daemon(vocab: Path, tmp: Path, call: list[str], template: tuple[Path, str, str]) -> Iterator[str]:
+def tool_daemon(vocab: Path, tmp: Path, call: list[str], template: Template) -> Iterator[str]:
     """``uma-trio serve`` on a model writing ``call``, with ``template`` marking tool turns."""
     write_tool_model(vocab, tmp / f"{MODEL}.gguf", call)
     marked = with_tool_turn_mark(*template, tmp / "template.jinja")
@@ -112,33 +118,18 @@ def tool_daemon(vocab: Path, tmp: Path, call: list[str], template: tuple[Path, s
 
 
 @pytest.fixture
-def codex_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with tool_daemon(model_path, tmp_path_factory.mktemp("codex"), CODEX_CALL, LLAMA3) as base:
-        yield base
+def daemon_writing(
+    model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[list[str], Template], str]]:
+    """Starts a daemon on a model writing the call given, with that template (stopped after
+    the test), and gives its base URL."""
+    with ExitStack() as stack:
 
+        def start(call: list[str], template: Template) -> str:
+            tmp = tmp_path_factory.mktemp("daemon")
+            return stack.enter_context(tool_daemon(model_path, tmp, call, template))
 
-@pytest.fixture
-def claude_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with tool_daemon(model_path, tmp_path_factory.mktemp("claude"), CLAUDE_CALL, HERMES) as base:
-        yield base
-
-
-@pytest.fixture
-def opencode_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with tool_daemon(model_path, tmp_path_factory.mktemp("opencode"), OPENCODE_CALL, HERMES) as base:
-        yield base
-
-
-@pytest.fixture
-def qwen_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with tool_daemon(model_path, tmp_path_factory.mktemp("qwen"), QWEN_CALL, HERMES) as base:
-        yield base
-
-
-@pytest.fixture
-def continue_daemon(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with tool_daemon(model_path, tmp_path_factory.mktemp("continue"), CLAUDE_CALL, HERMES) as base:
-        yield base
+        yield start
 
 
 def events(stdout: str) -> list[dict[str, Any]]:
@@ -161,17 +152,13 @@ def claude_style_turns(stdout: str) -> tuple[list[tuple[str, Any]], list[tuple[s
 
 
 def test_codex_runs_the_daemon_s_tool_call_and_gets_the_answer_to_its_output(
-    codex_daemon: str, tmp_path: Path
+    daemon_writing: Callable[[list[str], Template], str], tmp_path: Path
 ) -> None:
+    base = daemon_writing(CODEX_CALL, LLAMA3)
     codex = agent_cli("codex")
-    home, work = tmp_path / "codex-home", tmp_path / "work"
-    home.mkdir()
+    home, work = codex_home(tmp_path / "codex-home", base, MODEL), tmp_path / "work"
     work.mkdir()
-    (home / "config.toml").write_text(
-        f'model = "{MODEL}"\nmodel_provider = "uma"\n\n[model_providers.uma]\n'
-        f'name = "uma-trio"\nbase_url = "{codex_daemon}/v1"\nwire_api = "responses"\n'
-    )
-    reused = reused_tokens(codex_daemon)
+    reused = reused_tokens(base)
     # No sandbox: Linux's (Landlock, seccomp) may be missing in a container; the command is echo.
     no_sandbox = "--dangerously-bypass-approvals-and-sandbox"
     command = [str(codex), "exec", "--json", "--skip-git-repo-check", no_sandbox]
@@ -183,76 +170,64 @@ def test_codex_runs_the_daemon_s_tool_call_and_gets_the_answer_to_its_output(
     assert ran[0]["aggregated_output"] == "pineapple\n"
     said = [i["text"] for i in items if isinstance(i, dict) and i.get("type") == "agent_message"]
     assert said == [ANSWER], done.stdout  # the answer to a prompt ending in the tool's output
-    assert reused_tokens(codex_daemon) - reused > 8000  # the second request's prompt, mostly
+    assert reused_tokens(base) - reused > 8000  # the second request's prompt, mostly
 
 
 def test_claude_code_runs_the_daemon_s_tool_use_and_gets_the_answer_to_its_result(
-    claude_daemon: str, tmp_path: Path
+    daemon_writing: Callable[[list[str], Template], str], tmp_path: Path
 ) -> None:
+    base = daemon_writing(CLAUDE_CALL, HERMES)
     claude = agent_cli("claude")
-    env = {
-        "HOME": str(tmp_path), "ANTHROPIC_BASE_URL": claude_daemon, "ANTHROPIC_API_KEY": "sk-local",
-        "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-    }  # fmt: skip
-    reused = reused_tokens(claude_daemon)
+    env = claude_env(tmp_path, base)
+    reused = reused_tokens(base)
     flags = ["--output-format", "stream-json", "--verbose", "--allowedTools", "Bash(echo pineapple)"]
     done = run_agent([str(claude), "-p", ASK, "--model", MODEL, *flags], env, tmp_path)
     uses, results, answer = claude_style_turns(done.stdout)
     assert uses == [("Bash", {"command": "echo pineapple"})], done.stdout
     assert results == [("pineapple", False)], done.stdout
     assert answer == ANSWER, done.stdout  # the answer to a prompt ending in the tool's result
-    assert reused_tokens(claude_daemon) - reused > 8000  # the second request's prompt, mostly
+    assert reused_tokens(base) - reused > 8000  # the second request's prompt, mostly
 
 
 def test_opencode_runs_the_daemon_s_tool_call_and_gets_the_answer_to_its_output(
-    opencode_daemon: str, tmp_path: Path
+    daemon_writing: Callable[[list[str], Template], str], tmp_path: Path
 ) -> None:
+    base = daemon_writing(OPENCODE_CALL, HERMES)
     opencode = agent_cli("opencode")
-    provider = {
-        "npm": "@ai-sdk/openai-compatible", "name": "uma-trio",
-        "options": {"baseURL": f"{opencode_daemon}/v1"}, "models": {MODEL: {"name": MODEL}},
-    }  # fmt: skip
-    config = tmp_path / ".config" / "opencode" / "opencode.json"
-    config.parent.mkdir(parents=True)
-    config.write_text(json.dumps({"provider": {"uma": provider}, "model": f"uma/{MODEL}"}))
-    reused = reused_tokens(opencode_daemon)
+    opencode_config(tmp_path, base, MODEL)
+    reused = reused_tokens(base)
     done = run_agent([str(opencode), "run", "--format", "json", ASK], {"HOME": str(tmp_path)}, tmp_path)
     parts = [e["part"] for e in events(done.stdout) if "part" in e]
     tools = [(p["tool"], p["state"]["input"], p["state"]["status"]) for p in parts if p["type"] == "tool"]
     assert tools == [("bash", {"command": "echo pineapple"}, "completed")], done.stdout
     assert next(p for p in parts if p["type"] == "tool")["state"]["output"] == "pineapple\n"
     assert [p["text"] for p in parts if p["type"] == "text"] == [ANSWER], done.stdout
-    assert reused_tokens(opencode_daemon) - reused > 5000  # the second request's prompt, mostly
+    assert reused_tokens(base) - reused > 5000  # the second request's prompt, mostly
 
 
 def test_qwen_code_runs_the_daemon_s_tool_call_and_gets_the_answer_to_its_output(
-    qwen_daemon: str, tmp_path: Path
+    daemon_writing: Callable[[list[str], Template], str], tmp_path: Path
 ) -> None:
+    base = daemon_writing(QWEN_CALL, HERMES)
     qwen = agent_cli("qwen")
     (tmp_path / "pineapple.txt").write_text("a fruit\n")
-    env = {
-        "HOME": str(tmp_path), "OPENAI_API_KEY": "sk-local", "OPENAI_BASE_URL": f"{qwen_daemon}/v1",
-        "OPENAI_MODEL": MODEL,
-    }  # fmt: skip
-    reused = reused_tokens(qwen_daemon)
+    env = qwen_env(tmp_path, base, MODEL)
+    reused = reused_tokens(base)
     done = run_agent([str(qwen), "-p", ASK, "--output-format", "stream-json"], env, tmp_path)
     uses, results, answer = claude_style_turns(done.stdout)
     assert uses == [("glob", {"pattern": "pineapple.txt"})], done.stdout
     assert [(text.startswith("Found 1 matching file"), error) for text, error in results] == [(True, False)]
     assert answer == ANSWER, done.stdout
-    assert reused_tokens(qwen_daemon) - reused > 8000  # the second request's prompt, mostly
+    assert reused_tokens(base) - reused > 8000  # the second request's prompt, mostly
 
 
 def test_continue_cli_runs_the_daemon_s_tool_call_and_gets_the_answer_to_its_output(
-    continue_daemon: str, tmp_path: Path
+    daemon_writing: Callable[[list[str], Template], str], tmp_path: Path
 ) -> None:
+    base = daemon_writing(CLAUDE_CALL, HERMES)
     cn = agent_cli("cn")
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        f"name: uma\nversion: 1.0.0\nschema: v1\nmodels:\n  - name: {MODEL}\n    provider: openai\n"
-        f"    model: {MODEL}\n    apiBase: {continue_daemon}/v1\n    apiKey: sk-local\n    roles: [chat]\n"
-    )
-    reused = reused_tokens(continue_daemon)
+    config = continue_config(tmp_path / "config.yaml", base, MODEL)
+    reused = reused_tokens(base)
     command = [str(cn), "-p", ASK, "--config", str(config), "--auto"]  # --auto: Bash runs unasked
     done = run_agent(command, {"HOME": str(tmp_path)}, tmp_path)
     assert done.stdout.strip() == ANSWER, done.stderr
@@ -265,4 +240,4 @@ def test_continue_cli_runs_the_daemon_s_tool_call_and_gets_the_answer_to_its_out
     ran = [(s["toolCall"]["function"]["name"], s["parsedArgs"], s["status"]) for s in states]
     assert ran == [("Bash", {"command": "echo pineapple"}, "done")], history
     assert [o["content"] for o in states[0]["output"]] == ["pineapple\n"]
-    assert reused_tokens(continue_daemon) - reused > 1500  # its ~2k-token first prompt, reused
+    assert reused_tokens(base) - reused > 1500  # its ~2k-token first prompt, reused
