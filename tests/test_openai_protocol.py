@@ -132,6 +132,24 @@ def test_unsupported_or_invalid_fields_are_refused_by_name(fields: dict[str, Any
     assert refused.value.status == 400 and refused.value.param == param
 
 
+@pytest.mark.parametrize("logprobs", [21, -1])
+def test_completions_logprobs_out_of_range_names_logprobs(logprobs: int) -> None:
+    """Found by review: /v1/completions' ``logprobs: 21`` was refused naming ``top_logprobs``,
+    the daemon's field, which the client never sent."""
+    with pytest.raises(openai.ApiError) as refused:
+        translate(completion(prompt="hi", logprobs=logprobs))
+    assert refused.value.status == 400 and refused.value.param == "logprobs"
+    assert "logprobs must be 0 to 20" in refused.value.message
+    assert translate(completion(prompt="hi", logprobs=20)).request.top_logprobs == 20
+
+
+def test_a_text_part_without_text_says_so() -> None:
+    """Found by review: it read "content part type 'text' is not supported; only text"."""
+    with pytest.raises(openai.ApiError) as refused:
+        translate(chat(messages=[{"role": "user", "content": [{"type": "text"}]}]))
+    assert refused.value.param == "messages[0].content" and "needs `text`" in refused.value.message
+
+
 def test_neutral_values_of_unsupported_fields_pass() -> None:
     neutral = {"n": 1, "logprobs": False, "frequency_penalty": 0, "presence_penalty": 0.0,
                "response_format": {"type": "text"}, "tools": [], "echo": False, "best_of": 1}  # fmt: skip

@@ -361,6 +361,23 @@ def test_odd_tools_and_items_are_400s_naming_the_field() -> None:
     assert [t.role for t in responses_request(body, "r", None)[0].messages or []] == ["user"]
 
 
+def test_stream_null_is_the_default_and_an_empty_text_input_needs_instructions() -> None:
+    """Found by review: ``"stream": null`` was a 400 (OpenAI's spec allows it, as chat does),
+    and ``input: ""`` with no instructions was answered as an empty user turn where HTTP.md
+    says it is refused naming ``input``."""
+    from uma_trio.protocol.responses_api import ResponsesBody, responses_request
+
+    def body(**fields: Any) -> ResponsesBody:
+        return msgspec.convert({"model": MODEL, **fields}, ResponsesBody)
+
+    assert not body(input="hi", stream=None).stream
+    with pytest.raises(ApiError) as refused:
+        responses_request(body(input=""), "r", None)
+    assert refused.value.param == "input"
+    turns = responses_request(body(input="", instructions="be brief"), "r", None)[0].messages or []
+    assert [t.role for t in turns] == ["system", "user"]
+
+
 def test_a_custom_tool_s_input_is_its_text() -> None:
     from uma_trio.protocol.responses_tools import custom_input
 

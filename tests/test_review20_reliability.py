@@ -69,9 +69,9 @@ async def test_a_metrics_figure_that_cannot_be_read_fails_one_answer_not_the_dae
 @pytest.mark.parametrize(
     ("max_context", "says"),
     [
-        (64, "> 64 maximum (the request's max_context)"),
-        (256, "> 256 maximum (--n-ctx)"),
-        (260, "> 256 maximum (--n-ctx)"),
+        (64, "leave no room for an answer in 64 (the request's max_context)"),
+        (256, "leave no room for an answer in 256 (--n-ctx)"),
+        (260, "leave no room for an answer in 256 (--n-ctx)"),
     ],
 )
 async def test_a_prompt_past_max_context_names_the_limit_that_applies(

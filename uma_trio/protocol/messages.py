@@ -24,6 +24,7 @@ CancelReason = Literal["client", "disconnect", "shutdown", "stalled"]
 # and error messages, where a CR/LF or a non-latin-1 character broke a response after the
 # request was registered.  (``\Z``, not ``$``: ``$`` also matches before a final newline.)
 REQUEST_ID_PATTERN = r"^[!-~]{1,128}\Z"
+MOST_TOP_LOGPROBS = 20  # the most likely tokens a token's logprobs may list (OpenAI's limit)
 RequestId = Annotated[str, Meta(pattern=REQUEST_ID_PATTERN)]
 # A file name in the snapshot directory: no path separators, no leading dot.
 SnapshotName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")]
@@ -150,9 +151,8 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     mirostat: Literal[0, 1, 2] = 0
     mirostat_tau: Annotated[float, Meta(gt=0.0, le=100.0)] = 5.0
     mirostat_eta: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.1
-    # Each token's log-probability (and the top_logprobs most likely tokens') in its events.
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
+    logprobs: bool = False  # each token's log-probability (and the top_logprobs') in its events
+    top_logprobs: Annotated[int, Meta(ge=0, le=MOST_TOP_LOGPROBS)] = 0
     priority: Lane = "interactive"
     # The most KV cells this request may use, prompt and answer (Ollama's num_ctx): the answer
     # is cut to fit; a prompt that does not leave room is E_LIMIT_002.  Never a reload.

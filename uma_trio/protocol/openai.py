@@ -20,7 +20,15 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from .errors import ErrorCode, UmaError
-from .messages import EosEvent, GenerateRequest, Lane, TokenLogprob, ToolCall, ToolCallFunction
+from .messages import (
+    MOST_TOP_LOGPROBS,
+    EosEvent,
+    GenerateRequest,
+    Lane,
+    TokenLogprob,
+    ToolCall,
+    ToolCallFunction,
+)
 
 # The errors live in openai_errors.py; callers reach every OpenAI shape through this module.
 from .openai_errors import ApiError as ApiError
@@ -187,11 +195,13 @@ def _chat_messages(turns: list[ChatTurn]) -> list[dict[str, Any]]:
         else:
             parts = []
             for part in turn.content:
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise ApiError(
                         400, f"content part type {part.type!r} is not supported; only text",
                         param=f"messages[{i}].content",
                     )  # fmt: skip
+                if part.text is None:
+                    raise ApiError(400, "a text part needs `text`", param=f"messages[{i}].content")
                 parts.append(part.text)
             text = "".join(parts)
         message: dict[str, Any] = {"role": role, "content": text}
@@ -309,6 +319,8 @@ def _logprob_fields(body: _Body) -> dict[str, Any]:
         return {"logprobs": True, "top_logprobs": body.top_logprobs or 0} if body.logprobs else {}
     if body.logprobs is None or body.logprobs is False:
         return {}
+    if not 0 <= int(body.logprobs) <= MOST_TOP_LOGPROBS:  # named here: the daemon's field is top_logprobs
+        raise ApiError(400, f"logprobs must be 0 to {MOST_TOP_LOGPROBS}", param="logprobs")
     return {"logprobs": True, "top_logprobs": int(body.logprobs)}
 
 

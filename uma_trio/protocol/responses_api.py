@@ -44,7 +44,7 @@ class ResponsesBody(Struct, kw_only=True):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stream: bool = False
+    stream: bool | None = False  # null: the default, as OpenAI's spec allows
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None
     store: bool | None = None
@@ -81,11 +81,11 @@ def _turns(body: ResponsesBody, names: Names) -> list[dict[str, Any]]:
     if body.instructions:
         turns.append({"role": "system", "content": body.instructions})
         names.update({"messages[0]": "instructions", "messages[0].content": "instructions"})
+    if not body.input and not body.instructions:
+        raise bad_request("input is empty: give a text or at least one item to answer", "input")
     if isinstance(body.input, str):
         names.update({f"messages[{len(turns)}]": "input", f"messages[{len(turns)}].content": "input"})
         return [*turns, {"role": "user", "content": body.input}]
-    if not body.input and not body.instructions:
-        raise bad_request("input is empty: give a text or at least one item to answer", "input")
     calls: set[str] = set()  # the call_ids of the call items so far
     for i, item in enumerate(body.input):
         kind, where = item.get("type", "message"), f"input[{i}]"

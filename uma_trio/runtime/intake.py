@@ -117,7 +117,8 @@ async def open_on(
             )
             raise UmaError(
                 ErrorCode.CONTEXT_OVERFLOW,
-                too_long(f"{len(prompt)} tokens > {limit} maximum ({whose})"),
+                # A prompt that fills the context is refused too: the answer needs a cell.
+                too_long(f"{len(prompt)} tokens leave no room for an answer in {limit} ({whose})"),
                 request_id=rid,
             )
         request = msgspec.structs.replace(request, max_tokens=min(request.max_tokens, room))
