@@ -179,3 +179,31 @@ def test_a_system_message_among_the_messages_is_a_system_turn_where_it_stands() 
             msgspec.convert({"model": MODEL, "messages": [tool], "max_tokens": 8}, MessagesBody), "r"
         )
     assert refused.value.param == "messages[0].role"
+
+
+def test_anthropic_s_own_tools_are_left_out_and_a_client_tool_needs_its_schema() -> None:
+    """Found by review: web_search_20250305 (run on Anthropic's side) and bash_20250124 (a schema
+    only Anthropic knows) were shown to the model as client tools, which then called a tool the
+    client never runs; a tool with no input_schema was taken."""
+    import msgspec
+
+    from uma_trio.protocol.anthropic import MessagesBody, messages_request
+    from uma_trio.protocol.openai_errors import ApiError
+
+    def request(tools: list[dict[str, Any]], choice: dict[str, Any] | None = None) -> Any:
+        fields = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                  "tools": tools, "tool_choice": choice}  # fmt: skip
+        return messages_request(msgspec.convert(fields, MessagesBody), "r")
+
+    search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}
+    bash = {"type": "bash_20250124", "name": "bash"}
+    weather = {"name": "get_weather", "input_schema": {"type": "object", "properties": {}}}
+    shown = request([search, bash, weather], {"type": "any"}).tools
+    assert [t.function.name for t in shown] == ["get_weather"]
+    assert request([search, bash]).tools is None
+    with pytest.raises(ApiError, match="only Anthropic's own") as forced:
+        request([search], {"type": "any"})
+    assert forced.value.param == "tool_choice"
+    with pytest.raises(ApiError) as schemaless:
+        request([{"name": "f"}])
+    assert schemaless.value.status == 400 and schemaless.value.param == "tools[0].input_schema"

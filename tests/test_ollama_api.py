@@ -235,3 +235,31 @@ def test_minus_one_means_what_ollama_and_llama_server_say() -> None:
         ),
     ):
         assert request.seed is None and request.repeat_last_n == protocol.WHOLE_CONTEXT
+
+
+async def test_refusals_before_a_route_come_in_each_api_s_shape(open_server: Server) -> None:
+    """Found by review: a 403 (Host, Origin), a 415 and Starlette's 404/405 under /api/ came as
+    OpenAI's error object (the ollama client raised its dict's repr), and /v1/messages' 403
+    and 415 as OpenAI's too."""
+    with pytest.raises(ollama.ResponseError) as unserved:
+        await client(open_server).delete(MODEL)  # /api/delete: not served
+    assert unserved.value.status_code == 404 and unserved.value.error.startswith("DELETE /api/delete")
+    async with httpx.AsyncClient(base_url=str(open_server.http_url)) as http:
+        for answer in (
+            await http.post("/api/tags"),  # 405
+            await http.post("/api/chat", content=b"{}", headers={"content-type": "text/plain"}),
+            await http.post("/api/chat", json={}, headers={"host": "evil.example"}),
+        ):
+            assert answer.status_code in (403, 405, 415) and isinstance(answer.json()["error"], str), (
+                answer.text
+            )
+        for headers in ({"content-type": "text/plain"}, {"origin": "https://evil.example"}):
+            refused = await http.post("/v1/messages", content=b"{}", headers=headers)
+            assert refused.status_code in (403, 415) and refused.json()["type"] == "error", refused.text
+        openai_shape = await http.post(
+            "/v1/chat/completions", content=b"{}", headers={"content-type": "text/plain"}
+        )
+        assert (
+            openai_shape.status_code == 415
+            and openai_shape.json()["error"]["code"] == "unsupported_media_type"
+        )

@@ -87,6 +87,11 @@ async def test_a_model_not_loaded_is_shown_from_its_file_and_stays_unloaded(
             "Q4_1",
         )
         assert server.models.state("other") == "unloaded"  # reading its card loaded nothing
+        # The primary's size is its file's label too (llama.cpp's description guessed "256M").
+        assert listed[PRIMARY] is not None and listed[PRIMARY].parameter_size == "135M"
+        assert primary.details is not None and primary.details.parameter_size == "135M"
+        running = {m.model: m.details for m in (await api.ps()).models}
+        assert running[PRIMARY] is not None and running[PRIMARY].parameter_size == "135M"
         async with httpx.AsyncClient(base_url=str(server.http_url)) as http:
             missing = await http.post("/api/show", json={"model": "nothing-here"})
             assert missing.status_code == 404 and "nothing-here" in missing.json()["error"]

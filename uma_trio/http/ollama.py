@@ -60,13 +60,13 @@ class OllamaApi:
     async def tags(self, request: Request) -> Response:
         models = self.gateway._ready().models.describe()
         others = [e for m in models if not m["primary"] if (e := await self._other_entry(m)) is not None]
-        return json_response(ollama.ModelList([self._entry(), *others]))
+        return json_response(ollama.ModelList([await self._entry(), *others]))
 
     async def ps(self, request: Request) -> Response:
         # Loaded for good: it expires when the daemon stops, a year from now as far as a
         # client's countdown goes.
         later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=KEEP_ALIVE_MAX_S)
-        entry = self._entry()
+        entry = await self._entry()
         summary = self.gateway._ready().describe_engine()
         layers = summary["gpu_layers"]
         entry.expires_at = later.isoformat().replace("+00:00", "Z")
@@ -97,7 +97,8 @@ class OllamaApi:
         primary = model == self.gateway.model
         if primary:
             engine = self.gateway._ready().loop.engine
-            template, context, details = engine.chat_template_source or "", engine.n_ctx_seq, self._details()
+            template, context = engine.chat_template_source or "", engine.n_ctx_seq
+            details = self._details(card)
             insert = fill_in_middle(engine)
         else:
             context = served_context(self.gateway._ready().models, model)
@@ -212,13 +213,16 @@ class OllamaApi:
     def _decode(self, data: bytes, kind: type[ollama.BodyT]) -> ollama.BodyT:
         return decode_body(data or b"{}", kind)
 
-    def _details(self) -> ollama.ModelDetails:
-        # llama.cpp's description: "llama 135M Q4_1" (architecture, size, quantization).
+    def _details(self, card: ModelCard | None) -> ollama.ModelDetails:
+        # llama.cpp's description: "llama 135M Q4_1" (architecture, size, quantization).  Its
+        # size is guessed from the layer count (SmolLM2-135M's read "256M"): the file's own
+        # label first, as for the store's other models (_card_details).
         words = str(self.gateway._ready().describe_engine()["model"].get("description", "")).split()
         family = words[0] if words else "unknown"
+        guessed = words[1] if len(words) > 1 else ""
         return ollama.ModelDetails(
             format="gguf", family=family, families=[family],
-            parameter_size=words[1] if len(words) > 1 else "",
+            parameter_size=card.size_label if card and card.size_label else guessed,
             quantization_level=words[-1] if len(words) > 2 else "",
         )  # fmt: skip
 
@@ -243,11 +247,13 @@ class OllamaApi:
             digest="", details=self._card_details(card),
         )  # fmt: skip
 
-    def _entry(self) -> ollama.ModelEntry:
+    async def _entry(self) -> ollama.ModelEntry:
+        """The primary model's entry in the lists."""
+        details = self._details(await self._card(self.gateway.model))
         model = self.gateway._ready().describe_engine()["model"]
         return ollama.ModelEntry(
             name=self.gateway.model, model=self.gateway.model, modified_at=ollama.now_rfc3339(),
-            size=int(model.get("weight_bytes", 0)), digest="", details=self._details(),
+            size=int(model.get("weight_bytes", 0)), digest="", details=details,
         )  # fmt: skip
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..protocol.errors import shown
 from ..protocol.openai import ApiError
+from ..protocol.openai_errors import shape_for
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 DEFAULT_CORS_ORIGINS = (
@@ -151,6 +152,7 @@ class OriginGuard:
                 content_type=headers.get("content-type"), hosts=self.hosts, origins=self.origins,
             )  # fmt: skip
             if error is not None:
+                error.shape = shape_for(scope["path"])  # answered before the route's own shape
                 response = self.refuse(error)
                 if error.code == UNSUPPORTED_MEDIA_TYPE:  # Host and Origin passed: the page may read it
                     _allow_origin(response, headers.get("origin"))

@@ -135,16 +135,35 @@ def _call(block: dict[str, Any], where: str) -> dict[str, Any]:
     }
 
 
+def _client_tools(body: MessagesBody) -> list[dict[str, Any]]:
+    """The tools the model is shown: the client's own (``type`` absent or ``custom``).  A typed
+    tool is Anthropic's (web search, code execution: run on Anthropic's side; bash, text editor,
+    computer: a schema only Anthropic knows), left out as the Responses route leaves OpenAI's
+    hosted tools out: shown, the model called a tool the client never runs."""
+    shown = []
+    for i, tool in enumerate(body.tools or ()):
+        if not isinstance(tool, dict):
+            raise bad_request(f"tools[{i}] must be an object", f"tools[{i}]")
+        if tool.get("type", "custom") != "custom":
+            continue
+        if not isinstance(tool.get("input_schema"), dict):
+            raise bad_request(f"tools[{i}].input_schema: an object is required", f"tools[{i}].input_schema")
+        shown.append(tool)
+    return shown
+
+
 def _tool_fields(body: MessagesBody) -> dict[str, Any]:
-    if not body.tools:
+    shown = _client_tools(body)
+    if not shown:
         if body.tool_choice and body.tool_choice.get("type") in ("tool", "any"):
-            raise bad_request("tool_choice asks for a tool, but no `tools` are given", "tool_choice")
+            given = "only Anthropic's own `tools` are" if body.tools else "no `tools` are"
+            raise bad_request(f"tool_choice asks for a tool, but {given} given", "tool_choice")
         return {}
     tools = [
         {"type": "function", "function": {
-            "name": t.get("name"), "description": t.get("description"), "parameters": t.get("input_schema"),
+            "name": t.get("name"), "description": t.get("description"), "parameters": t["input_schema"],
         }}
-        for t in body.tools
+        for t in shown
     ]  # fmt: skip
     fields: dict[str, Any] = {"tools": tools}
     choice = body.tool_choice or {"type": "auto"}

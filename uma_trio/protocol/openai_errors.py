@@ -53,9 +53,15 @@ _ANTHROPIC_TYPE = {
 ANTHROPIC_PREFIX = "/v1/messages"  # the paths whose errors come in Anthropic's shape
 
 
+OLLAMA_PREFIX = "/api/"  # Ollama's paths: their errors are {"error": "message"}
+
+
 def shape_for(path: str) -> str:
-    """The error shape of a path answered before (or outside) its route: auth, 404, 405, 500."""
-    return "anthropic" if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/") else "openai"
+    """The error shape of a path answered before (or outside) its route: auth, Host, Origin,
+    media type, 404, 405, 500 (the official ollama client showed an OpenAI error object's repr)."""
+    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+        return "anthropic"
+    return "ollama" if path.startswith(OLLAMA_PREFIX) else "openai"
 
 
 # HTTP status and OpenAI error type of each daemon error code.  `code` in the error object
