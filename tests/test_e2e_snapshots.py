@@ -127,3 +127,30 @@ async def test_snapshot_errors_are_clear(
         ("restore f16 into", "other max-sessions"): ErrorCode.SNAPSHOT_MISMATCH,
         ("restore f16 into", "flash attention off"): ErrorCode.SNAPSHOT_MISMATCH,
     }
+
+
+async def test_an_altered_or_truncated_snapshot_is_refused_even_with_its_prefix_cached(
+    llama_model: LlamaModel, server_config: ServerConfig, tmp_path: Path
+) -> None:
+    """llama.cpp loads altered cells without a word (a review flipped 1,000 bytes near the
+    end and got other greedy answers), and a truncated copy read as restored while the
+    prefix it names was cached: the KV bytes' length and sha256 are checked first."""
+    async with running_server(llama_model, server_config, snapshot_dir=tmp_path) as srv:
+        async with UmaClient.connect(srv.config.socket_path) as client:
+            await client.snapshot("save", "sys", prompt=SYSTEM)  # its prefix stays cached
+            saved = (tmp_path / f"sys{SUFFIX}").read_bytes()
+            flipped = bytearray(saved)
+            flipped[-1100:-100] = bytes(b ^ 0xFF for b in flipped[-1100:-100])
+            (tmp_path / f"flip{SUFFIX}").write_bytes(bytes(flipped))
+            (tmp_path / f"cut{SUFFIX}").write_bytes(saved[: len(saved) - 4096])
+            listed = [s.name for s in (await client.snapshot("list")).snapshots]
+            refused = {}
+            for name in ("flip", "cut"):
+                with pytest.raises(RequestFailed) as failed:
+                    await client.snapshot("restore", name)
+                refused[name] = (failed.value.event.code, failed.value.event.message)
+            assert (await client.snapshot("restore", "sys")).snapshots[0].name == "sys"
+    assert listed == ["flip", "sys"]  # a size that is not the saved one is left out
+    assert refused["flip"][0] == refused["cut"][0] == ErrorCode.SNAPSHOT_INVALID
+    assert "do not match the sha256" in refused["flip"][1]
+    assert "truncated or damaged" in refused["cut"][1]

@@ -116,3 +116,19 @@ def test_a_header_with_bytes_that_are_not_utf8_is_a_corrupt_snapshot(tmp_path: P
     store.path("bad").write_bytes(bytes(blob))
     assert [info.name for info in store.list()] == ["good"]
     assert code_of(lambda: store.read("bad")) == ErrorCode.SNAPSHOT_INVALID
+
+
+def test_the_kv_bytes_are_sealed_by_length_and_digest(tmp_path: Path) -> None:
+    """A file from before the seal (no state_bytes/state_sha256) is read unchecked, as then."""
+    store = SnapshotStore(tmp_path)
+    info = store.write(header("a"), b"KV bytes")
+    raw = store.path("a").read_bytes()
+    assert b'"state_bytes":8' in raw and info.bytes == len(raw)
+    store.path("b").write_bytes(raw[:-1] + b"X")
+    assert code_of(lambda: store.read("b")) == ErrorCode.SNAPSHOT_INVALID
+    store.path("c").write_bytes(raw[:-1])
+    assert [i.name for i in store.list()] == ["a", "b"]  # the short one is left out
+    with pytest.raises(UmaError, match="truncated or damaged: 7 KV bytes where it saved 8"):
+        store.read("c")
+    store.path("old").write_bytes(encode(header("old"), b"anything"))
+    assert store.read("old")[1] == b"anything"

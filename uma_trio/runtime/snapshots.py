@@ -5,6 +5,9 @@ length, the JSON header, then llama.cpp's bytes for the sequence
 (``llama_state_seq_get_data``).  The header names the model file's sha256 and
 the KV type: llama.cpp only checks tensor shapes, so without it a snapshot of
 another model with the same shape would load and silently answer nonsense.
+The header also carries the KV bytes' length and sha256, checked before llama.cpp sees
+them: it accepts altered cells silently (a review flipped 1,000 bytes and got other greedy
+answers), and a truncated file whose prefix was already cached read as restored.
 A snapshot's name is its file's: a file renamed or copied is listed and restored
 under its new name (the header's ``name``, the one it was saved under, is not used),
 so ``list`` shows exactly the names ``restore`` accepts.
@@ -13,6 +16,7 @@ so ``list`` shows exactly the names ``restore`` accepts.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import stat
@@ -47,6 +51,25 @@ class SnapshotHeader(msgspec.Struct, kw_only=True):
     tokens: list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]]  # what the cells hold, in order
     created_unix: float
     kv_layout: str = ""  # Engine.kv_layout ("" in files from before it was recorded)
+    # The KV bytes' length and sha256 (-1 and "" in files from before they were recorded,
+    # which are restored unchecked).
+    state_bytes: int = -1
+    state_sha256: str = ""
+
+    def sealed(self, state: bytes) -> SnapshotHeader:
+        """This header carrying ``state``'s length and digest (hashlib drops the GIL)."""
+        digest = hashlib.sha256(state).hexdigest()
+        return msgspec.structs.replace(self, state_bytes=len(state), state_sha256=digest)
+
+    def check_state(self, name: str, size: int, state: bytes | None = None) -> str | None:
+        """Why ``size`` KV bytes (and ``state``'s digest, when given) are not what this
+        header says; None when they are."""
+        if self.state_bytes >= 0 and size != self.state_bytes:
+            saved = self.state_bytes
+            return f"snapshot {name!r} is truncated or damaged: {size} KV bytes where it saved {saved}"
+        if state is not None and self.state_sha256 and hashlib.sha256(state).hexdigest() != self.state_sha256:
+            return f"snapshot {name!r} is corrupt: its KV bytes do not match the sha256 it was saved with"
+        return None
 
     def info(self, size: int) -> SnapshotInfo:
         return SnapshotInfo(
@@ -224,6 +247,7 @@ class SnapshotStore:
 
     def write(self, header: SnapshotHeader, state: bytes) -> SnapshotInfo:
         """Write atomically: a reader sees the old file or the new one, never half of one."""
+        header = header.sealed(state)
         prefix = self._encoded_prefix(header, state)  # before anything is written
         self._make_directory()
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{header.name}.", suffix=".tmp")
@@ -257,11 +281,15 @@ class SnapshotStore:
                 raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"cannot read snapshot {name!r}: {exc}") from None
         if len(state) != size - start:
             raise UmaError(ErrorCode.SNAPSHOT_INVALID, f"snapshot {name!r} changed while it was read")
+        problem = header.check_state(name, len(state), state)
+        if problem is not None:
+            raise UmaError(ErrorCode.SNAPSHOT_INVALID, problem)
         return header, state
 
     def list(self) -> list[SnapshotInfo]:
-        """Every snapshot whose header reads, by its file's name; other files, and those
-        whose name ``restore`` would refuse (``_x.umakv``), are left out."""
+        """Every snapshot whose header reads and whose size matches it, by its file's name;
+        other files, and those whose name ``restore`` would refuse (``_x.umakv``), are left
+        out (the KV bytes' digest is checked only by ``restore``: they may be gigabytes)."""
         if not self._check_directory():
             return []
         infos = []
@@ -272,7 +300,9 @@ class SnapshotStore:
             try:  # the header only: the KV bytes after it may be hundreds of MB
                 fd, size = self._open(path, name)
                 with os.fdopen(fd, "rb") as file:
-                    header, _ = _read_header(file, name)
+                    header, start = _read_header(file, name)
+                if header.check_state(name, size - start) is not None:
+                    continue
                 infos.append(header.info(size))
             except (UmaError, OSError):  # unreadable, oversized, not a regular file, or removed
                 continue
