@@ -150,6 +150,23 @@ def test_info_prints_what_serve_would_run_on_without_a_daemon() -> None:
     assert info["settings"]["cuda_graphs"] is False  # nothing on a CUDA device
     text = run_cli("info", "--deterministic").stdout
     assert "GPU layers    0 of 31" in text and "q8_0" in text and "deterministic" in text
+    assert info["host_memory_problem"] is None
+
+
+@pytest.mark.model
+def test_a_kv_cache_bigger_than_the_machine_is_refused_before_it_loads(tmp_path: Path) -> None:
+    """`serve --n-ctx 99999999999` grew to the machine's 23 GB and was OOM-killed (exit 137);
+    `info --n-ctx 200000` showed a 34 GiB cache on it without a word."""
+    import psutil
+
+    cells = psutil.virtual_memory().total // 23040 + 1  # one cell more than the machine holds
+    socket = str(tmp_path / "s.sock")
+    done = run_cli("serve", "--n-ctx", str(cells), "--max-sessions", "1", "--socket", socket)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"--n-ctx {cells} × --max-sessions 1 cells need a" in done.stderr
+    assert "GiB f16 KV cache in host memory" in done.stderr and "--kv-type q8_0" in done.stderr
+    shown = run_cli("info", "--n-ctx", str(cells), "--max-sessions", "1")
+    assert shown.returncode == 0 and "refused       serve would not start: --n-ctx" in shown.stdout
 
 
 @pytest.mark.model

@@ -167,4 +167,6 @@ def info(
           f"threads {st['threads']}")  # fmt: skip
     if caveat := deterministic_caveat(summary):
         print(f"caveat        {caveat}")
+    if problem := summary["host_memory_problem"]:
+        print(f"refused       serve would not start: {problem}")
     return 0

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ..config import ServerConfig, SplitMode, parse_gpu_layers
 from .devices import (
     apply_cuda_graphs,
@@ -54,6 +56,33 @@ def memory_footprint(shape: ModelShape, config: ServerConfig) -> int:
     return shape.file_bytes + cells * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1])
 
 
+def host_bytes(shape: ModelShape, config: ServerConfig, plan: OffloadPlan) -> tuple[int, int]:
+    """The weights' and the KV cache's bytes in host memory: the share of the layers that
+    stay on the CPU (llama.cpp keeps a layer's KV cells with the layer)."""
+    kv = config.n_ctx * config.max_sessions * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1])
+    on_host = 1.0 - min(plan.n_gpu_layers, plan.total) / max(plan.total, 1)
+    return round(shape.file_bytes * on_host), round(kv * on_host)
+
+
+def host_memory_problem(shape: ModelShape, config: ServerConfig, plan: OffloadPlan, total: int) -> str | None:
+    """Why the model cannot run in ``total`` bytes of host memory; None when it fits.
+
+    llama.cpp allocates the KV cache whole at start-up and the kernel OOM-kills the process
+    once it is touched (``--n-ctx 99999999999`` grew to the machine's 23 GB and died, exit
+    137), so a cache bigger than the machine is refused with the numbers before it loads."""
+    weights, kv = host_bytes(shape, config, plan)
+    if weights + kv <= total:
+        return None
+    gib = 1 << 30
+    smaller = ", or use --kv-type q8_0" if config.engine_kv_type == "f16" else ""
+    return (
+        f"--n-ctx {config.n_ctx} × --max-sessions {config.max_sessions} cells need a "
+        f"{kv / gib:.1f} GiB {config.engine_kv_type} KV cache in host memory (with "
+        f"{weights / gib:.1f} GiB of weights) and this machine has {total / gib:.1f} GiB: "
+        f"lower --n-ctx or --max-sessions{smaller}"
+    )
+
+
 def placement_for(plan: OffloadPlan, config: ServerConfig) -> Placement:
     # llama.cpp's tensor split builds one device out of the GPUs and fails the load where
     # there is none; with no layer on a GPU there is nothing to split, so ask for layers.
@@ -72,7 +101,7 @@ def planned_summary(model_path: Path, config: ServerConfig) -> dict[str, Any]:
     apply_cuda_graphs(config.cuda_graphs)  # as serve would, so the summary says what it would run
     cells = config.n_ctx * config.max_sessions
     flash = config.engine_flash_attn
-    return engine_summary(
+    summary = engine_summary(
         system_info=system_info(), devices=devices(),
         layers=(plan.n_gpu_layers, plan.total), reason=plan.reason,
         kv_type=config.engine_kv_type,
@@ -90,3 +119,6 @@ def planned_summary(model_path: Path, config: ServerConfig) -> dict[str, Any]:
         model={"file": model_path.name, "description": "", "weight_bytes": shape.file_bytes,
                "n_layer": shape.n_layer},
     )  # fmt: skip
+    # What serve would refuse at start-up (exit 2), said here before anything loads.
+    summary["host_memory_problem"] = host_memory_problem(shape, config, plan, psutil.virtual_memory().total)
+    return summary
