@@ -189,6 +189,29 @@ def test_a_bad_cost_model_file_is_refused_before_the_model_loads(
     assert "Traceback" not in done.stderr and "loading" not in done.stderr.lower()
 
 
+def test_output_paths_and_bounds_are_refused_before_the_model_loads(tmp_path: Path) -> None:
+    """`--tick-trace /nonexistent/x.jsonl` was a traceback once the model had loaded; a
+    --scorecard-csv in a missing directory and a --snapshot-dir that is a file were taken;
+    --max-frame-bytes 3 (no request fits) and past the 4-byte prefix were taken; and
+    --shutdown-grace -1 named three flags."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    missing = tmp_path / "none" / "x.jsonl"
+    for args, words in [
+        (["--tick-trace", str(missing)], f"--tick-trace {missing} is in {missing.parent}"),
+        (["--tick-trace", str(tmp_path)], f"--tick-trace {tmp_path} is a directory"),
+        (["--scorecard-csv", str(missing)], f"--scorecard-csv {missing} is in"),
+        (["--snapshot-dir", str(a_file)], f"--snapshot-dir {a_file} is not a directory"),
+        (["--max-frame-bytes", "3"], "--max-frame-bytes must be 1024 to 4294967295"),
+        (["--max-frame-bytes", str(2**32)], "--max-frame-bytes must be 1024 to 4294967295"),
+        (["--shutdown-grace", "-1"], "must not be negative: --shutdown-grace"),
+    ]:  # fmt: skip
+        done = run_cli("serve", *args, "--socket", str(tmp_path / "s" / "x.sock"))
+        assert done.returncode == 2 and words in done.stderr, (args, done.stderr)
+        assert "Traceback" not in done.stderr and "loading" not in done.stderr.lower(), done.stderr
+    assert "--keep-alive" not in run_cli("serve", "--shutdown-grace", "-1").stderr
+
+
 def test_a_damaged_calibration_file_is_passed_over_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

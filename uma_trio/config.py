@@ -50,6 +50,9 @@ DETERMINISTIC_KV_TYPE: KvType = "q8_0"
 DETERMINISTIC_MAX_UBATCH = 63  # llama.cpp's CPU matrix kernels change arithmetic at 64 tokens
 
 
+MIN_FRAME_BYTES, MAX_FRAME_BYTES = 1024, 2**32 - 1
+
+
 class ConfigError(ValueError):
     """A setting the daemon cannot run with; the message names the flag."""
 
@@ -313,8 +316,8 @@ class ServerConfig:
     max_in_flight: int = 16
     """Requests in flight per connection."""
     max_frame_bytes: int = 1 << 20
-    """Largest frame; also the largest HTTP request body. A larger length prefix closes the
-    connection."""
+    """Largest frame; also the largest HTTP request body (1024 to 2^32 - 1: the length prefix
+    is 4 bytes). A larger length prefix closes the connection."""
     max_prompt_tokens: int = 4096
     """Longest accepted prompt, in tokens."""
     max_tokens: int = 2048
@@ -424,8 +427,13 @@ class ServerConfig:
             )
         if self.stream_buffer < 2:
             raise ConfigError("stream_buffer must be at least 2")
-        if self.max_queue < 0 or self.shutdown_grace_s < 0 or self.keep_alive_s < 0:
-            raise ConfigError("--max-queue, --shutdown-grace and --keep-alive must not be negative")
+        negative = {"--max-queue": self.max_queue, "--shutdown-grace": self.shutdown_grace_s,
+                    "--keep-alive": self.keep_alive_s}  # fmt: skip
+        if bad := [name for name, value in negative.items() if value < 0]:
+            raise ConfigError(f"must not be negative: {', '.join(bad)}")
+        if not MIN_FRAME_BYTES <= self.max_frame_bytes <= MAX_FRAME_BYTES:
+            # A frame's length prefix is 4 bytes; a limit under a small request's size refused them all.
+            raise ConfigError(f"--max-frame-bytes must be {MIN_FRAME_BYTES} to {MAX_FRAME_BYTES}")
         if self.latency_cap < 1.0:
             raise ConfigError("--latency-cap must be at least 1.0")
         if not 0 <= self.burst_quiet_ms <= self.burst_max_ms:

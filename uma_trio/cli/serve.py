@@ -23,6 +23,7 @@ from .common import (
     LogLevel,
     setup_logging,
 )
+from .output_paths import check_output_paths
 
 
 def _cost_model_problem(path: Path) -> str | None:
@@ -84,7 +85,8 @@ def serve(
         ensure_private_dir(config.socket_path.parent)
         refuse_taken_socket(config.socket_path)  # a live daemon there: "already running"
         ModelStore.scan(model_path, config.models_dir, config.alias)
-    except (ModelFileError, SocketInUseError, StoreError) as exc:
+        check_output_paths(config)
+    except (ModelFileError, SocketInUseError, StoreError, ConfigError) as exc:
         log.error("%s", exc)
         return EXIT_SERVER_ERROR
     except OSError as exc:  # the probe of a socket there: not refused, not answered (a full backlog)
