@@ -265,6 +265,24 @@ def test_serves_environment_variables_stay_with_serve(tmp_path: Path) -> None:
         assert f"cannot talk to the daemon at {sock}" in done.stderr
 
 
+def test_serve_and_the_clients_read_the_socket_variables_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With UMA_SOCK and UMA_SOCKET both set, serve took UMA_SOCK and the clients UMA_SOCKET;
+    an empty UMA_SOCKET was the path `.`."""
+    from uma_trio.cli import app
+
+    monkeypatch.setenv("UMA_SOCK", "/tmp/seeds.sock")
+    monkeypatch.setenv("UMA_SOCKET", "/tmp/ours.sock")
+    for command in (["serve"], ["metrics"]):
+        bound = app.parse_args(command)[1]
+        value = bound.kwargs["config"].socket_path if command == ["serve"] else bound.kwargs["socket"]
+        assert value == Path("/tmp/ours.sock"), command
+    for args in (["metrics"], ["serve"], ["metrics", "--socket", ""]):
+        done = subprocess.run([*UMA, *args], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "UMA_SOCKET": ""})  # fmt: skip
+        assert done.returncode == (2 if args == ["serve"] else 1), (args, done.stderr)
+        assert "a socket path must not be empty" in done.stderr and "Traceback" not in done.stderr
+
+
 async def test_generate_with_serves_max_tokens_in_the_environment(server: Server) -> None:
     """UMA_MAX_TOKENS is serve's cap; generate took it as its own request size and was refused
     (E_LIMIT_003) whenever it was over the daemon's --max-tokens."""

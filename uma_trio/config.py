@@ -99,6 +99,18 @@ def _comma_separated(_type: object, tokens: Sequence[Token]) -> tuple[str, ...]:
     return tuple(part.strip() for token in tokens for part in token.value.split(",") if part.strip())
 
 
+def socket_path(_type: object, tokens: Sequence[Token]) -> Path:
+    """``--socket``'s path; an empty one (``UMA_SOCKET=``) was taken as ``.``."""
+    if not (value := tokens[-1].value):
+        raise ValueError("a socket path must not be empty")
+    return Path(value)
+
+
+# Serve and the clients read them in this order: serve took UMA_SOCK first and the clients
+# UMA_SOCKET, so with both set they talked past each other.
+SOCKET_ENV = ["UMA_SOCKET", "UMA_SOCK"]
+
+
 def _tensor_split(_type: object, tokens: Sequence[Token]) -> tuple[float, ...]:
     return parse_tensor_split(tokens[-1].value)
 
@@ -136,7 +148,8 @@ class ServerConfig:
         Path,
         Parameter(
             name="--socket",
-            env_var="UMA_SOCK",  # the seeds' name; UMA_SOCKET comes with every flag
+            env_var=SOCKET_ENV,  # UMA_SOCK: the seeds' name
+            converter=socket_path,
             show_default="$XDG_RUNTIME_DIR/uma-trio/uma.sock, else /tmp/uma-trio-UID/uma.sock",
         ),
     ] = DEFAULT_SOCKET
@@ -147,7 +160,8 @@ class ServerConfig:
     else start-up fails (exit 2), before the model loads; so does a path over 97 bytes (93 on
     macOS: a Unix socket's limit less the 10 of the name it is bound under first).
     XDG_RUNTIME_DIR is used when it is an absolute path to a directory the user owns
-    (SECURITY.md). Also read from the seeds' UMA_SOCK."""
+    (SECURITY.md). Also read from the seeds' UMA_SOCK (UMA_SOCKET first, for the clients
+    too); an empty path is refused."""
 
     # Models (docs/MODELS.md)
     models_dir: Annotated[Path | None, Parameter(show_default="~/.local/share/uma-trio/models")] = None

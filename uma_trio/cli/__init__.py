@@ -2,7 +2,7 @@
 and fetch-model.
 
 Every ``serve`` (and ``info``) flag also reads an environment variable: ``--n-ctx`` ⇄
-``UMA_N_CTX`` and so on (``--socket`` also honours the seeds' ``UMA_SOCK``); the flags are
+``UMA_N_CTX`` and so on (``--socket`` also honours the seeds' ``UMA_SOCK``, after ``UMA_SOCKET``); the flags are
 ServerConfig's fields (uma_trio/config.py).  The client commands read only ``UMA_SOCKET`` /
 ``UMA_SOCK`` (and ``bench`` ``UMA_API_KEY``): read app-wide, serve's ``UMA_MAX_TOKENS`` became
 ``generate``'s request size and ``UMA_SYSTEM`` a flag ``snapshot save`` could not parse.  A bad

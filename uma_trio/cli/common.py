@@ -11,9 +11,9 @@ from typing import Annotated, Literal
 from cyclopts import Parameter
 
 from ..client import RequestFailed
-from ..config import ServerConfig
+from ..config import SOCKET_ENV, ServerConfig, socket_path
 
-SocketPath = Annotated[Path, Parameter(env_var=["UMA_SOCKET", "UMA_SOCK"])]
+SocketPath = Annotated[Path, Parameter(env_var=SOCKET_ENV, converter=socket_path)]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 EXIT_USAGE = 1  # a bad option or file (cli.main maps cyclopts' own 2 to it)
