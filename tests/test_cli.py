@@ -168,6 +168,22 @@ def test_bad_client_options_are_one_line_usage_errors(tmp_path: Path) -> None:
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+def test_bad_generate_and_snapshot_values_exit_1_naming_the_flag(tmp_path: Path) -> None:
+    """`generate --max-tokens 0` was the daemon's refusal (exit 2) naming `$.max_tokens`;
+    --tool-choice without --tools was ignored; a bad snapshot name came back as a regex."""
+    sock = str(tmp_path / "none.sock")  # no daemon: each is refused before it is asked
+    for args, words in [
+        (["generate", "--prompt", "x", "--max-tokens", "0"], "--max-tokens: Expected `int` >= 1"),
+        (["generate", "--prompt", "x", "--top-p", "0"], "--top-p: Expected `float` > 0.0"),
+        (["generate", "--prompt", "x", "--temp", "-1"], "--temp: Expected `float` >= 0.0"),
+        (["generate", "--prompt", "x", "--tool-choice", "none"], "--tool-choice needs --tools"),
+        (["snapshot", "restore", "a b"], "snapshot name: Expected `str` of 1-64 letters, digits"),
+    ]:  # fmt: skip
+        done = run_cli(*args, "--socket", sock)
+        assert done.returncode == 1 and words in done.stderr, (args, done.stderr)
+        assert "$." not in done.stderr and "regex" not in done.stderr
+
+
 @pytest.mark.parametrize(
     ("content", "words"),
     [

@@ -2,13 +2,14 @@
 and fetch-model.
 
 Every ``serve`` (and ``info``) flag also reads an environment variable: ``--n-ctx`` ⇄
-``UMA_N_CTX`` and so on (``--socket`` also honours the seeds' ``UMA_SOCK``, after ``UMA_SOCKET``); the flags are
-ServerConfig's fields (uma_trio/config.py).  The client commands read only ``UMA_SOCKET`` /
-``UMA_SOCK`` (and ``bench`` ``UMA_API_KEY``): read app-wide, serve's ``UMA_MAX_TOKENS`` became
-``generate``'s request size and ``UMA_SYSTEM`` a flag ``snapshot save`` could not parse.  A bad
-option of a client command exits 1 (cyclopts' own exit is 2, the code for an error the daemon
-reported); serve and info exit 2 for every refusal at start-up.  One module
-per group of commands; this one assembles the app.
+``UMA_N_CTX`` and so on (``--socket`` also honours the seeds' ``UMA_SOCK``, after
+``UMA_SOCKET``); the flags are ServerConfig's fields (uma_trio/config.py).  The client
+commands read only ``UMA_SOCKET`` / ``UMA_SOCK`` (and ``bench`` ``UMA_API_KEY``): read
+app-wide, serve's ``UMA_MAX_TOKENS`` became ``generate``'s request size and ``UMA_SYSTEM`` a
+flag ``snapshot save`` could not parse.  A bad option of a client command exits 1 (cyclopts'
+own exit is 2, the code for an error the daemon reported; the request is checked with the
+protocol's types before it is sent); serve and info exit 2 for every refusal at start-up.
+One module per group of commands; this one assembles the app.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from cyclopts import Parameter
 
 from ..client import ConnectionLost, RequestFailed, UmaClient
 from ..config import DEFAULT_SOCKET
-from ..protocol.messages import EosEvent, ErrorEvent, TokenEvent
+from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
 from .common import (
     EXIT_PROTOCOL_ERROR,
     EXIT_READER_GONE,
@@ -25,6 +25,7 @@ from .common import (
     SocketPath,
     daemon_failure,
 )
+from .request_check import option_problem
 
 Text = Annotated[str, Parameter(allow_leading_hyphen=True)]  # a prompt may start with "-"
 
@@ -102,10 +103,23 @@ def generate(
             request["tool_choice"] = (
                 {"type": "function", "function": {"name": tool_choice}} if named else tool_choice
             )
+        elif tool_choice != "auto":
+            raise ValueError("--tool-choice needs --tools")
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if (problem := option_problem(request, GenerateRequest, _GENERATE_FLAGS)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     return anyio.run(_generate, socket, request)
+
+
+# The request fields generate's flags set, for a refusal before sending.
+_GENERATE_FLAGS = {
+    "max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "seed": "--seed",
+    "prompt": "--prompt", "messages": "--prompt/--system", "tools": "--tools", "tool_choice": "--tool-choice",
+    "grammar": "--grammar", "response_format": "--json-schema",
+}  # fmt: skip
 
 
 def _constraint(json_schema: Path | None, json_object: bool, grammar: Path | None) -> dict[str, object]:

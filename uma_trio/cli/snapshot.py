@@ -12,12 +12,13 @@ from cyclopts import Parameter
 
 from ..client import ConnectionLost, RequestFailed, UmaClient
 from ..config import DEFAULT_SOCKET
-from ..protocol.messages import SnapshotEvent
+from ..protocol.messages import SnapshotEvent, SnapshotRequest
 from .common import (
     EXIT_USAGE,
     SocketPath,
     daemon_failure,
 )
+from .request_check import option_problem
 
 snapshot_app = cyclopts.App(
     name="snapshot",
@@ -91,6 +92,11 @@ def snapshot_list(*, socket: SocketPath = DEFAULT_SOCKET) -> int:
 
 
 def _snapshot(socket: Path, op: str, name: str | None, fields: dict[str, Any]) -> int:
+    request = {"type": "snapshot", "op": op, "name": name, **fields}
+    if (problem := option_problem(request, SnapshotRequest, {"name": "snapshot name"})) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+
     async def ask() -> SnapshotEvent:
         async with UmaClient.connect(socket) as client:
             return await client.snapshot(op, name, **fields)

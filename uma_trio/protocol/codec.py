@@ -14,6 +14,7 @@ import msgspec
 from .errors import ErrorCode, UmaError
 from .framing import encode_frame
 from .messages import MESSAGE_TYPES, REQUEST_ID_PATTERN, ClientMessage, ServerEvent
+from .schema_words import readable
 
 _json_decoder = msgspec.json.Decoder()
 _event_encoder = msgspec.json.Encoder()
@@ -47,7 +48,7 @@ def decode_client_message(payload: bytes) -> ClientMessage:
     try:
         return msgspec.convert(obj, type=message_type)
     except msgspec.ValidationError as exc:
-        raise UmaError(ErrorCode.SCHEMA, str(exc), request_id=request_id) from None
+        raise UmaError(ErrorCode.SCHEMA, readable(str(exc)), request_id=request_id) from None
 
 
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)

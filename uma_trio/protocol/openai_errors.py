@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from .errors import ErrorCode, UmaError
+from .schema_words import readable
 
 
 class ApiError(Exception):
@@ -129,7 +130,7 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 def validation_error(exc: msgspec.ValidationError | msgspec.DecodeError | ValueError) -> ApiError:
     """A bad body, naming the offending field as ``param`` where msgspec says which."""
-    message = str(exc)
+    message = readable(str(exc))
     if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
         return ApiError(400, f"the body is not valid JSON: {message}", code=ErrorCode.INVALID_JSON)
     found = _PATH.search(message)
