@@ -62,6 +62,22 @@ async def test_generate_streams_an_answer(server: Server) -> None:
     assert "Paris" in done.stdout.decode()
 
 
+async def test_generate_into_a_full_disk_says_so_and_does_not_blame_the_daemon(server: Server) -> None:
+    """`generate > /dev/full` said "cannot talk to the daemon: [Errno 28] No space left"."""
+    sock = str(server.config.socket_path)
+    full = os.open("/dev/full", os.O_WRONLY)
+    try:
+        done = await trio.run_process(
+            [*UMA, "generate", "--prompt", "Hi", "--max-tokens", "4", "--socket", sock],
+            stdout=full, capture_stderr=True, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(full)
+    err = done.stderr.decode()
+    assert done.returncode == 1 and "cannot write the answer to stdout: No space left" in err, err
+    assert "daemon" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
 async def start_daemon(nursery: trio.Nursery, sock: Path, *, grace_s: int) -> trio.Process:
     """``uma-trio serve`` as a process on ``sock``, once its socket is there."""
     env = {**os.environ, "UMA_SOCKET": str(sock), "UMA_SHUTDOWN_GRACE": str(grace_s)}

@@ -49,9 +49,9 @@ def generate(
 ) -> int:
     """Send one request and print the answer to stdout (the seeds' uma-cli).
 
-    Exit status: 0 success, 1 a bad option or file, 2 the daemon reported an error or
-    cancelled the request (its shutdown, a stall), 3 connection or protocol error, 130 on
-    Ctrl-C, 141 when the output's reader went away (`| head`).
+    Exit status: 0 success, 1 a bad option or file (or stdout cannot be written), 2 the
+    daemon reported an error or cancelled the request (its shutdown, a stall), 3 connection
+    or protocol error, 130 on Ctrl-C, 141 when the output's reader went away (`| head`).
 
     Parameters
     ----------
@@ -139,24 +139,36 @@ def _constraint(json_schema: Path | None, json_object: bool, grammar: Path | Non
     return {}
 
 
+class OutputFailed(Exception):
+    """Writing the answer to stdout failed (a full disk, ``> /dev/full``): ours, not the daemon's."""
+
+
+def _write(text: str, *, flush: bool = False) -> None:
+    try:
+        sys.stdout.write(text)
+        if flush:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise OutputFailed(exc.strerror or str(exc)) from None
+
+
 async def _generate(socket: Path, request: dict[str, object]) -> int:
     try:
         async with UmaClient.connect(socket) as client, client.stream(**request) as events:
             async for event in events:
                 if isinstance(event, TokenEvent):
-                    sys.stdout.write(event.text)
-                    sys.stdout.flush()
+                    _write(event.text, flush=True)
                 elif isinstance(event, ErrorEvent):  # the request's, or the connection's (no id)
                     print(f"\nerror {event.code}: {event.message}", file=sys.stderr)
                     return EXIT_SERVER_ERROR if event.id is not None else EXIT_PROTOCOL_ERROR
                 elif isinstance(event, EosEvent):
-                    if event.text is not None:
-                        sys.stdout.write(event.text)
-                    sys.stdout.write("\n")
+                    _write((event.text or "") + "\n")
                     if event.tool_calls:
                         calls = [msgspec.to_builtins(call) for call in event.tool_calls]
-                        sys.stdout.write(json.dumps(calls) + "\n")
-                    sys.stdout.flush()
+                        _write(json.dumps(calls) + "\n")
+                    _write("", flush=True)
                     if event.reason == "cancelled":  # by the daemon: shutdown, a stall...
                         why = f" ({event.cancel_reason})" if event.cancel_reason else ""
                         print(
@@ -168,6 +180,10 @@ async def _generate(socket: Path, request: dict[str, object]) -> int:
         # daemon failure, and no second complaint when Python flushes stdout at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_READER_GONE
+    except OutputFailed as exc:  # it was reported as "cannot talk to the daemon"
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"error: cannot write the answer to stdout: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except (ConnectionLost, OSError) as exc:
         return daemon_failure(socket, exc)
     print("the daemon ended the stream without an eos event", file=sys.stderr)
