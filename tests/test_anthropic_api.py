@@ -135,6 +135,37 @@ async def test_errors_come_in_anthropic_s_shape(server: Server) -> None:
             await bad.messages.create(model=MODEL, messages=ASK, max_tokens=4)
 
 
+def test_refusals_name_anthropic_s_fields_and_required_text_is_required() -> None:
+    """Found by review: a message without content and a text block without text were read
+    as empty turns (Anthropic's API requires both); an empty stop sequence's message said
+    `$.stop`, and a bad input_schema `tools[0].function.parameters`, fields never sent."""
+    import msgspec
+
+    from uma_trio.protocol.anthropic import MessagesBody, client_error, messages_request
+    from uma_trio.protocol.openai_errors import ApiError, validation_error
+
+    def refusal(**fields: Any) -> ApiError:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **fields}
+        try:
+            messages_request(msgspec.convert(body, MessagesBody), "r")
+        except ApiError as exc:
+            return exc
+        except (msgspec.ValidationError, ValueError) as exc:
+            return client_error(validation_error(exc))
+        raise AssertionError(f"accepted: {fields}")
+
+    no_content = refusal(messages=[{"role": "user"}])
+    assert no_content.param == "messages[0].content" and "is required" in no_content.message
+    no_text = refusal(messages=[{"role": "user", "content": [{"type": "text"}]}])
+    assert no_text.param == "messages[0].content[0].text" and "needs `text`" in no_text.message
+    untexted_system = refusal(system=[{"type": "text"}])
+    assert untexted_system.param == "system[0].text"
+    empty_stop = refusal(stop_sequences=[""])
+    assert empty_stop.param == "stop_sequences[0]" and "$.stop[" not in empty_stop.message
+    schema = refusal(tools=[{"name": "f", "input_schema": "x"}])
+    assert schema.param == "tools[0].input_schema" and "function" not in schema.message
+
+
 def test_tool_calls_cut_off_by_max_tokens_stop_for_max_tokens() -> None:
     """An answer whose calls max_tokens cut off said tool_use: a client then ran the calls
     it had and never learnt that the answer was incomplete (Anthropic says max_tokens)."""

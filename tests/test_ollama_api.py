@@ -159,6 +159,15 @@ async def test_generate_raw_templated_and_errors(open_server: Server) -> None:
     async with httpx.AsyncClient(base_url=str(open_server.http_url)) as http:
         bad = await http.post("/api/chat", json={"model": MODEL, "messages": "hi"})
         assert bad.status_code == 400 and isinstance(bad.json()["error"], str)
+        # A refusal of an option names it as sent, not as the daemon's field (`$.temperature`).
+        for options, words in [
+            ({"temperature": -1}, "`$.options.temperature`"),
+            ({"stop": [""]}, "`$.options.stop[0]`"),
+            ({"num_ctx": 2.5}, "options.num_ctx must be a whole number"),
+        ]:  # fmt: skip
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "options": options}
+            refused = await http.post("/api/chat", json=body)
+            assert refused.status_code == 400 and words in refused.json()["error"], refused.text
 
 
 async def test_ollama_openai_and_socket_clients_share_the_daemon_under_the_guard(open_server: Server) -> None:

@@ -17,7 +17,6 @@ from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
 from ..protocol.ollama import Limits
 from ..protocol.openai import api_error, ended_early, from_uma_error, validation_error
-from ..protocol.openai_errors import client_param
 from ..protocol.tools import ToolTextFilter
 from .auth import request_owner
 from .flight import Flight, GatewayCore, answer_limits, answering_as, completed, decode_body
@@ -154,4 +153,4 @@ class AnthropicApi:
             translated = anthropic.messages_request(body, rid, count_only=count_only, limits=limits)
             return msgspec.structs.replace(translated, model=body.model)
         except (msgspec.ValidationError, ValueError) as exc:
-            raise client_param(validation_error(exc), {"stop": "stop_sequences"}) from None
+            raise anthropic.client_error(validation_error(exc)) from None

@@ -23,6 +23,7 @@ from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEven
 from ..protocol.ollama_durations import KEEP_ALIVE_MAX_S, keep_alive_seconds
 from ..protocol.ollama_stream import Lines, ToolChatLines
 from ..protocol.openai import api_error, ended_early, validation_error
+from ..protocol.openai_errors import client_param
 from ..runtime.models import ModelHost
 from .auth import request_owner
 from .flight import GatewayCore, answer_limits, answering_as, completed, decode_body
@@ -207,7 +208,7 @@ class OllamaApi:
             else:
                 request = ollama.generate_request(body, rid, limits)
         except (msgspec.ValidationError, ValueError) as exc:
-            raise validation_error(exc) from None
+            raise client_param(validation_error(exc), ollama.CLIENT_NAMES) from None
         return request
 
     def _decode(self, data: bytes, kind: type[ollama.BodyT]) -> ollama.BodyT:

@@ -23,7 +23,7 @@ from msgspec import Struct
 
 from .messages import EosEvent, GenerateRequest
 from .ollama import Limits, Options, answer_bounds
-from .openai_errors import bad_request
+from .openai_errors import ApiError, bad_request, client_param
 
 # Blocks of a turn's text are paragraphs: Claude Code's system blocks and its
 # <system-reminder> before the prompt must not run together.
@@ -67,8 +67,16 @@ def _text_of(content: Any, where: str, *, omit: frozenset[str] = frozenset()) ->
             continue
         if kind != "text":
             raise bad_request(f"{where}[{i}]: a {kind!r} block is not supported here; only text", where)
-        parts.append(str(block.get("text", "")))
+        parts.append(_block_text(block, f"{where}[{i}]"))
     return _JOIN.join(parts)
+
+
+def _block_text(block: dict[str, Any], where: str) -> str:
+    """A text block's ``text``, which Anthropic's API requires (a block without it was read as "")."""
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise bad_request(f"{where}: a text block needs `text` (a string)", f"{where}.text")
+    return text
 
 
 _TOOL_MEDIA = frozenset({"image", "document"})
@@ -79,7 +87,9 @@ def _turns(body: MessagesBody) -> list[dict[str, Any]]:
     if body.system:
         turns.append({"role": "system", "content": _text_of(body.system, "system")})
     for i, message in enumerate(body.messages):
-        role, content, where = message.get("role"), message.get("content", ""), f"messages[{i}]"
+        role, content, where = message.get("role"), message.get("content"), f"messages[{i}]"
+        if content is None:  # Anthropic's API requires it (it was read as an empty turn)
+            raise bad_request(f"{where}.content is required", f"{where}.content")
         if role == "system":  # Claude Code sends its environment so, after the prompt
             _add_system(turns, _text_of(content, f"{where}.content"))
             continue
@@ -92,7 +102,7 @@ def _turns(body: MessagesBody) -> list[dict[str, Any]]:
         for j, block in enumerate(blocks):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
-                text.append(str(block.get("text", "")))
+                text.append(_block_text(block, f"{where}.content[{j}]"))
             elif kind in _THINKING:
                 continue
             elif kind == "tool_use" and role == "assistant":
@@ -276,6 +286,20 @@ def message(msg_id: str, model: str, eos: EosEvent, text: str) -> dict[str, Any]
 def event(name: str, data: dict[str, Any]) -> bytes:
     """One server-sent event, Anthropic's way: its name, and the type again in the data."""
     return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode({"type": name, **data}) + b"\n\n"
+
+
+def client_error(error: ApiError) -> ApiError:
+    """A refusal of the translated request, naming the fields as Anthropic's client sent them:
+    ``stop_sequences``, and a tool's ``input_schema`` (the daemon's ``function.parameters``)."""
+    error = client_param(error, {"stop": "stop_sequences"})
+    for ours, theirs in _TOOL_FIELDS:
+        error.message = error.message.replace(ours, theirs)
+        error.param = error.param.replace(ours, theirs) if error.param else error.param
+    error.args = (error.message,)
+    return error
+
+
+_TOOL_FIELDS = ((".function.parameters", ".input_schema"), (".function.", "."))
 
 
 def error_body(message_text: str, kind: str = "invalid_request_error") -> dict[str, Any]:

@@ -111,6 +111,12 @@ _PASSED = (
 )  # fmt: skip
 
 
+# The daemon request's fields the client set as options: a refusal names them so.
+CLIENT_NAMES = {name: f"options.{name}" for name in _PASSED} | {
+    "max_tokens": "options.num_predict", "max_context": "options.num_ctx",
+}  # fmt: skip
+
+
 WHOLE_CONTEXT = 1 << 20  # repeat_last_n: the daemon cuts it to the request's context
 
 
