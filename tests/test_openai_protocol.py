@@ -104,6 +104,10 @@ def test_message_roles_and_text_parts() -> None:
         ({"tools": [{"type": "function"}]}, "tools[0]"),
         ({"tools": [{"function": {"name": "a b"}}]}, "tools[0].function.name"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
+        # Checks across fields have no path in msgspec's message: param was null.
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}, "grammar": "root ::= [a]"}, "response_format"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
@@ -167,7 +171,7 @@ def test_batched_prompts_are_refused() -> None:
     [
         (b'{"model": ', ErrorCode.INVALID_JSON, None),
         (b'{"model": 1, "messages": []}', ErrorCode.SCHEMA, "model"),
-        (b'{"messages": []}', ErrorCode.SCHEMA, None),
+        (b'{"messages": []}', ErrorCode.SCHEMA, "model"),  # "missing required field `model`"
         (
             b'{"model": "m", "messages": [{"role": "user", "content": 5}]}',
             ErrorCode.SCHEMA,

@@ -191,9 +191,9 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("give `response_format` or `grammar`, not both")
         names = [t.function.name for t in self.tools or ()]
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in `tools`")
+            raise ValueError(f"`tool_choice` names {self.tool_choice.function.name!r}, not in `tools`")
         if self.tool_choice == "required" and not names:
-            raise ValueError("tool_choice `required` needs `tools`")
+            raise ValueError("`tool_choice` `required` needs `tools`")
         if self.uses_tools and self.prompt is not None:
             raise ValueError("`tools` need `messages` (the chat template renders them)")
         if self.uses_tools and constrained:

@@ -134,8 +134,15 @@ def validation_error(exc: msgspec.ValidationError | msgspec.DecodeError | ValueE
     if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
         return ApiError(400, f"the body is not valid JSON: {message}", code=ErrorCode.INVALID_JSON)
     found = _PATH.search(message)
+    if found is None and not message.startswith("Expected"):  # msgspec's own name types
+        found = _FIRST_FIELD.search(message)
     param = found.group(1) if found and found.group(1) else None
     return ApiError(400, message, param=param, code=ErrorCode.SCHEMA)
+
+
+# A check across fields (a struct's __post_init__) has no path: its message names the field
+# it refuses first ("`tool_choice` `required` needs `tools`"); param was null.
+_FIRST_FIELD = re.compile(r"`([a-z_]+)`")
 
 
 BodyT = TypeVar("BodyT")
