@@ -4,6 +4,7 @@ Continue list a model by its capabilities and context length before they load it
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -65,6 +66,7 @@ async def test_a_model_not_loaded_is_shown_from_its_file_and_stays_unloaded(
     llama_model: LlamaModel, server_config: ServerConfig, model_path: Path, tmp_path: Path
 ) -> None:
     shutil.copy(model_path, tmp_path / "other.gguf")  # a second model of the store: id `other`
+    os.utime(tmp_path / "other.gguf", (1_700_000_000, 1_700_000_000))  # 2023-11-14T22:13:20Z
     async with running_server(llama_model, server_config, http="127.0.0.1:0", models_dir=tmp_path) as server:
         api = ollama.AsyncClient(host=str(server.http_url))
         shown = await api.show("other")
@@ -80,6 +82,10 @@ async def test_a_model_not_loaded_is_shown_from_its_file_and_stays_unloaded(
         assert primary.modelinfo is not None and primary.modelinfo["llama.block_count"] == 30
         assert primary.modelinfo["llama.context_length"] == server.loop.engine.n_ctx_seq
         listed = {m.model: m.details for m in (await api.list()).models}
+        # When the file was written, as Ollama says (it was the request's time).
+        dates = {m.model: m.modified_at for m in (await api.list()).models}
+        assert dates["other"] is not None and dates["other"].timestamp() == 1_700_000_000
+        assert shown.modified_at is not None and shown.modified_at.timestamp() == 1_700_000_000
         other = listed["other"]
         assert other is not None and (other.family, other.parameter_size, other.quantization_level) == (
             "llama",

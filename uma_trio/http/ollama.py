@@ -113,9 +113,17 @@ class OllamaApi:
             ollama.ShowAnswer(
                 modelfile=f"FROM {model}", parameters="", template=template, details=details,
                 model_info=info, capabilities=capabilities(card, insert=insert),
-                modified_at=ollama.now_rfc3339(),
+                modified_at=self._modified_at(model),
             )
         )  # fmt: skip
+
+    def _modified_at(self, model: str) -> str:
+        """When ``model``'s file was last written, as Ollama's lists say (it was the time of
+        the request); now, for a file gone since it loaded (one stat: no thread needed)."""
+        try:
+            return ollama.rfc3339(self.gateway._ready().models.store.entry(model).path.stat().st_mtime)
+        except (OSError, KeyError):
+            return ollama.now_rfc3339()
 
     async def _card(self, model: str) -> ModelCard | None:
         """``model``'s card, read off the event loop one file at a time; None when its file
@@ -244,8 +252,8 @@ class OllamaApi:
         except KeyError:
             return None
         return ollama.ModelEntry(
-            name=model["id"], model=model["id"], modified_at=ollama.now_rfc3339(), size=model["bytes"],
-            digest="", details=self._card_details(card),
+            name=model["id"], model=model["id"], modified_at=self._modified_at(model["id"]),
+            size=model["bytes"], digest="", details=self._card_details(card),
         )  # fmt: skip
 
     async def _entry(self) -> ollama.ModelEntry:
@@ -253,8 +261,9 @@ class OllamaApi:
         details = self._details(await self._card(self.gateway.model))
         model = self.gateway._ready().describe_engine()["model"]
         return ollama.ModelEntry(
-            name=self.gateway.model, model=self.gateway.model, modified_at=ollama.now_rfc3339(),
-            size=int(model.get("weight_bytes", 0)), digest="", details=details,
+            name=self.gateway.model, model=self.gateway.model,
+            modified_at=self._modified_at(self.gateway.model), size=int(model.get("weight_bytes", 0)),
+            digest="", details=details,
         )  # fmt: skip
 
 

@@ -240,7 +240,11 @@ def generate_request(body: GenerateBody, request_id: str, limits: Limits | None 
 
 
 def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+    return rfc3339(datetime.datetime.now(datetime.UTC).timestamp())
+
+
+def rfc3339(unix: float) -> str:
+    return datetime.datetime.fromtimestamp(unix, datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 class AssistantMessage(Struct, omit_defaults=True):
