@@ -106,6 +106,8 @@ def test_message_roles_and_text_parts() -> None:
         ({"tool_choice": "sometimes"}, "tool_choice"),
         # Checks across fields have no path in msgspec's message: param was null.
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"modalities": ["text", "audio"]}, "modalities"),  # were accepted, answered in text
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         ({"response_format": {"type": "json_object"}, "grammar": "root ::= [a]"}, "response_format"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),

@@ -376,6 +376,11 @@ def test_stream_null_is_the_default_and_an_empty_text_input_needs_instructions()
     assert refused.value.param == "input"
     turns = responses_request(body(input="", instructions="be brief"), "r", None)[0].messages or []
     assert [t.role for t in turns] == ["system", "user"]
+    # background: true (a response to poll for by id) was taken and answered in the foreground.
+    with pytest.raises(ApiError) as background:
+        responses_request(body(input="hi", background=True), "r", None)
+    assert background.value.param == "background"
+    assert responses_request(body(input="hi", background=False), "r", None)[0].messages
 
 
 def test_a_custom_tool_s_input_is_its_text() -> None:

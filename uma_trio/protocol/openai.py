@@ -104,6 +104,8 @@ class _Body(Struct, kw_only=True):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+    modalities: list[str] | None = None  # ["text"] only: no audio out
+    audio: dict[str, Any] | None = None
 
 
 class CompletionBody(_Body, kw_only=True):
@@ -132,6 +134,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "echo": (None, False),
     "best_of": (None, 1),
+    "modalities": (None, [], ["text"]),
+    "audio": (None,),
 }
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}

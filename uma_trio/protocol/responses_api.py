@@ -48,6 +48,7 @@ class ResponsesBody(Struct, kw_only=True):
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None
     store: bool | None = None
+    background: bool | None = None
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
@@ -229,6 +230,9 @@ def responses_request(
         )
     if body.store:
         raise bad_request("store: responses are not stored here (send store: false)", "store")
+    if body.background:  # it would be polled for by id, and nothing is stored
+        raise bad_request("background: responses run while the client waits here (send background: false)",
+                          "background")  # fmt: skip
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise bad_request("max_output_tokens: must be at least 1", "max_output_tokens")
     names: Names = {
