@@ -14,6 +14,7 @@ import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 
@@ -53,7 +54,9 @@ def test_an_oversized_snapshot_is_refused_before_anything_is_written(tmp_path: P
     assert sorted(p.name for p in store.directory.iterdir()) == [f"a{SUFFIX}"]  # no temporary left
     assert store.read("a")[1] == b"old KV"  # the saved one is kept
     limit = header("b")
-    fits = 1 * MB - len(encode(limit, b""))
+    # The header written carries the state's length (7 digits here) and sha256 (64 hex digits).
+    sealed = msgspec.structs.replace(limit, state_bytes=10**6, state_sha256="0" * 64)
+    fits = 1 * MB - len(encode(sealed, b""))
     store.write(limit, bytes(fits))  # exactly the limit: saved, and it reads back
     assert len(store.read("b")[1]) == fits
 

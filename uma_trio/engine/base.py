@@ -49,6 +49,11 @@ def split_prefill(turns: Sequence[Mapping[str, Any]]) -> tuple[Sequence[Mapping[
     return turns[:-1], content
 
 
+# A sequence's saved KV cells: llama.cpp writes them into a bytearray, not copied into bytes
+# (a snapshot's state may be gigabytes).
+KvState = bytes | bytearray
+
+
 @dataclass(slots=True)
 class BatchEntry:
     """A run of tokens for one sequence, placed at positions ``pos0 ...``.
@@ -290,7 +295,7 @@ class Engine(Protocol):
         """The model's identity for snapshots (the file's sha256); blocking, cached."""
         ...
 
-    async def save_seq(self, seq_id: int) -> bytes:
+    async def save_seq(self, seq_id: int) -> KvState:
         """``seq_id``'s KV cells as bytes (``llama_state_seq_get_data``)."""
         ...
 

@@ -29,7 +29,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from .base import BatchEntry, ChatTurn, Engine, EngineError, Follow, StepResult, TokenArray, Tools
+from .base import BatchEntry, ChatTurn, Engine, EngineError, Follow, KvState, StepResult, TokenArray, Tools
 from .constraints import ModelVocabulary
 from .sampling import Sampler
 
@@ -230,7 +230,7 @@ class FaultyEngine:
     def fingerprint(self) -> str:
         return self.inner.fingerprint()
 
-    async def save_seq(self, seq_id: int) -> bytes:
+    async def save_seq(self, seq_id: int) -> KvState:
         return await self.inner.save_seq(seq_id)
 
     async def load_seq(self, seq_id: int, data: bytes) -> None:

@@ -53,6 +53,7 @@ from .base import (
     ChatTurn,
     EngineError,
     Follow,
+    KvState,
     Sampled,
     SampleFailure,
     StepResult,
@@ -411,7 +412,7 @@ class LlamaEngine:
             self._copies_asked += 1
         self.trim_seq(dst, keep)
 
-    async def save_seq(self, seq_id: int) -> bytes:
+    async def save_seq(self, seq_id: int) -> KvState:
         return await self._compute.run(self._save_seq, seq_id)
 
     async def load_seq(self, seq_id: int, data: bytes) -> None:
@@ -447,16 +448,22 @@ class LlamaEngine:
             )
         self._copies_made = asked
 
-    def _save_seq(self, seq_id: int) -> bytes:
+    def _save_seq(self, seq_id: int) -> KvState:
+        # Read straight into the bytes returned: a ctypes array then string_at held the state
+        # (up to gigabytes) twice.
         self._make_queued_copies(seq_id)
         size = llama.llama_state_seq_get_size(self._ctx, seq_id)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama.llama_state_seq_get_data(self._ctx, buf, size, seq_id)
-        return ctypes.string_at(buf, n)
+        state = bytearray(size)
+        into = (ctypes.c_uint8 * size).from_buffer(state)
+        n = llama.llama_state_seq_get_data(self._ctx, into, size, seq_id)
+        del into  # a buffer exported to ctypes cannot be resized
+        del state[n:]
+        return state
 
     def _load_seq(self, seq_id: int, data: bytes) -> None:
         self._make_queued_copies(seq_id)
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        # llama.cpp reads the bytes where they are (a const pointer): no copy of the state.
+        buf = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
         if llama.llama_state_seq_set_data(self._ctx, buf, len(data), seq_id) == 0:
             self.free_seq(seq_id)
             raise EngineError(-1, "llama.cpp refused the saved KV state (another model shape or KV type?)")

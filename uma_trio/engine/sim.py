@@ -29,6 +29,7 @@ from .base import (
     ChatTurn,
     EngineError,
     Follow,
+    KvState,
     Sampled,
     SampleFailure,
     StepResult,
@@ -311,7 +312,7 @@ class SimEngine:
     def fingerprint(self) -> str:
         return "sim"
 
-    async def save_seq(self, seq_id: int) -> bytes:
+    async def save_seq(self, seq_id: int) -> KvState:
         await trio.lowlevel.checkpoint()
         return str(self._cells.get(seq_id, 0)).encode()
 

@@ -15,7 +15,7 @@ from typing import TypeVar
 import numpy as np
 import trio
 
-from ..engine.base import Engine
+from ..engine.base import Engine, KvState
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, SnapshotEvent, SnapshotInfo, SnapshotRequest
 from .decode_loop import DecodeLoop
@@ -113,7 +113,7 @@ class SnapshotService:
                 ErrorCode.SNAPSHOT_INVALID, f"cannot write snapshot {request.name!r}: {exc}"
             ) from None
 
-    async def _read_cells(self, seq_id: int, n_cells: int) -> bytes:
+    async def _read_cells(self, seq_id: int, n_cells: int) -> KvState:
         # A context rebuilt since the fill finished holds nothing for it any more.
         if self.engine.seq_cells(seq_id) != n_cells:
             raise UmaError(ErrorCode.CONTEXT_LOST, "the context was rebuilt before the snapshot was read")

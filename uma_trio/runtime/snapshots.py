@@ -30,6 +30,7 @@ from typing import IO, Annotated
 import msgspec
 import platformdirs
 
+from ..engine.base import KvState
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import SnapshotInfo, SnapshotName
 from .unix_socket import UnsafeSocketDirError, ensure_private_dir
@@ -56,7 +57,7 @@ class SnapshotHeader(msgspec.Struct, kw_only=True):
     state_bytes: int = -1
     state_sha256: str = ""
 
-    def sealed(self, state: bytes) -> SnapshotHeader:
+    def sealed(self, state: KvState) -> SnapshotHeader:
         """This header carrying ``state``'s length and digest (hashlib drops the GIL)."""
         digest = hashlib.sha256(state).hexdigest()
         return msgspec.structs.replace(self, state_bytes=len(state), state_sha256=digest)
@@ -228,7 +229,7 @@ class SnapshotStore:
                 os.umask(old_umask)
             self._check_directory()
 
-    def _encoded_prefix(self, header: SnapshotHeader, state: bytes) -> bytes:
+    def _encoded_prefix(self, header: SnapshotHeader, state: KvState) -> bytes:
         """The file's bytes before ``state``; refused when :meth:`read` would refuse the file."""
         head = msgspec.json.encode(header)
         size = _PREFIX + len(head) + len(state)
@@ -245,7 +246,7 @@ class SnapshotStore:
             )
         return _prefix(head)
 
-    def write(self, header: SnapshotHeader, state: bytes) -> SnapshotInfo:
+    def write(self, header: SnapshotHeader, state: KvState) -> SnapshotInfo:
         """Write atomically: a reader sees the old file or the new one, never half of one."""
         header = header.sealed(state)
         prefix = self._encoded_prefix(header, state)  # before anything is written
