@@ -515,6 +515,7 @@ async def test_an_overlong_prompt_is_refused_before_it_is_tokenized(http_server:
             assert (
                 refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
             ), refused.text
+            assert refused.json()["error"]["param"] == "prompt"  # it was null
             assert calls == 0
             fine = await http.post("/generate", json={"prompt": "Hello", "max_tokens": 2, "stream": False})
             assert fine.status_code == 200 and calls == 1

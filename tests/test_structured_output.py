@@ -132,22 +132,27 @@ async def test_bad_schemas_and_grammars_are_400s_naming_the_problem(keyed_http_s
     async with httpx.AsyncClient(
         base_url=f"{keyed_http_server.http_url}/v1", headers={"Authorization": "Bearer k"}
     ) as http:
-        cases: list[tuple[dict[str, Any], str]] = [
+        # param: the field at fault (a schema or grammar that does not compile: it was null).
+        cases: list[tuple[dict[str, Any], str, str]] = [
             (
                 {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}},
-                "frob",
+                "frob", "response_format",
             ),
-            ({"grammar": 'root ::= "a" nowhere'}, "nowhere"),
-            ({"response_format": {"type": "xml"}}, "response_format"),
-            ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'}, "not both"),
-            ({"json_schema": {"type": "integer"}, "grammar": 'root ::= "a"'}, "json_schema"),
-        ]
-        for extra, problem in cases:
+            ({"grammar": 'root ::= "a" nowhere'}, "nowhere", "grammar"),
+            ({"response_format": {"type": "xml"}}, "response_format", "response_format.type"),
+            (
+                {"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'},
+                "not both", "response_format",
+            ),
+            ({"json_schema": {"type": "integer"}, "grammar": 'root ::= "a"'}, "json_schema", "json_schema"),
+        ]  # fmt: skip
+        for extra, problem, param in cases:
             answer = await http.post(
                 "/chat/completions", json={"model": MODEL, "messages": ask("hi"), **extra}
             )
             assert answer.status_code == 400, answer.text
             assert problem in answer.json()["error"]["message"], answer.text
+            assert answer.json()["error"]["param"] == param, answer.text
         answer = await http.post(
             "/chat/completions", json={"model": MODEL, "messages": ask("hi"), "max_tokens": 2}
         )

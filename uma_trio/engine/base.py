@@ -299,7 +299,7 @@ class Engine(Protocol):
         """``seq_id``'s KV cells as bytes (``llama_state_seq_get_data``)."""
         ...
 
-    async def load_seq(self, seq_id: int, data: bytes) -> None:
+    async def load_seq(self, seq_id: int, data: KvState) -> None:
         """Fill ``seq_id`` (holding no cells) from :meth:`save_seq`'s bytes; raises
         :class:`EngineError` when llama.cpp refuses them."""
         ...

@@ -233,5 +233,5 @@ class FaultyEngine:
     async def save_seq(self, seq_id: int) -> KvState:
         return await self.inner.save_seq(seq_id)
 
-    async def load_seq(self, seq_id: int, data: bytes) -> None:
+    async def load_seq(self, seq_id: int, data: KvState) -> None:
         await self.inner.load_seq(seq_id, data)

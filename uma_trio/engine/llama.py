@@ -415,7 +415,7 @@ class LlamaEngine:
     async def save_seq(self, seq_id: int) -> KvState:
         return await self._compute.run(self._save_seq, seq_id)
 
-    async def load_seq(self, seq_id: int, data: bytes) -> None:
+    async def load_seq(self, seq_id: int, data: KvState) -> None:
         await self._compute.run(self._load_seq, seq_id, data)
 
     def _make_queued_copies(self, seq_id: int) -> None:
@@ -460,10 +460,14 @@ class LlamaEngine:
         del state[n:]
         return state
 
-    def _load_seq(self, seq_id: int, data: bytes) -> None:
+    def _load_seq(self, seq_id: int, data: KvState) -> None:
         self._make_queued_copies(seq_id)
         # llama.cpp reads the bytes where they are (a const pointer): no copy of the state.
-        buf = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+        buf: Any
+        if isinstance(data, bytearray):  # save_seq's own
+            buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
+        else:
+            buf = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
         if llama.llama_state_seq_set_data(self._ctx, buf, len(data), seq_id) == 0:
             self.free_seq(seq_id)
             raise EngineError(-1, "llama.cpp refused the saved KV state (another model shape or KV type?)")

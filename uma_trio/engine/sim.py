@@ -316,7 +316,7 @@ class SimEngine:
         await trio.lowlevel.checkpoint()
         return str(self._cells.get(seq_id, 0)).encode()
 
-    async def load_seq(self, seq_id: int, data: bytes) -> None:
+    async def load_seq(self, seq_id: int, data: KvState) -> None:
         await trio.lowlevel.checkpoint()
         if not data.isdigit():
             raise EngineError(-1, "not a simulated sequence state")

@@ -697,7 +697,7 @@ class Gateway:
             )  # fmt: skip
         except UmaError as exc:
             self._end(flight)
-            raise openai.from_uma_error(exc) from None
+            raise openai.from_uma_error(exc, generate_request) from None
         except BaseException:
             self._end(flight)
             raise

@@ -301,14 +301,28 @@ def daemon_seed(seed: int | None) -> int | None:
     return seed & SEED_MASK if seed < 0 else seed
 
 
-def from_uma_error(error: UmaError) -> ApiError:
+def from_uma_error(error: UmaError, request: GenerateRequest | None = None) -> ApiError:
     """The HTTP answer to a daemon error; a refused value (E_PROTO_002) whose message starts
-    with a request field's name (``logit_bias names token ...``) names it as ``param``."""
+    with a request field's name (``logit_bias names token ...``) names it as ``param``, and
+    so does a refusal of what ``request`` carries (its constraint, its prompt's length)."""
     api = _from_uma_error(error)
     field = error.message.split(" ", 1)[0]
     if api.param is None and error.code == ErrorCode.SCHEMA and field in GenerateRequest.__struct_fields__:
         api.param = field
+    if api.param is None and request is not None:
+        api.param = _refused_field(error.code, request)
     return api
+
+
+def _refused_field(code: str, request: GenerateRequest) -> str | None:
+    """The field of ``request`` that an admission refusal is about (param was null)."""
+    if code == ErrorCode.GRAMMAR:
+        if request.uses_tools:
+            return "tools"
+        return "grammar" if request.grammar is not None else "response_format"
+    if code in (ErrorCode.PROMPT_TOO_LARGE, ErrorCode.CONTEXT_OVERFLOW):
+        return "messages" if request.messages is not None else "prompt"
+    return None
 
 
 def _logprob_fields(body: _Body) -> dict[str, Any]:
