@@ -165,8 +165,28 @@ def test_a_kv_cache_bigger_than_the_machine_is_refused_before_it_loads(tmp_path:
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert f"--n-ctx {cells} × --max-sessions 1 cells need a" in done.stderr
     assert "GiB f16 KV cache in host memory" in done.stderr and "--kv-type q8_0" in done.stderr
+
     shown = run_cli("info", "--n-ctx", str(cells), "--max-sessions", "1")
     assert shown.returncode == 0 and "refused       serve would not start: --n-ctx" in shown.stdout
+
+
+def test_the_memory_checked_is_the_container_s_where_its_limit_is_lower(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel OOM-kills a container at its cgroup limit, not at the machine's memory."""
+    import psutil
+
+    from uma_trio.engine import planned
+
+    limit = tmp_path / "memory.max"
+    monkeypatch.setattr(planned, "_CGROUP_LIMITS", (limit,))
+    total = psutil.virtual_memory().total
+    limit.write_text("max\n")  # cgroup v2's "no limit"
+    assert planned.host_memory_bytes() == total
+    limit.write_text(f"{1 << 30}\n")
+    assert planned.host_memory_bytes() == 1 << 30
+    limit.write_text(f"{total * 2}\n")
+    assert planned.host_memory_bytes() == total
 
 
 @pytest.mark.model

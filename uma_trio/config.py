@@ -186,7 +186,8 @@ class ServerConfig:
     n_ctx: int = 4096
     """KV cells one request may use (prompt + max_tokens); the KV cache holds n_ctx ×
     max_sessions cells (for the default model 23 KB each at f16, 12 KB at q8_0); one whose host
-    share, with the weights', exceeds the machine's memory is refused at start-up (exit 2)."""
+    share, with the weights', exceeds the machine's memory (or its container's limit) is refused
+    at start-up (exit 2)."""
     deterministic: bool = False
     """Exact, batch-invariant greedy output instead of the fast defaults (CONFIG.md "Two
     modes"): q8_0 KV, --n-ubatch 32, one KV stream per session, flash attention on. An

@@ -31,7 +31,13 @@ from .engine.llama import (
     read_shape,
 )
 from .engine.memory_profile import memory_profile, probe_bandwidth_gbps, probe_step_bandwidth_gbps
-from .engine.planned import host_memory_problem, memory_footprint, offload_plan, placement_for
+from .engine.planned import (
+    host_memory_bytes,
+    host_memory_problem,
+    memory_footprint,
+    offload_plan,
+    placement_for,
+)
 from .engine.summary import deterministic_caveat, one_line
 from .exception_groups import first_leaf
 from .http.gateway import Gateway
@@ -79,7 +85,7 @@ def load_model(model_path: Path, config: ServerConfig) -> LlamaModel:
     shape = read_shape(model_path)
     plan = offload_plan(shape, config)
     log.info("GPU layers: %d of %d (%s)", plan.n_gpu_layers, plan.total, plan.reason)
-    if problem := host_memory_problem(shape, config, plan, psutil.virtual_memory().total):
+    if problem := host_memory_problem(shape, config, plan, host_memory_bytes()):
         raise ConfigError(problem)
     apply_cuda_graphs(config.cuda_graphs)  # before the first step of any model
     model = LlamaModel(model_path, placement_for(plan, config))

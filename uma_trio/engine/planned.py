@@ -64,6 +64,23 @@ def host_bytes(shape: ModelShape, config: ServerConfig, plan: OffloadPlan) -> tu
     return round(shape.file_bytes * on_host), round(kv * on_host)
 
 
+_CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+def host_memory_bytes() -> int:
+    """The memory this process may use: the machine's, or its container's limit where that is
+    lower (cgroup v2, else v1), which is where the kernel's OOM killer acts."""
+    total = int(psutil.virtual_memory().total)
+    for path in _CGROUP_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            return min(total, int(text))
+    return total
+
+
 def host_memory_problem(shape: ModelShape, config: ServerConfig, plan: OffloadPlan, total: int) -> str | None:
     """Why the model cannot run in ``total`` bytes of host memory; None when it fits.
 
@@ -78,7 +95,7 @@ def host_memory_problem(shape: ModelShape, config: ServerConfig, plan: OffloadPl
     return (
         f"--n-ctx {config.n_ctx} × --max-sessions {config.max_sessions} cells need a "
         f"{kv / gib:.1f} GiB {config.engine_kv_type} KV cache in host memory (with "
-        f"{weights / gib:.1f} GiB of weights) and this machine has {total / gib:.1f} GiB: "
+        f"{weights / gib:.1f} GiB of weights) and this machine (or its container) has {total / gib:.1f} GiB: "
         f"lower --n-ctx or --max-sessions{smaller}"
     )
 
@@ -120,5 +137,5 @@ def planned_summary(model_path: Path, config: ServerConfig) -> dict[str, Any]:
                "n_layer": shape.n_layer},
     )  # fmt: skip
     # What serve would refuse at start-up (exit 2), said here before anything loads.
-    summary["host_memory_problem"] = host_memory_problem(shape, config, plan, psutil.virtual_memory().total)
+    summary["host_memory_problem"] = host_memory_problem(shape, config, plan, host_memory_bytes())
     return summary
