@@ -321,6 +321,8 @@ def _refused_field(code: str, request: GenerateRequest) -> str | None:
             return "tools"
         return "grammar" if request.grammar is not None else "response_format"
     if code in (ErrorCode.PROMPT_TOO_LARGE, ErrorCode.CONTEXT_OVERFLOW):
+        if request.embed:  # /v1/embeddings' text
+            return "input"
         return "messages" if request.messages is not None else "prompt"
     return None
 
