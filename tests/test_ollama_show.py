@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import ollama
 import pytest
+import trio
 
 from uma_trio.config import ServerConfig
 from uma_trio.engine.llama import LlamaModel
@@ -82,6 +83,16 @@ async def test_a_model_not_loaded_is_shown_from_its_file_and_stays_unloaded(
         assert primary.modelinfo is not None and primary.modelinfo["llama.block_count"] == 30
         assert primary.modelinfo["llama.context_length"] == server.loop.engine.n_ctx_seq
         listed = {m.model: m.details for m in (await api.list()).models}
+        # The primary's size is its file's, as the others' (it was llama.cpp's tensor bytes).
+        file_bytes = (await trio.Path(model_path).stat()).st_size
+        sizes = {m.model: m.size for m in (await api.list()).models}
+        assert sizes[PRIMARY] == sizes["other"] == file_bytes
+        # A file copied over one listed is listed at its new size (it kept the first one's).
+        (tmp_path / "later.gguf").write_bytes(b"GGUF" + bytes(60))
+        assert {m.model: m.size for m in (await api.list()).models}["later"] == 64
+        shutil.copy(model_path, tmp_path / "later.gguf")
+        assert {m.model: m.size for m in (await api.list()).models}["later"] == file_bytes
+        (tmp_path / "later.gguf").unlink()
         # When the file was written, as Ollama says (it was the request's time).
         dates = {m.model: m.modified_at for m in (await api.list()).models}
         assert dates["other"] is not None and dates["other"].timestamp() == 1_700_000_000

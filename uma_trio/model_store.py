@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Container, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import platformdirs
@@ -85,7 +85,8 @@ class ModelStore:
         a name the store has not, not as a corrupt file) unless they are in ``loaded``."""
         if self.directory is None:
             return self
-        kept = [e for e in self._entries.values() if e.id in loaded or not _gone(e)]
+        kept = [_resized(e) for e in self._entries.values() if e.id in loaded or not _gone(e)]
+        resized = any(e is not self._entries[e.id] for e in kept)
         known = {e.id for e in kept}
         # Every name a request may use already: a new file that would take one of them is left
         # out (the older one answered for it, so the new file was listed but unreachable).
@@ -100,7 +101,7 @@ class ModelStore:
                 continue
             new.append(entry := StoreEntry(key, path, _size(path), found=True))
             taken.update({key: entry, path.name: entry})
-        if not new and len(kept) == len(self._entries):
+        if not new and not resized and len(kept) == len(self._entries):
             return self
         return ModelStore([*kept, *new], self.directory)
 
@@ -215,6 +216,13 @@ def _warn_hidden(path: Path, name: str, owner: StoreEntry) -> None:
 def _gone(entry: StoreEntry) -> bool:
     """Found in the directory and deleted since (the --model file and aliased paths stay)."""
     return entry.found and not entry.path.is_file()
+
+
+def _resized(entry: StoreEntry) -> StoreEntry:
+    """``entry`` with its file's size now (a file copied over kept the size it had when first
+    listed: a 5-byte one replaced by the model still said 5)."""
+    size = _size(entry.path)
+    return replace(entry, size=size) if size and size != entry.size else entry
 
 
 def _size(path: Path) -> int:

@@ -117,6 +117,11 @@ class OllamaApi:
             )
         )  # fmt: skip
 
+    def _file_bytes(self, model: str) -> int:
+        """``model``'s file size, as /v1/models and the other models' entries give it (the
+        primary's was llama.cpp's tensor bytes, 1.8 MB less)."""
+        return self.gateway._ready().models.store.entry(model).size
+
     def _modified_at(self, model: str) -> str:
         """When ``model``'s file was last written, as Ollama's lists say (it was the time of
         the request); now, for a file gone since it loaded (one stat: no thread needed)."""
@@ -259,10 +264,9 @@ class OllamaApi:
     async def _entry(self) -> ollama.ModelEntry:
         """The primary model's entry in the lists."""
         details = self._details(await self._card(self.gateway.model))
-        model = self.gateway._ready().describe_engine()["model"]
         return ollama.ModelEntry(
             name=self.gateway.model, model=self.gateway.model,
-            modified_at=self._modified_at(self.gateway.model), size=int(model.get("weight_bytes", 0)),
+            modified_at=self._modified_at(self.gateway.model), size=self._file_bytes(self.gateway.model),
             digest="", details=details,
         )  # fmt: skip
 

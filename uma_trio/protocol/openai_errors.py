@@ -85,7 +85,9 @@ _STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.SHUTTING_DOWN: (503, "server_error"),
     ErrorCode.MODEL: (400, "invalid_request_error"),
     ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error"),
-    ErrorCode.MODEL_LOAD: (500, "server_error"),
+    # A model refused by the settings (--memory-budget, --max-loaded) or its file: a 500 had
+    # the SDKs retry, each try loading it again.
+    ErrorCode.MODEL_LOAD: (422, "invalid_request_error"),
     ErrorCode.GRAMMAR: (400, "invalid_request_error"),
     ErrorCode.DECODE_FAILED: (500, "server_error"),
     ErrorCode.KV_FULL: (503, "server_error"),
