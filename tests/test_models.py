@@ -590,3 +590,21 @@ async def test_a_latency_cap_over_the_arbiters_pause_serves_several_models(
         async with UmaClient.connect(socket_of(server)) as client:
             done = await client.complete(prompt="word " * 20, max_tokens=4, model="b")
     assert done.eos.reason == "length"
+
+
+@pytest.mark.model
+async def test_with_no_mmap_a_loaded_model_s_file_may_be_truncated(
+    llama_model: LlamaModel, server_config: ServerConfig, model_path: Path, tmp_path: Path
+) -> None:
+    """Found by review: a loaded model's file copied over or truncated in place killed the whole
+    daemon (SIGBUS, exit 135) at the next request, every model's clients with it: its pages
+    were mapped.  --no-mmap reads the weights into the daemon's memory (CONFIG.md --mmap)."""
+    await trio.to_thread.run_sync(shutil.copyfile, model_path, tmp_path / "other.gguf")
+    async with running_server(
+        llama_model, server_config, http="127.0.0.1:0", models_dir=tmp_path, mmap=False
+    ) as server:
+        before = await greedy(server, "other", "The capital of France is")
+        with open(tmp_path / "other.gguf", "r+b") as file:  # noqa: ASYNC230 - a truncate, at once
+            file.truncate(1 << 20)
+        assert await greedy(server, "other", "The capital of France is") == before
+        assert server.models.state("other") == "loaded"

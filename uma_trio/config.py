@@ -228,6 +228,13 @@ class ServerConfig:
     step to 4 % (BENCHMARKS.md "GPU"); on a CPU +2-4 % tokens/s at 1-4 streams, the same at
     8-16 (BENCHMARKS.md "Streams on the CPU"). A chain of background steps on a CPU stays
     preemptible: an arriving chat stops the step running, as it would a planned one."""
+    mmap: bool = True
+    """Map model files into memory (llama.cpp's default, as llama-server's): loads in a moment
+    and shares the pages with the file cache, but a loaded model's file must then never be
+    overwritten or truncated in place (`cp new.gguf over.gguf`): the kernel kills the daemon
+    (SIGBUS) at its next read of a page the file no longer has. Replace a model by writing
+    another file and renaming it over (`uma-trio pull` does). --no-mmap reads the weights into
+    the daemon's own memory instead: slower to load, and the file may then change freely."""
     gpu_sampling: bool = False
     """A greedy request's next token is picked where the logits are computed (llama.cpp's
     backend sampler, an argmax in the model's graph), so a step copies no logits to the host

@@ -45,6 +45,7 @@ class Placement:
     split_mode: SplitMode = "layer"  # across several GPUs: whole layers, each layer split (tensor), rows
     tensor_split: tuple[float, ...] | None = None  # share of the model per GPU; None: by free memory
     reason: str = "CPU only"  # why this many layers (the offload decision, for the log and info)
+    mmap: bool = True  # False: llama_model_params.load_mode NONE (--no-mmap: see ServerConfig.mmap)
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,8 @@ class LlamaModel:
         params.n_gpu_layers = placement.n_gpu_layers
         params.main_gpu = placement.main_gpu
         params.split_mode = _SPLIT_MODE[placement.split_mode]
+        if not placement.mmap:  # read into the daemon's memory (the default, AUTO, maps the file)
+            params.load_mode = llama.LLAMA_LOAD_MODE_NONE
         if placement.tensor_split is not None:
             # llama.cpp reads llama_max_devices() floats; keep the array alive with the params.
             shares = (ctypes.c_float * max(int(llama.llama_max_devices()), len(placement.tensor_split)))()

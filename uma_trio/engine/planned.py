@@ -108,7 +108,7 @@ def placement_for(plan: OffloadPlan, config: ServerConfig) -> Placement:
     )
     return Placement(
         n_gpu_layers=plan.n_gpu_layers, main_gpu=config.main_gpu, split_mode=split_mode,
-        tensor_split=config.tensor_split, reason=plan.reason,
+        tensor_split=config.tensor_split, reason=plan.reason, mmap=config.mmap,
     )  # fmt: skip
 
 
