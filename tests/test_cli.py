@@ -194,6 +194,7 @@ def test_bad_generate_and_snapshot_values_exit_1_naming_the_flag(tmp_path: Path)
         (["generate", "--prompt", "x", "--temp", "-1"], "--temp: Expected `float` >= 0.0"),
         (["generate", "--prompt", "x", "--tool-choice", "none"], "--tool-choice needs --tools"),
         (["snapshot", "restore", "a b"], "snapshot name: Expected `str` of 1-64 letters, digits"),
+        (["load", "m", "--keep-alive", "nan"], "--keep-alive must be a number of seconds"),  # was ignored
     ]:  # fmt: skip
         done = run_cli(*args, "--socket", sock)
         assert done.returncode == 1 and words in done.stderr, (args, done.stderr)

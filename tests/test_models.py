@@ -519,6 +519,14 @@ async def test_two_real_models_answer_as_each_does_alone(
             run_cli = partial(subprocess.run, cli, capture_output=True, text=True)
             shown = await trio.to_thread.run_sync(run_cli)
             assert shown.returncode == 0 and tiny in shown.stdout and "loaded" in shown.stdout
+            # `load --keep-alive inf` is for good (JSON has no infinity: it was sent as null, the default).
+            forever = [*cli[:3], "load", tiny, "--keep-alive", "inf", *cli[4:]]
+            loaded = await trio.to_thread.run_sync(
+                partial(subprocess.run, forever, capture_output=True, text=True)
+            )
+            assert loaded.returncode == 0, loaded.stderr
+            entry = (await http.get(f"/v1/models/{tiny}")).json()["uma"]
+            assert entry["state"] == "loaded" and entry["keep_alive_s"] is None, entry
             assert (await http.post("/unload", json={"model": tiny})).status_code == 200
             refused = await http.post("/unload", json={"model": default})
             assert refused.status_code == 400 and "stays loaded" in refused.json()["error"]["message"]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -39,10 +40,15 @@ def load(model: str, *, keep_alive: float | None = None, socket: SocketPath = DE
     model
         The model's id, file name or alias.
     keep_alive
-        Seconds it stays loaded once idle (negative: for good); default the daemon's --keep-alive.
+        Seconds it stays loaded once idle (negative or inf: for good); default the daemon's --keep-alive.
     socket
         Unix socket path of the daemon.
     """
+    if keep_alive is not None and math.isnan(keep_alive):  # JSON has no NaN: it was sent as null
+        print("error: --keep-alive must be a number of seconds (negative or inf: for good)", file=sys.stderr)
+        return EXIT_USAGE
+    if keep_alive is not None and math.isinf(keep_alive):  # JSON has no infinity either
+        keep_alive = -1.0
     return _models(socket, "load", model, keep_alive)
 
 
