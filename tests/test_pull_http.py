@@ -95,6 +95,8 @@ async def test_a_failed_pull_tells_the_kind_and_logs_the_detail(
         server.models.store.directory = store
         answer = await http.post("/api/pull", json={"model": "a/one", "stream": False})
         streamed = await http.post("/api/pull", json={"model": "a/one"})
+        failed_pulls = server.metrics.errors["pull_failed"]
+    assert failed_pulls == 2  # counted as refusals are (they were not)
     assert answer.status_code == status
     assert answer.json() == {"error": f"{message}; see the daemon's log"}
     assert streamed.text.splitlines()[-1] == f'{{"error":"{message}; see the daemon\'s log"}}'

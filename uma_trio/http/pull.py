@@ -148,7 +148,19 @@ class PullApi:
     async def _pulling(
         self, thread: threading.Thread, progress: queue.SimpleQueue[dict[str, Any]], outcome: dict[str, Any]
     ) -> AsyncIterator[dict[str, Any]]:
-        """Progress lines while the pull's ``thread`` runs; then the store learns the file."""
+        """Progress lines while the pull's ``thread`` runs; then the store learns the file.
+        A pull that fails counts in the daemon's errors (``pull_failed``) as a refusal does."""
+        try:
+            async for line in self._lines(thread, progress, outcome):
+                yield line
+        finally:
+            if "error" in outcome:
+                status = int(outcome.get("status", 500))
+                self.gateway._count_error(ApiError(status, str(outcome["error"]), code="pull_failed"))
+
+    async def _lines(
+        self, thread: threading.Thread, progress: queue.SimpleQueue[dict[str, Any]], outcome: dict[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
         yield {"status": "pulling manifest"}
         while thread.is_alive() or not progress.empty():
             while not progress.empty():
