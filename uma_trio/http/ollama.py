@@ -96,6 +96,10 @@ class OllamaApi:
         model = self.gateway.model_for(body.model or body.name or "")
         card = await self._card(model)
         primary = model == self.gateway.model
+        if card is None and not primary and self.gateway._ready().models.state(model) != "loaded":
+            # Nothing serves it and its file reads as no model: it was a 200 of made-up details.
+            message = f"cannot load model {model!r}: llama.cpp cannot read its file"
+            raise api_error(ErrorCode.MODEL_LOAD, message)
         if primary:
             engine = self.gateway._ready().loop.engine
             template, context = engine.chat_template_source or "", engine.n_ctx_seq
