@@ -159,6 +159,7 @@ async def test_bad_embedding_requests_are_refused_by_name(open_server: Server) -
         ({"input": ""}, "input"),
         ({"input": []}, "input"),
         ({"input": TEXT * 12}, "input"),  # longer than a sequence's context (512 cells here)
+        ({"input": ["ok", TEXT * 12]}, "input[1]"),  # which one, in a list
     ]
     for fields, param in cases:
         with pytest.raises(openai.BadRequestError) as refused:

@@ -131,6 +131,8 @@ class EmbeddingsApi:
                             async for event in events:
                                 collected[i].append(event)
                 except ApiError as exc:
+                    if exc.param == "input" and len(requests) > 1:  # which text: input[i]
+                        exc.param, exc.message = f"input[{i}]", f"input[{i}]: {exc.message}"
                     refusal.append(exc)
             if refusal or any(isinstance(e, ErrorEvent) for e in collected[i]):
                 nursery.cancel_scope.cancel()  # one failed: the answer is its error
