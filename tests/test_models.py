@@ -66,6 +66,9 @@ def test_the_store_names_every_file_and_alias(tmp_path: Path) -> None:
     for name, expected in names.items():
         assert store.resolve(name) == expected, name
     assert store.entry("main").aliases == ("chat",)
+    # A file outside the store named by its own id: listed once, not as an alias of itself.
+    same = ModelStore.scan(primary, shelf, [f"big={elsewhere}"])
+    assert same.entry("big").aliases == () and same.resolve("big") == "big"
     with pytest.raises(StoreError, match="NAME=FILE"):
         ModelStore.scan(primary, shelf, ["chat"])
     with pytest.raises(StoreError, match="no model file"):

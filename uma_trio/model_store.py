@@ -145,7 +145,7 @@ def _aliases(aliases: Sequence[str], files: dict[str, Path]) -> dict[str, list[s
         key_before, given = first.setdefault(name, (key, alias))
         if key_before != key:  # the first one silently won
             raise StoreError(f"--alias {alias!r}: {name!r} is already --alias {given}, another model")
-        if name not in named.setdefault(key, []):
+        if name not in named.setdefault(key, []) and name != key:  # its own id is no alias
             named[key].append(name)
     return named
 
