@@ -165,6 +165,9 @@ async def test_bad_embedding_requests_are_refused_by_name(open_server: Server) -
         with pytest.raises(openai.BadRequestError) as refused:
             await api.embeddings.create(model=MODEL, **fields)  # type: ignore[arg-type]
         assert refused.value.param == param, fields
+    with pytest.raises(openai.BadRequestError) as an_object:  # it said "token ids are not accepted"
+        await api.embeddings.create(model=MODEL, input=[{"text": "x"}])  # type: ignore[list-item]
+    assert "must be a string, not an object" in str(an_object.value) and an_object.value.param == "input"
     with pytest.raises(openai.NotFoundError):
         await api.embeddings.create(model="text-embedding-3-small", input=TEXT)
     # Ollama's truncate (its default) cuts the same input to fit instead.

@@ -54,6 +54,9 @@ class OllamaEmbeddingsBody(Struct, kw_only=True):
     keep_alive: Any = None
 
 
+_JSON_KIND = {dict: "an object", float: "a number", bool: "a boolean", type(None): "null"}
+
+
 def texts_of(value: str | list[Any] | None) -> list[str]:
     """The inputs as texts: a string is one; token ids (OpenAI allows them, in another
     model's vocabulary) are refused by name."""
@@ -61,12 +64,15 @@ def texts_of(value: str | list[Any] | None) -> list[str]:
     if len(items) > MAX_INPUTS:
         raise bad_request(f"`input` has {len(items)} items; at most {MAX_INPUTS} fit in one request", "input")
     for i, item in enumerate(items):
-        if not isinstance(item, str):
+        if isinstance(item, int | list) and not isinstance(item, bool):
             raise bad_request(
                 f"`input[{i}]` is not a text: token ids are not accepted (they would be another "
                 "model's); send the text itself",
                 "input",
             )
+        if not isinstance(item, str):  # an object, a number: said as such, not as token ids
+            kind = _JSON_KIND.get(type(item), "that")
+            raise bad_request(f"`input[{i}]` must be a string, not {kind}", "input")
         if not item:
             raise bad_request(f"`input[{i}]` is empty: an empty text has no embedding", "input")
     return items
