@@ -3,6 +3,7 @@ typical, DRY, XTC and Mirostat; log-probabilities; through the openai SDK and th
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Any
 
@@ -223,3 +224,19 @@ async def test_n_choices_share_the_prompt_and_differ_by_seed(
             model=MODEL, prompt="Once upon a time", n=2, max_tokens=8, seed=1
         )
         assert [c.index for c in text.choices] == [0, 1]
+
+
+def test_xtc_leaves_the_candidates_where_the_next_token_finds_them(llama_model: LlamaModel) -> None:
+    """XTC removes the likeliest candidates by moving the array's data pointer past them; the
+    pointer stayed moved, so the next token's chain read a window reaching past the buffer
+    (a full run drew token 0 where a rerun with the same seed drew 17676)."""
+    sampler = llama_model.vocabulary.sampler(
+        SamplingParams(temperature=0.9, seed=1, xtc_probability=1.0, xtc_threshold=0.05)
+    )
+    assert isinstance(sampler, ChainSampler)
+    row = np.full(llama_model.n_vocab, -100.0, dtype=np.float32)
+    row[[5, 6]] = [10.0, 9.5]  # both above the threshold: XTC cuts 5, only 6 is left
+    for _ in range(3):
+        assert sampler.sample(row.copy()) == 6
+        start = ctypes.cast(sampler._array.data, ctypes.c_void_p).value
+        assert start == sampler._data.ctypes.data  # where the next token's logits are written

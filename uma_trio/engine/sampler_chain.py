@@ -41,9 +41,10 @@ class ChainSampler(Sampler):
         self._n_vocab = n_vocab
         self._data = np.zeros(n_vocab, dtype=TOKEN_DATA)
         self._ids = np.arange(n_vocab, dtype=np.int32)
+        # llama_cpp types the field as an array; ctypes takes the pointer to our buffer
+        self._start: Any = ctypes.cast(self._data.ctypes.data, ctypes.POINTER(llama.llama_token_data))
         self._array = llama.llama_token_data_array(
-            data=ctypes.cast(self._data.ctypes.data, ctypes.POINTER(llama.llama_token_data)),
-            size=n_vocab, selected=-1, sorted=False,
+            data=self._start, size=n_vocab, selected=-1, sorted=False,
         )  # fmt: skip
         self._keep: list[Any] = []  # ctypes buffers the chain's samplers point into
         self._chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
@@ -106,10 +107,16 @@ class ChainSampler(Sampler):
         self._data["id"] = self._ids  # the chain reorders the array in place
         array = self._array
         array.size, array.selected, array.sorted = self._n_vocab, -1, False
-        llama.llama_sampler_apply(self._chain, ctypes.byref(array))
-        if not 0 <= array.selected < array.size:
-            raise RuntimeError("llama.cpp's sampler chain selected no token")
-        token = int(array.data[array.selected].id)
+        try:
+            llama.llama_sampler_apply(self._chain, ctypes.byref(array))
+            if not 0 <= array.selected < array.size:
+                raise RuntimeError("llama.cpp's sampler chain selected no token")
+            token = int(array.data[array.selected].id)
+        finally:
+            # XTC cuts the candidates by moving the array's data pointer past them: left so,
+            # the next token's chain ran on a window past the buffer's end (a flaky test drew
+            # token 0, a read of memory after it).
+            array.data = self._start
         llama.llama_sampler_accept(self._chain, token)
         return token
 
