@@ -8,6 +8,7 @@ is still there when a request names it.
 from __future__ import annotations
 
 import logging
+import stat
 from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -85,7 +86,7 @@ class ModelStore:
         a name the store has not, not as a corrupt file) unless they are in ``loaded``."""
         if self.directory is None:
             return self
-        kept = [_resized(e) for e in self._entries.values() if e.id in loaded or not _gone(e)]
+        kept = [e for e in (_restated(e, loaded) for e in self._entries.values()) if e is not None]
         resized = any(e is not self._entries[e.id] for e in kept)
         known = {e.id for e in kept}
         # Every name a request may use already: a new file that would take one of them is left
@@ -218,11 +219,17 @@ def _gone(entry: StoreEntry) -> bool:
     return entry.found and not entry.path.is_file()
 
 
-def _resized(entry: StoreEntry) -> StoreEntry:
-    """``entry`` with its file's size now (a file copied over kept the size it had when first
-    listed: a 5-byte one replaced by the model still said 5)."""
-    size = _size(entry.path)
-    return replace(entry, size=size) if size and size != entry.size else entry
+def _restated(entry: StoreEntry, loaded: Container[str]) -> StoreEntry | None:
+    """``entry`` as its file is now, from one stat: None once :func:`_gone` (unless it is in
+    ``loaded``), else with the file's size now (a file copied over kept the size it had when
+    first listed: a 5-byte one replaced by the model still said 5)."""
+    try:
+        info = entry.path.stat()
+    except OSError:
+        info = None
+    if info is None or not stat.S_ISREG(info.st_mode):
+        return entry if entry.id in loaded or not entry.found else None
+    return replace(entry, size=info.st_size) if info.st_size and info.st_size != entry.size else entry
 
 
 def _size(path: Path) -> int:

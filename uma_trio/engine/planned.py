@@ -34,14 +34,13 @@ from .summary import engine_summary
 def offload_plan(shape: ModelShape, config: ServerConfig) -> OffloadPlan:
     """``--gpu-layers`` against this machine's devices and the model's size
     (:func:`~uma_trio.engine.llama.read_shape`: no weights read)."""
-    kv_cells = config.n_ctx * config.max_sessions
     return plan_offload(
         parse_gpu_layers(config.gpu_layers),
         supports_offload=supports_gpu_offload(),
         devices=tuple(d.as_memory() for d in layer_devices(devices(), config.split_mode)),
         n_layer=shape.n_layer,
         weight_bytes=shape.file_bytes,
-        kv_bytes=kv_cells * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1]),
+        kv_bytes=kv_cache_bytes(shape, config),
         gpu_backends=tuple(b for b in backends_built() if b != "CPU"),
         split_mode=config.split_mode,
         main_gpu=config.main_gpu,
@@ -49,17 +48,21 @@ def offload_plan(shape: ModelShape, config: ServerConfig) -> OffloadPlan:
     )
 
 
+def kv_cache_bytes(shape: ModelShape, config: ServerConfig) -> int:
+    """The KV cache's bytes: ``--n-ctx`` × ``--max-sessions`` cells of ``--kv-type``."""
+    return config.n_ctx * config.max_sessions * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1])
+
+
 def memory_footprint(shape: ModelShape, config: ServerConfig) -> int:
     """Bytes a model takes once loaded with ``config``: its weights (the file) and its KV
-    cache (``--n-ctx`` × ``--max-sessions`` cells), on whichever devices hold them."""
-    cells = config.n_ctx * config.max_sessions
-    return shape.file_bytes + cells * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1])
+    cache, on whichever devices hold them."""
+    return shape.file_bytes + kv_cache_bytes(shape, config)
 
 
 def host_bytes(shape: ModelShape, config: ServerConfig, plan: OffloadPlan) -> tuple[int, int]:
     """The weights' and the KV cache's bytes in host memory: the share of the layers that
     stay on the CPU (llama.cpp keeps a layer's KV cells with the layer)."""
-    kv = config.n_ctx * config.max_sessions * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1])
+    kv = kv_cache_bytes(shape, config)
     on_host = 1.0 - min(plan.n_gpu_layers, plan.total) / max(plan.total, 1)
     return round(shape.file_bytes * on_host), round(kv * on_host)
 
@@ -122,7 +125,7 @@ def planned_summary(model_path: Path, config: ServerConfig) -> dict[str, Any]:
         system_info=system_info(), devices=devices(),
         layers=(plan.n_gpu_layers, plan.total), reason=plan.reason,
         kv_type=config.engine_kv_type,
-        kv_bytes=cells * shape.kv_bytes_per_cell(KV_TYPES[config.engine_kv_type][1]), kv_cells=cells,
+        kv_bytes=kv_cache_bytes(shape, config), kv_cells=cells,
         flash_attn="auto (resolved when the context is created)" if flash == "auto" else flash,
         settings={
             "n_ctx_seq": config.n_ctx, "n_seq_max": config.max_sessions, "n_batch": config.n_batch,

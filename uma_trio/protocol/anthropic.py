@@ -295,7 +295,6 @@ def client_error(error: ApiError) -> ApiError:
     for ours, theirs in _TOOL_FIELDS:
         error.message = error.message.replace(ours, theirs)
         error.param = error.param.replace(ours, theirs) if error.param else error.param
-    error.args = (error.message,)
     return error
 
 

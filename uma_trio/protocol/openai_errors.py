@@ -36,6 +36,9 @@ class ApiError(Exception):
         self.close_connection = False  # answer with `Connection: close` (a body left unread)
         self.shape = "openai"  # "ollama": Ollama's API answers {"error": "message"}
 
+    def __str__(self) -> str:
+        return self.message  # as renamed since (client_param): the answer's, not the first one
+
     def body(self) -> dict[str, Any]:
         if self.shape == "ollama":
             return {"error": self.message}
@@ -172,7 +175,6 @@ def client_param(error: ApiError, names: dict[str, str]) -> ApiError:
         error.param = names.get(head, head) + sep + rest
     # msgspec's message says where too: "... - at `$.stop[0]`" (a field the client never sent).
     error.message = _MESSAGE_FIELD.sub(lambda m: m[1] + names.get(m[2], m[2]), error.message)
-    error.args = (error.message,)
     return error
 
 
