@@ -246,7 +246,7 @@ async def test_max_tokens_past_the_limits_is_a_ceiling(
             assert answer.choices[0].finish_reason == "length"
             assert answer.usage is not None and answer.usage.completion_tokens == limit
         response = await client.responses.create(
-            model=MODEL, input="Tell a long story.", max_output_tokens=10**6
+            model=MODEL, input="Tell a long story.", max_output_tokens=10**6, temperature=0
         )
         assert response.status == "incomplete" and response.usage is not None
         assert response.usage.output_tokens == limit
@@ -314,14 +314,14 @@ async def test_errors_have_the_right_status_and_error_object(http_server: Server
 
 async def test_lanes_from_header_field_and_service_tier(http_server: Server) -> None:
     client = async_client(http_server)
-    chat: dict[str, Any] = {"model": MODEL, "messages": STORY, "max_tokens": 2}
+    chat: dict[str, Any] = {"model": MODEL, "messages": STORY, "max_tokens": 2, "temperature": 0}
     await client.chat.completions.create(**chat, extra_headers={"X-Uma-Priority": "background"})
     await client.chat.completions.create(**chat, extra_body={"priority": "background"})
     await client.chat.completions.create(**chat, service_tier="flex")
     await client.chat.completions.create(**chat)
     async with httpx.AsyncClient(base_url=http_server.http_url or "") as http:
         headers = {"authorization": f"Bearer {KEY}", "x-uma-priority": "background"}
-        body = {"prompt": "Hi", "max_tokens": 2, "stream": False}
+        body = {"prompt": "Hi", "max_tokens": 2, "stream": False, "temperature": 0}
         assert (await http.post("/generate", json=body, headers=headers)).status_code == 200
     requests = http_server.metrics_snapshot()["requests"]
     assert requests == {"interactive": {"length": 1}, "background": {"length": 4}}
