@@ -113,9 +113,9 @@ async def test_a_forced_tool_use_whole_and_streamed(server: Server) -> None:
             {"role": "user", "content": [result]},
         ]
         answered = await client.messages.create(
-            model=MODEL, system=SYSTEM, messages=follow, max_tokens=16, tools=[WEATHER]
+            model=MODEL, system=SYSTEM, messages=follow, max_tokens=80, tools=[WEATHER], extra_body=GREEDY
         )  # type: ignore[list-item]
-        assert answered.content
+        assert answered.stop_reason in ("end_turn", "tool_use") and answered.content
 
 
 async def test_errors_come_in_anthropic_s_shape(server: Server) -> None:
@@ -238,3 +238,44 @@ def test_anthropic_s_own_tools_are_left_out_and_a_client_tool_needs_its_schema()
     with pytest.raises(ApiError) as schemaless:
         request([{"name": "f"}])
     assert schemaless.value.status == 400 and schemaless.value.param == "tools[0].input_schema"
+
+
+class Capital(pydantic.BaseModel):
+    answer: str = pydantic.Field(max_length=40)
+    confident: bool
+
+
+async def test_structured_output_through_output_config_and_parse(server: Server) -> None:
+    """Anthropic's structured output (``output_config.format``, the beta's ``output_format``)
+    was ignored: the SDK's ``messages.parse`` got free text and failed to validate it."""
+    async with sdk(server) as client:
+        parsed = await client.messages.parse(model=MODEL, messages=ASK, max_tokens=80, output_format=Capital)
+        assert parsed.stop_reason == "end_turn" and isinstance(parsed.parsed_output, Capital)
+        fmt = {"type": "json_schema", "schema": Capital.model_json_schema()}
+        beta = await client.messages.create(
+            model=MODEL, messages=ASK, max_tokens=80, extra_body={"output_format": fmt, **GREEDY}
+        )
+        assert beta.content[0].type == "text"
+        Capital.model_validate_json(beta.content[0].text)
+        for extra, field in (
+            ({"output_config": {"format": {"type": "json"}}}, "output_config.format"),
+            ({"output_format": fmt, "output_config": {"format": fmt}}, "not both"),
+            ({"output_format": {"type": "json_schema", "schema": {"type": "frob"}}}, "frob"),
+        ):
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await client.messages.create(model=MODEL, messages=ASK, max_tokens=8, extra_body=extra)
+            assert field in str(refused.value)
+
+
+async def test_an_answer_with_no_text_has_no_block_whole_or_streamed(server: Server) -> None:
+    """Found by review: a forced call cut off by max_tokens (no call whole, no text) came
+    back whole as one empty text block, streamed as none; Anthropic sends no empty block."""
+    ask: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    cut: dict[str, Any] = {"model": MODEL, "messages": ask, "max_tokens": 5, "extra_body": GREEDY,
+                           "tools": [WEATHER], "tool_choice": {"type": "any"}}  # fmt: skip
+    async with sdk(server) as client:
+        whole = await client.messages.create(**cut)
+        async with client.messages.stream(**cut) as stream:
+            streamed = await stream.get_final_message()
+    assert whole.stop_reason == streamed.stop_reason == "max_tokens"
+    assert whole.content == streamed.content == []

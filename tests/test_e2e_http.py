@@ -361,6 +361,29 @@ async def test_priority_finds_a_stream_by_its_request_id(
         await wait_until_idle(http_server)
 
 
+async def test_every_whole_answer_carries_its_request_id(http_server: Server) -> None:
+    """Found by review: whole answers with n > 1, /generate's and Ollama's came without the
+    X-Request-Id HTTP.md promises for every answer (streamed ones had it)."""
+    auth = {"authorization": f"Bearer {KEY}"}
+    chat = {"model": "SmolLM2-135M-Instruct.Q4_1", "max_tokens": 2, "temperature": 0, "stream": False}
+    short = {"num_predict": 2}
+    cases = [
+        ("/v1/chat/completions", {**chat, "messages": STORY, "n": 2}),
+        ("/v1/completions", {**chat, "prompt": "Once upon a time", "n": 2}),
+        ("/v1/chat/completions", {**chat, "messages": STORY}),
+        ("/generate", {"id": "whole-1", "prompt": "Hi", "max_tokens": 2, "stream": False}),
+        ("/api/chat", {"model": chat["model"], "messages": STORY, "stream": False, "options": short}),
+        ("/api/generate", {"model": chat["model"], "prompt": "Hi", "stream": False, "options": short}),
+    ]  # fmt: skip
+    async with httpx.AsyncClient(base_url=http_server.http_url or "", headers=auth) as http:
+        for path, body in cases:
+            answer = await http.post(path, json=body)
+            assert answer.status_code == 200, (path, answer.text)
+            assert answer.headers.get("x-request-id"), (path, body)
+        whole = await http.post("/generate", json=cases[3][1])
+        assert whole.headers["x-request-id"] == "whole-1"
+
+
 async def test_generate_sse_and_priority(http_server: Server) -> None:
     auth = {"authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(base_url=http_server.http_url or "", headers=auth) as http:

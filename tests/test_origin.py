@@ -158,3 +158,17 @@ async def test_the_metrics_port_refuses_a_rebinding_host_too(tmp_path: Path) -> 
                 assert (await http.get(url)).status_code == 200  # 127.0.0.1:PORT
         finally:
             server.request_shutdown(force=True)
+
+
+async def test_a_request_line_in_absolute_form_is_served_and_its_authority_checked() -> None:
+    """Found by review: ``GET http://host/path`` (RFC 9112 §3.2.2: servers must accept it; a
+    client told the daemon is its proxy sends it) was a 404 naming the URL, and its Host
+    check read the Host header, which the RFC says to ignore for the target's authority."""
+    async with gateway_on_sim() as (_, _, url), httpx.AsyncClient(proxy=url) as via:
+        answered = await via.post(f"{url}/v1/completions?x=1", json=BODY)
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["choices"][0]["text"]
+        assert (await via.get(f"{url}/health")).status_code == 200
+        rebound = await via.get("http://evil.example/health")
+        assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "host_not_allowed"
+        assert (await via.get(f"{url}/nowhere")).json()["error"]["message"] == "GET /nowhere: Not Found"

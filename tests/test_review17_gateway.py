@@ -14,7 +14,7 @@ import pytest
 
 from uma_trio.protocol.llama_server import InfillBody, infill_request, n_predict
 from uma_trio.protocol.openai import daemon_seed
-from uma_trio.protocol.tools import ToolTextFilter, parse_tool_calls
+from uma_trio.protocol.tool_text import ToolTextFilter, parse_tool_calls
 from uma_trio.runtime.server import Server
 
 from .conftest import API_KEY, openai_sdk

@@ -128,6 +128,14 @@ async def test_json_object_and_streamed_schema_over_http(keyed_http_server: Serv
         assert 0 <= int(done.choices[0].text) <= 999
 
 
+TOOL = {"type": "function", "function": {"name": "noop"}}
+FROB = {"schema": {"type": "frob"}}
+BROKEN = {"name": "broken"}
+BROKEN_TOOL = {"type": "function", "function": {"name": "broken", "parameters": {
+    "type": "object", "properties": {"a": {"$ref": "#/nope"}},
+}}}  # fmt: skip
+
+
 async def test_bad_schemas_and_grammars_are_400s_naming_the_problem(keyed_http_server: Server) -> None:
     async with httpx.AsyncClient(
         base_url=f"{keyed_http_server.http_url}/v1", headers={"Authorization": "Bearer k"}
@@ -145,6 +153,16 @@ async def test_bad_schemas_and_grammars_are_400s_naming_the_problem(keyed_http_s
                 "not both", "response_format",
             ),
             ({"json_schema": {"type": "integer"}, "grammar": 'root ::= "a"'}, "json_schema", "json_schema"),
+            # With tools, the format's fault is named as the format's, a tool's as its own
+            # field (it read "/$defs/uma_tool_0/nope" and quoted the grammar built for it).
+            (
+                {"tools": [TOOL], "response_format": {"type": "json_schema", "json_schema": FROB}},
+                "frob", "response_format",
+            ),
+            (
+                {"tools": [TOOL, BROKEN_TOOL], "tool_choice": {"type": "function", "function": BROKEN}},
+                "Pointer 'tools[1].function.parameters#/nope' does not exist", "tools",
+            ),
         ]  # fmt: skip
         for extra, problem, param in cases:
             answer = await http.post(
@@ -153,6 +171,7 @@ async def test_bad_schemas_and_grammars_are_400s_naming_the_problem(keyed_http_s
             assert answer.status_code == 400, answer.text
             assert problem in answer.json()["error"]["message"], answer.text
             assert answer.json()["error"]["param"] == param, answer.text
+            assert "uma_tool" not in answer.text and "x-guidance" not in answer.text
         answer = await http.post(
             "/chat/completions", json={"model": MODEL, "messages": ask("hi"), "max_tokens": 2}
         )

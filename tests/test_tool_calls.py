@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import msgspec
 import numpy as np
 import openai
@@ -22,18 +23,11 @@ from uma_trio.config import ServerConfig
 from uma_trio.engine.constraints import lark_constraint
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.engine.sampling import SamplingParams
-from uma_trio.protocol.tools import (
-    NamedToolChoice,
-    Tool,
-    ToolFormat,
-    ToolTextFilter,
-    parse_tool_calls,
-    tool_call_grammar,
-    tool_format_of,
-)
+from uma_trio.protocol.tool_text import ToolTextFilter, parse_tool_calls
+from uma_trio.protocol.tools import NamedToolChoice, Tool, ToolFormat, tool_call_grammar, tool_format_of
 from uma_trio.runtime.server import Server
 
-from .conftest import openai_sdk, running_server
+from .conftest import API_KEY, openai_sdk, running_server
 from .helpers import draw_until_end, grammar_accepts, taught_to_call
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -247,6 +241,44 @@ def test_tools_whose_schemas_use_defs_are_constrained_by_them(
             assert isinstance(json.loads(calls[0].arguments)["value"], int | list)
 
 
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 60}, "confident": {"type": "boolean"}},
+    "required": ["answer", "confident"],
+    "additionalProperties": False,
+}
+WEATHER_CALL = {"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}
+FAMILY_CALLS: dict[ToolFormat, str] = {
+    "hermes": f"<tool_call>\n{json.dumps(WEATHER_CALL)}\n</tool_call>\n",
+    "llama3": json.dumps({"name": "get_weather", "parameters": WEATHER_CALL["arguments"]}),
+    "mistral": "[TOOL_CALLS]" + json.dumps([WEATHER_CALL]),
+    "generic": json.dumps({"tool_calls": [WEATHER_CALL]}),
+}
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "generic"])
+def test_with_a_response_format_the_answer_is_a_call_or_the_format(fmt: ToolFormat) -> None:
+    """Tools with a response_format were refused (OpenAI takes both: the Agents SDK's
+    output_type, codex exec --output-schema); the format is the direct answer's, and a
+    forced call is not bound by it."""
+    grammar = tool_call_grammar(fmt, TOOLS, "auto", parallel=True, answer=ANSWER)
+    assert grammar is not None
+    compiled = lark_constraint(grammar, "tools").grammar
+    direct = '{"answer": "Sunny.", "confident": true}'
+    assert grammar_accepts(compiled, FAMILY_CALLS[fmt]) and grammar_accepts(compiled, direct)
+    assert not grammar_accepts(compiled, "It is sunny.")
+    assert not grammar_accepts(compiled, '{"answer": "Sunny.", "confident": "yes"}')
+    assert parse_tool_calls(direct, fmt, NAMES, formatted=True) == (direct, [])
+    content, calls = parse_tool_calls(FAMILY_CALLS[fmt], fmt, NAMES, formatted=True)
+    assert [c.name for c in calls] == ["get_weather"] and content == ""
+    forced = tool_call_grammar(fmt, TOOLS, "required", parallel=True, answer=ANSWER)
+    assert forced == tool_call_grammar(fmt, TOOLS, "required", parallel=True)
+    # A formatted generic answer is the format's JSON as it is, even one shaped like
+    # generic's own {"response": ...}, or holding a key named tool_calls.
+    for own in ('{"response": "hi"}', '{"tool_calls": 3}', "[1, 2]"):
+        assert parse_tool_calls(own, "generic", NAMES, formatted=True) == (own, [])
+
+
 # -- end to end ------------------------------------------------------------------------
 
 
@@ -306,7 +338,7 @@ async def test_named_auto_and_none_tool_choices(keyed_http_server: Server) -> No
         for bad, what in (
             ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
             ({"tool_choice": "required", "tools": []}, "required"),
-            ({"response_format": {"type": "json_object"}}, "not both"),
+            ({"extra_body": {"grammar": 'root ::= "a"'}}, "not both"),
         ):
             fields: dict[str, Any] = {"tools": [WEATHER], **bad}
             with pytest.raises(openai.BadRequestError) as refused:
@@ -699,3 +731,54 @@ def test_a_tool_nested_too_deeply_to_rewrite_is_a_grammar_error() -> None:
     with pytest.raises(UmaError) as refused:
         tool_constraint(request, "generic")
     assert refused.value.code == "E_GRAMMAR_001" and "nested too deeply" in refused.value.message
+
+
+@pytest.mark.model
+async def test_tools_with_a_response_format_call_or_answer_in_the_format(keyed_http_server: Server) -> None:
+    """Chat, Responses and Ollama's chat take tools and a format together (they were 400s):
+    the model calls the tool, or answers in the format."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": ANSWER}}
+    PARIS = '{"city": "Paris"}'
+    asked = {"model": MODEL, "tools": [WEATHER], "response_format": fmt, "temperature": 0, "max_tokens": 80}
+    # After the tool's result the model may answer; the default model calls again and again,
+    # so the tokens that start the calls' key are banned: the grammar's other branch, the
+    # format, is left.
+    told = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": PARIS}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."},
+    ]  # fmt: skip
+    tokenize = keyed_http_server.engine.tokenize
+    starts = [tokenize(key) for key in ("t", "to", "too", "tool", "tool_", "tool_c", "tool_calls")]
+    no_call = {str(int(t[0])): -100 for t in starts if len(t) == 1}
+    assert len(no_call) >= 2  # "t" and "tool" at least
+    async with openai_sdk(keyed_http_server) as client:
+        called = await client.chat.completions.create(messages=ASK, **asked)
+        assert called.choices[0].finish_reason == "tool_calls"
+        assert called.choices[0].message.tool_calls
+        answered = await client.chat.completions.create(messages=told, logit_bias=no_call, **asked)
+        choice = answered.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+        assert choice.message.content is not None
+        assert set(json.loads(choice.message.content)) == {"answer", "confident"}
+        stream = await client.chat.completions.create(messages=told, logit_bias=no_call, stream=True, **asked)
+        streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert streamed == choice.message.content
+        response = await client.responses.create(
+            model=MODEL, input="Weather in Paris?", temperature=0, max_output_tokens=80,
+            tools=[{"type": "function", "name": "get_weather", "parameters": ANSWER}],
+            text={"format": {"type": "json_schema", "name": "answer", "schema": ANSWER}},
+        )  # fmt: skip
+        assert response.status == "completed" and response.output
+    async with httpx.AsyncClient(
+        base_url=str(keyed_http_server.http_url), headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as http:
+        ollama_chat = await http.post("/api/chat", json={
+            "model": MODEL, "messages": ASK[1:], "tools": [WEATHER], "format": ANSWER, "stream": False,
+            "options": {"temperature": 0, "num_predict": 80},
+        })  # fmt: skip
+        assert ollama_chat.status_code == 200, ollama_chat.text
+        message = ollama_chat.json()["message"]
+        assert message.get("tool_calls") or set(json.loads(message["content"])) == {"answer", "confident"}

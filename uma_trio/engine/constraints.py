@@ -184,6 +184,14 @@ class ModelVocabulary:
         return matcher
 
 
+def check_alone(constraint: OutputConstraint) -> None:
+    """Raises :class:`ConstraintError` if ``constraint`` does not compile by itself (with no
+    vocabulary: quick); a part of a bigger grammar is so named in the error.  Recursive, as
+    a compile: off the event loop, on a big stack (:func:`on_big_stack`)."""
+    if error := llguidance.LLMatcher.validate_grammar(constraint.grammar):
+        raise ConstraintError(f"invalid {constraint.kind}: {first_line(error)}")
+
+
 def first_line(error: str) -> str:
     """llguidance's error without the parser state it appends (hundreds of characters of
     internals, after the first line)."""

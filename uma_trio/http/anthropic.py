@@ -17,7 +17,7 @@ from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
 from ..protocol.ollama import Limits
 from ..protocol.openai import api_error, ended_early, from_uma_error, validation_error
-from ..protocol.tools import ToolTextFilter
+from ..protocol.tool_text import ToolTextFilter
 from .auth import request_owner
 from .flight import Flight, GatewayCore, answer_limits, answering_as, completed, decode_body
 from .responses import json_response

@@ -430,7 +430,9 @@ class Gateway:
             completed(events)  # raises the error to answer instead, if a choice failed
         eos = [whole_eos(events) for events in collected]
         created, merge = int(time.time()), merged_chat if isinstance(body, openai.ChatBody) else merged_text
-        return json_response(merge(completion_id, created, body.model, eos))
+        return json_response(
+            merge(completion_id, created, body.model, eos), headers={"x-request-id": completion_id}
+        )
 
     async def _streamed_choices(
         self,
@@ -591,15 +593,15 @@ class Gateway:
         if lane is not None:
             generate_request = msgspec.structs.replace(generate_request, priority=lane)
         async with self._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
+            headers = {"x-request-id": generate_request.id}
             if not generate_request.stream:
-                return json_response(last_word(await self._collect(request, flight)))
+                return json_response(last_word(await self._collect(request, flight)), headers=headers)
 
             async def sse() -> AsyncGenerator[bytes, None]:
                 async with aclosing(self._events(flight)) as events:
                     async for event in events:
                         yield openai.sse(_json.encode(event))
 
-            headers = {"x-request-id": generate_request.id}
             return self._event_stream(sse, flight, headers)
 
     # -- plumbing ----------------------------------------------------------------

@@ -189,7 +189,7 @@ class OllamaApi:
                 tokens = [lp for e in events if isinstance(e, TokenEvent) for lp in e.logprobs or ()]
                 if (described := ollama.logprobs_of(tokens)) is not None:
                     final.logprobs = described
-                return json_response(final)
+                return json_response(final, headers={"x-request-id": rid})
 
             fmt = flight.stream.tool_format if flight.stream is not None else None
             chunks = Lines(model, chat) if fmt is None else ToolChatLines(model, fmt)

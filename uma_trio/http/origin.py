@@ -125,8 +125,35 @@ def check(
     return None
 
 
+# A request target in absolute form, as the ASGI server passes it on ("/http://host/path").
+_ABSOLUTE = re.compile(r"^/?https?://([^/?#]*)(.*)$", re.IGNORECASE | re.DOTALL)
+_ABSOLUTE_RAW = re.compile(rb"^/?https?://[^/?#]*(.*)$", re.IGNORECASE | re.DOTALL)
+
+
+def origin_form(scope: dict[str, Any]) -> dict[str, Any]:
+    """``scope`` with a request line in absolute form (``GET http://host:port/path``, which
+    RFC 9112 §3.2.2 requires a server to accept, and proxy-minded clients send) read as its
+    path, and Host as the target's authority: the RFC has the server ignore the Host header
+    then, so the Host check applies to the authority.  It was a 404 naming the URL."""
+    match = _ABSOLUTE.match(scope["path"])
+    if match is None:
+        return scope
+    authority = match.group(1).rsplit("@", 1)[-1]  # without a user:password@
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"host"]
+    normal = {
+        **scope,
+        "path": match.group(2) or "/",
+        "headers": [*headers, (b"host", authority.encode("latin-1"))],
+    }
+    raw = _ABSOLUTE_RAW.match(scope.get("raw_path") or b"")
+    if raw is not None:
+        normal["raw_path"] = raw.group(1) or b"/"
+    return normal
+
+
 class OriginGuard:
-    """ASGI middleware applying :func:`check` to every HTTP request (the module docstring)."""
+    """ASGI middleware applying :func:`check` to every HTTP request (the module docstring),
+    after reading an absolute-form request line as origin form (:func:`origin_form`)."""
 
     def __init__(
         self,
@@ -143,6 +170,7 @@ class OriginGuard:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
+            scope = origin_form(scope)
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
             method = scope["method"]
             if method == "OPTIONS" and "access-control-request-method" in headers:

@@ -17,7 +17,7 @@ from ..protocol.errors import ErrorCode
 from ..protocol.messages import EosEvent, ErrorEvent, TokenEvent
 from ..protocol.openai import LANE_HEADER, ApiError, api_error, ended_early
 from ..protocol.responses_tools import call_items, new_id
-from ..protocol.tools import ToolTextFilter
+from ..protocol.tool_text import ToolTextFilter
 from .auth import request_owner
 from .flight import Flight, GatewayCore, completed, decode_body, with_ceiling
 from .responses import json_response

@@ -9,7 +9,8 @@ are refused by name, but inside a ``tool_result`` they become a placeholder text
 ``thinking`` is accepted and ignored (this model does not think aloud), and the ``thinking``
 / ``redacted_thinking`` blocks a client replays are dropped. ``max_tokens`` is a ceiling, as
 Ollama's num_predict: past --max-tokens or the room the prompt leaves, the answer is cut and
-stops for ``max_tokens``.
+stops for ``max_tokens``. ``output_config.format`` (or the beta's ``output_format``) is
+structured output, a strict JSON schema.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class MessagesBody(Struct, kw_only=True):
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    # Structured output: output_config.format (its effort is ignored), or the beta's
+    # output_format (structured-outputs-2025-11-13).
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
 
 
 # What a tool's image or document becomes: refused, it stayed in the history and refused every
@@ -191,6 +196,33 @@ def _tool_fields(body: MessagesBody) -> dict[str, Any]:
     return fields
 
 
+def _format_fields(body: MessagesBody) -> dict[str, Any]:
+    """``output_config.format`` (or the beta's ``output_format``) as a ``response_format``:
+    Anthropic's structured output, whose objects are closed (its schemas must say
+    ``additionalProperties: false``): a strict schema."""
+    given = [
+        (where, fmt)
+        for where, fmt in (
+            ("output_config.format", (body.output_config or {}).get("format")),
+            ("output_format", body.output_format),
+        )
+        if fmt is not None
+    ]
+    if not given:
+        return {}
+    if len(given) > 1:
+        raise bad_request("give `output_config.format` or `output_format`, not both", "output_format")
+    where, fmt = given[0]
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
+        raise bad_request(f'{where} must be {{"type": "json_schema", "schema": {{...}}}}', where)
+    spec = {"name": "output", "schema": fmt["schema"], "strict": True}
+    return {"response_format": {"type": "json_schema", "json_schema": spec}}
+
+
 def _check_fields(body: MessagesBody, count_only: bool) -> None:
     """Refusals named by the client's own fields (the translated request's would name ours),
     in Anthropic's ranges."""
@@ -217,6 +249,7 @@ def messages_request(
         "stream": True,
         "messages": _turns(body),
         **_tool_fields(body),
+        **_format_fields(body),
     }
     if body.max_tokens is not None:
         fields["max_tokens"] = body.max_tokens
@@ -249,7 +282,9 @@ def message_id() -> str:
 def content_blocks(eos: EosEvent, text: str) -> list[dict[str, Any]]:
     """The answer's blocks: its text (if any), then one ``tool_use`` per call."""
     words = eos.content if eos.content is not None else text
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": words}] if words or not eos.tool_calls else []
+    # No text, no block: as the stream sends none (an empty text block, which Anthropic never
+    # sends, made the two answers differ).
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": words}] if words else []
     for call in eos.tool_calls or ():
         blocks.append({"type": "tool_use", "id": _tool_id(call.id), "name": call.function.name,
                        "input": _input(call.function.arguments)})  # fmt: skip

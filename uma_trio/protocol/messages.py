@@ -186,7 +186,6 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("exactly one of `prompt` and `messages` is required")
         if self.embed:
             self._check_embedding()
-        constrained = self.grammar is not None or not isinstance(self.response_format, TextFormat | None)
         if self.grammar is not None and not isinstance(self.response_format, TextFormat | None):
             raise ValueError("give `response_format` or `grammar`, not both")
         names = [t.function.name for t in self.tools or ()]
@@ -196,8 +195,8 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("`tool_choice` `required` needs `tools`")
         if self.uses_tools and self.prompt is not None:
             raise ValueError("`tools` need `messages` (the chat template renders them)")
-        if self.uses_tools and constrained:
-            raise ValueError("give `tools` or a `response_format` / `grammar`, not both")
+        if self.uses_tools and self.grammar is not None:
+            raise ValueError("give `tools` or a `grammar`, not both")
         if len(set(names)) != len(names):
             raise ValueError("two tools have the same name")
         if self.suffix is not None and self.prompt is None:

@@ -1,6 +1,6 @@
 """A streamed ``/api/chat`` or ``/api/generate`` answer as Ollama's NDJSON chunks.  Pure.
 
-With tools offered, content streams as the OpenAI route's does (protocol/tools.py's
+With tools offered, content streams as the OpenAI route's does (protocol/tool_text.py's
 :class:`ToolTextFilter`): it is sent until it may be the start of a call, the rest at the
 end; then the calls in a chunk of their own (Ollama's ``message.tool_calls`` chunk, which
 clients collect as they go), and the last line, ``done``, with no content: everything was
@@ -12,7 +12,8 @@ from typing import Any
 
 from .messages import EosEvent, TokenLogprob
 from .ollama import AssistantMessage, Chunk, final_chunk, logprobs_of, ollama_call, text_chunk
-from .tools import ToolFormat, ToolTextFilter
+from .tool_text import ToolTextFilter
+from .tools import ToolFormat
 
 
 class Lines:

@@ -38,7 +38,8 @@ from .openai_errors import from_uma_error as _from_uma_error
 from .openai_errors import stop_param
 from .openai_errors import validation_error as validation_error
 from .openai_logprobs import ChatLogprobs, CompletionLogprobs, TextOffsets, chat_logprobs, completion_logprobs
-from .tools import ToolFormat, ToolTextFilter
+from .tool_text import ToolTextFilter
+from .tools import TOOL_GRAMMAR_ERROR, ToolFormat
 
 # -- request bodies ----------------------------------------------------------------
 
@@ -310,14 +311,14 @@ def from_uma_error(error: UmaError, request: GenerateRequest | None = None) -> A
     if api.param is None and error.code == ErrorCode.SCHEMA and field in GenerateRequest.__struct_fields__:
         api.param = field
     if api.param is None and request is not None:
-        api.param = _refused_field(error.code, request)
+        api.param = _refused_field(error.code, request, error.message)
     return api
 
 
-def _refused_field(code: str, request: GenerateRequest) -> str | None:
+def _refused_field(code: str, request: GenerateRequest, message: str) -> str | None:
     """The field of ``request`` that an admission refusal is about (param was null)."""
     if code == ErrorCode.GRAMMAR:
-        if request.uses_tools:
+        if request.uses_tools and message.startswith(TOOL_GRAMMAR_ERROR):
             return "tools"
         return "grammar" if request.grammar is not None else "response_format"
     if code in (ErrorCode.PROMPT_TOO_LARGE, ErrorCode.CONTEXT_OVERFLOW):
@@ -534,7 +535,7 @@ class ChatStream(_Stream[ChatCompletionChunk]):
 
 class ToolChatStream(ChatStream):
     """A chat stream whose request offered tools: content is sent until it may be a tool
-    call (protocol/tools.py's ToolTextFilter); at the end the rest of the content, then the
+    call (protocol/tool_text.py's ToolTextFilter); at the end the rest of the content, then the
     calls, each whole in one delta.  A token's logprobs go out with the first chunk that
     carries its text; those of text held to the end (the calls', too) with the last chunks."""
 

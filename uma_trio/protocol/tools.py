@@ -1,5 +1,5 @@
-"""Tool calls: how a model family writes them, the grammar that makes a model write one, and
-reading them back out of the generated text.  Pure: no I/O.
+"""Tool calls: how a model family writes them and the grammar that makes a model write one
+(protocol/tool_text.py reads them back out of the generated text).  Pure: no I/O.
 
 Four families, told apart by the chat template's source:
 
@@ -15,7 +15,8 @@ Four families, told apart by the chat template's source:
 
 With ``tool_choice`` ``required`` or a named function (and always for ``generic``) the answer
 is constrained by a Lark grammar whose calls are JSON schemas (llguidance's ``%json``): the
-name is one of the tools' and the arguments validate against that tool's ``parameters``.
+name is one of the tools' and the arguments validate against that tool's ``parameters``.  With
+a JSON ``response_format`` too, the grammar also allows a direct answer in that format.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -84,12 +84,16 @@ def chosen_tools(tools: Sequence[Tool], choice: ToolChoice) -> list[Tool]:
     return [] if choice == "none" else list(tools)
 
 
-def generic_instructions(tools: Sequence[Tool], choice: ToolChoice) -> str:
-    """The system text that describes the tools to a model whose template cannot."""
+def generic_instructions(tools: Sequence[Tool], choice: ToolChoice, formatted: bool = False) -> str:
+    """The system text that describes the tools to a model whose template cannot.
+    ``formatted``: a direct answer is the response format's JSON (tool_call_grammar)."""
     listed = json.dumps([msgspec.to_builtins(t.function) for t in chosen_tools(tools, choice)], indent=1)
     calls = '{"tool_calls": [{"name": "<tool name>", "arguments": {<its arguments>}}]}'
     if choice == "auto":
-        how = f'To call tools, answer {calls}. To answer directly, answer {{"response": "<your answer>"}}.'
+        direct = (
+            "with your answer in the JSON format asked for" if formatted else '{"response": "<your answer>"}'
+        )
+        how = f"To call tools, answer {calls}. To answer directly, answer {direct}."
     else:
         how = f"Call a tool: answer {calls}."
     return f"You can call these tools:\n{listed}\nAnswer with one JSON object. {how}"
@@ -157,13 +161,22 @@ def _json(schema: dict[str, Any], defs: dict[str, Any]) -> str:
 
 
 def tool_call_grammar(
-    fmt: ToolFormat, tools: Sequence[Tool], choice: ToolChoice, parallel: bool
+    fmt: ToolFormat,
+    tools: Sequence[Tool],
+    choice: ToolChoice,
+    parallel: bool,
+    answer: dict[str, Any] | None = None,
 ) -> str | None:
-    """A Lark grammar (llguidance's dialect) for the answer, or None to leave it free."""
+    """A Lark grammar (llguidance's dialect) for the answer, or None to leave it free.
+    ``answer``: the JSON schema a direct answer (no call) must match, the request's
+    ``response_format``; None: free text.  A call, when the model must make one, is never
+    bound by it (OpenAI's reading: the format is the final answer's)."""
     chosen = chosen_tools(tools, choice)
     must_call = choice == "required" or isinstance(choice, NamedToolChoice)
-    if not chosen or (fmt != "generic" and not must_call):
+    if not chosen or (fmt != "generic" and not must_call and answer is None):
         return None
+    # Or a direct answer in the format: its own %json document, whose refs stay its own.
+    formatted = "" if must_call or answer is None else f" | {_json(answer, answer.get('$defs', {}))}"
     parallel = parallel and not isinstance(choice, NamedToolChoice)  # the named call, once
     key = "parameters" if fmt == "llama3" else "arguments"
     defs = _tool_defs(chosen)
@@ -171,22 +184,22 @@ def tool_call_grammar(
     call = _json({"anyOf": one_of}, defs)
     many = "+" if parallel else ""
     if fmt == "hermes":
-        return f'start: call{many}\ncall: "<tool_call>\\n" {call} "\\n</tool_call>\\n"?\n'
+        return f'start: call{many}{formatted}\ncall: "<tool_call>\\n" {call} "\\n</tool_call>\\n"?\n'
     if fmt == "llama3":
-        return f"start: {call}\n"
+        return f"start: {call}{formatted}\n"
     items: dict[str, Any] = {"type": "array", "items": {"anyOf": one_of}, "minItems": 1}
     if not parallel:
         items["maxItems"] = 1
     if fmt == "mistral":
-        return f'start: "[TOOL_CALLS]"? {_json(items, defs)}\n'
+        return f'start: "[TOOL_CALLS]"? {_json(items, defs)}{formatted}\n'
     calls = {
         "type": "object",
         "properties": {"tool_calls": items},
         "required": ["tool_calls"],
         "additionalProperties": False,
     }
-    if must_call:
-        return f"start: {_json(calls, defs)}\n"
+    if must_call or formatted:
+        return f"start: {_json(calls, defs)}{formatted}\n"
     answer = {
         "type": "object",
         "properties": {"response": {"type": "string"}},
@@ -196,166 +209,24 @@ def tool_call_grammar(
     return f"start: {_json({'anyOf': [calls, answer]}, defs)}\n"
 
 
-@dataclass(frozen=True, slots=True)
-class ParsedCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
+TOOL_GRAMMAR_KIND = "tool call grammar"  # the constraint's kind, in its errors' words
+TOOL_GRAMMAR_ERROR = f"invalid {TOOL_GRAMMAR_KIND}"
+_LOCATION = re.compile(r"^at \d+\(\d+\): ")  # a place in the grammar text, which is ours
 
 
-# What a generic answer opens with (tool_call_grammar), without whitespace: an answer cut off
-# (max_tokens) before its first call or its text began is one of their prefixes.
-_GENERIC_CALLS = '{"tool_calls":['
-_GENERIC_ANSWER = '{"response":"'
+def tool_error_words(message: str, tools: Sequence[Tool], choice: ToolChoice) -> str:
+    """A tool call grammar's compile error in the request's terms: its first line (the rest
+    quotes the grammar built here), a tool's parameters named as the request's field (they
+    sit under ``#/$defs/uma_tool_N`` in the grammar: :func:`_tool_defs`)."""
+    head, _, detail = message.strip().splitlines()[0].partition(": ")
+    offered = chosen_tools(tools, choice)
+    where = {id(tool): i for i, tool in enumerate(tools)}
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
+    def named(match: re.Match[str]) -> str:
+        index = int(match[1])
+        if index >= len(offered):
+            return match[0]
+        return f"tools[{where[id(offered[index])]}].function.parameters#"
 
-
-def parse_tool_calls(text: str, fmt: ToolFormat, names: Sequence[str]) -> tuple[str, list[ParsedCall]]:
-    """The content outside tool calls and the calls, from a generated text.  A whole call that
-    does not parse, or names no tool of the request, stays content: nothing is lost.  A
-    generic answer cut off (max_tokens) inside its ``{"tool_calls": [`` list keeps the calls
-    written whole; the one being written is dropped, and there is no content."""
-    if fmt == "hermes":
-        blocks = list(_HERMES.finditer(text))
-        calls = [c for c in (_call(_load(m.group(1)), names) for m in blocks) if c]
-        if not calls:
-            return text, calls
-        # Trimmed as ToolTextFilter streams it, so streamed content is this too: whitespace at
-        # the end, and before the first call if nothing else is (it held both back).
-        content = _HERMES.sub("", text).rstrip()
-        return (content if text[: blocks[0].start()].strip() else content.lstrip()), calls
-    stripped = text.strip()
-    opened = False  # a generic answer cut off inside its calls: no text of its own to show
-    if fmt == "llama3":
-        body = stripped.removeprefix("<|python_tag|>")
-        value = _load(body)
-        objects = value if isinstance(value, list) else [value]
-    elif fmt == "mistral":
-        body = stripped.removeprefix("[TOOL_CALLS]").lstrip()
-        value = _load(body)
-        objects = value if isinstance(value, list) else _leading_items(body, 1)
-    else:
-        value = _load(stripped)
-        if isinstance(value, dict) and isinstance(value.get("response"), str) and len(value) == 1:
-            return value["response"], []
-        if isinstance(value, dict):
-            objects = value.get("tool_calls", [])
-        elif answer := re.match(r'\{\s*"response"\s*:\s*"', stripped):
-            # Cut off (max_tokens) inside the answer: its text, not the JSON around it.
-            return _cut_string(stripped[answer.end() :]), []
-        elif _GENERIC_ANSWER.startswith(compact := re.sub(r"\s+", "", stripped)) and compact:
-            return "", []  # cut off before the answer's text began
-        else:  # cut off in the middle of a list: the calls written whole
-            opening = re.match(r'\{\s*"tool_calls"\s*:\s*\[', stripped)
-            objects = _leading_items(stripped, opening.end()) if opening else []
-            # Or before the list began ('{"tool_calls":'): a call, none of it written yet.
-            opened = opening is not None or _GENERIC_CALLS.startswith(compact)
-    calls = [c for c in (_call(o, names) for o in objects) if c] if isinstance(objects, list) else []
-    # The call being written when it was cut is lost (docs/HTTP.md), not shown as its JSON.
-    return ("" if (calls or opened) and len(calls) == len(objects) else text), calls
-
-
-def _leading_items(text: str, start: int) -> list[Any]:
-    """The JSON values that stand whole at ``start`` and after, separated by commas (a list
-    whose end was cut off: its complete items)."""
-    decoder, at = json.JSONDecoder(), start
-    items: list[Any] = []
-    while True:
-        try:
-            item, at = decoder.raw_decode(text, at)
-        except ValueError:
-            return items
-        items.append(item)
-        rest = text[at:].lstrip()
-        if not rest.startswith(","):
-            return items
-        at = len(text) - len(rest[1:].lstrip())
-
-
-def _cut_string(body: str) -> str:
-    """The text of a JSON string from after its opening quote, whose end may be missing: up
-    to its closing quote, or all that decodes (an escape cut short is dropped)."""
-    decoder = json.JSONDecoder(strict=False)
-    try:
-        text: str = decoder.raw_decode('"' + body)[0]
-        return text
-    except ValueError:
-        pass
-    for end in range(len(body), max(len(body) - len("\\uXXXX"), 0) - 1, -1):
-        try:
-            cut: str = decoder.decode('"' + body[:end] + '"')
-            return cut
-        except ValueError:
-            continue
-    return ""
-
-
-def _load(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def _call(value: Any, names: Sequence[str]) -> ParsedCall | None:
-    if not isinstance(value, dict) or value.get("name") not in names:
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        arguments = _load(arguments)
-    if not isinstance(arguments, dict):
-        return None
-    return ParsedCall(str(value["name"]), json.dumps(arguments, ensure_ascii=False))
-
-
-_MARKERS: dict[ToolFormat, str] = {
-    "hermes": "<tool_call>",
-    "mistral": "[TOOL_CALLS]",
-    "llama3": "<|python_tag|>",
-}
-
-
-class ToolTextFilter:
-    """Streams the content of an answer that may hold tool calls: text is passed on until it
-    could be the start of a call, and from a call's marker on held until the end, when the
-    parsed answer says what it was (a generic answer is JSON: held from its start).  Hermes
-    content is trimmed around its calls (parse_tool_calls): whitespace is held until text
-    follows it, as it may be what is trimmed."""
-
-    def __init__(self, fmt: ToolFormat) -> None:
-        self._fmt = fmt
-        self._held = ""
-        self._holding = fmt == "generic"
-        self.sent = ""
-
-    def feed(self, text: str) -> str:
-        """The part of ``text`` to send as content now."""
-        if self._holding:
-            self._held += text
-            return ""
-        pending = self._held + text
-        start, whole = self._call_start(pending)
-        if self._fmt == "hermes":
-            start = len(pending[:start].rstrip())
-        out, self._held = pending[:start], pending[start:]
-        self._holding = whole
-        self.sent += out
-        return out
-
-    def _call_start(self, text: str) -> tuple[int, bool]:
-        """Where a call may begin (``len(text)``: nowhere), and whether it surely does."""
-        if self._fmt == "llama3" and not self.sent.strip() and text.lstrip().startswith("{"):
-            return len(text) - len(text.lstrip()), True  # Llama 3 answers a call with bare JSON
-        marker = _MARKERS.get(self._fmt, "")
-        at = text.find(marker) if marker else -1
-        if at >= 0:
-            return at, True
-        for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a marker cut at the end
-            if text.endswith(marker[:k]):
-                return len(text) - k, False
-        return len(text), False
-
-    def rest(self, content: str) -> str:
-        """At the end: what of the answer's ``content`` has not been sent yet (with or without
-        calls: a Hermes answer may go on after them)."""
-        return content[len(self.sent) :] if content.startswith(self.sent) else ""
+    detail = re.sub(r"#?/\$defs/uma_tool_(\d+)", named, _LOCATION.sub("", detail))
+    return f"{head}: {detail}" if detail else head

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..engine.base import Engine
 from ..engine.constraints import (
     ConstraintError,
     OutputConstraint,
+    check_alone,
     grammar_constraint,
     json_schema_constraint,
     on_big_stack,
@@ -18,6 +19,7 @@ from ..engine.sampling import Sampler, SamplingParams, banned
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, JsonObjectFormat, JsonSchemaFormat
 from ..protocol.strict_schema import closed
+from ..protocol.tools import TOOL_GRAMMAR_ERROR, tool_error_words
 from .off_loop import compile_limiter, off_loop
 
 if TYPE_CHECKING:
@@ -42,18 +44,29 @@ def output_constraint(request: GenerateRequest) -> OutputConstraint | None:
     """What the request's output must match (pure); raises :class:`ConstraintError`."""
     if request.grammar is not None:
         return grammar_constraint(request.grammar)
+    if formatted(request):
+        return json_schema_constraint(format_schema(request))
+    return None
+
+
+def formatted(request: GenerateRequest) -> bool:
+    """Whether the answer must be JSON (a ``response_format`` other than text)."""
+    return isinstance(request.response_format, JsonSchemaFormat | JsonObjectFormat)
+
+
+def format_schema(request: GenerateRequest) -> dict[str, Any] | None:
+    """The JSON schema of a :func:`formatted` request's ``response_format`` (a strict one
+    closed); None: any JSON object.  Raises :class:`ConstraintError`."""
     fmt = request.response_format
     if isinstance(fmt, JsonSchemaFormat):
         schema = fmt.json_schema.schema
-        if fmt.json_schema.strict:
+        if schema is not None and fmt.json_schema.strict:
             try:
-                schema = closed(schema)
+                return closed(schema)  # type: ignore[no-any-return]
             except RecursionError:
                 raise ConstraintError("invalid JSON schema: nested too deeply") from None
-        return json_schema_constraint(schema)
-    if isinstance(fmt, JsonObjectFormat):
-        return json_schema_constraint(fmt.schema)
-    return None
+        return schema
+    return fmt.schema if isinstance(fmt, JsonObjectFormat) else None
 
 
 async def sampler_for(
@@ -68,11 +81,7 @@ async def sampler_for(
     try:
         # Turning a grammar or schema into llguidance's takes time (GBNF's converter is
         # quadratic in its rules): done off the event loop, below, never on it.
-        constrained = (
-            tool_grammar is not None
-            or request.grammar is not None
-            or (isinstance(request.response_format, JsonSchemaFormat | JsonObjectFormat))
-        )
+        constrained = tool_grammar is not None or request.grammar is not None or formatted(request)
         top = request.top_logprobs if request.logprobs else None
         if not constrained and not params.needs_chain and top is None:
             return Sampler(params)
@@ -101,6 +110,8 @@ async def sampler_for(
         await off_loop(engine, vocabulary.tokenizer, small=vocabulary.has_tokenizer)
 
         def compile_matcher() -> llguidance.LLMatcher:
+            if tool_grammar is not None and (answer := output_constraint(request)) is not None:
+                check_alone(answer)  # the format's own faults, named as its, not the tools'
             constraint = tool_grammar or output_constraint(request)
             assert constraint is not None  # constrained, above
             return vocabulary.matcher(constraint)
@@ -109,4 +120,7 @@ async def sampler_for(
         matcher = await off_loop(engine, compiling, abandon=True, limiter=compile_limiter())
         return vocabulary.sampler(params, top_logprobs=top, matcher=matcher)
     except ConstraintError as exc:
-        raise UmaError(ErrorCode.GRAMMAR, str(exc), request_id=request.id) from None
+        message = str(exc)
+        if message.startswith(TOOL_GRAMMAR_ERROR) and request.tools is not None:
+            message = tool_error_words(message, request.tools, request.tool_choice)
+        raise UmaError(ErrorCode.GRAMMAR, message, request_id=request.id) from None

@@ -1,5 +1,6 @@
 """A request's tools on their way through the daemon: into the prompt, into its grammar, and
-back out of the generated text (the families and formats are protocol/tools.py's)."""
+back out of the generated text (the families and formats are protocol/tools.py's, the
+reading protocol/tool_text.py's)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ from typing import Any
 import msgspec
 
 from ..engine.base import Engine
-from ..engine.constraints import OutputConstraint, lark_constraint
+from ..engine.constraints import ConstraintError, OutputConstraint, lark_constraint
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, ToolCall, ToolCallFunction
+from ..protocol.tool_text import parse_tool_calls
 from ..protocol.tools import (
+    TOOL_GRAMMAR_ERROR,
+    TOOL_GRAMMAR_KIND,
     ToolFormat,
     generic_instructions,
-    parse_tool_calls,
     tool_call_grammar,
     tool_format_of,
 )
+from .samplers import format_schema, formatted
 
 
 def tool_format(engine: Engine, request: GenerateRequest) -> ToolFormat | None:
@@ -71,7 +75,7 @@ def chat_turns(
         return turns, None
     if fmt != "generic":
         return turns, msgspec.to_builtins(request.tools)
-    instructions = generic_instructions(request.tools, request.tool_choice)
+    instructions = generic_instructions(request.tools, request.tool_choice, formatted(request))
     if turns and turns[0]["role"] == "system":
         turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{instructions}"}
     else:
@@ -80,21 +84,27 @@ def chat_turns(
 
 
 def tool_constraint(request: GenerateRequest, fmt: ToolFormat | None) -> OutputConstraint | None:
-    """The grammar a tool-calling answer must follow, where it must follow one."""
+    """The grammar a tool-calling answer must follow, where it must follow one: a call, or
+    (with a ``response_format``) a direct answer in that format."""
     if fmt is None or request.tools is None:
         return None
     try:
-        grammar = tool_call_grammar(fmt, request.tools, request.tool_choice, request.parallel_tool_calls)
+        answer = (format_schema(request) or {"type": "object"}) if formatted(request) else None
+        grammar = tool_call_grammar(
+            fmt, request.tools, request.tool_choice, request.parallel_tool_calls, answer
+        )
+    except ConstraintError as exc:
+        raise UmaError(ErrorCode.GRAMMAR, str(exc), request_id=request.id) from None
     except RecursionError:  # schemas rewritten in Python: a nesting msgspec took can be too deep
-        message = "invalid tool call grammar: a tool's parameters are nested too deeply"
+        message = f"{TOOL_GRAMMAR_ERROR}: a tool's parameters are nested too deeply"
         raise UmaError(ErrorCode.GRAMMAR, message, request_id=request.id) from None
-    return lark_constraint(grammar, "tool call grammar") if grammar is not None else None
+    return lark_constraint(grammar, TOOL_GRAMMAR_KIND) if grammar is not None else None
 
 
 def answer_with_tools(text: str, request: GenerateRequest, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
     """The answer's content and its tool calls, each with a fresh id."""
     names = [t.function.name for t in request.tools or ()]
-    content, parsed = parse_tool_calls(text, fmt, names)
+    content, parsed = parse_tool_calls(text, fmt, names, formatted(request))
     calls = [
         ToolCall(
             id=f"call_{secrets.token_hex(12)}", function=ToolCallFunction(name=c.name, arguments=c.arguments)

@@ -1,0 +1,189 @@
+"""Tool calls read back out of a generated text (protocol/tools.py has the families and
+their grammars): whole, at the end of an answer, and streamed, where content is held back
+from where a call may begin.  Pure: no I/O."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .tools import ToolFormat
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+# What a generic answer opens with (tool_call_grammar), without whitespace: an answer cut off
+# (max_tokens) before its first call or its text began is one of their prefixes.
+_GENERIC_CALLS = '{"tool_calls":['
+_GENERIC_ANSWER = '{"response":"'
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
+
+
+def parse_tool_calls(
+    text: str, fmt: ToolFormat, names: Sequence[str], formatted: bool = False
+) -> tuple[str, list[ParsedCall]]:
+    """The content outside tool calls and the calls, from a generated text.  A whole call that
+    does not parse, or names no tool of the request, stays content: nothing is lost.  A
+    generic answer cut off (max_tokens) inside its ``{"tool_calls": [`` list keeps the calls
+    written whole; the one being written is dropped, and there is no content.  ``formatted``:
+    a direct answer is the response format's JSON itself (tool_call_grammar's ``answer``),
+    not generic's ``{"response": ...}``."""
+    if fmt == "hermes":
+        blocks = list(_HERMES.finditer(text))
+        calls = [c for c in (_call(_load(m.group(1)), names) for m in blocks) if c]
+        if not calls:
+            return text, calls
+        # Trimmed as ToolTextFilter streams it, so streamed content is this too: whitespace at
+        # the end, and before the first call if nothing else is (it held both back).
+        content = _HERMES.sub("", text).rstrip()
+        return (content if text[: blocks[0].start()].strip() else content.lstrip()), calls
+    stripped = text.strip()
+    opened = False  # a generic answer cut off inside its calls: no text of its own to show
+    if fmt == "llama3":
+        body = stripped.removeprefix("<|python_tag|>")
+        value = _load(body)
+        objects = value if isinstance(value, list) else [value]
+    elif fmt == "mistral":
+        body = stripped.removeprefix("[TOOL_CALLS]").lstrip()
+        value = _load(body)
+        objects = value if isinstance(value, list) else _leading_items(body, 1)
+    else:
+        value = _load(stripped)
+        wrapped = not formatted  # a direct answer is {"response": "<text>"}
+        if wrapped and isinstance(value, dict) and isinstance(value.get("response"), str) and len(value) == 1:
+            return value["response"], []
+        if isinstance(value, dict):
+            objects = value.get("tool_calls", [])
+            if not isinstance(objects, list):  # a formatted answer's own key of that name
+                return text, []
+        elif value is not None:  # a formatted answer that is no object
+            return text, []
+        elif wrapped and (answer := re.match(r'\{\s*"response"\s*:\s*"', stripped)):
+            # Cut off (max_tokens) inside the answer: its text, not the JSON around it.
+            return _cut_string(stripped[answer.end() :]), []
+        elif wrapped and _GENERIC_ANSWER.startswith(compact := re.sub(r"\s+", "", stripped)) and compact:
+            return "", []  # cut off before the answer's text began
+        else:  # cut off in the middle of a list: the calls written whole
+            opening = re.match(r'\{\s*"tool_calls"\s*:\s*\[', stripped)
+            objects = _leading_items(stripped, opening.end()) if opening else []
+            # Or before the list began ('{"tool_calls":'): a call, none of it written yet.
+            # A formatted answer cut that early may be either: what was written is kept.
+            compact = re.sub(r"\s+", "", stripped)
+            opened = opening is not None or (wrapped and _GENERIC_CALLS.startswith(compact))
+    calls = [c for c in (_call(o, names) for o in objects) if c] if isinstance(objects, list) else []
+    # The call being written when it was cut is lost (docs/HTTP.md), not shown as its JSON.
+    return ("" if (calls or opened) and len(calls) == len(objects) else text), calls
+
+
+def _leading_items(text: str, start: int) -> list[Any]:
+    """The JSON values that stand whole at ``start`` and after, separated by commas (a list
+    whose end was cut off: its complete items)."""
+    decoder, at = json.JSONDecoder(), start
+    items: list[Any] = []
+    while True:
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return items
+        items.append(item)
+        rest = text[at:].lstrip()
+        if not rest.startswith(","):
+            return items
+        at = len(text) - len(rest[1:].lstrip())
+
+
+def _cut_string(body: str) -> str:
+    """The text of a JSON string from after its opening quote, whose end may be missing: up
+    to its closing quote, or all that decodes (an escape cut short is dropped)."""
+    decoder = json.JSONDecoder(strict=False)
+    try:
+        text: str = decoder.raw_decode('"' + body)[0]
+        return text
+    except ValueError:
+        pass
+    for end in range(len(body), max(len(body) - len("\\uXXXX"), 0) - 1, -1):
+        try:
+            cut: str = decoder.decode('"' + body[:end] + '"')
+            return cut
+        except ValueError:
+            continue
+    return ""
+
+
+def _load(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _call(value: Any, names: Sequence[str]) -> ParsedCall | None:
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        arguments = _load(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(str(value["name"]), json.dumps(arguments, ensure_ascii=False))
+
+
+_MARKERS: dict[ToolFormat, str] = {
+    "hermes": "<tool_call>",
+    "mistral": "[TOOL_CALLS]",
+    "llama3": "<|python_tag|>",
+}
+
+
+class ToolTextFilter:
+    """Streams the content of an answer that may hold tool calls: text is passed on until it
+    could be the start of a call, and from a call's marker on held until the end, when the
+    parsed answer says what it was (a generic answer is JSON: held from its start).  Hermes
+    content is trimmed around its calls (parse_tool_calls): whitespace is held until text
+    follows it, as it may be what is trimmed."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self._fmt = fmt
+        self._held = ""
+        self._holding = fmt == "generic"
+        self.sent = ""
+
+    def feed(self, text: str) -> str:
+        """The part of ``text`` to send as content now."""
+        if self._holding:
+            self._held += text
+            return ""
+        pending = self._held + text
+        start, whole = self._call_start(pending)
+        if self._fmt == "hermes":
+            start = len(pending[:start].rstrip())
+        out, self._held = pending[:start], pending[start:]
+        self._holding = whole
+        self.sent += out
+        return out
+
+    def _call_start(self, text: str) -> tuple[int, bool]:
+        """Where a call may begin (``len(text)``: nowhere), and whether it surely does."""
+        if self._fmt == "llama3" and not self.sent.strip() and text.lstrip().startswith("{"):
+            return len(text) - len(text.lstrip()), True  # Llama 3 answers a call with bare JSON
+        marker = _MARKERS.get(self._fmt, "")
+        at = text.find(marker) if marker else -1
+        if at >= 0:
+            return at, True
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a marker cut at the end
+            if text.endswith(marker[:k]):
+                return len(text) - k, False
+        return len(text), False
+
+    def rest(self, content: str) -> str:
+        """At the end: what of the answer's ``content`` has not been sent yet (with or without
+        calls: a Hermes answer may go on after them)."""
+        return content[len(self.sent) :] if content.startswith(self.sent) else ""
