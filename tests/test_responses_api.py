@@ -389,3 +389,31 @@ def test_a_custom_tool_s_input_is_its_text() -> None:
     assert custom_input('{"input": "*** Begin Patch"}') == "*** Begin Patch"
     assert custom_input('"*** Begin Patch"') == "*** Begin Patch"  # a bare JSON string: its text
     assert custom_input("*** Begin Patch") == "*** Begin Patch"  # not JSON: as written
+
+
+async def test_logprobs_come_with_include_whole_and_streamed(keyed_http_server: Server) -> None:
+    """``top_logprobs`` was accepted and every ``logprobs`` list left empty: with include's
+    ``message.output_text.logprobs`` each output token's comes, in the part and with the
+    delta that carries its text; without it, none."""
+    asked: dict[str, Any] = {
+        "model": MODEL, "input": "What is the capital of France?", "max_output_tokens": 12,
+        "temperature": 0, "top_logprobs": 3, "include": ["message.output_text.logprobs"],
+    }  # fmt: skip
+    async with openai_sdk(keyed_http_server) as client:
+        whole = await client.responses.create(**asked)
+        part = whole.output[0].content[0]  # type: ignore[union-attr]
+        assert part.type == "output_text" and part.logprobs
+        assert len(part.logprobs) == whole.usage.output_tokens  # type: ignore[union-attr]
+        assert "".join(p.token for p in part.logprobs) == part.text
+        assert all(len(p.top_logprobs) == 3 and p.logprob <= 0 for p in part.logprobs)
+        async with client.responses.stream(**asked) as stream:
+            deltas = [e async for e in stream if e.type == "response.output_text.delta"]
+            final = await stream.get_final_response()
+        assert [lp.token for d in deltas for lp in d.logprobs] == [p.token for p in part.logprobs]
+        assert all("".join(lp.token for lp in d.logprobs) == d.delta for d in deltas)
+        assert final.output[0].content[0].logprobs == part.logprobs  # type: ignore[union-attr]
+        plain = await client.responses.create(**{**asked, "include": []})
+        assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(**{**asked, "top_logprobs": 21})
+        assert refused.value.param == "top_logprobs"

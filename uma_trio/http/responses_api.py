@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from ..protocol import responses_api as api
 from ..protocol.errors import ErrorCode
-from ..protocol.messages import EosEvent, ErrorEvent, TokenEvent
+from ..protocol.messages import EosEvent, ErrorEvent, TokenEvent, TokenLogprob
 from ..protocol.openai import LANE_HEADER, ApiError, api_error, ended_early
 from ..protocol.responses_tools import call_items, new_id
 from ..protocol.tool_text import ToolTextFilter
@@ -55,7 +55,8 @@ class ResponsesApi:
                     if eos.content is not None
                     else "".join(e.text for e in events if isinstance(e, TokenEvent))
                 )
-                output = api.answer_items(new_id("msg"), text, eos, body)
+                logprobs = [entry for e in events if isinstance(e, TokenEvent) for entry in e.logprobs or ()]
+                output = api.answer_items(new_id("msg"), text, eos, body, logprobs)
                 return json_response(
                     api.response_object(response_id, created, body, output, eos), headers=headers
                 )
@@ -80,6 +81,10 @@ class ResponsesApi:
             "response.created", {"response": api.response_object(response_id, created, body, [], None)}
         )
         msg_id, text, opened, output = new_id("msg"), "", False, []
+        # Tokens' log-probabilities (include's LOGPROBS) go with the delta that shows their
+        # text: those of text the tool filter holds back wait for it; all of them at the end.
+        pending: list[TokenLogprob] = []
+        every: list[TokenLogprob] = []
         where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
 
         def open_text() -> list[bytes]:
@@ -94,7 +99,9 @@ class ResponsesApi:
         async with aclosing(self.gateway._events(flight)) as events:
             async for item in events:
                 match item:
-                    case TokenEvent(text=piece):
+                    case TokenEvent(text=piece, logprobs=logprobs):
+                        pending += logprobs or ()
+                        every += logprobs or ()
                         shown = text_filter.feed(piece) if text_filter is not None else piece
                         if not shown:
                             continue
@@ -103,7 +110,10 @@ class ResponsesApi:
                                 yield chunk
                             opened = True
                         text += shown
-                        yield event("response.output_text.delta", {**where, "delta": shown, "logprobs": []})
+                        yield event(
+                            "response.output_text.delta", {**where, "delta": shown, "logprobs": pending}
+                        )
+                        pending = []
                     case EosEvent(reason="stop" | "length"):
                         # The text the filter held back, after the calls too (as chat streams do).
                         rest = text_filter.rest(item.content or "") if text_filter else ""
@@ -114,14 +124,16 @@ class ResponsesApi:
                         if rest:
                             text += rest
                             yield event(
-                                "response.output_text.delta", {**where, "delta": rest, "logprobs": []}
+                                "response.output_text.delta", {**where, "delta": rest, "logprobs": pending}
                             )
                         if opened:
-                            yield event("response.output_text.done", {**where, "text": text, "logprobs": []})
                             yield event(
-                                "response.content_part.done", {**where, "part": api.output_text(text)}
+                                "response.output_text.done", {**where, "text": text, "logprobs": every}
                             )
-                            output.append(api.message_item(msg_id, text, api.message_status(item)))
+                            yield event(
+                                "response.content_part.done", {**where, "part": api.output_text(text, every)}
+                            )
+                            output.append(api.message_item(msg_id, text, api.message_status(item), every))
                             yield event("response.output_item.done", {"output_index": 0, "item": output[-1]})
                         for call in call_items(item, body.tools):
                             index = len(output)

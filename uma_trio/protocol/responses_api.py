@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 from msgspec import Struct
 
-from .messages import EosEvent, GenerateRequest
+from .messages import MOST_TOP_LOGPROBS, EosEvent, GenerateRequest, TokenLogprob
 from .openai import lane_from_header
 from .openai_errors import ApiError, bad_request, validation_error
 from .responses_tools import (
@@ -53,6 +54,12 @@ class ResponsesBody(Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     service_tier: str | None = None  # "flex": the background lane (docs/HTTP.md)
+    # Each output token's log-probability comes with include's LOGPROBS, as OpenAI's does.
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+
+
+LOGPROBS = "message.output_text.logprobs"
 
 
 def _text(content: Any, where: str, *, tool_output: bool = False) -> str:
@@ -235,6 +242,8 @@ def responses_request(
                           "background")  # fmt: skip
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise bad_request("max_output_tokens: must be at least 1", "max_output_tokens")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MOST_TOP_LOGPROBS:
+        raise bad_request(f"top_logprobs: must be between 0 and {MOST_TOP_LOGPROBS}", "top_logprobs")
     names: Names = {
         "messages": "input", "max_tokens": "max_output_tokens", "tool_choice.function": "tool_choice",
         "response_format": "text.format", "response_format.json_schema": "text.format",
@@ -261,6 +270,9 @@ def responses_request(
     for name in ("temperature", "top_p"):
         if (value := getattr(body, name)) is not None:
             fields[name] = value
+    if LOGPROBS in (body.include or ()):
+        fields["logprobs"] = True
+        fields["top_logprobs"] = body.top_logprobs or 0
     if (response_format := _response_format(body.text)) is not None:
         fields["response_format"] = response_format
     try:
@@ -302,7 +314,9 @@ def as_sent(error: ApiError, names: Names) -> ApiError:
 # -- the response object -------------------------------------------------------------
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(
+    item_id: str, text: str, status: str = "completed", logprobs: Sequence[TokenLogprob] = ()
+) -> dict[str, Any]:
     """The answer's message item: ``in_progress`` (empty, as a stream opens it), ``completed``,
     or ``incomplete`` (cut off by max_output_tokens, as OpenAI marks it)."""
     return {
@@ -310,7 +324,7 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict[str
         "id": item_id,
         "status": status,
         "role": "assistant",
-        "content": [] if status == "in_progress" else [output_text(text)],
+        "content": [] if status == "in_progress" else [output_text(text, logprobs)],
     }
 
 
@@ -318,15 +332,18 @@ def message_status(eos: EosEvent) -> str:
     return "incomplete" if eos.reason == "length" else "completed"
 
 
-def answer_items(msg_id: str, text: str, eos: EosEvent, body: ResponsesBody) -> list[dict[str, Any]]:
+def answer_items(
+    msg_id: str, text: str, eos: EosEvent, body: ResponsesBody, logprobs: Sequence[TokenLogprob] = ()
+) -> list[dict[str, Any]]:
     """A whole answer's output: its message (also an empty one, unless calls stand in its
     place), then its calls.  A stream sends the same items."""
-    message = [message_item(msg_id, text, message_status(eos))] if text or not eos.tool_calls else []
-    return message + call_items(eos, body.tools)
+    whole = message_item(msg_id, text, message_status(eos), logprobs)
+    return ([whole] if text or not eos.tool_calls else []) + call_items(eos, body.tools)
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+    """A text part; ``logprobs``: its tokens' (with include's LOGPROBS; else none)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
 
 def response_object(
