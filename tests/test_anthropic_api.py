@@ -249,7 +249,9 @@ async def test_structured_output_through_output_config_and_parse(server: Server)
     """Anthropic's structured output (``output_config.format``, the beta's ``output_format``)
     was ignored: the SDK's ``messages.parse`` got free text and failed to validate it."""
     async with sdk(server) as client:
-        parsed = await client.messages.parse(model=MODEL, messages=ASK, max_tokens=80, output_format=Capital)
+        parsed = await client.messages.parse(
+            model=MODEL, messages=ASK, max_tokens=80, output_format=Capital, extra_body=GREEDY
+        )
         assert parsed.stop_reason == "end_turn" and isinstance(parsed.parsed_output, Capital)
         fmt = {"type": "json_schema", "schema": Capital.model_json_schema()}
         beta = await client.messages.create(

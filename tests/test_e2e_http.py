@@ -409,7 +409,9 @@ async def test_generate_sse_and_priority(http_server: Server) -> None:
         assert [e["event"] for e in events] == ["token", "token"]
         assert events[0]["id"] == "g1"
 
-        whole = await http.post("/generate", json={"prompt": "Hello", "max_tokens": 3, "stream": False})
+        whole = await http.post(
+            "/generate", json={"prompt": "Hello", "max_tokens": 3, "stream": False, "temperature": 0}
+        )
         assert whole.status_code == 200
         eos = whole.json()
         assert eos["event"] == "eos" and eos["usage"]["completion_tokens"] == 3 and eos["text"]
@@ -494,7 +496,7 @@ async def test_http_requests_in_flight_are_limited(
         assert busy.value.code == "E_LIMIT_006" and busy.value.response.headers["retry-after"] == "1"
         await stream.close()
         await wait_until_idle(server)
-        reply = await client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=2)
+        reply = await client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=2, temperature=0)
         assert reply.usage is not None and reply.usage.completion_tokens == 2
 
 
@@ -509,7 +511,8 @@ async def test_a_non_latin1_or_crlf_id_is_refused_and_leaks_nothing(http_server:
             assert refused.status_code == 400 and refused.json()["error"]["code"] == "E_PROTO_002"
         assert http_server.metrics_snapshot()["in_flight"] == []
         fine = await http.post(
-            "/generate", json={"id": "ok-1", "prompt": "Hello", "max_tokens": 2, "stream": False}
+            "/generate",
+            json={"id": "ok-1", "prompt": "Hello", "max_tokens": 2, "stream": False, "temperature": 0},
         )
         assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 2
 

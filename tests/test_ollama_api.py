@@ -153,7 +153,7 @@ async def test_generate_raw_templated_and_errors(open_server: Server) -> None:
         prompt="Hi",
         options={"seed": -1, "repeat_last_n": -1, "repeat_penalty": 1.1, "num_predict": 4},
     )
-    assert minus_one.done and minus_one.eval_count == 4
+    assert minus_one.done and 0 < minus_one.eval_count <= 4  # sampled: it may end sooner
     chat_loaded = await api.chat(model=MODEL, messages=[])  # /api/chat's, the same
     assert chat_loaded.done and chat_loaded.done_reason == "load" and chat_loaded.message.content == ""
     async with httpx.AsyncClient(base_url=str(open_server.http_url)) as http:

@@ -55,7 +55,9 @@ async def test_claude_code_s_max_tokens_is_cut_to_the_daemon_s(server: Server) -
             model=MODEL, messages=ASK, max_tokens=16000, extra_body={"temperature": 0}
         )
         assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == CAP
-        async with client.messages.stream(model=MODEL, messages=ASK, max_tokens=32000) as stream:
+        async with client.messages.stream(
+            model=MODEL, messages=ASK, max_tokens=32000, extra_body={"temperature": 0}
+        ) as stream:
             final = await stream.get_final_message()
         assert final.stop_reason == "max_tokens" and final.usage.output_tokens == CAP
 

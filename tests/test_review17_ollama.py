@@ -166,7 +166,8 @@ async def test_dimensions_shorten_and_too_many_are_refused_before_any_work(open_
 @pytest.mark.model
 async def test_integer_options_take_whole_floats(open_server: Server) -> None:
     body = {"model": MODEL, "prompt": STORY, "stream": False}
-    whole = await post(open_server, "/api/generate", {**body, "options": {"num_predict": 4.0, "top_k": 40.0}})
+    options = {"num_predict": 4.0, "top_k": 40.0, "temperature": 0}
+    whole = await post(open_server, "/api/generate", {**body, "options": options})
     assert whole.status_code == 200 and whole.json()["eval_count"] == 4
     half = await post(open_server, "/api/generate", {**body, "options": {"num_predict": 4.5}})
     assert half.status_code == 400 and "num_predict" in half.json()["error"]
