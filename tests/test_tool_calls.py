@@ -125,7 +125,8 @@ def test_the_family_comes_from_the_template() -> None:
         ("hermes", ["Hi \n", "there\n"], ["Hi", " \nthere"]),  # whitespace waits: it may be trimmed
         ("llama3", ['{"name"', ": 1}"], []),
         ("llama3", ["Hi {", "x}"], ["Hi {", "x}"]),
-        ("generic", ['{"response": ', '"hi"}'], []),
+        ("generic", ['{"response": ', '"hi"}'], ["hi"]),
+        ("generic", ['{"', 'tool_calls": [{"name": "get_time", ', '"arguments": {}}]}'], []),
     ],
 )
 def test_streamed_content_stops_where_a_call_may_start(
@@ -152,6 +153,46 @@ def test_streamed_hermes_content_is_the_whole_answer_s(pieces: list[str]) -> Non
     streamed = "".join(text_filter.feed(piece) for piece in pieces)
     content, _ = parse_tool_calls("".join(pieces), "hermes", NAMES)
     assert streamed + text_filter.rest(content) == content
+
+
+TRICKY = json.dumps({"response": 'He said "hi"\n\tthen left: caf\u00e9 \U0001f600 end'})
+
+
+@pytest.mark.parametrize("cut", [len(TRICKY), len(TRICKY) - 2, 40, 31])
+@pytest.mark.parametrize("step", [1, 2, 3, 5])
+def test_a_generic_direct_answer_streams_its_text_as_it_decodes(cut: int, step: int) -> None:
+    """A generic answer was held whole to its end: an agent offering tools to a model whose
+    template has none (the default model) saw no token until the last.  Its text now
+    streams, an escape or a surrogate pair cut between tokens waiting for its end, and
+    makes, with the rest, the content read from the whole answer (also one cut short)."""
+    text = TRICKY[:cut]
+    pieces = [text[i : i + step] for i in range(0, len(text), step)]
+    text_filter = ToolTextFilter("generic")
+    shown = [text_filter.feed(piece) for piece in pieces]
+    content, calls = parse_tool_calls(text, "generic", NAMES)
+    streamed = "".join(shown)
+    assert not calls and streamed + text_filter.rest(content) == content
+    assert content.startswith(streamed) and len([s for s in shown if s]) > 1
+    assert all(not ("\ud800" <= c <= "\udfff") for c in streamed)
+    assert text_filter.accounted == len(text) or not shown[-1]
+
+
+@pytest.mark.parametrize(
+    ("formatted", "pieces", "streamed"),
+    [
+        (True, ['{"', 'answer": ', "1}"], ['{"answer": ', "1}"]),
+        (True, ['{"', 'tool_calls": [', "]}"], []),
+        (True, ["[1", ", 2]"], ["[1", ", 2]"]),
+        (False, ['{"', 'answer": ', "1}"], []),
+    ],
+)
+def test_a_formatted_generic_answer_streams_as_it_comes(
+    formatted: bool, pieces: list[str], streamed: list[str]
+) -> None:
+    text_filter = ToolTextFilter("generic", formatted)
+    assert [out for piece in pieces if (out := text_filter.feed(piece))] == streamed
+    content, _ = parse_tool_calls("".join(pieces), "generic", NAMES, formatted)
+    assert "".join(streamed) + text_filter.rest(content) == content
 
 
 # -- grammars -------------------------------------------------------------------------
@@ -733,27 +774,57 @@ def test_a_tool_nested_too_deeply_to_rewrite_is_a_grammar_error() -> None:
     assert refused.value.code == "E_GRAMMAR_001" and "nested too deeply" in refused.value.message
 
 
+# After the tool's result the model may answer; the default model calls again and again, so
+# the tokens that start the calls' key are banned (no_call_bias): the grammar's other branch,
+# a direct answer, is left.
+PARIS = '{"city": "Paris"}'
+TOLD = [
+    *ASK,
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": PARIS}},
+    ]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."},
+]  # fmt: skip
+
+
+def no_call_bias(server: Server) -> dict[str, int]:
+    starts = [
+        server.engine.tokenize(key) for key in ("t", "to", "too", "tool", "tool_", "tool_c", "tool_calls")
+    ]
+    no_call = {str(int(t[0])): -100 for t in starts if len(t) == 1}
+    assert len(no_call) >= 2  # "t" and "tool" at least
+    return no_call
+
+
+@pytest.mark.model
+async def test_a_direct_answer_beside_tools_streams_token_by_token(keyed_http_server: Server) -> None:
+    """With tools offered, the default model's answer (the generic format's JSON) came in one
+    chunk at its end; its text now streams as it is written, the same as the whole answer."""
+    asked: dict[str, Any] = {
+        "model": MODEL, "messages": TOLD, "tools": [WEATHER], "temperature": 0, "max_tokens": 60,
+        "logit_bias": no_call_bias(keyed_http_server),
+    }  # fmt: skip
+    async with openai_sdk(keyed_http_server) as client:
+        whole = await client.chat.completions.create(**asked)
+        content = whole.choices[0].message.content
+        assert content and whole.choices[0].message.tool_calls is None
+        stream = await client.chat.completions.create(**asked, stream=True, logprobs=True)
+        chunks = [c async for c in stream if c.choices]
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    assert "".join(pieces) == content and len(pieces) > 3
+    # Every token's logprobs came, the JSON's opening's with the first text.
+    tokens = [lp.token for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.content or ()]
+    assert len(tokens) == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert "".join(tokens).startswith('{"response": "')
+
+
 @pytest.mark.model
 async def test_tools_with_a_response_format_call_or_answer_in_the_format(keyed_http_server: Server) -> None:
     """Chat, Responses and Ollama's chat take tools and a format together (they were 400s):
     the model calls the tool, or answers in the format."""
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": ANSWER}}
-    PARIS = '{"city": "Paris"}'
     asked = {"model": MODEL, "tools": [WEATHER], "response_format": fmt, "temperature": 0, "max_tokens": 80}
-    # After the tool's result the model may answer; the default model calls again and again,
-    # so the tokens that start the calls' key are banned: the grammar's other branch, the
-    # format, is left.
-    told = [
-        *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": PARIS}},
-        ]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."},
-    ]  # fmt: skip
-    tokenize = keyed_http_server.engine.tokenize
-    starts = [tokenize(key) for key in ("t", "to", "too", "tool", "tool_", "tool_c", "tool_calls")]
-    no_call = {str(int(t[0])): -100 for t in starts if len(t) == 1}
-    assert len(no_call) >= 2  # "t" and "tool" at least
+    told, no_call = TOLD, no_call_bias(keyed_http_server)
     async with openai_sdk(keyed_http_server) as client:
         called = await client.chat.completions.create(messages=ASK, **asked)
         assert called.choices[0].finish_reason == "tool_calls"

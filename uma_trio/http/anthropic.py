@@ -66,7 +66,7 @@ class AnthropicApi:
     async def _events(self, flight: Flight, msg_id: str, model: str) -> AsyncGenerator[bytes, None]:
         assert flight.stream is not None
         fmt = flight.stream.tool_format
-        text_filter = ToolTextFilter(fmt) if fmt is not None else None
+        text_filter = ToolTextFilter(fmt, flight.stream.formatted) if fmt is not None else None
         start: dict[str, Any] = {
             "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": None, "stop_sequence": None,

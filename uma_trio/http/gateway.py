@@ -348,8 +348,8 @@ class Gateway:
         assert flight.stream is not None
         chunks: openai.ChatStream | openai.CompletionStream
         if flight.stream.tool_format is not None:
-            fmt = flight.stream.tool_format
-            chunks = openai.ToolChatStream(completion_id, created, body.model, include_usage, fmt)
+            fmt, formatted = flight.stream.tool_format, flight.stream.formatted
+            chunks = openai.ToolChatStream(completion_id, created, body.model, include_usage, fmt, formatted)
         else:
             stream_kind = openai.ChatStream if is_chat else openai.CompletionStream
             chunks = stream_kind(completion_id, created, body.model, include_usage)
@@ -475,12 +475,16 @@ class Gateway:
                     nursery.start_soon(pump, i, flights[-1], None)
 
         created, is_chat = int(time.time()), isinstance(body, openai.ChatBody)
-        fmt = flights[0].stream.tool_format if flights[0].stream is not None else None
+        first = flights[0].stream
+        fmt = first.tool_format if first is not None else None
+        formatted = first is not None and first.formatted
         streams: list[openai.ChatStream | openai.CompletionStream] = []
         for i in range(n):
             if fmt is not None:  # every choice offers the same tools
                 streams.append(
-                    openai.ToolChatStream(completion_id, created, body.model, translated.include_usage, fmt)
+                    openai.ToolChatStream(
+                        completion_id, created, body.model, translated.include_usage, fmt, formatted
+                    )
                 )
             else:
                 kind = openai.ChatStream if is_chat else openai.CompletionStream

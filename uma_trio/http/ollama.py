@@ -192,7 +192,8 @@ class OllamaApi:
                 return json_response(final, headers={"x-request-id": rid})
 
             fmt = flight.stream.tool_format if flight.stream is not None else None
-            chunks = Lines(model, chat) if fmt is None else ToolChatLines(model, fmt)
+            formatted = flight.stream is not None and flight.stream.formatted
+            chunks = Lines(model, chat) if fmt is None else ToolChatLines(model, fmt, formatted)
 
             async def lines() -> AsyncGenerator[bytes, None]:
                 async with aclosing(gateway._events(flight)) as events:

@@ -68,7 +68,7 @@ class ResponsesApi:
     ) -> AsyncGenerator[bytes, None]:
         assert flight.stream is not None
         fmt = flight.stream.tool_format
-        text_filter = ToolTextFilter(fmt) if fmt is not None else None
+        text_filter = ToolTextFilter(fmt, flight.stream.formatted) if fmt is not None else None
         sequence = 0
 
         def event(name: str, data: dict[str, Any]) -> bytes:

@@ -33,9 +33,9 @@ class ToolChatLines(Lines):
     """A chat answer whose request offered tools.  A token's logprobs go with the chunk that
     sends its text's start; those of text held back (the calls' too) with the last chunks."""
 
-    def __init__(self, model: str, fmt: ToolFormat) -> None:
+    def __init__(self, model: str, fmt: ToolFormat, formatted: bool = False) -> None:
         super().__init__(model, chat=True)
-        self._filter = ToolTextFilter(fmt)
+        self._filter = ToolTextFilter(fmt, formatted)
         self._fed = 0  # characters fed to the filter
         self._held: list[tuple[int, list[TokenLogprob]]] = []  # logprobs not sent, by their text's start
 
@@ -45,7 +45,7 @@ class ToolChatLines(Lines):
         self._fed += len(text)
         if not (content := self._filter.feed(text)):
             return []
-        return [text_chunk(self.model, content, True, self._release(len(self._filter.sent)))]
+        return [text_chunk(self.model, content, True, self._release(self._filter.accounted))]
 
     def end(self, eos: EosEvent) -> list[Chunk]:
         # Sent with or without calls: a Hermes model may write on after its calls.

@@ -540,10 +540,16 @@ class ToolChatStream(ChatStream):
     carries its text; those of text held to the end (the calls', too) with the last chunks."""
 
     def __init__(
-        self, completion_id: str, created: int, model: str, include_usage: bool, fmt: ToolFormat
+        self,
+        completion_id: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        fmt: ToolFormat,
+        formatted: bool = False,
     ) -> None:
         super().__init__(completion_id, created, model, include_usage)
-        self._filter = ToolTextFilter(fmt)
+        self._filter = ToolTextFilter(fmt, formatted)
         self._fed = 0  # characters fed to the filter
         # Each token event's logprobs not sent yet, with where its text starts in what was fed.
         self._held: list[tuple[int, list[TokenLogprob]]] = []
@@ -557,7 +563,7 @@ class ToolChatStream(ChatStream):
         content = self._filter.feed(text)
         if not content:
             return []
-        sent = len(self._filter.sent)
+        sent = self._filter.accounted
         ready = [entry for start, entries in self._held if start < sent for entry in entries]
         self._held = [(start, entries) for start, entries in self._held if start >= sent]
         return [self._chunk(content, None, logprobs=ready if self._logprobs else None)]

@@ -146,27 +146,37 @@ _MARKERS: dict[ToolFormat, str] = {
 class ToolTextFilter:
     """Streams the content of an answer that may hold tool calls: text is passed on until it
     could be the start of a call, and from a call's marker on held until the end, when the
-    parsed answer says what it was (a generic answer is JSON: held from its start).  Hermes
-    content is trimmed around its calls (parse_tool_calls): whitespace is held until text
-    follows it, as it may be what is trimmed."""
+    parsed answer says what it was.  Hermes content is trimmed around its calls
+    (parse_tool_calls): whitespace is held until text follows it, as it may be what is
+    trimmed.  A generic answer is JSON (:class:`GenericAnswer` streams its text)."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, formatted: bool = False) -> None:
         self._fmt = fmt
         self._held = ""
-        self._holding = fmt == "generic"
+        self._holding = False
+        self._generic = GenericAnswer(formatted) if fmt == "generic" else None
         self.sent = ""
+
+    @property
+    def accounted(self) -> int:
+        """How many of the characters fed are behind what was sent (sent, or known to be no
+        content): a token's log-probabilities go out once its text's start is."""
+        return self._generic.accounted if self._generic is not None else len(self.sent)
 
     def feed(self, text: str) -> str:
         """The part of ``text`` to send as content now."""
-        if self._holding:
+        if self._generic is not None:
+            out = self._generic.feed(text)
+        elif self._holding:
             self._held += text
             return ""
-        pending = self._held + text
-        start, whole = self._call_start(pending)
-        if self._fmt == "hermes":
-            start = len(pending[:start].rstrip())
-        out, self._held = pending[:start], pending[start:]
-        self._holding = whole
+        else:
+            pending = self._held + text
+            start, whole = self._call_start(pending)
+            if self._fmt == "hermes":
+                start = len(pending[:start].rstrip())
+            out, self._held = pending[:start], pending[start:]
+            self._holding = whole
         self.sent += out
         return out
 
@@ -187,3 +197,52 @@ class ToolTextFilter:
         """At the end: what of the answer's ``content`` has not been sent yet (with or without
         calls: a Hermes answer may go on after them)."""
         return content[len(self.sent) :] if content.startswith(self.sent) else ""
+
+
+# How tool_call_grammar's generic answers open (its JSON has no free whitespace).
+_TEXT_OPENING = '{"response": "'
+_CALLS_OPENING = '{"tool_calls":'
+
+
+class GenericAnswer:
+    """A generic answer's content as it is written: held while it may be calls; a direct
+    answer, ``{"response": "<text>"}``, streams its text as far as it decodes (an escape or a
+    surrogate pair cut between tokens waits for its end), as parse_tool_calls reads it at
+    the end.  ``formatted`` (a response_format): the direct answer is that JSON itself,
+    streamed as it comes.  Calls are held to the end (it was the whole answer, so an agent
+    offering tools to a model without a tool template saw no token until the last)."""
+
+    def __init__(self, formatted: bool) -> None:
+        self._formatted = formatted
+        self._fed = ""
+        self._sent = ""
+        self._mode: str | None = None  # None: undecided; "calls", "text" or "json"
+        self.accounted = 0
+
+    def feed(self, text: str) -> str:
+        self._fed += text
+        if self._mode is None:
+            self._mode = self._decided()
+        if self._mode == "json":
+            shown = self._fed
+        elif self._mode == "text":
+            shown = _cut_string(self._fed[len(_TEXT_OPENING) :])
+            if shown and "\ud800" <= shown[-1] <= "\udbff":  # its pair is yet to come
+                shown = shown[:-1]
+        else:
+            return ""
+        if not shown.startswith(self._sent):  # not expected of a JSON string; the end says
+            self._mode = "calls"
+            return ""
+        out, self._sent, self.accounted = shown[len(self._sent) :], shown, len(self._fed)
+        return out
+
+    def _decided(self) -> str | None:
+        fed, formatted = self._fed, self._formatted
+        if fed.startswith(_CALLS_OPENING):
+            return "calls"
+        if not formatted and fed.startswith(_TEXT_OPENING):
+            return "text"
+        if _CALLS_OPENING.startswith(fed) or (not formatted and _TEXT_OPENING.startswith(fed)):
+            return None  # '{"' opens both
+        return "json" if formatted else "calls"

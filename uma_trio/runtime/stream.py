@@ -16,6 +16,7 @@ import numpy as np
 import trio
 
 from ..protocol.messages import CancelReason, Lane, Timings
+from .samplers import formatted
 from .session import Session, StreamEnd, StreamItem, TokenTimes, parks
 
 
@@ -40,6 +41,7 @@ class RequestStream:
         self.streamed = session.request.stream
         self.lane: Lane = session.lane  # the lane this front end last asked for
         self.tool_format = session.tool_format  # how tool calls look in its text, if offered tools
+        self.formatted = formatted(session.request)  # its direct answer is its response_format's JSON
         self.prompt_tokens = len(session.prompt)
         self.receive = receive
         self.delivered_at = TokenTimes()  # when each token was written to the client
