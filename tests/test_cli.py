@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -427,3 +428,30 @@ def test_serve_answers_a_socket_it_cannot_probe_with_exit_2(
     with caplog.at_level(logging.ERROR):
         assert serve_command.serve(config=ServerConfig(socket_path=sock)) == 2
     assert f"cannot start on {sock}: timed out" in caplog.text
+
+
+def test_ctrl_c_as_the_daemon_starts_is_exit_130_without_a_traceback(tmp_path: Path) -> None:
+    """Found by review: Ctrl-C between the model's load and the daemon's first accept (its
+    bandwidth probe, the socket's bind) printed a BaseExceptionGroup traceback and exited 1;
+    while loading it was 130, once serving a drain and 0."""
+    log = tmp_path / "serve.log"
+    for attempt in range(2):
+        with log.open("w") as out:
+            proc = subprocess.Popen(
+                [*UMA, "serve", "--socket", str(tmp_path / f"u{attempt}.sock"), "--http", "127.0.0.1:0"],
+                stdout=out, stderr=subprocess.STDOUT,
+                # A suite run in the background (`pytest &`) passes SIGINT on ignored.
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            )  # fmt: skip
+            try:
+                deadline = time.monotonic() + 120
+                while "memory bandwidth probe" not in log.read_text():  # the model has loaded
+                    assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                    time.sleep(0.002)
+                proc.send_signal(signal.SIGINT)
+                status = proc.wait(timeout=60)
+            finally:
+                proc.kill()
+        text = log.read_text()
+        assert "Traceback" not in text and "ExceptionGroup" not in text, text
+        assert status in (130, 0), text  # 0: the signal came once it served, and it drained

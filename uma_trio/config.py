@@ -357,7 +357,9 @@ class ServerConfig:
     """Seconds a frame may take to arrive whole once its first byte is in; then E_PROTO_008
     and the connection is closed. Also the deadline of an HTTP request body (408)."""
     shutdown_grace_s: Annotated[float, Parameter(name="--shutdown-grace")] = 10.0
-    """Seconds running requests get to finish after SIGINT/SIGTERM."""
+    """Seconds running requests get to finish after SIGINT/SIGTERM (then exit 0; a second
+    signal stops at once). Ctrl-C before the daemon serves (while the model loads) exits 130,
+    with one log line."""
     stream_buffer: Annotated[int, _HIDDEN] = 16  # token events held per request before it is parked
 
     # Observability (docs/METRICS.md)

@@ -393,3 +393,5 @@ async def run_daemon(model_path: Path, config: ServerConfig) -> None:
                 engine.model.close()
     except* (SocketInUseError, BindError, DaemonStartError, DaemonFailed) as group:
         raise DaemonStartError(str(first_leaf(group))) from None
+    except* KeyboardInterrupt:  # Ctrl-C as the server started: one interrupt, not a group's traceback
+        raise KeyboardInterrupt from None

@@ -105,6 +105,11 @@ def serve(
     except DaemonStartError as exc:
         log.error("%s", exc)
         return EXIT_SERVER_ERROR
+    except KeyboardInterrupt:  # before it served (then Ctrl-C drains, and it exits 0)
+        from ..bench_cli import EXIT_INTERRUPTED
+
+        log.info("interrupted before serving")
+        return EXIT_INTERRUPTED
     return 0
 
 

@@ -16,10 +16,10 @@ import json
 import re
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from .messages import MOST_TOP_LOGPROBS, EosEvent, GenerateRequest, TokenLogprob
 from .openai import lane_from_header
@@ -56,7 +56,7 @@ class ResponsesBody(Struct, kw_only=True):
     service_tier: str | None = None  # "flex": the background lane (docs/HTTP.md)
     # Each output token's log-probability comes with include's LOGPROBS, as OpenAI's does.
     include: list[str] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MOST_TOP_LOGPROBS)] | None = None
 
 
 LOGPROBS = "message.output_text.logprobs"
@@ -242,8 +242,6 @@ def responses_request(
                           "background")  # fmt: skip
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise bad_request("max_output_tokens: must be at least 1", "max_output_tokens")
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MOST_TOP_LOGPROBS:
-        raise bad_request(f"top_logprobs: must be between 0 and {MOST_TOP_LOGPROBS}", "top_logprobs")
     names: Names = {
         "messages": "input", "max_tokens": "max_output_tokens", "tool_choice.function": "tool_choice",
         "response_format": "text.format", "response_format.json_schema": "text.format",
@@ -319,13 +317,8 @@ def message_item(
 ) -> dict[str, Any]:
     """The answer's message item: ``in_progress`` (empty, as a stream opens it), ``completed``,
     or ``incomplete`` (cut off by max_output_tokens, as OpenAI marks it)."""
-    return {
-        "type": "message",
-        "id": item_id,
-        "status": status,
-        "role": "assistant",
-        "content": [] if status == "in_progress" else [output_text(text, logprobs)],
-    }
+    content = [] if status == "in_progress" else [output_text(text, logprobs)]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
 def message_status(eos: EosEvent) -> str:
