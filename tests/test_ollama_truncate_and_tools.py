@@ -106,11 +106,16 @@ def test_hermes_text_streams_until_a_call_and_the_call_comes_in_its_own_chunk() 
     assert final.eval_count == 9 and final.prompt_eval_count == 5
 
 
-def test_a_generic_answer_is_held_and_its_text_sent_at_the_end() -> None:
+def test_a_generic_answer_s_text_streams_and_its_calls_are_held() -> None:
+    """A generic answer was held whole to its end; its text now streams as it decodes."""
     lines = ToolChatLines(MODEL, "generic")
-    assert [c for piece in ['{"response": ', '"hi"}'] for c in lines.token(piece, None)] == []
-    rest, final = lines.end(eos("hi"))
-    assert rest.message.content == "hi" and final.message.content == ""  # type: ignore[union-attr]
+    streamed = [c for piece in ['{"response": ', '"h', 'i"}'] for c in lines.token(piece, None)]
+    assert [c.message.content for c in streamed] == ["h", "i"]  # type: ignore[union-attr]
+    (final,) = lines.end(eos("hi"))
+    assert final.done and final.message.content == ""  # type: ignore[union-attr]
+    calls = ToolChatLines(MODEL, "generic")
+    pieces = ['{"tool_calls": [{"name": "f", ', '"arguments": {}}]}']
+    assert [c for piece in pieces for c in calls.token(piece, None)] == []
 
 
 # -- on the daemon: truncation ------------------------------------------------------------
