@@ -281,3 +281,17 @@ async def test_an_answer_with_no_text_has_no_block_whole_or_streamed(server: Ser
             streamed = await stream.get_final_message()
     assert whole.stop_reason == streamed.stop_reason == "max_tokens"
     assert whole.content == streamed.content == []
+
+
+async def test_a_tool_schema_that_does_not_compile_is_named_as_sent(server: Server) -> None:
+    """Found by review: the refusal named `tools[1].function.parameters`, the translated
+    request's field, where the client sent `tools[1].input_schema`."""
+    broken = {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}
+    async with sdk(server) as client:
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await client.messages.create(
+                model=MODEL, messages=ASK, max_tokens=8, tools=[WEATHER, broken],  # type: ignore[list-item]
+                tool_choice={"type": "tool", "name": "f"},
+            )  # fmt: skip
+    message = refused.value.body["error"]["message"]  # type: ignore[index]
+    assert "`tools[1].input_schema`: Pointer '/nope'" in message and "function" not in message

@@ -103,6 +103,9 @@ def sdk_error(error: openai.BadRequestError) -> tuple[str | None, str]:
     return error.param, error.message
 
 
+BROKEN = {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}
+
+
 async def test_refusals_name_the_fields_the_client_sent(keyed_http_server: Server) -> None:
     """Not the chat request's they become: max_tokens, messages[i], tools[i].function."""
     nameless = {"type": "function", "parameters": {"type": "object", "properties": {}}}
@@ -126,6 +129,13 @@ async def test_refusals_name_the_fields_the_client_sent(keyed_http_server: Serve
             },
             "input[2].name",
             "$.input[2].name",
+        ),
+        # A tool's schema that does not compile: named as the client's tools[i] (it said
+        # `tools[1].function.parameters`, the chat request's field).
+        (
+            {"input": "hi", "tools": [WEATHER, {**WEATHER, "name": "f", "parameters": BROKEN}],
+             "tool_choice": {"type": "function", "name": "f"}},
+            "tools", "`tools[1].parameters`: Pointer '/nope'",
         ),
     ]  # fmt: skip
     async with openai_sdk(keyed_http_server) as client:
@@ -412,6 +422,14 @@ async def test_logprobs_come_with_include_whole_and_streamed(keyed_http_server: 
         assert [lp.token for d in deltas for lp in d.logprobs] == [p.token for p in part.logprobs]
         assert all("".join(lp.token for lp in d.logprobs) == d.delta for d in deltas)
         assert final.output[0].content[0].logprobs == part.logprobs  # type: ignore[union-attr]
+        # Beside tools (the generic format's JSON: its closing tokens show no text), every
+        # token's logprobs still come in the deltas (the last ones were only in the part).
+        tooled = {**asked, "tools": [WEATHER], "max_output_tokens": 40}
+        async with client.responses.stream(**tooled) as stream:
+            deltas = [e async for e in stream if e.type == "response.output_text.delta"]
+            final = await stream.get_final_response()
+        every = final.output[0].content[0].logprobs  # type: ignore[union-attr]
+        assert every and [lp.token for d in deltas for lp in d.logprobs] == [lp.token for lp in every]
         plain = await client.responses.create(**{**asked, "include": []})
         assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
         with pytest.raises(openai.BadRequestError) as refused:

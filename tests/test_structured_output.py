@@ -130,6 +130,7 @@ async def test_json_object_and_streamed_schema_over_http(keyed_http_server: Serv
 
 TOOL = {"type": "function", "function": {"name": "noop"}}
 FROB = {"schema": {"type": "frob"}}
+BAD_REGEX = {"schema": {"type": "string", "pattern": "(["}}
 BROKEN = {"name": "broken"}
 BROKEN_TOOL = {"type": "function", "function": {"name": "broken", "parameters": {
     "type": "object", "properties": {"a": {"$ref": "#/nope"}},
@@ -161,7 +162,11 @@ async def test_bad_schemas_and_grammars_are_400s_naming_the_problem(keyed_http_s
             ),
             (
                 {"tools": [TOOL, BROKEN_TOOL], "tool_choice": {"type": "function", "function": BROKEN}},
-                "Pointer 'tools[1].function.parameters#/nope' does not exist", "tools",
+                "`tools[1].function.parameters`: Pointer '/nope' does not exist", "tools",
+            ),
+            (  # the whole of the compiler's message, as without tools (it was cut to a line)
+                {"tools": [TOOL], "response_format": {"type": "json_schema", "json_schema": BAD_REGEX}},
+                "unclosed character class", "response_format",
             ),
         ]  # fmt: skip
         for extra, problem, param in cases:

@@ -318,6 +318,10 @@ def test_with_a_response_format_the_answer_is_a_call_or_the_format(fmt: ToolForm
     # generic's own {"response": ...}, or holding a key named tool_calls.
     for own in ('{"response": "hi"}', '{"tool_calls": 3}', "[1, 2]"):
         assert parse_tool_calls(own, "generic", NAMES, formatted=True) == (own, [])
+    # Cut by max_tokens before a call was whole: no content, never the call's start (it
+    # leaked as '{"tool_' with a format).
+    for cut in ('{"tool', '{"tool_calls":', '{"tool_calls": [{"name": "get_'):
+        assert parse_tool_calls(cut, "generic", NAMES, formatted=True) == ("", [])
 
 
 # -- end to end ------------------------------------------------------------------------

@@ -186,10 +186,11 @@ class ModelVocabulary:
 
 def check_alone(constraint: OutputConstraint) -> None:
     """Raises :class:`ConstraintError` if ``constraint`` does not compile by itself (with no
-    vocabulary: quick); a part of a bigger grammar is so named in the error.  Recursive, as
-    a compile: off the event loop, on a big stack (:func:`on_big_stack`)."""
+    vocabulary: quick); a part of a bigger grammar is so named in the error, whole (a JSON
+    schema's has no grammar text of ours to leave out).  Recursive, as a compile: off the
+    event loop, on a big stack (:func:`on_big_stack`)."""
     if error := llguidance.LLMatcher.validate_grammar(constraint.grammar):
-        raise ConstraintError(f"invalid {constraint.kind}: {first_line(error)}")
+        raise ConstraintError(f"invalid {constraint.kind}: {error.strip()}")
 
 
 def first_line(error: str) -> str:

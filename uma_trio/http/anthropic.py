@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -16,7 +17,7 @@ from ..protocol import anthropic
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
 from ..protocol.ollama import Limits
-from ..protocol.openai import api_error, ended_early, from_uma_error, validation_error
+from ..protocol.openai import ApiError, api_error, ended_early, from_uma_error, validation_error
 from ..protocol.tool_text import ToolTextFilter
 from .auth import request_owner
 from .flight import Flight, GatewayCore, answer_limits, answering_as, completed, decode_body
@@ -54,14 +55,18 @@ class AnthropicApi:
         # max_tokens is a ceiling, as Ollama's num_predict: Claude Code asks for 32000 and more.
         limits = answer_limits(gateway, body.model)
         generate_request = self._translate(body, msg_id, limits)  # its X-Request-Id, for /priority
-        async with gateway._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
-            headers = {"x-request-id": msg_id}
-            if not body.stream:
-                events = await gateway._collect(request, flight)
-                eos = completed(events)
-                text = "".join(e.text for e in events if isinstance(e, TokenEvent))
-                return json_response(anthropic.message(msg_id, body.model, eos, text), headers=headers)
-            return gateway._event_stream(lambda: self._events(flight, msg_id, body.model), flight, headers)
+        try:
+            async with gateway._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
+                headers = {"x-request-id": msg_id}
+                if not body.stream:
+                    events = await gateway._collect(request, flight)
+                    eos = completed(events)
+                    text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+                    return json_response(anthropic.message(msg_id, body.model, eos, text), headers=headers)
+                streamed = partial(self._events, flight, msg_id, body.model)
+                return gateway._event_stream(streamed, flight, headers)
+        except ApiError as exc:  # the admission's refusals (a tool's schema) name Anthropic's fields
+            raise anthropic.client_error(exc) from None
 
     async def _events(self, flight: Flight, msg_id: str, model: str) -> AsyncGenerator[bytes, None]:
         assert flight.stream is not None

@@ -121,7 +121,7 @@ class ResponsesApi:
                             for chunk in open_text():
                                 yield chunk
                             opened = True
-                        if rest:
+                        if rest or (opened and pending):  # the last tokens' logprobs, with or without text
                             text += rest
                             yield event(
                                 "response.output_text.delta", {**where, "delta": rest, "logprobs": pending}

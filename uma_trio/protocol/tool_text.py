@@ -74,10 +74,9 @@ def parse_tool_calls(
         else:  # cut off in the middle of a list: the calls written whole
             opening = re.match(r'\{\s*"tool_calls"\s*:\s*\[', stripped)
             objects = _leading_items(stripped, opening.end()) if opening else []
-            # Or before the list began ('{"tool_calls":'): a call, none of it written yet.
-            # A formatted answer cut that early may be either: what was written is kept.
-            compact = re.sub(r"\s+", "", stripped)
-            opened = opening is not None or (wrapped and _GENERIC_CALLS.startswith(compact))
+            # Or before the list began ('{"tool_calls":'): a call, none of it written yet (a
+            # formatted answer cut as early is no JSON either way: never the call's start).
+            opened = opening is not None or _GENERIC_CALLS.startswith(re.sub(r"\s+", "", stripped))
     calls = [c for c in (_call(o, names) for o in objects) if c] if isinstance(objects, list) else []
     # The call being written when it was cut is lost (docs/HTTP.md), not shown as its JSON.
     return ("" if (calls or opened) and len(calls) == len(objects) else text), calls

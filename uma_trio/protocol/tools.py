@@ -124,13 +124,7 @@ def _tool_defs(tools: Sequence[Tool]) -> dict[str, Any]:
     whose schema used ``$defs`` (as pydantic writes nested models) was refused ("Pointer
     '/$defs/A' does not exist").  Moved under ``#/$defs/uma_tool_N``, they are rewritten to
     match.  A ``strict`` tool's objects are closed (protocol/strict_schema.py)."""
-    defs = {}
-    for i, tool in enumerate(tools):
-        parameters = tool.function.parameters or {"type": "object", "properties": {}}
-        defs[_def(i)] = _rebased(
-            closed(parameters) if tool.function.strict else parameters, f"#/$defs/{_def(i)}"
-        )
-    return defs
+    return {_def(i): _rebased(tool_schema(tool), f"#/$defs/{_def(i)}") for i, tool in enumerate(tools)}
 
 
 _DATA = frozenset({"const", "enum", "default", "examples"})  # values, not schemas: kept as they are
@@ -214,10 +208,24 @@ TOOL_GRAMMAR_ERROR = f"invalid {TOOL_GRAMMAR_KIND}"
 _LOCATION = re.compile(r"^at \d+\(\d+\): ")  # a place in the grammar text, which is ours
 
 
+def tool_schema(tool: Tool) -> dict[str, Any]:
+    """The JSON schema of ``tool``'s arguments, as the call grammar holds it (a strict tool's
+    objects closed), before its move under the grammar's ``$defs``."""
+    parameters = tool.function.parameters or {"type": "object", "properties": {}}
+    return closed(parameters) if tool.function.strict else parameters
+
+
+def tool_fault(index: int, error: str) -> str:
+    """A tool's schema error (compiled alone), naming the request's field; in backticks, so a
+    route that calls the field otherwise can rename it."""
+    return f"{TOOL_GRAMMAR_ERROR}: `tools[{index}].function.parameters`: {error}"
+
+
 def tool_error_words(message: str, tools: Sequence[Tool], choice: ToolChoice) -> str:
-    """A tool call grammar's compile error in the request's terms: its first line (the rest
-    quotes the grammar built here), a tool's parameters named as the request's field (they
-    sit under ``#/$defs/uma_tool_N`` in the grammar: :func:`_tool_defs`)."""
+    """A tool call grammar's compile error in the request's terms, when no tool's schema
+    fails alone: its first line (the rest quotes the grammar built here), a tool's
+    parameters named as the request's field (they sit under ``#/$defs/uma_tool_N`` in the
+    grammar: :func:`_tool_defs`)."""
     head, _, detail = message.strip().splitlines()[0].partition(": ")
     offered = chosen_tools(tools, choice)
     where = {id(tool): i for i, tool in enumerate(tools)}
@@ -226,7 +234,7 @@ def tool_error_words(message: str, tools: Sequence[Tool], choice: ToolChoice) ->
         index = int(match[1])
         if index >= len(offered):
             return match[0]
-        return f"tools[{where[id(offered[index])]}].function.parameters#"
+        return f"`tools[{where[id(offered[index])]}].function.parameters`#"
 
     detail = re.sub(r"#?/\$defs/uma_tool_(\d+)", named, _LOCATION.sub("", detail))
     return f"{head}: {detail}" if detail else head

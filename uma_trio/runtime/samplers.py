@@ -19,7 +19,7 @@ from ..engine.sampling import Sampler, SamplingParams, banned
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, JsonObjectFormat, JsonSchemaFormat
 from ..protocol.strict_schema import closed
-from ..protocol.tools import TOOL_GRAMMAR_ERROR, tool_error_words
+from ..protocol.tools import TOOL_GRAMMAR_ERROR, tool_error_words, tool_fault, tool_schema
 from .off_loop import compile_limiter, off_loop
 
 if TYPE_CHECKING:
@@ -69,6 +69,17 @@ def format_schema(request: GenerateRequest) -> dict[str, Any] | None:
     return fmt.schema if isinstance(fmt, JsonObjectFormat) else None
 
 
+def blame_a_tool(request: GenerateRequest) -> None:
+    """Raises the first offered tool's own schema error, compiled alone (a call grammar that
+    fails names no tool, or points into the grammar built here), naming its field; returns
+    if each compiles."""
+    for i, tool in enumerate(request.tools or ()):
+        try:
+            check_alone(json_schema_constraint(tool_schema(tool)))
+        except ConstraintError as exc:
+            raise ConstraintError(tool_fault(i, str(exc).removeprefix("invalid JSON schema: "))) from None
+
+
 async def sampler_for(
     engine: Engine, request: GenerateRequest, tool_grammar: OutputConstraint | None = None
 ) -> Sampler:
@@ -114,13 +125,19 @@ async def sampler_for(
                 check_alone(answer)  # the format's own faults, named as its, not the tools'
             constraint = tool_grammar or output_constraint(request)
             assert constraint is not None  # constrained, above
-            return vocabulary.matcher(constraint)
+            try:
+                return vocabulary.matcher(constraint)
+            except ConstraintError:
+                if tool_grammar is not None:
+                    blame_a_tool(request)
+                raise
 
         compiling = partial(on_big_stack, compile_matcher)
         matcher = await off_loop(engine, compiling, abandon=True, limiter=compile_limiter())
         return vocabulary.sampler(params, top_logprobs=top, matcher=matcher)
     except ConstraintError as exc:
         message = str(exc)
-        if message.startswith(TOOL_GRAMMAR_ERROR) and request.tools is not None:
+        # The call grammar's own words (not a tool's, named by blame_a_tool), in the request's.
+        if message.startswith(TOOL_GRAMMAR_ERROR) and "`tools[" not in message and request.tools is not None:
             message = tool_error_words(message, request.tools, request.tool_choice)
         raise UmaError(ErrorCode.GRAMMAR, message, request_id=request.id) from None
