@@ -178,6 +178,26 @@ def test_a_generic_direct_answer_streams_its_text_as_it_decodes(cut: int, step: 
 
 
 @pytest.mark.parametrize(
+    "text",
+    [
+        '{"response": "hi \\ud83d\\ude',  # cut between a pair's halves (max_tokens)
+        '{"response": "hi \\ud83dx"}',  # a lone half, as a model may write one
+        '{"response": "hi \\ud83d"}',
+        '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "\\udc00"}}]}',
+    ],
+)
+def test_a_lone_surrogate_in_a_generic_answer_can_still_be_sent(text: str) -> None:
+    """A lone surrogate decoded from the answer's JSON (half a pair, cut or written so) made
+    the content unencodable: no UTF-8 encoder takes one, and the answer failed to go out."""
+    content, calls = parse_tool_calls(text, "generic", NAMES)
+    msgspec.json.encode([content, [c.arguments for c in calls]])  # raised UnicodeEncodeError
+    text_filter = ToolTextFilter("generic")
+    streamed = "".join(text_filter.feed(c) for c in text)
+    assert streamed + text_filter.rest(content) == content
+    msgspec.json.encode(streamed)
+
+
+@pytest.mark.parametrize(
     ("formatted", "pieces", "streamed"),
     [
         (True, ['{"', 'answer": ', "1}"], ['{"answer": ', "1}"]),

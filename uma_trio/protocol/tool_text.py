@@ -59,7 +59,7 @@ def parse_tool_calls(
         value = _load(stripped)
         wrapped = not formatted  # a direct answer is {"response": "<text>"}
         if wrapped and isinstance(value, dict) and isinstance(value.get("response"), str) and len(value) == 1:
-            return value["response"], []
+            return _no_lone_surrogates(value["response"]), []
         if isinstance(value, dict):
             objects = value.get("tool_calls", [])
             if not isinstance(objects, list):  # a formatted answer's own key of that name
@@ -101,20 +101,29 @@ def _leading_items(text: str, start: int) -> list[Any]:
 
 def _cut_string(body: str) -> str:
     """The text of a JSON string from after its opening quote, whose end may be missing: up
-    to its closing quote, or all that decodes (an escape cut short is dropped)."""
+    to its closing quote, or all that decodes (an escape cut short is dropped, and so is a
+    surrogate pair's first half at the end: its second may be what was cut)."""
     decoder = json.JSONDecoder(strict=False)
+    text = ""
     try:
-        text: str = decoder.raw_decode('"' + body)[0]
-        return text
+        text = decoder.raw_decode('"' + body)[0]
     except ValueError:
-        pass
-    for end in range(len(body), max(len(body) - len("\\uXXXX"), 0) - 1, -1):
-        try:
-            cut: str = decoder.decode('"' + body[:end] + '"')
-            return cut
-        except ValueError:
-            continue
-    return ""
+        for end in range(len(body), max(len(body) - len("\\uXXXX"), 0) - 1, -1):
+            try:
+                text = decoder.decode('"' + body[:end] + '"')
+                break
+            except ValueError:
+                continue
+    return _no_lone_surrogates(text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text)
+
+
+def _no_lone_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate (a JSON escape of half a pair: the model may write
+    one) as U+FFFD: no UTF-8 encoder takes one, and the answer's encoding failed."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _load(text: str) -> Any:
@@ -132,7 +141,7 @@ def _call(value: Any, names: Sequence[str]) -> ParsedCall | None:
         arguments = _load(arguments)
     if not isinstance(arguments, dict):
         return None
-    return ParsedCall(str(value["name"]), json.dumps(arguments, ensure_ascii=False))
+    return ParsedCall(str(value["name"]), _no_lone_surrogates(json.dumps(arguments, ensure_ascii=False)))
 
 
 _MARKERS: dict[ToolFormat, str] = {
@@ -226,8 +235,6 @@ class GenericAnswer:
             shown = self._fed
         elif self._mode == "text":
             shown = _cut_string(self._fed[len(_TEXT_OPENING) :])
-            if shown and "\ud800" <= shown[-1] <= "\udbff":  # its pair is yet to come
-                shown = shown[:-1]
         else:
             return ""
         if not shown.startswith(self._sent):  # not expected of a JSON string; the end says
