@@ -877,3 +877,17 @@ async def test_tools_with_a_response_format_call_or_answer_in_the_format(keyed_h
         assert ollama_chat.status_code == 200, ollama_chat.text
         message = ollama_chat.json()["message"]
         assert message.get("tool_calls") or set(json.loads(message["content"])) == {"answer", "confident"}
+
+
+@pytest.mark.model
+async def test_a_logit_bias_that_bans_what_the_grammar_needs_says_so(keyed_http_server: Server) -> None:
+    """A forced call whose every opening token logit_bias bans: the request fails
+    (E_RUNTIME_003, HTTP.md), and said "forced bytes: got 't'" where it now names the bias."""
+    async with openai_sdk(keyed_http_server) as client:
+        with pytest.raises(openai.InternalServerError) as failed:
+            await client.chat.completions.create(
+                model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
+                max_tokens=20, temperature=0, logit_bias=no_call_bias(keyed_http_server),
+            )  # fmt: skip
+    assert "logit_bias bans every token the grammar allows next" in str(failed.value)
+    assert failed.value.code == "E_RUNTIME_003"

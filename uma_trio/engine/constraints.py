@@ -13,6 +13,7 @@ token trie); it runs on the compute thread beside sampling.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -215,8 +216,14 @@ class ConstrainedSampler(Sampler):
         token = self.inner.sample(logits)
         if not self.matcher.consume_token(token):
             why = first_line(self.matcher.get_error())
+            if self._all_banned(allowed):  # llguidance's words ("forced bytes") say nothing of it
+                why = "the request's logit_bias bans every token the grammar allows next"
             raise ConstraintError(f"the grammar refused token {token}: {why}")
         return token
+
+    def _all_banned(self, allowed: npt.NDArray[np.uint8]) -> bool:
+        bans = {token for token, bias in self.params.logit_bias if bias == -math.inf}
+        return bool(bans) and set(np.flatnonzero(allowed).tolist()) <= bans
 
     def allowed(self) -> npt.NDArray[np.uint8]:
         """1 for each token the grammar allows next, else 0."""
