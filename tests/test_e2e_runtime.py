@@ -112,7 +112,9 @@ async def test_disconnect_mid_stream_frees_kv_and_spares_others(server: Server) 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(survivor)
             quitter = await RawClient.connect(server.config.socket_path)
-            await quitter.send({"id": "q", "messages": chat("Write a long essay."), "max_tokens": 500})
+            await quitter.send(
+                {"id": "q", "messages": chat("Write a long essay."), "max_tokens": 500, "temperature": 0}
+            )
             first = await quitter.next_event()
             assert first is not None and first["event"] == "token"
             session = next(s for s in loop._active.values() if s.id == "q")
@@ -155,7 +157,9 @@ async def test_two_requests_multiplexed_on_one_connection(server: Server) -> Non
 
 async def test_explicit_cancel_ends_with_cancelled_eos(server: Server) -> None:
     client = await RawClient.connect(server.config.socket_path)
-    await client.send({"id": "c", "messages": chat("Write a long essay about rivers."), "max_tokens": 400})
+    await client.send(
+        {"id": "c", "messages": chat("Write a long essay about rivers."), "max_tokens": 400, "temperature": 0}
+    )
     first = await client.next_event()
     assert first is not None and first["event"] == "token"
     await client.send({"type": "cancel", "id": "c"})
@@ -300,7 +304,9 @@ async def test_stale_socket_file_is_replaced(llama_model: LlamaModel, server_con
 
 async def test_metrics_request_answers_while_decoding(server: Server) -> None:
     client = await RawClient.connect(server.config.socket_path)
-    await client.send({"id": "busy", "messages": chat("Write a long essay."), "max_tokens": 100})
+    await client.send(
+        {"id": "busy", "messages": chat("Write a long essay."), "max_tokens": 100, "temperature": 0}
+    )
     first = await client.next_event()
     assert first is not None and first["event"] == "token"
     async with UmaClient.connect(server.config.socket_path) as other:
@@ -316,6 +322,7 @@ async def test_priority_message_moves_a_running_request_to_another_lane(server: 
         "id": "job",
         "messages": chat("Write a long story."),
         "max_tokens": 60,
+        "temperature": 0,
         "priority": "background",
     }
     await client.send(request)
