@@ -221,20 +221,10 @@ def tool_fault(index: int, error: str) -> str:
     return f"{TOOL_GRAMMAR_ERROR}: `tools[{index}].function.parameters`: {error}"
 
 
-def tool_error_words(message: str, tools: Sequence[Tool], choice: ToolChoice) -> str:
-    """A tool call grammar's compile error in the request's terms, when no tool's schema
-    fails alone: its first line (the rest quotes the grammar built here), a tool's
-    parameters named as the request's field (they sit under ``#/$defs/uma_tool_N`` in the
-    grammar: :func:`_tool_defs`)."""
+def tool_error_words(message: str) -> str:
+    """A call grammar's compile error when no tool's schema fails alone (those are named by
+    :func:`tool_fault`): its first line, without the place in the grammar text (the rest
+    quotes the grammar built here, which the request never saw)."""
     head, _, detail = message.strip().splitlines()[0].partition(": ")
-    offered = chosen_tools(tools, choice)
-    where = {id(tool): i for i, tool in enumerate(tools)}
-
-    def named(match: re.Match[str]) -> str:
-        index = int(match[1])
-        if index >= len(offered):
-            return match[0]
-        return f"`tools[{where[id(offered[index])]}].function.parameters`#"
-
-    detail = re.sub(r"#?/\$defs/uma_tool_(\d+)", named, _LOCATION.sub("", detail))
+    detail = _LOCATION.sub("", detail)
     return f"{head}: {detail}" if detail else head

@@ -138,6 +138,6 @@ async def sampler_for(
     except ConstraintError as exc:
         message = str(exc)
         # The call grammar's own words (not a tool's, named by blame_a_tool), in the request's.
-        if message.startswith(TOOL_GRAMMAR_ERROR) and "`tools[" not in message and request.tools is not None:
-            message = tool_error_words(message, request.tools, request.tool_choice)
+        if message.startswith(TOOL_GRAMMAR_ERROR) and "`tools[" not in message:
+            message = tool_error_words(message)
         raise UmaError(ErrorCode.GRAMMAR, message, request_id=request.id) from None
