@@ -86,6 +86,40 @@ async def test_a_request_in_flight_shows_when_it_should_end(autojump_clock: trio
         assert 0.5 * left <= row["eta_s"] <= 2.0 * left, (row["eta_s"], left)
 
 
+async def test_a_held_decoder_s_expected_end_grows_with_its_wait(autojump_clock: trio.abc.Clock) -> None:
+    """A background request decoding alone, then held by the budget beside three streaming
+    chats: its ``eta_s`` counts the wait for its next token (the pace so far), so it grows
+    while the request does not move, instead of repeating the figure of its last token."""
+    from uma_trio.protocol.messages import GenerateRequest
+
+    from .helpers import sim_daemon
+
+    async def drain(stream: RequestStream) -> None:
+        async for _ in stream.receive:
+            pass
+
+    async with sim_daemon(max_sessions=5) as server, trio.open_nursery() as nursery:
+        job = GenerateRequest(id="job", prompt="w " * 20, max_tokens=400, priority="background", stream=True)
+        nursery.start_soon(drain, await server.open_request(job, trio.current_time(), connection=2))
+        await trio.sleep(0.3)
+        for i in range(3):
+            chat = GenerateRequest(id=f"chat{i}", prompt="hello " * 20, max_tokens=2000, stream=True)
+            nursery.start_soon(drain, await server.open_request(chat, trio.current_time(), connection=1))
+        seen = []
+        for _ in range(40):
+            await trio.sleep(0.05)
+            row = next(r for r in server.loop.gauges()["in_flight"] if r["id"] == "job")
+            seen.append((row["held"], row["generated"], row["gap_ms"], row["eta_s"]))
+        held = [(gap, eta, generated) for why, generated, gap, eta in seen if why == "budget"]
+        assert len(held) >= 10, seen
+        longest = max(held)
+        gap_s, eta, generated = longest[0] / 1000, longest[1], longest[2]
+        assert gap_s > 0.2, seen  # held for a while: the chats' guard leaves no room
+        assert eta >= (400 - generated) * gap_s / (generated + 1), (longest, seen)
+        assert eta > min(e for _, e, _ in held), seen
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_request_in_flight_says_what_holds_it(autojump_clock: trio.abc.Clock) -> None:
     """``in_flight[].held``: why the last tick left a request out.  Beside three streaming
     chats on a machine where a prompt token costs more than their tick's headroom (the
@@ -144,3 +178,28 @@ async def test_an_idle_daemon_shows_its_whole_p95_headroom(autojump_clock: trio.
     assert snapshot["scheduler"]["slack"]["used"] >= snapshot["scheduler"]["slack"]["budget"]
     assert not snapshot["sessions"]["active"] and not snapshot["sessions"]["waiting"]
     assert "uma_p95_headroom_ratio 1.0" in generate_latest(server.registry).decode()
+
+
+async def test_an_idle_daemon_holds_no_prefill_and_its_ratios_carry_no_float_noise(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """While idle the last tick's gauges read 0, the prefill guard's too (its hold counts
+    ticks, so a hold from the last burst outlasts the idle spell in the policy's own state);
+    a percentage of two decimals is a ratio of four, not 0.5085000000000001."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from uma_trio.observability.prometheus import SnapshotCollector
+
+    clients = [ClientSpec(name="chat", prompt_tokens=30, max_tokens=20)]
+    result, server = await simulate(Scenario(name="idle", clients=clients), CostCoefficients())
+    assert all(r.ok for r in result.records)
+    server.loop.policy.controls = replace(server.loop.policy.controls, hold_left=4)  # left from a burst
+    snapshot = server.metrics_snapshot()
+    assert snapshot["scheduler"]["prefill_guard_active"]
+    snapshot["scorecard"]["cap_kept_pct"] = 50.85
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: snapshot))
+    lines = generate_latest(registry).decode().splitlines()
+    guard = [line for line in lines if line.startswith("uma_scheduler_prefill_guard_active{")]
+    assert guard and all(line.endswith(" 0.0") for line in guard), guard
+    assert "uma_scorecard_cap_kept_ratio 0.5085" in lines

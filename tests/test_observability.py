@@ -111,6 +111,11 @@ def test_scorecard_formulas() -> None:
     later = scorecard(metrics, 700.0, latency_cap=1.2, rss_bytes=0)
     assert later.tokens_per_s == 0.0 and later.p95_ms is None and later.cap_kept_pct is None
     assert later.scheduler_efficiency is None and later.sum_bmt_mb_per_token is None
+    # The log line says a missing figure as "-", without the unit it would have had.
+    line = later.log_line()
+    assert "cap kept -)" in line and "p95 - p99 -," in line and "ttft p95 -," in line, line
+    assert "engine idle -," in line and "ΣBMT -," in line and "- ms" not in line and "-%" not in line, line
+    assert "cap kept 50.0%" in card.log_line() and "p95 9.9 ms p99" in card.log_line()
 
 
 def test_scorecard_rates_divide_by_the_time_the_window_really_covers() -> None:

@@ -202,7 +202,7 @@ class SnapshotCollector(Collector):
             for kind, n in s["tokens_per_tick"].items():
                 put("tokens", (model, kind), 0 if idle else n)
             put("decoders", (model,), 0 if idle else s["served_decoders"])
-            put("guard", (model,), int(s["prefill_guard_active"]))
+            put("guard", (model,), 0 if idle else int(s["prefill_guard_active"]))
             put("over", (model,), s["ticks_over_budget"])
             put("rescue", (model,), s["rescue_ticks"])
             put("preempted", (model,), s["preempted_ticks"])
@@ -225,7 +225,7 @@ class SnapshotCollector(Collector):
             rows.get("decoders", {}),
         )
         yield _gauge(
-            "uma_scheduler_prefill_guard_active", "1 while background prefill is held or ramping", by,
+            "uma_scheduler_prefill_guard_active", "1 while background prefill is held or ramping (0 while idle)", by,
             rows.get("guard", {}),
         )  # fmt: skip
         yield _counter(
@@ -301,7 +301,9 @@ _QUANTILES = {"p50": "0.5", "p95": "0.95", "p99": "0.99", "max": "1"}
 
 
 def _scale(value: float | None, factor: float) -> float | None:
-    return None if value is None else value * factor
+    # Rounded to the digits the figure had (a percentage of 2 decimals is a ratio of 4), not
+    # the binary noise of the product (0.5085000000000001).
+    return None if value is None else round(value * factor, 12)
 
 
 def build_registry(registry: CollectorRegistry, snapshot: Snapshot) -> CollectorRegistry:

@@ -30,16 +30,16 @@ class Scorecard(msgspec.Struct, frozen=True):
     rss_gb: float
 
     def log_line(self) -> str:
-        def fmt(value: float | None, spec: str) -> str:
-            return "-" if value is None else format(value, spec)
+        def fmt(value: float | None, spec: str, unit: str = "") -> str:
+            return "-" if value is None else format(value, spec) + unit  # no unit on a missing figure
 
         return (
             f"scorecard: {self.tokens_per_s:.1f} tok/s ({self.tokens_per_s_at_cap:.1f} at cap "
-            f"{self.latency_cap:g}x, cap kept {fmt(self.cap_kept_pct, '.1f')}%), interactive gap "
-            f"p95 {fmt(self.p95_ms, '.1f')} ms p99 {fmt(self.p99_ms, '.1f')} ms, ttft p95 "
-            f"{fmt(self.ttft_p95_ms, '.0f')} ms, efficiency {fmt(self.scheduler_efficiency, '.3f')}, "
-            f"engine idle {fmt(self.engine_idle_pct, '.1f')}%, "
-            f"ΣBMT {fmt(self.sum_bmt_mb_per_token, '.1f')} MB/token, rss {self.rss_gb:.3f} GB "
+            f"{self.latency_cap:g}x, cap kept {fmt(self.cap_kept_pct, '.1f', '%')}), interactive gap "
+            f"p95 {fmt(self.p95_ms, '.1f', ' ms')} p99 {fmt(self.p99_ms, '.1f', ' ms')}, ttft p95 "
+            f"{fmt(self.ttft_p95_ms, '.0f', ' ms')}, efficiency {fmt(self.scheduler_efficiency, '.3f')}, "
+            f"engine idle {fmt(self.engine_idle_pct, '.1f', '%')}, "
+            f"ΣBMT {fmt(self.sum_bmt_mb_per_token, '.1f', ' MB/token')}, rss {self.rss_gb:.3f} GB "
             f"(last {self.window_s:.0f} s)"
         )
 

@@ -14,12 +14,15 @@ from .session import Session
 def eta_s(session: Session, now: float, tick_s: float) -> float | None:
     """Seconds until the request ends (at ``max_tokens``) at the pace it has gone so far: its
     prompt at the rate its prefill has run, then one tick a token; once decoding, at its own
-    mean gap.  None until it has advanced."""
+    mean gap, or slower while the token it waits for now has taken longer than that (a
+    decoder held back by the budget: its pace so far counts the wait).  None until it has
+    advanced."""
     left = session.request.max_tokens - session.generated
     times = session.generated_at
     if session.phase is Phase.DECODE and times.first is not None and times.last is not None:
-        per_token = (times.last - times.first) / (session.generated - 1) if session.generated > 1 else tick_s
-        return round(left * per_token, 3)
+        mean_gap = (times.last - times.first) / (session.generated - 1) if session.generated > 1 else tick_s
+        with_the_wait = (now - times.first) / session.generated  # the gap running now counted as one
+        return round(left * max(mean_gap, with_the_wait), 3)
     prefilled, started = session.n_past - session.cached_tokens, session.admitted
     if session.phase is not Phase.PREFILL or started is None or prefilled <= 0 or now <= started:
         return None
