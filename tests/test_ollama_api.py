@@ -246,6 +246,30 @@ def test_minus_one_means_what_ollama_and_llama_server_say() -> None:
         assert request.seed is None and request.repeat_last_n == protocol.WHOLE_CONTEXT
 
 
+def test_unset_options_take_ollama_s_defaults_not_the_socket_s() -> None:
+    """Found by review: with no options, /api/chat sampled with the socket's top_p 0.95 and
+    min_p 0.05; Ollama's are 0.9 and 0 (its DefaultOptions; no penalty, as its Go sampler)."""
+    from uma_trio.protocol import ollama as protocol
+
+    def request(**options: Any) -> Any:
+        messages = [protocol.OllamaMessage(role="user", content="hi")]
+        body = protocol.GenerateBody(model="m", prompt="hi", options=protocol.Options(**options))
+        chat = protocol.ChatBody(model="m", messages=messages, options=protocol.Options(**options))
+        return protocol.generate_request(body, "g"), protocol.chat_request(chat, "c")
+
+    for unset in request():
+        assert (unset.temperature, unset.top_k, unset.top_p, unset.min_p) == (0.8, 40, 0.9, 0.0)
+        assert unset.repeat_penalty == 1.0
+    for sent in request(top_p=0.5, min_p=0.1, top_k=7, temperature=0.2, repeat_penalty=1.1):
+        assert (sent.temperature, sent.top_k, sent.top_p, sent.min_p, sent.repeat_penalty) == (
+            0.2,
+            7,
+            0.5,
+            0.1,
+            1.1,
+        )
+
+
 async def test_refusals_before_a_route_come_in_each_api_s_shape(open_server: Server) -> None:
     """Found by review: a 403 (Host, Origin), a 415 and Starlette's 404/405 under /api/ came as
     OpenAI's error object (the ollama client raised its dict's repr), and /v1/messages' 403

@@ -130,12 +130,26 @@ def test_message_roles_and_text_parts() -> None:
         ({"stop": [""]}, "stop[0]"),
         ({"stop": ""}, "stop"),
         ({"stop": ["s"] * 17}, "stop"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
 def test_unsupported_or_invalid_fields_are_refused_by_name(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.ApiError) as refused:
         translate(chat(**fields))
     assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_a_refused_max_completion_tokens_is_named_as_sent_and_int64_seeds_pass() -> None:
+    with pytest.raises(openai.ApiError) as refused:
+        translate(chat(max_completion_tokens=0))
+    assert "max_completion_tokens" in refused.value.message and "$.max_tokens" not in refused.value.message
+    for seed in (-(2**63), 2**63 - 1, -5):
+        assert translate(chat(seed=seed)).request.seed is not None
+    assert translate(chat(stream=True, stream_options={"include_usage": True})).include_usage
 
 
 @pytest.mark.parametrize("logprobs", [21, -1])
@@ -286,6 +300,12 @@ def test_legacy_tokens_of_a_split_character_are_named_by_their_bytes() -> None:
     assert described.top_logprobs[0] == {"bytes:\\xc3": -1.0, "bytes:\\xc4": -2.0}
     whole = completion_logprobs([TokenLogprob("é", -0.1, list("é".encode()), [])])
     assert whole is not None and whole.tokens == ["é"]
+    # Chat's entries too (found by review: only the legacy lists named them), their bytes kept.
+    chat = openai.chat_logprobs([*entries, TokenLogprob("é", -0.1, list("é".encode()), [])])
+    assert chat is not None
+    assert [e.token for e in chat.content] == ["bytes:\\xc3", "bytes:\\xa9", "é"]
+    assert [t.token for t in chat.content[0].top_logprobs] == ["bytes:\\xc3", "bytes:\\xc4"]
+    assert [e.bytes for e in chat.content] == [[0xC3], [0xA9], list("é".encode())]
 
 
 def lp(token: str, data: bytes | None = None) -> TokenLogprob:

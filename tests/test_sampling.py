@@ -38,3 +38,16 @@ def test_a_tiny_temperature_samples_greedily() -> None:
     logits = np.array([0.5, 2.0, 1.0, -3.0], dtype=np.float32)
     for temperature in (1e-310, 1e-9, 5e-5):
         assert Sampler(SamplingParams(temperature=temperature, seed=1)).sample(logits) == 1
+
+
+def test_a_zero_bias_changes_nothing_not_even_the_sampler_that_draws() -> None:
+    """``logit_bias: {"99": 0}`` is no bias: a seeded request must draw as without it (kept,
+    it moved the request onto llama.cpp's chain, whose draws differ from numpy's)."""
+    from uma_trio.protocol.messages import GenerateRequest
+    from uma_trio.runtime.samplers import sampling_params
+
+    def params(bias: dict[str, float]) -> SamplingParams:
+        return sampling_params(GenerateRequest(id="r", prompt="hi", seed=5, temperature=1.0, logit_bias=bias))
+
+    assert params({"99": 0}) == params({}) and not params({"99": 0.0}).needs_chain
+    assert params({"99": 0, "5": 2.5}).logit_bias == ((5, 2.5),) and params({"5": 2.5}).needs_chain

@@ -16,6 +16,7 @@ from ..protocol import responses_api as api
 from ..protocol.errors import ErrorCode
 from ..protocol.messages import EosEvent, ErrorEvent, TokenEvent, TokenLogprob
 from ..protocol.openai import LANE_HEADER, ApiError, api_error, ended_early
+from ..protocol.openai_logprobs import openai_named
 from ..protocol.responses_tools import call_items, new_id
 from ..protocol.tool_text import ToolTextFilter
 from .auth import request_owner
@@ -55,7 +56,8 @@ class ResponsesApi:
                     if eos.content is not None
                     else "".join(e.text for e in events if isinstance(e, TokenEvent))
                 )
-                logprobs = [entry for e in events if isinstance(e, TokenEvent) for entry in e.logprobs or ()]
+                tokens = [x for e in events if isinstance(e, TokenEvent) for x in e.logprobs or ()]
+                logprobs = openai_named(tokens)
                 output = api.answer_items(new_id("msg"), text, eos, body, logprobs)
                 return json_response(
                     api.response_object(response_id, created, body, output, eos), headers=headers
@@ -100,8 +102,9 @@ class ResponsesApi:
             async for item in events:
                 match item:
                     case TokenEvent(text=piece, logprobs=logprobs):
-                        pending += logprobs or ()
-                        every += logprobs or ()
+                        named = openai_named(logprobs or ())
+                        pending += named
+                        every += named
                         shown = text_filter.feed(piece) if text_filter is not None else piece
                         if not shown:
                             continue

@@ -225,7 +225,9 @@ class SnapshotCollector(Collector):
             rows.get("decoders", {}),
         )
         yield _gauge(
-            "uma_scheduler_prefill_guard_active", "1 while background prefill is held or ramping (0 while idle)", by,
+            "uma_scheduler_prefill_guard_active",
+            "1 while background prefill is held or ramping (0 while idle)",
+            by,
             rows.get("guard", {}),
         )  # fmt: skip
         yield _counter(

@@ -117,6 +117,13 @@ CLIENT_NAMES = {name: f"options.{name}" for name in _PASSED} | {
 }  # fmt: skip
 
 
+# Ollama's own defaults where they differ from the daemon's (llama.cpp's: top_p 0.95, min_p
+# 0.05): its api/types.go DefaultOptions, and min_p unset there.  Its repeat_penalty default
+# (1.1) is left out: Ollama's Go sampler, which runs its newer models, applies no penalties
+# (ollama/ollama#15783), and greedy answers would part from every other route's.
+OLLAMA_DEFAULTS: dict[str, Any] = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0}
+
+
 WHOLE_CONTEXT = 1 << 20  # repeat_last_n: the daemon cuts it to the request's context
 
 
@@ -162,7 +169,7 @@ def answer_bounds(options: Options, limits: Limits | None) -> dict[str, int]:
 def _common_fields(body: _Common, request_id: str, limits: Limits | None) -> dict[str, Any]:
     if body.think not in (None, False):
         raise ApiError(400, "`think` is not supported: this model does not think aloud")
-    fields: dict[str, Any] = {"id": request_id, "stream": True}
+    fields: dict[str, Any] = {"id": request_id, "stream": True, **OLLAMA_DEFAULTS}
     options = body.options or Options()
     for name in _PASSED:
         if (value := getattr(options, name)) is not None:

@@ -14,10 +14,10 @@ endpoints define, with their translation; the errors are in openai_errors.py.
 
 from __future__ import annotations
 
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
-from msgspec import UNSET, Struct, UnsetType
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from .errors import ErrorCode, UmaError
 from .messages import (
@@ -33,9 +33,9 @@ from .messages import (
 # The errors live in openai_errors.py; callers reach every OpenAI shape through this module.
 from .openai_errors import ApiError as ApiError
 from .openai_errors import api_error as api_error
+from .openai_errors import client_param, stop_param
 from .openai_errors import decode_json as decode_json
 from .openai_errors import from_uma_error as _from_uma_error
-from .openai_errors import stop_param
 from .openai_errors import validation_error as validation_error
 from .openai_logprobs import ChatLogprobs, CompletionLogprobs, TextOffsets, chat_logprobs, completion_logprobs
 from .tool_text import ToolTextFilter
@@ -60,7 +60,7 @@ class _Body(Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # any int64, as OpenAI's
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
@@ -170,6 +170,9 @@ def _check_supported(body: _Body) -> None:
     for name, neutral in _NEUTRAL.items():
         if getattr(body, name) not in neutral:
             raise ApiError(400, f"`{name}` is not supported by this server", param=name)
+    # As OpenAI and vLLM refuse it (explicit nulls, as some clients send every field, pass).
+    if body.stream_options is not None and body.stream_options.include_usage is not None and not body.stream:
+        raise ApiError(400, "`stream_options` is only allowed with `stream: true`", param="stream_options")
 
 
 def _chat_messages(turns: list[ChatTurn]) -> list[dict[str, Any]]:
@@ -286,7 +289,10 @@ def translate(
     try:
         request = msgspec.convert(fields, GenerateRequest)
     except (msgspec.ValidationError, ValueError) as exc:
-        raise stop_param(validation_error(exc), body.stop) from None
+        error = stop_param(validation_error(exc), body.stop)
+        if body.max_completion_tokens is not None:  # the limit the client sent, by its name
+            error = client_param(error, {"max_tokens": "max_completion_tokens"})
+        raise error from None
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     return Translated(request=request, auto_max_tokens=auto, include_usage=include_usage, n=body.n or 1)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
+import msgspec
 from msgspec import Struct
 
 from .messages import TokenLogprob, TopLogprob
@@ -33,8 +34,24 @@ def legacy_token(entry: TokenLogprob | TopLogprob) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in entry.bytes)
 
 
+def openai_named(entries: Sequence[TokenLogprob]) -> list[TokenLogprob]:
+    """The daemon's entries with every token named as OpenAI names it (:func:`legacy_token`):
+    a token holding part of a character by its bytes, not U+FFFD, so the alternatives of one
+    position stay apart.  Chat's and the Responses API's ``bytes`` stay as they are."""
+    return [e if _whole(e) else _renamed(e) for e in entries]
+
+
+def _whole(entry: TokenLogprob) -> bool:
+    return "\ufffd" not in entry.token and all("\ufffd" not in t.token for t in entry.top_logprobs)
+
+
+def _renamed(entry: TokenLogprob) -> TokenLogprob:
+    tops = [msgspec.structs.replace(t, token=legacy_token(t)) for t in entry.top_logprobs]
+    return msgspec.structs.replace(entry, token=legacy_token(entry), top_logprobs=tops)
+
+
 def chat_logprobs(entries: Sequence[TokenLogprob] | None) -> ChatLogprobs | None:
-    return None if entries is None else ChatLogprobs(list(entries))
+    return None if entries is None else ChatLogprobs(openai_named(entries))
 
 
 class TextOffsets:

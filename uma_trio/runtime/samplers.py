@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 
 def sampling_params(request: GenerateRequest) -> SamplingParams:
+    """The request's sampling settings.  A bias of 0 changes nothing, so it is dropped: kept, it
+    would move the request onto llama.cpp's sampler chain, whose random draws differ from
+    numpy's, and a seeded answer would change."""
     r = request
     return SamplingParams(
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed,
@@ -36,7 +39,7 @@ def sampling_params(request: GenerateRequest) -> SamplingParams:
         dry_allowed_length=r.dry_allowed_length, dry_penalty_last_n=r.dry_penalty_last_n,
         xtc_probability=r.xtc_probability, xtc_threshold=r.xtc_threshold, mirostat=r.mirostat,
         mirostat_tau=r.mirostat_tau, mirostat_eta=r.mirostat_eta,
-        logit_bias=tuple(sorted((int(token), banned(bias)) for token, bias in r.logit_bias.items())),
+        logit_bias=tuple(sorted((int(t), banned(bias)) for t, bias in r.logit_bias.items() if bias != 0)),
     )  # fmt: skip
 
 
