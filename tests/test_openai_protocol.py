@@ -135,6 +135,9 @@ def test_message_roles_and_text_parts() -> None:
         ({"seed": 2**63}, "seed"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"min_tokens": 5}, "min_tokens"),
+        ({"repetition_penalty": -1}, "repetition_penalty"),
+        ({"repeat_penalty": 1.1, "repetition_penalty": 1.2}, "repetition_penalty"),
     ],
 )
 def test_unsupported_or_invalid_fields_are_refused_by_name(fields: dict[str, Any], param: str) -> None:
@@ -150,6 +153,9 @@ def test_a_refused_max_completion_tokens_is_named_as_sent_and_int64_seeds_pass()
     for seed in (-(2**63), 2**63 - 1, -5):
         assert translate(chat(seed=seed)).request.seed is not None
     assert translate(chat(stream=True, stream_options={"include_usage": True})).include_usage
+    # vLLM's names: repetition_penalty is repeat_penalty; min_tokens 0 is no request at all.
+    assert translate(chat(repetition_penalty=1.3, min_tokens=0)).request.repeat_penalty == 1.3
+    assert translate(chat(repetition_penalty=1.3, repeat_penalty=1.3)).request.repeat_penalty == 1.3
 
 
 @pytest.mark.parametrize("logprobs", [21, -1])

@@ -77,6 +77,8 @@ class _Body(Struct, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's and OpenRouter's name for it
+    min_tokens: int | None = None  # vLLM's; refused past 0 (_NEUTRAL)
     repeat_last_n: int | None = None
     typical_p: float | None = None
     dry_multiplier: float | None = None
@@ -137,6 +139,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "modalities": (None, [], ["text"]),
     "audio": (None,),
+    "min_tokens": (None, 0),
 }
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -280,6 +283,12 @@ def translate(
             fields[name] = value
     if (seed := daemon_seed(body.seed)) is not None:
         fields["seed"] = seed
+    if body.repetition_penalty is not None:
+        if body.repeat_penalty not in (None, body.repetition_penalty):
+            raise ApiError(
+                400, "repeat_penalty and repetition_penalty disagree; give one", param="repetition_penalty"
+            )
+        fields["repeat_penalty"] = body.repetition_penalty
     if body.json_schema is not None:
         if body.response_format is not None or body.grammar is not None:
             raise ApiError(
@@ -290,8 +299,10 @@ def translate(
         request = msgspec.convert(fields, GenerateRequest)
     except (msgspec.ValidationError, ValueError) as exc:
         error = stop_param(validation_error(exc), body.stop)
-        if body.max_completion_tokens is not None:  # the limit the client sent, by its name
-            error = client_param(error, {"max_tokens": "max_completion_tokens"})
+        names = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
+        if body.repetition_penalty is not None:
+            names["repeat_penalty"] = "repetition_penalty"
+        error = client_param(error, names)  # the fields as the client named them
         raise error from None
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     return Translated(request=request, auto_max_tokens=auto, include_usage=include_usage, n=body.n or 1)
