@@ -176,6 +176,9 @@ async def test_bad_embedding_requests_are_refused_by_name(open_server: Server) -
         assert len(cut["embeddings"][0]) == 576 and cut["prompt_eval_count"] == open_server.engine.n_ctx_seq
         kept = await http.post("/api/embed", json={"model": MODEL, "input": TEXT * 12, "truncate": False})
         assert kept.status_code == 400 and "truncate" in kept.json()["error"]
+        for path, field in (("/api/embed", "input"), ("/api/embeddings", "prompt")):  # was a 200
+            odd = await http.post(path, json={"model": MODEL, field: "x", "options": "bad"})
+            assert odd.status_code == 400 and "options" in odd.json()["error"], odd.text
         # More text than the prompt limit's tokens could hold was refused before it was cut.
         huge = "hello world. " * (
             open_server.config.max_prompt_tokens * open_server.engine.max_token_bytes // 13 + 9

@@ -134,6 +134,10 @@ async def test_a_model_without_fim_tokens_is_a_clear_error(keyed_http_server: Se
     async with http(keyed_http_server) as client:
         refused = await client.post("/infill", json={"input_prefix": "a", "input_suffix": "b"})
         assert refused.status_code == 400 and "fill-in-the-middle" in refused.json()["error"]["message"]
+        # An editor's warm-up (n_predict 0) was a 200 here: it must learn the model cannot infill.
+        for warm_up in ({"n_predict": 0}, {"n_predict": 0, "stream": True}):
+            refused = await client.post("/infill", json={"input_prefix": "a", **warm_up})
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == "E_MODEL_001"
         refused = await client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "suffix": "b"})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "E_MODEL_001"
     async with UmaClient.connect(keyed_http_server.config.socket_path) as socket_client:

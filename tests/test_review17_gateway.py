@@ -73,6 +73,9 @@ async def test_infill_takes_llama_vim_chunks_and_n_predict_zero_generates_nothin
         chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
         assert [(c["content"], c["stop"]) for c in chunks] == [("", True)]
         assert fim_server.metrics.tokens_generated == generated  # nothing ran
+        # Checked as a request that generates would be (a bad field was a 200 with n_predict 0).
+        bad = await client.post("/infill", json={**body, "n_predict": 0, "temperature": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature", bad.text
 
 
 # -- 3. GET /v1/models/{model} ---------------------------------------------------------------

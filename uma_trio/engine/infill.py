@@ -15,6 +15,8 @@ import numpy as np
 
 from .base import TokenArray
 
+NO_FIM_TOKENS = "this model has no fill-in-the-middle tokens (FIM): infill needs a code model that has them"
+
 
 class NoFimTokens(ValueError):
     """The model has no fill-in-the-middle tokens."""
@@ -41,9 +43,7 @@ def infill_tokens(
     """The infill prompt; ``extra`` is (file name, text) of other files, as context, and
     ``middle`` the start of the middle, already written (llama-server's ``prompt``)."""
     if fim is None:
-        raise NoFimTokens(
-            "this model has no fill-in-the-middle tokens (FIM): infill needs a code model that has them"
-        )
+        raise NoFimTokens(NO_FIM_TOKENS)
     tokens: list[int] = [] if bos is None else [bos]
     if extra and fim.rep is not None and fim.sep is not None:
         tokens += [fim.rep, *tokenize("project\n")]

@@ -36,6 +36,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..engine.infill import NO_FIM_TOKENS
 from ..model_store import model_id
 from ..observability.prometheus import exposition
 from ..protocol import openai
@@ -68,7 +69,7 @@ from .embeddings import EmbeddingsApi
 from .event_stream import EventStream, until_disconnect
 from .flight import Flight, answer_limits, client_gone, completed, decode_body, last_word, with_ceiling
 from .fresh import FreshConnections, peer_of
-from .ollama import OllamaApi
+from .ollama import OllamaApi, fill_in_middle
 from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pattern
 from .pull import PullApi
 from .responses import error_response, http_error_response, json_response, unexpected_error_response
@@ -550,17 +551,20 @@ class Gateway:
         body = openai.decode_json(data, InfillBody)
         headers = {"x-request-id": rid}
         limit = n_predict(body)
+        try:  # with no limit, the same checks as a request that generates
+            limits = answer_limits(self, self.model)
+            asked = body if limit != 0 else msgspec.structs.replace(body, n_predict=None, max_tokens=None)
+            generate_request = infill_request(asked, rid, limits.max_tokens, limits.context)
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise openai.validation_error(exc) from None
         if limit == 0:  # llama-server only warms its cache: no prefill-only request here
+            if not fill_in_middle(server.loop.engine):  # an editor's warm-up must learn it too
+                raise openai.api_error(ErrorCode.MODEL, NO_FIM_TOKENS)
             answer = no_tokens_answer(self.model)
             if body.stream:
                 event = openai.sse(_json.encode(answer))
                 return Response(event, media_type="text/event-stream", headers=headers)
             return json_response(answer, headers=headers)
-        try:
-            limits = answer_limits(self, self.model)
-            generate_request = infill_request(body, rid, limits.max_tokens, limits.context)
-        except (msgspec.ValidationError, ValueError) as exc:
-            raise openai.validation_error(exc) from None
         # No limit given: up to --max-tokens, within the context's room (as chat's default).
         owner = request_owner(request)
         async with self._in_flight(generate_request, arrived, limit is None, owner) as flight:

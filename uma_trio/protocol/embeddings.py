@@ -40,7 +40,7 @@ class OllamaEmbedBody(Struct, kw_only=True):
     input: str | list[str] | None = None
     truncate: bool = True
     dimensions: int | None = None
-    options: Any = None
+    options: dict[str, Any] | None = None  # an object, as Ollama decodes it (else a 400)
     keep_alive: Any = None
 
 
@@ -50,7 +50,7 @@ class OllamaEmbeddingsBody(Struct, kw_only=True):
 
     model: str
     prompt: str = ""
-    options: Any = None
+    options: dict[str, Any] | None = None  # an object, as Ollama decodes it (else a 400)
     keep_alive: Any = None
 
 
