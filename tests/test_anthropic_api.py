@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anthropic
+import httpx
 import pydantic
 import pytest
 
@@ -55,6 +56,7 @@ async def test_messages_whole_and_streamed(server: Server) -> None:
         assert whole.role == "assistant" and whole.stop_reason in ("end_turn", "max_tokens")
         assert whole.content[0].type == "text" and "Paris" in whole.content[0].text
         assert whole.usage.input_tokens > 0 and whole.usage.output_tokens > 0
+        assert whole._request_id == whole.id  # the SDK reads Anthropic's request-id header
         async with client.messages.stream(
             model=MODEL, system=SYSTEM, messages=ASK, max_tokens=24, extra_body=GREEDY
         ) as stream:
@@ -116,6 +118,32 @@ async def test_a_forced_tool_use_whole_and_streamed(server: Server) -> None:
             model=MODEL, system=SYSTEM, messages=follow, max_tokens=80, tools=[WEATHER], extra_body=GREEDY
         )  # type: ignore[list-item]
         assert answered.stop_reason in ("end_turn", "tool_use") and answered.content
+
+
+async def test_a_stream_splits_its_prompt_from_message_start_on_and_names_its_request(server: Server) -> None:
+    """Found by review: message_start counted the whole prompt as input_tokens while the end's
+    usage left the cache read out (31 against 1 + 30), no ping came, and the request id was
+    only in X-Request-Id, none on an error."""
+    body = {"model": MODEL, "system": SYSTEM, "messages": ASK, "max_tokens": 4, "stream": True, **GREEDY}
+    split = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    headers = {"x-api-key": API_KEY}
+    async with httpx.AsyncClient(base_url=str(server.http_url), headers=headers, timeout=60) as http:
+        starts = []
+        for _ in range(2):  # the second reads its prompt from the cache
+            answer = await http.post("/v1/messages", json=body)
+            lines = answer.text.splitlines()
+            names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+            data = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+            assert names[:2] == ["message_start", "ping"] and names[-1] == "message_stop", names
+            start = data[0]["message"]["usage"]
+            end = next(d for d in data if d["type"] == "message_delta")["usage"]
+            assert {k: start[k] for k in split} == {k: end[k] for k in split}
+            assert answer.headers["request-id"] == data[0]["message"]["id"]
+            starts.append(start)
+        assert starts[1]["cache_read_input_tokens"] > 0 and starts[0]["cache_read_input_tokens"] == 0
+        assert sum(starts[0][k] for k in split) == sum(starts[1][k] for k in split)
+        missing = await http.post("/v1/messages", json={**body, "model": "claude-opus-4"})
+        assert missing.status_code == 404 and missing.headers["request-id"].startswith("req_")
 
 
 async def test_errors_come_in_anthropic_s_shape(server: Server) -> None:

@@ -57,7 +57,7 @@ class AnthropicApi:
         generate_request = self._translate(body, msg_id, limits)  # its X-Request-Id, for /priority
         try:
             async with gateway._in_flight(generate_request, arrived, False, request_owner(request)) as flight:
-                headers = {"x-request-id": msg_id}
+                headers = {"x-request-id": msg_id, "request-id": msg_id}  # the latter Anthropic's
                 if not body.stream:
                     events = await gateway._collect(request, flight)
                     eos = completed(events)
@@ -72,13 +72,24 @@ class AnthropicApi:
         assert flight.stream is not None
         fmt = flight.stream.tool_format
         text_filter = ToolTextFilter(fmt, flight.stream.formatted) if fmt is not None else None
-        start: dict[str, Any] = {
-            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": flight.stream.prompt_tokens, "output_tokens": 0},
-        }  # fmt: skip
-        yield anthropic.event("message_start", {"message": start})
-        index, text_open = 0, False
+        stream = flight.stream
+        index, text_open, started = 0, False, False
+
+        def opening() -> list[bytes]:
+            """message_start (and a ping, as Anthropic sends), before the first event: the
+            request is admitted by then, so its usage splits the prompt as the end's does."""
+            nonlocal started
+            if started:
+                return []
+            started = True
+            cached = stream.cached_tokens
+            usage = {"input_tokens": stream.prompt_tokens - cached, "output_tokens": 0,
+                     "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}  # fmt: skip
+            start: dict[str, Any] = {
+                "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+                "stop_reason": None, "stop_sequence": None, "usage": usage,
+            }  # fmt: skip
+            return [anthropic.event("message_start", {"message": start}), anthropic.event("ping", {})]
 
         def text_events(piece: str) -> list[bytes]:
             """A text delta, after the text block's start the first time."""
@@ -95,6 +106,8 @@ class AnthropicApi:
 
         async with aclosing(self.gateway._events(flight)) as events:
             async for event in events:
+                for chunk in opening():
+                    yield chunk
                 match event:
                     case TokenEvent(text=text):
                         shown = text_filter.feed(text) if text_filter is not None else text
@@ -126,8 +139,7 @@ class AnthropicApi:
                         delta_end = {
                             "stop_reason": anthropic.stop_reason(event), "stop_sequence": event.stop_sequence,
                         }  # fmt: skip
-                        # Cumulative: what the cache read is known only now (message_start
-                        # counted the whole prompt as input).
+                        # Cumulative, as Anthropic's: the same input split as message_start's.
                         yield anthropic.event(
                             "message_delta", {"delta": delta_end, "usage": anthropic.usage_of(event)}
                         )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,8 @@ def error_response(error: ApiError, headers: Mapping[str, str] | None = None) ->
         headers = {"retry-after": "1", **(headers or {})}
     if error.close_connection:  # the rest of a request would follow: the connection cannot go on
         headers = {"connection": "close", **(headers or {})}
+    if error.shape == "anthropic":  # Anthropic's clients log an error's request-id (the SDK's request_id)
+        headers = {"request-id": f"req_{secrets.token_hex(12)}", **(headers or {})}
     return json_response(error.body(), headers=headers, status=error.status)
 
 

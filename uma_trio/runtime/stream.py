@@ -48,6 +48,11 @@ class RequestStream:
         self._session = session  # the loop's: only handed back to it
         self._loop = loop
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache gave it: known once it is admitted (0 before)."""
+        return self._session.cached_tokens
+
     def cancel(self, reason: CancelReason) -> None:
         """Ask for the request to end with ``eos(cancelled)``; a no-op once it has ended."""
         self._loop.cancel(self._session, reason)
