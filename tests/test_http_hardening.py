@@ -234,6 +234,24 @@ async def test_api_key_file_keys_are_all_accepted_and_do_not_share_prefixes(tmp_
             assert (await http.post("/generate", json=body, headers=wrong)).status_code == 401
 
 
+async def test_one_key_cannot_move_another_key_s_request(tmp_path: Path) -> None:
+    """Found by review: with --api-key-file, bob's /priority moved alice's request (and told
+    him its id was in flight).  Now only its own principal finds it."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-alice\nsk-bob\n")
+    alice, bob = {"authorization": "Bearer sk-alice"}, {"x-api-key": "sk-bob"}
+    body = {"id": "nightly-2", "prompt": "count", "max_tokens": 400, "stream": True, "priority": "background"}
+    async with gateway_on_sim(api_key_file=keys) as (_, _, url), httpx.AsyncClient(base_url=url) as http:
+        async with http.stream("POST", "/generate", json=body, headers=alice) as streamed:
+            async for _ in streamed.aiter_lines():
+                break  # it is in flight
+            move = {"id": "nightly-2", "priority": "interactive"}
+            theirs = await http.post("/priority", json=move, headers=bob)
+            assert theirs.status_code == 404 and theirs.json()["error"]["code"] == "E_PROTO_007", theirs.text
+            mine = await http.post("/priority", json=move, headers=alice)
+            assert mine.status_code == 200 and mine.json()["priority"] == "interactive", mine.text
+
+
 async def test_answers_sent_before_the_body_is_read_keep_their_connection(tmp_path: Path) -> None:
     """A 401 goes out before the gateway reads the request's body.  Hypercorn closes a
     connection whose request was not read whole when its response ends; the gateway's

@@ -296,3 +296,32 @@ async def test_a_restore_failing_unexpectedly_gives_its_sequence_back(
             await client.snapshot("restore", "a")
         assert "injected" in failed.value.event.message
         assert_nothing_held(server)
+
+
+async def test_each_principal_lists_restores_and_overwrites_only_its_own_snapshots(tmp_path: Path) -> None:
+    """Found by review: with --allow-uid, another user's connection listed the daemon user's
+    snapshots, restored one (then probed its secret through the prefix cache) and overwrote
+    it with its own.  The daemon's own user keeps the directory; another uid gets its own."""
+    snaps = tmp_path / "snaps"
+    me, other = f"uid:{os.geteuid()}", "uid:4242"
+
+    def ask(op: str, name: str | None = None, prompt: str | None = None) -> SnapshotRequest:
+        return SnapshotRequest(type="snapshot", op=op, name=name, prompt=prompt)  # type: ignore[arg-type]
+
+    async with sim_daemon(snapshot_dir=snaps, prefix_cache_cells=None) as server:
+        service = server.snapshots
+        with trio.fail_after(20):
+            await service.handle(ask("save", "notes", "the PIN is 7351"), 1, me)
+            mine = (snaps / f"notes{SUFFIX}").read_bytes()
+            assert (await service.handle(ask("list"), 2, other)).snapshots == []
+            with pytest.raises(UmaError) as missing:
+                await service.handle(ask("restore", "notes"), 2, other)
+            assert missing.value.code is ErrorCode.SNAPSHOT_NOT_FOUND
+            await service.handle(ask("save", "notes", "00000"), 2, other)  # its own, beside mine
+            assert (snaps / f"notes{SUFFIX}").read_bytes() == mine
+            assert (snaps / "uid-4242" / f"notes{SUFFIX}").is_file()
+            assert (snaps / "uid-4242").stat().st_mode & 0o077 == 0
+            for owner in (me, other):
+                listed = await service.handle(ask("list"), 3, owner)
+                assert [s.name for s in listed.snapshots] == ["notes"]
+                await service.handle(ask("restore", "notes"), 3, owner)

@@ -28,6 +28,7 @@ class Flight:
     """One HTTP generation request, from admission to its last event."""
 
     id: str
+    owner: str = ""  # its principal (auth.request_owner): only the same one may move it
     stream: RequestStream | None = None  # None while it is being tokenized
 
 

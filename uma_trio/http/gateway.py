@@ -277,13 +277,14 @@ class Gateway:
     async def priority(self, request: Request) -> Response:
         self._ready()
         body = openai.decode_json(await self._body(request), PriorityBody)
+        owner = request_owner(request)  # another key's requests are not there to move (SECURITY.md)
         # The request the X-Request-Id names, or with n > 1 each of its choices ("ID-0", ...).
         streams = [
             flight.stream
             for fid, flight in self._flights.items()
-            if flight.stream is not None
+            if flight.stream is not None and flight.owner == owner
             and (fid == body.id or (fid.startswith(f"{body.id}-") and fid[len(body.id) + 1 :].isdigit()))
-        ]
+        ]  # fmt: skip
         if not streams:
             raise openai.api_error(ErrorCode.UNKNOWN_ID, f"no HTTP request {body.id!r} in flight")
         for stream in streams:
@@ -699,7 +700,7 @@ class Gateway:
         rid = generate_request.id
         if rid in self._flights:
             raise openai.api_error(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight")
-        flight = self._flights[rid] = Flight(rid)
+        flight = self._flights[rid] = Flight(rid, owner)
         try:
             flight.stream = await server.open_request(
                 generate_request, arrived, connection=server.next_connection_number(),

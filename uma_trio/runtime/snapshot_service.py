@@ -7,6 +7,8 @@ and opens its fill request through the same desk (:class:`~.desk.RequestDesk`) a
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from collections.abc import Callable
 from functools import partial
@@ -56,12 +58,24 @@ class SnapshotService:
         desk: RequestDesk,
     ) -> None:
         self.engine, self.loop, self.store, self.desk = engine, loop, store, desk
+        self._stores: dict[str, SnapshotStore] = {}  # other principals' (store_for)
+
+    def store_for(self, owner: str) -> SnapshotStore:
+        """The snapshots ``owner`` may list, restore and overwrite: the daemon's own user's are
+        the directory's; another principal's (an --allow-uid user, docs/SECURITY.md) are a
+        private subdirectory of it, so none of them reads, restores or replaces another's."""
+        if owner in ("", f"uid:{os.geteuid()}"):
+            return self.store
+        if (store := self._stores.get(owner)) is None:
+            folder = re.sub(r"[^A-Za-z0-9_-]", "-", owner)  # uid:1001 -> uid-1001
+            store = self._stores[owner] = SnapshotStore(self.store.directory / folder, self.store.max_bytes)
+        return store
 
     async def handle(self, request: SnapshotRequest, connection: int, owner: str = "") -> SnapshotEvent:
         """Carry out a snapshot request (docs/PROTOCOL.md); :class:`UmaError` on failure."""
         try:
             if request.op == "list":
-                infos = await file_io(self.store.list, abandon=True)
+                infos = await file_io(self.store_for(owner).list, abandon=True)
             elif request.op == "save":
                 infos = [await self._save_snapshot(request, connection, owner)]
             else:
@@ -107,7 +121,7 @@ class SnapshotService:
             kv_layout=self.engine.kv_layout,
         )  # fmt: skip
         try:
-            return await file_io(partial(self.store.write, header, state))
+            return await file_io(partial(self.store_for(owner).write, header, state))
         except OSError as exc:
             raise UmaError(
                 ErrorCode.SNAPSHOT_INVALID, f"cannot write snapshot {request.name!r}: {exc}"
@@ -126,7 +140,7 @@ class SnapshotService:
         fingerprint = await self._fingerprint()
         # The header is checked before the KV bytes are read: another model's are not.
         # Abandoned on cancel: a read stuck in the filesystem must not hold up a shutdown.
-        read = partial(self.store.read, request.name, partial(self._check_header, fingerprint))
+        read = partial(self.store_for(owner).read, request.name, partial(self._check_header, fingerprint))
         header, state = await file_io(read, abandon=True)
         tokens = np.asarray(header.tokens, dtype=np.int32)
         await self.loop.exclusive(partial(self.loop.restore, tokens, state, owner))
