@@ -161,6 +161,9 @@ async def test_errors_come_in_anthropic_s_shape(server: Server) -> None:
     async with anthropic.AsyncAnthropic(base_url=str(server.http_url), api_key="wrong", max_retries=0) as bad:
         with pytest.raises(anthropic.AuthenticationError):
             await bad.messages.create(model=MODEL, messages=ASK, max_tokens=4)
+    async with httpx.AsyncClient(base_url=str(server.http_url)) as http:  # no key: name Anthropic's header
+        keyless = await http.post("/v1/messages", json={"model": MODEL, "messages": ASK, "max_tokens": 4})
+        assert keyless.status_code == 401 and "x-api-key" in keyless.json()["error"]["message"]
 
 
 def test_refusals_name_anthropic_s_fields_and_required_text_is_required() -> None:
@@ -192,6 +195,17 @@ def test_refusals_name_anthropic_s_fields_and_required_text_is_required() -> Non
     assert empty_stop.param == "stop_sequences[0]" and "$.stop[" not in empty_stop.message
     schema = refusal(tools=[{"name": "f", "input_schema": "x"}])
     assert schema.param == "tools[0].input_schema" and "function" not in schema.message
+    # Found by review: is_error was dropped (a failed tool read as one that answered) and
+    # mcp_servers accepted, though no tool of theirs would ever run.
+    called = [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]
+    failed = [{"type": "tool_result", "tool_use_id": "t1", "content": "no such city", "is_error": True}]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": called}]
+    body = {"model": MODEL, "max_tokens": 8, "messages": [*history, {"role": "user", "content": failed}]}
+    tool_turn = messages_request(msgspec.convert(body, MessagesBody), "r").messages[-1]
+    assert tool_turn.role == "tool" and tool_turn.content == "Error: no such city"
+    odd = refusal(messages=[*history, {"role": "user", "content": [{**failed[0], "is_error": "yes"}]}])
+    assert odd.param == "messages[2].content[0].is_error"
+    assert refusal(mcp_servers=[{"type": "url", "url": "http://x"}]).param == "mcp_servers"
 
 
 def test_tool_calls_cut_off_by_max_tokens_stop_for_max_tokens() -> None:

@@ -48,9 +48,14 @@ class BearerAuth:
                 await self.app(scope, receive, send)
                 return
             if given is None:
+                # Anthropic's clients send their key as x-api-key: name the header they know.
+                header = (
+                    "x-api-key: <key>"
+                    if shape_for(scope["path"]) == "anthropic"
+                    else "Authorization: Bearer <key>"
+                )
                 error: ApiError | None = ApiError(
-                    401, "You didn't provide an API key: send `Authorization: Bearer <key>`.",
-                    code="invalid_api_key",
+                    401, f"You didn't provide an API key: send `{header}`.", code="invalid_api_key"
                 )  # fmt: skip
             elif owner is None:
                 error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")

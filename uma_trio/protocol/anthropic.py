@@ -50,11 +50,13 @@ class MessagesBody(Struct, kw_only=True):
     # output_format (structured-outputs-2025-11-13).
     output_config: dict[str, Any] | None = None
     output_format: dict[str, Any] | None = None
+    mcp_servers: list[Any] | None = None  # the MCP connector's: refused (no tool would run)
 
 
 # What a tool's image or document becomes: refused, it stayed in the history and refused every
 # later request of the session (Claude Code's Read tool returns an image file as one).
 _OMITTED = "[{kind} omitted: this model reads text only]"
+TOOL_ERROR = "Error: "  # before a tool_result's text when its is_error is true
 
 
 def _text_of(content: Any, where: str, *, omit: frozenset[str] = frozenset()) -> str:
@@ -113,10 +115,14 @@ def _turns(body: MessagesBody) -> list[dict[str, Any]]:
             elif kind == "tool_use" and role == "assistant":
                 calls.append(_call(block, f"{where}.content[{j}].input"))
             elif kind == "tool_result" and role == "user":
-                result = block.get("content", "")
+                result = _text_of(block.get("content", ""), f"{where}.content[{j}].content", omit=_TOOL_MEDIA)
+                failed = block.get("is_error", False)
+                if not isinstance(failed, bool):
+                    raise bad_request(f"{where}.content[{j}].is_error must be true or false",
+                                      f"{where}.content[{j}].is_error")  # fmt: skip
+                # The model must tell a tool that failed from one that answered (it was dropped).
                 turns.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
-                              "content": _text_of(result, f"{where}.content[{j}].content",
-                                                  omit=_TOOL_MEDIA)})  # fmt: skip
+                              "content": f"{TOOL_ERROR}{result}" if failed else result})  # fmt: skip
             else:
                 raise bad_request(
                     f"{where}.content[{j}]: a {kind!r} block is not supported", f"{where}.content"
@@ -235,6 +241,9 @@ def _check_fields(body: MessagesBody, count_only: bool) -> None:
     for i, stop in enumerate(body.stop_sequences or ()):
         if not stop:
             raise bad_request(f"stop_sequences[{i}]: must not be empty", f"stop_sequences[{i}]")
+    if body.mcp_servers:  # the model would be told of tools nobody runs
+        message = "mcp_servers: not supported (no MCP connector runs here); give the tools in `tools`"
+        raise bad_request(message, "mcp_servers")
 
 
 def messages_request(
