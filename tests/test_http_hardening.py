@@ -28,9 +28,11 @@ FAST = CostCoefficients(fixed_s=0.0001, decode_s=0.00001, prefill_s=0.00001, ctx
 
 
 @asynccontextmanager
-async def gateway_on_sim(**overrides: Any) -> AsyncIterator[tuple[Server, Gateway, str]]:
+async def gateway_on_sim(
+    cost: CostCoefficients = FAST, **overrides: Any
+) -> AsyncIterator[tuple[Server, Gateway, str]]:
     async with (
-        sim_daemon(cost=FAST, http="127.0.0.1:0", **overrides) as server,
+        sim_daemon(cost=cost, http="127.0.0.1:0", **overrides) as server,
         http_gateway(server.config, "sim.gguf") as gateway,
     ):
         assert gateway is not None and gateway.url is not None
@@ -240,16 +242,38 @@ async def test_one_key_cannot_move_another_key_s_request(tmp_path: Path) -> None
     keys = tmp_path / "keys"
     keys.write_text("sk-alice\nsk-bob\n")
     alice, bob = {"authorization": "Bearer sk-alice"}, {"x-api-key": "sk-bob"}
-    body = {"id": "nightly-2", "prompt": "count", "max_tokens": 400, "stream": True, "priority": "background"}
-    async with gateway_on_sim(api_key_file=keys) as (_, _, url), httpx.AsyncClient(base_url=url) as http:
-        async with http.stream("POST", "/generate", json=body, headers=alice) as streamed:
-            async for _ in streamed.aiter_lines():
-                break  # it is in flight
-            move = {"id": "nightly-2", "priority": "interactive"}
-            theirs = await http.post("/priority", json=move, headers=bob)
-            assert theirs.status_code == 404 and theirs.json()["error"]["code"] == "E_PROTO_007", theirs.text
-            mine = await http.post("/priority", json=move, headers=alice)
-            assert mine.status_code == 200 and mine.json()["priority"] == "interactive", mine.text
+    body = {
+        "id": "nightly-2",
+        "prompt": "count",
+        "max_tokens": 1000,
+        "stream": True,
+        "priority": "background",
+    }
+    slow = CostCoefficients(fixed_s=0.01, decode_s=0.0, prefill_s=0.0, ctx_s_per_kcell=0.0)  # 10 s of steps
+    async with (
+        gateway_on_sim(slow, api_key_file=keys) as (_, gateway, url),
+        httpx.AsyncClient(base_url=url) as http,
+        trio.open_nursery() as nursery,
+    ):
+        reading = trio.Event()
+
+        async def read() -> None:  # alice reads her stream all along: it stays in flight
+            async with http.stream("POST", "/generate", json=body, headers=alice) as streamed:
+                async for _ in streamed.aiter_lines():
+                    reading.set()
+
+        nursery.start_soon(read)
+        await reading.wait()
+        for who, lane, status in (
+            (alice, "background", 200),
+            (bob, "interactive", 404),
+            (alice, "interactive", 200),
+        ):
+            assert "nightly-2" in gateway._flights
+            moved = await http.post("/priority", json={"id": "nightly-2", "priority": lane}, headers=who)
+            assert moved.status_code == status, moved.text
+        assert moved.json()["priority"] == "interactive"
+        nursery.cancel_scope.cancel()
 
 
 async def test_answers_sent_before_the_body_is_read_keep_their_connection(tmp_path: Path) -> None:
