@@ -271,7 +271,7 @@ class ServerConfig:
     "Prefix cache")."""
     snapshot_dir: Annotated[Path | None, Parameter(show_default="~/.local/state/uma-trio/snapshots")] = None
     """Where KV snapshots are saved, restored and listed from (`uma-trio snapshot`; created
-    0700)."""
+    0700); another --allow-uid user's go in its own uid-N subdirectory (SECURITY.md)."""
     n_batch: int = 2048
     """Most tokens in one tick (llama-server's default: a burst of prompts fits); at least
     --max-sessions."""
