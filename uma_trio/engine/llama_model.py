@@ -9,7 +9,7 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -19,6 +19,7 @@ import numpy as np
 
 from ..config import SplitMode
 from .base import ChatTurn, TokenArray, Tools, split_prefill, turn_fields
+from .chat_escape import ControlTextEscaper
 from .chat_template import ChatTemplateError, JinjaChatTemplate
 from .constraints import ModelVocabulary
 from .devices import LlamaLog, init_backend, offloaded_layers
@@ -225,6 +226,7 @@ class LlamaModel:
             except ChatTemplateError as exc:
                 log.warning("%s; llama.cpp's built-in chat formatting is used instead", exc)
         self._max_token_bytes: int | None = None
+        self._escaper: ControlTextEscaper | None = None
 
     @property
     def handle(self) -> Any:  # llama_model_p (an opaque ctypes pointer)
@@ -252,37 +254,35 @@ class LlamaModel:
         return self._max_token_bytes
 
     def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
-        """A chat as tokens: the template's own text with its control tokens, each message's
-        content as plain text, so a ``<|im_end|>`` typed into a message cannot close its turn
-        or open another (tokenizing the rendered chat whole would parse it).  The template is
-        rendered around a marker per content, and the pieces are tokenized apart.  (An empty
-        content, such as an assistant turn that only called tools, has nothing to guard.)
-        A last assistant message is continued (:func:`~.base.split_prefill`): the chat before
-        it is rendered up to the assistant's turn, and its text follows with no end of turn."""
+        """A chat as tokens: the template rendered with the clients' text and tokenized whole,
+        as llama-server does, except that client text spelling a control token
+        (``<|im_end|>``) stays plain text, so it cannot close its turn or open another
+        (engine/chat_escape.py).  A last assistant message is continued
+        (:func:`~.base.split_prefill`): the chat before it is rendered up to the assistant's
+        turn, and its text follows with no end of turn."""
+        escaper = self._control_escaper()
         head, prefill = split_prefill([turn_fields(m) for m in messages])
-        tokens = self._chat_tokens(head, tools)
-        if not prefill:
-            return tokens
-        return np.concatenate([tokens, self.tokenize(prefill, add_bos=False, special=False)])
+        turns = [escaper.escape(t) for t in head]
+        text = self.apply_chat_template(turns, escaper.escape(list(tools)) if tools else None)
+        text += escaper.escape(prefill)
+        pieces, first = [], True
+        for piece, template in escaper.pieces(text):
+            if piece:
+                pieces.append(self.tokenize(piece, add_bos=first, special=template))
+                first = False
+        return np.concatenate(pieces) if pieces else self.tokenize("", add_bos=True)
 
-    def _chat_tokens(self, turns: Sequence[Mapping[str, Any]], tools: Tools) -> TokenArray:
-        guarded = [(i, f"\ue000{i}\ue001") for i, t in enumerate(turns) if t.get("content")]
-        marked = dict(guarded)
-        text = self.apply_chat_template(
-            [{**t, "content": marked.get(i, t["content"])} for i, t in enumerate(turns)], tools
-        )
-        pieces, start = [], 0
-        for i, marker in guarded:
-            at = text.find(marker, start)
-            if at < 0 or text.count(marker) != 1:
-                raise ValueError(
-                    "the model's chat template does not keep message contents whole; send `prompt`"
-                )
-            pieces.append(self.tokenize(text[start:at], add_bos=start == 0))
-            pieces.append(self.tokenize(turns[i]["content"], add_bos=False, special=False))
-            start = at + len(marker)
-        pieces.append(self.tokenize(text[start:], add_bos=not pieces))
-        return np.concatenate(pieces)
+    def _control_escaper(self) -> ControlTextEscaper:
+        """The vocabulary's control-token spellings, read once (~30 ms)."""
+        if self._escaper is None:
+            flags = llama.LLAMA_TOKEN_ATTR_CONTROL | llama.LLAMA_TOKEN_ATTR_UNKNOWN
+            controls = [
+                (llama.llama_vocab_get_text(self._vocab, t) or b"").decode("utf-8", errors="replace")
+                for t in range(self.n_vocab)
+                if llama.llama_vocab_get_attr(self._vocab, t) & flags
+            ]
+            self._escaper = ControlTextEscaper(controls)
+        return self._escaper
 
     def piece(self, token: int) -> bytes:
         """The bytes a token renders to (empty for control tokens); cached."""
