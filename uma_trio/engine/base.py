@@ -37,14 +37,13 @@ def split_prefill(turns: Sequence[Mapping[str, Any]]) -> tuple[Sequence[Mapping[
     """A chat whose last message is the assistant's own text (no tool calls, after at least
     one other message) asks for that text to be *continued*: Anthropic's prefill, and what
     llama-server and Ollama do with such a chat.  The turns before it, and its text ("" and
-    the chat unchanged where there is none)."""
+    the chat unchanged where there is none).  An empty one continues nothing: it is left out
+    (Anthropic takes it so; rendered, it was an empty answer the model then answered after)."""
     if len(turns) < 2:
         return turns, ""
     last = turns[-1]
     content = last.get("content")
     if last.get("role") != "assistant" or last.get("tool_calls") or not isinstance(content, str):
-        return turns, ""
-    if not content:
         return turns, ""
     return turns[:-1], content
 

@@ -41,9 +41,15 @@ MAX_GBNF_RULES = 4096
 # fits MAX_GRAMMAR_BYTES (~21,000 rules).
 COMPILE_STACK_BYTES = 512 << 20
 # JSON as models write it ({"a": 1, "b": 2}), and no free whitespace: with it a small model
-# can fill its whole budget with newlines between two keys.  A schema's own "x-guidance"
-# options override these.
-JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+# can fill its whole budget with newlines between two keys.  ``oneOf`` is read as ``anyOf``,
+# as llama.cpp's and Ollama's schema converters read it (llguidance refused it, and with it
+# Qwen Code's whole tool set).  A schema's own "x-guidance" options override these.
+JSON_STYLE = {
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "whitespace_flexible": False,
+    "coerce_one_of": True,
+}
 
 
 class ConstraintError(ValueError):

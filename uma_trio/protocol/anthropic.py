@@ -25,6 +25,7 @@ from msgspec import Struct
 from .messages import EosEvent, GenerateRequest
 from .ollama import Limits, Options, answer_bounds
 from .openai_errors import ApiError, bad_request, client_param
+from .tool_turns import tool_turn_fault
 
 # Blocks of a turn's text are paragraphs: Claude Code's system blocks and its
 # <system-reminder> before the prompt must not run together.
@@ -91,21 +92,24 @@ _TOOL_MEDIA = frozenset({"image", "document"})
 
 def _turns(body: MessagesBody) -> list[dict[str, Any]]:
     turns: list[dict[str, Any]] = []
+    wheres: list[str] = []  # each turn's place in the request, for a tool-order fault
     if body.system:
         turns.append({"role": "system", "content": _text_of(body.system, "system")})
+        wheres.append("system")
     for i, message in enumerate(body.messages):
         role, content, where = message.get("role"), message.get("content"), f"messages[{i}]"
         if content is None:  # Anthropic's API requires it (it was read as an empty turn)
             raise bad_request(f"{where}.content is required", f"{where}.content")
         if role == "system":  # Claude Code sends its environment so, after the prompt
             _add_system(turns, _text_of(content, f"{where}.content"))
+            wheres[len(turns) - 1 :] = [where]
             continue
         if role not in ("user", "assistant"):
             raise bad_request(f"{where}.role must be user, assistant or system", f"{where}.role")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise bad_request(f"{where}.content must be a string or a list of blocks", f"{where}.content")
-        text, calls = [], []
+        text, calls, results = [], [], 0
         for j, block in enumerate(blocks):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
@@ -115,24 +119,50 @@ def _turns(body: MessagesBody) -> list[dict[str, Any]]:
             elif kind == "tool_use" and role == "assistant":
                 calls.append(_call(block, f"{where}.content[{j}].input"))
             elif kind == "tool_result" and role == "user":
-                result = _text_of(block.get("content", ""), f"{where}.content[{j}].content", omit=_TOOL_MEDIA)
-                failed = block.get("is_error", False)
-                if not isinstance(failed, bool):
-                    raise bad_request(f"{where}.content[{j}].is_error must be true or false",
-                                      f"{where}.content[{j}].is_error")  # fmt: skip
-                # The model must tell a tool that failed from one that answered (it was dropped).
-                turns.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
-                              "content": f"{TOOL_ERROR}{result}" if failed else result})  # fmt: skip
+                turns.append(_result(block, f"{where}.content[{j}]"))
+                wheres.append(f"{where}.content[{j}].tool_use_id")
+                results += 1
             else:
                 raise bad_request(
                     f"{where}.content[{j}]: a {kind!r} block is not supported", f"{where}.content"
                 )
-        if text or calls or isinstance(content, str):
-            turn: dict[str, Any] = {"role": role, "content": _JOIN.join(text)}
-            if calls:
-                turn["tool_calls"] = calls
-            turns.append(turn)
+        last = i == len(body.messages) - 1
+        if not (text or calls or results or isinstance(content, str) or (last and role == "assistant")):
+            # As Anthropic: a turn vanished, and a user turn's loss made the answer before it a prefill.
+            raise bad_request(f"{where}.content: a message needs content (text, tool use or result)",
+                              f"{where}.content")  # fmt: skip
+        if last and role == "assistant" and _JOIN.join(text) != _JOIN.join(text).rstrip():
+            raise bad_request(f"{where}: a final assistant message (a prefill) cannot end with whitespace",
+                              f"{where}.content")  # fmt: skip
+        if not (text or calls or isinstance(content, str)):
+            continue
+        turn: dict[str, Any] = {"role": role, "content": _JOIN.join(text)}
+        if calls:
+            turn["tool_calls"] = calls
+        previous = turns[-1] if turns and not results else None
+        if previous and previous["role"] == role and not calls and "tool_calls" not in previous:
+            previous["content"] += _JOIN + turn["content"]  # as Anthropic, consecutive turns are one
+            continue
+        turns.append(turn)
+        wheres.append(where)
+    if fault := tool_turn_fault(turns):  # as Anthropic: a result with no call, a call with no result
+        raise bad_request(f"{wheres[fault[0]]}: {fault[1]}", wheres[fault[0]])
     return turns
+
+
+def _result(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``tool_result`` block as a ``tool`` turn.  The model must tell a tool that failed
+    from one that answered (``is_error`` was dropped): ``Error:`` before its text."""
+    result = _text_of(block.get("content", ""), f"{where}.content", omit=_TOOL_MEDIA)
+    failed = block.get("is_error", False)
+    if not isinstance(failed, bool):
+        raise bad_request(f"{where}.is_error must be true or false", f"{where}.is_error")
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad_request(f"{where}.tool_use_id is required (the id of the tool_use it answers)",
+                          f"{where}.tool_use_id")  # fmt: skip
+    return {"role": "tool", "tool_call_id": call_id,
+            "content": f"{TOOL_ERROR}{result}" if failed else result}  # fmt: skip
 
 
 def _add_system(turns: list[dict[str, Any]], text: str) -> None:

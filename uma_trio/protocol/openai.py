@@ -39,6 +39,7 @@ from .openai_errors import from_uma_error as _from_uma_error
 from .openai_errors import validation_error as validation_error
 from .openai_logprobs import ChatLogprobs, CompletionLogprobs, TextOffsets, chat_logprobs, completion_logprobs
 from .tool_text import ToolTextFilter
+from .tool_turns import tool_turn_fault
 from .tools import TOOL_GRAMMAR_ERROR, ToolFormat
 
 # -- request bodies ----------------------------------------------------------------
@@ -304,6 +305,8 @@ def translate(
             names["repeat_penalty"] = "repetition_penalty"
         error = client_param(error, names)  # the fields as the client named them
         raise error from None
+    if "messages" in fields and (fault := tool_turn_fault(fields["messages"])):  # as OpenAI's checks
+        raise ApiError(400, fault[1], param=f"messages[{fault[0]}]")
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     return Translated(request=request, auto_max_tokens=auto, include_usage=include_usage, n=body.n or 1)
 

@@ -8,6 +8,9 @@ OpenAI's ``reasoning`` items in a replayed history carry nothing for this model:
 Nothing is stored: ``previous_response_id`` and ``store: true`` are refused by name.  A
 refusal names the field the client sent (``input[2].call_id``, ``max_output_tokens``), also
 for the checks the daemon request goes through after (:func:`as_sent`).
+
+Over 400 lines: the body's translation and the answer's shapes are one API's two halves (its
+tools are apart, in responses_tools.py).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import json
 import re
 import time
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -33,6 +36,7 @@ from .responses_tools import (
     kinds_of,
     shown_tools,
 )
+from .tool_turns import tool_turn_fault
 
 
 class ResponsesBody(Struct, kw_only=True):
@@ -57,6 +61,7 @@ class ResponsesBody(Struct, kw_only=True):
     # Each output token's log-probability comes with include's LOGPROBS, as OpenAI's does.
     include: list[str] | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MOST_TOP_LOGPROBS)] | None = None
+    truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest turns dropped to fit
 
 
 LOGPROBS = "message.output_text.logprobs"
@@ -144,14 +149,18 @@ def _add_output(
     turns: list[dict[str, Any]], item: dict[str, Any], calls: set[str], names: Names, where: str
 ) -> None:
     """A ``function_call_output`` (or ``custom_tool_call_output``) item as a ``tool`` turn; as
-    OpenAI, it answers a call the input holds before it (``calls``: their call_ids)."""
-    call_id = _call_id(item, where)
-    if call_id not in calls:
+    OpenAI, it answers a call the input holds before it (``calls``: their call_ids).  One with
+    no ``call_id`` answers no call: Codex adds its goal so (``name: goal_objective``), and a
+    refusal ended its run; it is a tool's result under its ``name``."""
+    call_id = _call_id(item, where) if "call_id" in item else None
+    if call_id is not None and call_id not in calls:
         raise bad_request(f"{where}: no call item before it has call_id {call_id!r}", f"{where}.call_id")
     output = _text(item.get("output", ""), f"{where}.output", tool_output=True)
     t = f"messages[{len(turns)}]"
     names.update({t: where, f"{t}.tool_call_id": f"{where}.call_id", f"{t}.content": f"{where}.output"})
-    turns.append({"role": "tool", "tool_call_id": call_id, "content": output})
+    name = item.get("name") if call_id is None and isinstance(item.get("name"), str) else None
+    turns.append({"role": "tool", "content": output, **({"tool_call_id": call_id} if call_id else {}),
+                  **({"name": name} if name else {})})  # fmt: skip
 
 
 def _call_id(item: dict[str, Any], where: str) -> str:
@@ -265,6 +274,8 @@ def responses_request(
             fields["parallel_tool_calls"] = body.parallel_tool_calls
     if body.max_output_tokens is not None:
         fields["max_tokens"] = body.max_output_tokens
+    if body.truncation == "auto":  # as OpenAI: input too long for the context loses its oldest items
+        fields["truncate"] = True
     for name in ("temperature", "top_p"):
         if (value := getattr(body, name)) is not None:
             fields[name] = value
@@ -274,9 +285,13 @@ def responses_request(
     if (response_format := _response_format(body.text)) is not None:
         fields["response_format"] = response_format
     try:
-        return msgspec.convert(fields, GenerateRequest), names
+        request = msgspec.convert(fields, GenerateRequest)
     except (msgspec.ValidationError, ValueError) as exc:
         raise as_sent(validation_error(exc), names) from None
+    if fault := tool_turn_fault(fields["messages"]):  # as OpenAI: a call with no output, or two
+        where = names.get(f"messages[{fault[0]}]", "input")
+        raise bad_request(f"{where}: {fault[1]}", where)
+    return request, names
 
 
 # A chat request's field in an error's message: a path ("at `$.messages[1].content`"), a

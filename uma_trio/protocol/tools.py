@@ -61,7 +61,12 @@ class NamedToolChoice(Struct, forbid_unknown_fields=True, kw_only=True):
 ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
 
 # JSON as models write it, no free whitespace (engine/constraints.py says why).
-_JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+_JSON_STYLE = {
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "whitespace_flexible": False,
+    "coerce_one_of": True,
+}
 
 
 def tool_format_of(template: str | None) -> ToolFormat:

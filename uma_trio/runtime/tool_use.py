@@ -15,6 +15,7 @@ from ..engine.constraints import ConstraintError, OutputConstraint, lark_constra
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, ToolCall, ToolCallFunction
 from ..protocol.tool_text import parse_tool_calls
+from ..protocol.tool_turns import UNANSWERED_AT_END, name_results
 from ..protocol.tools import (
     TOOL_GRAMMAR_ERROR,
     TOOL_GRAMMAR_KIND,
@@ -68,7 +69,10 @@ def chat_turns(
     their results are then written into the turns' text whether or not this request offers
     tools, or the model would not see them."""
     assert request.messages is not None
-    turns = [m.template_fields() for m in request.messages]
+    last = request.messages[-1]
+    if last.role == "assistant" and last.tool_calls:  # it was continued as the answer's start
+        raise UmaError(ErrorCode.SCHEMA, UNANSWERED_AT_END, request_id=request.id)
+    turns = name_results([m.template_fields() for m in request.messages])
     if "generic" in (fmt, template):
         turns = [generic_turn(turn) for turn in turns]
     if fmt is None or request.tools is None:
