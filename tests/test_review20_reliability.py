@@ -70,8 +70,8 @@ async def test_a_metrics_figure_that_cannot_be_read_fails_one_answer_not_the_dae
     ("max_context", "says"),
     [
         (64, "leave no room for an answer in 64 (the request's max_context)"),
-        (256, "leave no room for an answer in 256 (--n-ctx)"),
-        (260, "leave no room for an answer in 256 (--n-ctx)"),
+        (256, "leave no room for an answer in 256 (the per-request context)"),
+        (260, "leave no room for an answer in 256 (the per-request context)"),
     ],
 )
 async def test_a_prompt_past_max_context_names_the_limit_that_applies(

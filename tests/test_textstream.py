@@ -40,6 +40,16 @@ def test_flush_returns_held_text_at_the_end() -> None:
     assert stream.flush() == "</"
 
 
+def test_a_character_cut_off_at_the_end_is_dropped_not_replaced() -> None:
+    """Context review: an answer cut by max_tokens inside "＆" (ef bc 86) ended "＆＆\ufffd" on
+    every route; bytes that are not UTF-8 in the middle still read U+FFFD."""
+    stream = TextStream()
+    assert stream.push("＆".encode() + b"\xef\xbc").text == "＆"
+    assert stream.flush() == ""
+    broken = TextStream()
+    assert broken.push(b"a\xffb").text + broken.flush() == "a\ufffdb"
+
+
 @given(st.text(max_size=60), st.lists(st.integers(1, 7), min_size=1), st.sampled_from(["##", "END", "é!"]))
 def test_any_split_gives_text_before_the_first_stop(text: str, cuts: list[int], stop: str) -> None:
     data = text.encode()

@@ -25,6 +25,7 @@ CancelReason = Literal["client", "disconnect", "shutdown", "stalled"]
 # request was registered.  (``\Z``, not ``$``: ``$`` also matches before a final newline.)
 REQUEST_ID_PATTERN = r"^[!-~]{1,128}\Z"
 MOST_TOP_LOGPROBS = 20  # the most likely tokens a token's logprobs may list (OpenAI's limit)
+DEFAULT_MAX_TOKENS = 256  # cut to --max-tokens where that is lower (runtime/intake.py)
 RequestId = Annotated[str, Meta(pattern=REQUEST_ID_PATTERN)]
 # A file name in the snapshot directory: no path separators, no leading dot.
 SnapshotName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")]
@@ -125,7 +126,7 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     type: Literal["generate"] = "generate"
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] = 256
+    max_tokens: Annotated[int, Meta(ge=1)] = DEFAULT_MAX_TOKENS
     stream: bool = True
     # Sampling defaults follow llama.cpp's; temperature 0 means greedy.
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.8

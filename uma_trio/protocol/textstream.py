@@ -50,9 +50,10 @@ class TextStream:
         return TextDelta(text, False)
 
     def flush(self) -> str:
-        """At the end of generation: everything still held (partial UTF-8 as U+FFFD)."""
-        text = self._held + self._decoder.decode(b"", final=True)
-        self._held = ""
+        """At the end of generation: everything still held.  A character cut off (max_tokens,
+        the context's end) is dropped: it ended the answer as U+FFFD on every route."""
+        text, self._held = self._held, ""
+        self._decoder.reset()
         return text
 
 

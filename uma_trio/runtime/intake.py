@@ -17,7 +17,7 @@ from ..engine.base import Engine, TokenArray
 from ..engine.sampling import Sampler, SamplingParams
 from ..protocol.chat_truncate import fewest_dropped
 from ..protocol.errors import ErrorCode, UmaError, too_long
-from ..protocol.messages import ChatMessage, GenerateRequest
+from ..protocol.messages import DEFAULT_MAX_TOKENS, ChatMessage, GenerateRequest
 from ..protocol.tools import ToolFormat
 from .decode_loop import DecodeLoop
 from .off_loop import INLINE_TEXT_CHARS, INLINE_TURNS, off_loop
@@ -46,6 +46,8 @@ async def open_on(
     rid = request.id
     if not loop.accepting:  # before tokenizing: the engine may be closing
         raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=rid)
+    if request.max_tokens == DEFAULT_MAX_TOKENS > config.max_tokens:  # the default (or as much)
+        request = msgspec.structs.replace(request, max_tokens=config.max_tokens)  # was refused
     if not auto_max_tokens and request.max_tokens > config.max_tokens:
         raise UmaError(
             ErrorCode.MAX_TOKENS,
@@ -112,9 +114,9 @@ async def open_on(
         if room < 1:
             # The client's own cap, or (as /infill sets it) the per-request context itself.
             own = request.max_context < engine.n_ctx_seq
-            limit, whose = (
-                (request.max_context, "the request's max_context") if own else (engine.n_ctx_seq, "--n-ctx")
-            )
+            limit, whose = (request.max_context, "the request's max_context")
+            if not own:
+                limit, whose = engine.n_ctx_seq, "the per-request context"
             raise UmaError(
                 ErrorCode.CONTEXT_OVERFLOW,
                 # A prompt that fills the context is refused too: the answer needs a cell.

@@ -187,11 +187,14 @@ class ModelHost:
         now, described = self._clock(), []
         for entry in self.store.entries():
             unit = self.units.get(entry.id)
+            loop = unit.loop if unit is not None else self.primary_loop if entry.primary else None
             item: dict[str, Any] = {
                 "id": entry.id, "state": self.state(entry.id), "primary": entry.primary,
                 "file": entry.path.name, "bytes": entry.size, "aliases": list(entry.aliases),
-                # Every model gets the same per-request context (--n-ctx) and serves both kinds.
-                "context_length": self._config.n_ctx, "capabilities": ["completion", "embedding"],
+                # A loaded model's engine says what a request may hold (all the cells, with
+                # --kv-unified); before, every model gets --n-ctx.  Each serves both kinds.
+                "context_length": loop.engine.n_ctx_seq if loop is not None else self._config.n_ctx,
+                "capabilities": ["completion", "embedding"],
             }  # fmt: skip
             if unit is not None:
                 item["footprint_bytes"] = unit.footprint
