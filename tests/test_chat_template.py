@@ -336,14 +336,20 @@ def test_templates_that_trim_split_or_move_text_act_on_the_client_s_text(
     (Mistral's) failed every chat with a system prompt past the first turn ("does not keep
     message contents whole")."""
     source = (FIXTURES / "llama-3.1-instruct.jinja").read_text() if template == "llama-3.1" else template
-    llama_model.use_chat_template(source)
-    tokens = llama_model.tokenize_chat(chat)
-    rendered = llama_model.apply_chat_template(chat)
+    own = llama_model.template_source
+    assert own is not None
+    llama_model.use_chat_template(source)  # the session's model: its own template back after
+    try:
+        tokens = llama_model.tokenize_chat(chat)
+        rendered = llama_model.apply_chat_template(chat)
+        forged = [(role, f"{said}<|im_end|>") for role, said in chat]  # still plain text after the edits
+        forged_tokens = llama_model.tokenize_chat(forged).tolist()
+    finally:
+        llama_model.use_chat_template(own)
     assert kept in rendered and left_out not in rendered
     assert tokens.tolist() == llama_model.tokenize(rendered).tolist()
-    forged = [(role, f"{said}<|im_end|>") for role, said in chat]  # still plain text after the edits
     control = int(llama_model.tokenize("<|im_end|>", add_bos=False)[0])
-    assert llama_model.tokenize_chat(forged).tolist().count(control) == tokens.tolist().count(control)
+    assert forged_tokens.count(control) == tokens.tolist().count(control)
 
 
 def test_control_text_escapes_round_trip() -> None:

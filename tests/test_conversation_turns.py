@@ -201,3 +201,20 @@ def test_a_tool_schema_with_one_of_is_taken_as_any_of() -> None:
     assert constraint is not None
     check_alone(constraint)  # raised ConstraintError: "oneOf constraints are not supported"
     check_alone(json_schema_constraint(schema))  # a response_format's schema alike
+
+
+@pytest.mark.parametrize("text", [rb"\ud800", rb"x\ud83dy"])
+def test_a_lone_surrogate_escape_is_named_not_called_truncated(text: bytes) -> None:
+    """Review: msgspec refused a lone `\\ud800` as "Input data was truncated" on every route
+    and the socket, though the body was whole; a body really cut off still says so."""
+    from uma_trio.protocol.codec import decode_client_message
+    from uma_trio.protocol.openai_errors import decode_json
+
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "' + text + b'"}]}'
+    with pytest.raises(ApiError, match="invalid utf-16 surrogate pair") as refused:
+        decode_json(body, dict)
+    assert refused.value.status == 400 and "truncated" not in refused.value.message
+    with pytest.raises(UmaError, match="invalid utf-16 surrogate pair"):
+        decode_client_message(b'{"id": "r", "prompt": "' + text + b'"}')
+    with pytest.raises(ApiError, match="truncated"):
+        decode_json(b'{"model": "m", "messages": [', dict)

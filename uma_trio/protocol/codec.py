@@ -14,7 +14,7 @@ import msgspec
 from .errors import ErrorCode, UmaError
 from .framing import encode_frame
 from .messages import MESSAGE_TYPES, REQUEST_ID_PATTERN, ClientMessage, ServerEvent
-from .schema_words import readable
+from .schema_words import json_fault, readable
 
 _json_decoder = msgspec.json.Decoder()
 _event_encoder = msgspec.json.Encoder()
@@ -30,7 +30,7 @@ def decode_client_message(payload: bytes) -> ClientMessage:
     try:
         obj = _json_decoder.decode(payload)
     except msgspec.DecodeError as exc:
-        raise UmaError(ErrorCode.INVALID_JSON, f"invalid JSON: {exc}") from None
+        raise UmaError(ErrorCode.INVALID_JSON, f"invalid JSON: {json_fault(exc, payload)}") from None
     except RecursionError:  # msgspec recurses per nesting level; found by the fuzz tests
         raise UmaError(ErrorCode.INVALID_JSON, "invalid JSON: nested too deeply") from None
     if not isinstance(obj, dict):

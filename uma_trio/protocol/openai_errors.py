@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from .errors import ErrorCode, UmaError
-from .schema_words import readable
+from .schema_words import json_fault, readable
 
 
 class ApiError(Exception):
@@ -163,8 +163,11 @@ def decode_json(data: bytes, kind: type[BodyT]) -> BodyT:
     except RecursionError:
         message = "the body is not valid JSON: nested too deeply"
         raise ApiError(400, message, code=ErrorCode.INVALID_JSON) from None
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except msgspec.ValidationError as exc:
         raise validation_error(exc) from None
+    except msgspec.DecodeError as exc:
+        message = f"the body is not valid JSON: {json_fault(exc, data)}"
+        raise ApiError(400, message, code=ErrorCode.INVALID_JSON) from None
 
 
 def client_param(error: ApiError, names: dict[str, str]) -> ApiError:

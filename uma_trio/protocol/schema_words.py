@@ -7,6 +7,7 @@ snapshot name; the patterns the protocol uses are described instead.
 
 from __future__ import annotations
 
+import re
 from typing import Any, get_args
 
 from .messages import RequestId, SnapshotName, TokenKey
@@ -29,4 +30,17 @@ def readable(message: str) -> str:
     """``message`` (a msgspec ValidationError's) with each known pattern in words."""
     for pattern, words in _WORDS.items():
         message = message.replace(f"matching regex {pattern!r}", words)
+    return message
+
+
+# A \uD800-\uDBFF escape with no low half after it: msgspec says "Input data was truncated"
+# for it (the body was whole), which sent clients looking for a cut-off body.
+_LONE_HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])")
+
+
+def json_fault(exc: Exception, data: bytes) -> str:
+    """A msgspec DecodeError's message for ``data``, a lone high surrogate named as such."""
+    message = str(exc)
+    if message == "Input data was truncated" and _LONE_HIGH_SURROGATE.search(data):
+        return "invalid utf-16 surrogate pair: a \\uD800-\\uDBFF escape with no low half after it"
     return message
