@@ -38,11 +38,12 @@ class ControlTextEscaper:
         self._pattern = re.compile("|".join(map(re.escape, [_OPEN, *spelled])))
 
     def escape(self, value: Any) -> Any:
-        """``value`` with every string in it escaped (dicts' values and lists' items too)."""
+        """``value`` with every string in it escaped: dicts' keys and values (a tool's schema,
+        a call's arguments: a template writes them with ``tojson``) and lists' items too."""
         if isinstance(value, str):
             return self._pattern.sub(self._escape_one, value)
         if isinstance(value, dict):
-            return {key: self.escape(item) for key, item in value.items()}
+            return {self.escape(key): self.escape(item) for key, item in value.items()}
         if isinstance(value, list | tuple):
             return [self.escape(item) for item in value]
         return value
