@@ -246,6 +246,30 @@ def test_output_paths_and_bounds_are_refused_before_the_model_loads(tmp_path: Pa
     assert "--keep-alive" not in run_cli("serve", "--shutdown-grace", "-1").stderr
 
 
+def test_a_fractional_count_is_refused_not_rounded(tmp_path: Path) -> None:
+    """cyclopts reads an int flag through float and rounds: `--max-tokens 1.5` served with a
+    limit of 2, `generate --max-tokens 2.5` asked for 2.  Every integer flag and UMA_* variable
+    takes a whole number only; a whole one still parses."""
+    sock = str(tmp_path / "s" / "x.sock")
+    for args, flag in [
+        (["info", "--max-tokens", "1.5"], "--max-tokens"),
+        (["info", "--threads", "2.0"], "--threads"),
+        (["info", "--metrics-port", "9.5"], "--metrics-port"),
+        (["generate", "--prompt", "hi", "--max-tokens", "2.5", "--socket", sock], "--max-tokens"),
+        (["generate", "--prompt", "hi", "--seed", "3.5", "--socket", sock], "--seed"),
+        (["calibrate", "--threads", "1.5"], "--threads"),
+    ]:  # fmt: skip
+        done = run_cli(*args)
+        assert done.returncode != 0, (args, done.stdout)
+        assert flag in done.stderr and "a whole number is needed" in done.stderr, (args, done.stderr)
+    env_done = subprocess.run(
+        [*UMA, "info"], capture_output=True, text=True, timeout=60, env={**os.environ, "UMA_MAX_QUEUE": "3.3"}
+    )
+    assert env_done.returncode == 2 and "UMA_MAX_QUEUE" in env_done.stderr, env_done.stderr
+    whole = run_cli("info", "--max-tokens", "7", "--max-queue", "5")
+    assert whole.returncode == 0, whole.stderr
+
+
 def test_a_damaged_calibration_file_is_passed_over_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -99,6 +99,20 @@ def _comma_separated(_type: object, tokens: Sequence[Token]) -> tuple[str, ...]:
     return tuple(part.strip() for token in tokens for part in token.value.split(",") if part.strip())
 
 
+def whole_number(_type: object, tokens: Sequence[Token]) -> int:
+    """An integer flag's value as written: cyclopts rounds ``1.5`` to 2, which a count or a
+    limit must refuse rather than guess."""
+    value = tokens[-1].value.strip()
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"a whole number is needed, not {value!r}") from None
+
+
+# An integer setting (Annotated merges the Parameter with a field's own).
+WholeNumber = Annotated[int, Parameter(converter=whole_number)]
+
+
 def socket_path(_type: object, tokens: Sequence[Token]) -> Path:
     """``--socket``'s path; an empty one (``UMA_SOCKET=``) was taken as ``.``."""
     if not (value := tokens[-1].value):
@@ -171,7 +185,7 @@ class ServerConfig:
     """Comma-separated NAME=FILE: more names for a model (FILE a file of --models-dir, or a
     path, which joins the store), e.g. chat=SmolLM2-135M-Instruct.Q4_1.gguf. A NAME that is
     another model's id, or a path to a file other than the store's of that name, is refused."""
-    max_loaded: int = 3
+    max_loaded: WholeNumber = 3
     """Models loaded at once, --model's included: loading one more first unloads the least
     recently used idle one; a model with requests in flight is never unloaded."""
     memory_budget: Annotated[str | None, Parameter(show_default="--model's + 90 % of free memory")] = None
@@ -183,7 +197,7 @@ class ServerConfig:
     keep_alive overrides it for its model: 0 unloads after the request, negative never)."""
 
     # Engine
-    n_ctx: int = 4096
+    n_ctx: WholeNumber = 4096
     """KV cells one request may use (prompt + max_tokens); the KV cache holds n_ctx ×
     max_sessions cells (for the default model 23 KB each at f16, 12 KB at q8_0); one whose host
     share, with the weights', exceeds the machine's memory (or its container's limit) is refused
@@ -204,7 +218,7 @@ class ServerConfig:
     flash_attn: FlashAttn = "auto"
     """Flash attention: auto (where the backend supports it), on, or off (needs --kv-type f16:
     a quantized V cache needs flash attention)."""
-    main_gpu: int = 0
+    main_gpu: WholeNumber = 0
     """The GPU that holds the whole model with --split-mode none (llama.cpp reads it for no
     other mode), counted among the GPUs llama.cpp uses (the discrete ones, else the integrated
     ones); on a machine with GPUs, one it does not have is refused at start-up."""
@@ -265,21 +279,25 @@ class ServerConfig:
     mixes decode tokens and a prompt chunk as two micro-batches (BENCHMARKS.md "GPU")."""
     kv_type: Annotated[KvType | None, Parameter(show_default="f16 (q8_0 with --deterministic)")] = None
     """K and V cache element type: f16, q8_0 or q4_0 (CONFIG.md "Choosing --kv-type")."""
-    prefix_cache_cells: Annotated[int | None, Parameter(show_default="all idle")] = None
+    prefix_cache_cells: Annotated[int | None, Parameter(converter=whole_number, show_default="all idle")] = (
+        None
+    )
     """Most KV cells finished requests may leave cached for later requests sharing their
     prefix; the cache only ever holds cells no request needs; 0 turns it off (SCHEDULER.md
     "Prefix cache")."""
     snapshot_dir: Annotated[Path | None, Parameter(show_default="~/.local/state/uma-trio/snapshots")] = None
     """Where KV snapshots are saved, restored and listed from (`uma-trio snapshot`; created
     0700); another --allow-uid user's go in its own uid-N subdirectory (SECURITY.md)."""
-    n_batch: int = 2048
+    n_batch: WholeNumber = 2048
     """Most tokens in one tick (llama-server's default: a burst of prompts fits); at least
     --max-sessions."""
-    n_ubatch: Annotated[int | None, Parameter(show_default="512 (32 with --deterministic)")] = None
+    n_ubatch: Annotated[
+        int | None, Parameter(converter=whole_number, show_default="512 (32 with --deterministic)")
+    ] = None
     """llama.cpp micro-batch: the weights are read once per micro-batch, so 512 prefills
     several times faster than 32; under 64 for --deterministic (SCHEDULER.md "Batch
     invariance")."""
-    threads: Annotated[int | None, Parameter(show_default="all cores")] = None
+    threads: Annotated[int | None, Parameter(converter=whole_number, show_default="all cores")] = None
     """llama.cpp threads."""
 
     # Scheduling (docs/SCHEDULER.md)
@@ -296,7 +314,7 @@ class ServerConfig:
     # way in, so a burst of requests shares its first tick (runtime/decode_loop.py).
     burst_quiet_ms: Annotated[float, _HIDDEN] = 2.0
     burst_max_ms: Annotated[float, _HIDDEN] = 25.0
-    interactive_reserve: int = 1
+    interactive_reserve: WholeNumber = 1
     """Sessions background requests never take, so interactive ones find one; but background
     work always keeps one, so with --max-sessions at or under this a chat may wait for a
     background request to end."""
@@ -321,28 +339,28 @@ class ServerConfig:
     start-up; a damaged default file is passed over with a warning."""
 
     # Limits that protect the daemon
-    max_sessions: int = 8
+    max_sessions: WholeNumber = 8
     """Requests generating at once (one KV sequence and stream each); more wait in a queue."""
-    max_queue: int = 64
+    max_queue: WholeNumber = 64
     """Requests waiting beyond one per free session (those start at the next tick; the
     sessions kept for interactive requests count as free, so background requests may queue
     --interactive-reserve more); a burst within one tick counts too. More get E_LIMIT_004 at
     once. An interactive request that can start at once still gets past a queue of
     background ones."""
-    max_connections: int = 64
+    max_connections: WholeNumber = 64
     """Socket connections at once; separately, HTTP generation requests in flight (--http)
     and connections to --metrics-port."""
-    http_max_connections: int = 256
+    http_max_connections: WholeNumber = 256
     """HTTP connections open at once, idle keep-alive ones included (--http); more wait in
     the kernel's accept queue until one closes (hypercorn closes a connection idle for 5 s)."""
-    max_in_flight: int = 16
+    max_in_flight: WholeNumber = 16
     """Requests in flight per connection."""
-    max_frame_bytes: int = 1 << 20
+    max_frame_bytes: WholeNumber = 1 << 20
     """Largest frame; also the largest HTTP request body (1024 to 2^32 - 1: the length prefix
     is 4 bytes). A larger length prefix closes the connection."""
-    max_prompt_tokens: int = 4096
+    max_prompt_tokens: WholeNumber = 4096
     """Longest accepted prompt, in tokens."""
-    max_tokens: int = 2048
+    max_tokens: WholeNumber = 2048
     """Largest max_tokens of a request: the socket and /generate refuse more; the OpenAI,
     Anthropic and Ollama routes cut the answer there (finish reason length)."""
     idle_timeout_s: Annotated[float, Parameter(name="--idle-timeout")] = 300.0
@@ -360,7 +378,7 @@ class ServerConfig:
     """Seconds running requests get to finish after SIGINT/SIGTERM (then exit 0; a second
     signal stops at once). Ctrl-C before the daemon serves (while the model loads) exits 130,
     with one log line."""
-    stream_buffer: Annotated[int, _HIDDEN] = 16  # token events held per request before it is parked
+    stream_buffer: Annotated[WholeNumber, _HIDDEN] = 16  # token events held per request before it is parked
 
     # Observability (docs/METRICS.md)
     metrics_interval_s: Annotated[float, Parameter(name="--metrics-interval")] = 10.0
@@ -371,7 +389,7 @@ class ServerConfig:
     """Serve Prometheus text at http://HOST:PORT/metrics on any address, for routers and
     scrapers (FLEET.md): no prompts, no request ids, no key asked; a bare PORT binds
     127.0.0.1. Instead of --metrics-port."""
-    metrics_port: Annotated[int | None, Parameter(show_default="off")] = None
+    metrics_port: Annotated[int | None, Parameter(converter=whole_number, show_default="off")] = None
     """Serve Prometheus text at http://127.0.0.1:PORT/metrics, loopback only; 0 picks a free
     port (logged)."""
     scorecard_csv: Annotated[Path | None, Parameter(show_default="off")] = None

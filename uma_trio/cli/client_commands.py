@@ -15,7 +15,7 @@ import trio
 from cyclopts import Parameter
 
 from ..client import ConnectionLost, RequestFailed, UmaClient
-from ..config import DEFAULT_SOCKET
+from ..config import DEFAULT_SOCKET, WholeNumber, whole_number
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
 from .common import (
     EXIT_PROTOCOL_ERROR,
@@ -34,10 +34,10 @@ def generate(
     *,
     prompt: Text,
     system: Text | None = None,
-    max_tokens: int = 128,
+    max_tokens: WholeNumber = 128,
     temp: float = 0.8,
     top_p: float = 0.95,
-    seed: int | None = None,
+    seed: Annotated[int | None, Parameter(converter=whole_number)] = None,
     no_stream: bool = False,
     raw: bool = False,
     json_schema: Path | None = None,

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import ServerConfig
+from ..config import ServerConfig, WholeNumber
 from ..model_files import ModelFileError, check_model_path, ensure_default_model
 from .common import (
     DEFAULTS,
@@ -36,8 +36,8 @@ def calibrate(
     *,
     model: Path | None = None,
     out: Path | None = None,
-    repeats: int = 5,
-    threads: int | None = None,
+    repeats: WholeNumber = 5,
+    threads: WholeNumber | None = None,
     gpu_layers: str = DEFAULTS.gpu_layers,
     deterministic: bool = False,
 ) -> int:
