@@ -329,7 +329,7 @@ class Gateway:
                 raise ApiError(400, f"n={translated.n}: {held}", param="n")
             return await self._choices(request, body, translated, arrived, owner, completion_id)
         async with self._in_flight(translated.request, arrived, translated.auto_max_tokens, owner) as flight:
-            return await self._openai_response(request, body, flight, completion_id, translated.include_usage)
+            return await self._openai_response(request, body, flight, completion_id, translated)
 
     async def _openai_response(
         self,
@@ -337,15 +337,21 @@ class Gateway:
         body: openai.CompletionBody | openai.ChatBody,
         flight: Flight,
         completion_id: str,
-        include_usage: bool,
+        translated: openai.Translated,
     ) -> Response:
-        created = int(time.time())
+        created, include_usage = int(time.time()), translated.include_usage
         is_chat = isinstance(body, openai.ChatBody)
         headers = {"x-request-id": completion_id}
         if not body.stream:
             eos = completed(await self._collect(request, flight))
-            make = openai.chat_completion if is_chat else openai.text_completion
-            return json_response(make(completion_id, created, body.model, eos), headers=headers)
+            if is_chat:
+                answer = openai.chat_completion(
+                    completion_id, created, body.model, eos, translated.legacy_functions
+                )
+                return json_response(answer, headers=headers)
+            return json_response(
+                openai.text_completion(completion_id, created, body.model, eos), headers=headers
+            )
 
         assert flight.stream is not None
         chunks: openai.ChatStream | openai.CompletionStream
@@ -355,6 +361,7 @@ class Gateway:
         else:
             stream_kind = openai.ChatStream if is_chat else openai.CompletionStream
             chunks = stream_kind(completion_id, created, body.model, include_usage)
+        chunks.legacy = translated.legacy_functions
 
         async def sse() -> AsyncGenerator[bytes, None]:
             async with aclosing(self._events(flight)) as events:
@@ -431,10 +438,12 @@ class Gateway:
         for events in collected:
             completed(events)  # raises the error to answer instead, if a choice failed
         eos = [whole_eos(events) for events in collected]
-        created, merge = int(time.time()), merged_chat if isinstance(body, openai.ChatBody) else merged_text
-        return json_response(
-            merge(completion_id, created, body.model, eos), headers={"x-request-id": completion_id}
-        )
+        created = int(time.time())
+        if isinstance(body, openai.ChatBody):
+            answer: Any = merged_chat(completion_id, created, body.model, eos, translated.legacy_functions)
+        else:
+            answer = merged_text(completion_id, created, body.model, eos)
+        return json_response(answer, headers={"x-request-id": completion_id})
 
     async def _streamed_choices(
         self,
@@ -491,7 +500,7 @@ class Gateway:
             else:
                 kind = openai.ChatStream if is_chat else openai.CompletionStream
                 streams.append(kind(completion_id, created, body.model, translated.include_usage))
-            streams[-1].index = i
+            streams[-1].index, streams[-1].legacy = i, translated.legacy_functions
 
         async def sse() -> AsyncGenerator[bytes, None]:
             for stream in streams:

@@ -37,6 +37,7 @@ from .openai_errors import client_param, stop_param
 from .openai_errors import decode_json as decode_json
 from .openai_errors import from_uma_error as _from_uma_error
 from .openai_errors import validation_error as validation_error
+from .openai_functions import modernized
 from .openai_logprobs import ChatLogprobs, CompletionLogprobs, TextOffsets, chat_logprobs, completion_logprobs
 from .tool_text import ToolTextFilter
 from .tool_turns import tool_turn_fault
@@ -127,10 +128,12 @@ class ChatTurn(Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # checked as the daemon's ToolCall
     tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None  # deprecated: openai_functions.py
 
 
 class ChatBody(_Body, kw_only=True):
     messages: list[ChatTurn]
+    function_call: Any = None  # deprecated, with `functions`: openai_functions.py
 
 
 # What a field may be set to and still mean "off".
@@ -166,6 +169,7 @@ class Translated(Struct, kw_only=True):
     auto_max_tokens: bool  # no max_tokens given: use what the context has left
     include_usage: bool
     n: int = 1  # choices (openai_choices.py)
+    legacy_functions: bool = False  # `functions` offered: answer with `function_call`
 
 
 def _check_supported(body: _Body) -> None:
@@ -247,6 +251,9 @@ def translate(
 ) -> Translated:
     """The daemon request for ``body``; raises :class:`ApiError` for what cannot be served.
     ``max_tokens_limit`` (``--max-tokens``) caps the completions default of 16."""
+    legacy = False
+    if isinstance(body, ChatBody):
+        body, legacy = modernized(body)
     _check_supported(body)
     if (
         body.max_tokens is not None
@@ -301,6 +308,8 @@ def translate(
     except (msgspec.ValidationError, ValueError) as exc:
         error = stop_param(validation_error(exc), body.stop)
         names = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
+        if legacy:
+            names.update(tools="functions", tool_choice="function_call")
         if body.repetition_penalty is not None:
             names["repeat_penalty"] = "repetition_penalty"
         error = client_param(error, names)  # the fields as the client named them
@@ -308,7 +317,10 @@ def translate(
     if "messages" in fields and (fault := tool_turn_fault(fields["messages"])):  # as OpenAI's checks
         raise ApiError(400, fault[1], param=f"messages[{fault[0]}]")
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
-    return Translated(request=request, auto_max_tokens=auto, include_usage=include_usage, n=body.n or 1)
+    return Translated(
+        request=request, auto_max_tokens=auto, include_usage=include_usage, n=body.n or 1,
+        legacy_functions=legacy,
+    )  # fmt: skip
 
 
 SEED_MASK = 2**63 - 1  # the daemon's seeds are 0 .. 2**63-1; OpenAI's any int64
@@ -426,6 +438,7 @@ class AssistantMessage(Struct):
     content: str | None
     role: Literal["assistant"] = "assistant"
     tool_calls: list[ToolCall] | UnsetType = UNSET
+    function_call: ToolCallFunction | UnsetType = UNSET  # the deprecated shape's one call
 
 
 class ChatChoice(Struct):
@@ -457,6 +470,7 @@ class Delta(Struct):
     role: Literal["assistant"] | UnsetType = UNSET
     content: str | UnsetType = UNSET
     tool_calls: list[ToolCallDelta] | UnsetType = UNSET
+    function_call: ToolCallFunction | UnsetType = UNSET  # the deprecated shape's one call, whole
 
 
 class ChatChunkChoice(Struct):
@@ -480,13 +494,15 @@ def usage_of(eos: EosEvent) -> Usage:
     return Usage(u.prompt_tokens, u.completion_tokens, u.total_tokens, PromptTokensDetails(u.cached_tokens))
 
 
-def finish_reason(eos: EosEvent) -> str:
+def finish_reason(eos: EosEvent, legacy: bool = False) -> str:
     """OpenAI's finish_reason for an eos that completed: stop or length, and tool_calls when
-    an answer that called tools ended by itself.  One cut off by max_tokens is ``length``, as
-    OpenAI's: its whole calls are kept, but a call it was writing is lost, and the client must
-    know that the list may be short."""
+    an answer that called tools ended by itself (``function_call`` in the deprecated shape).
+    One cut off by max_tokens is ``length``, as OpenAI's: its whole calls are kept, but a call
+    it was writing is lost, and the client must know that the list may be short."""
     assert eos.reason in ("stop", "length"), eos.reason
-    return "tool_calls" if eos.tool_calls and eos.reason == "stop" else eos.reason
+    if eos.tool_calls and eos.reason == "stop":
+        return "function_call" if legacy else "tool_calls"
+    return eos.reason
 
 
 ChunkT = TypeVar("ChunkT", "ChatCompletionChunk", "Completion")
@@ -499,6 +515,7 @@ class _Stream(Generic[ChunkT]):
     Subclasses say how one chunk is shaped."""
 
     index = 0  # the choice these chunks carry (n > 1: protocol/openai_choices.py)
+    legacy = False  # the deprecated `functions` were offered: calls as `function_call`
 
     def __init__(self, completion_id: str, created: int, model: str, include_usage: bool) -> None:
         self.id, self.created, self.model = completion_id, created, model
@@ -520,7 +537,7 @@ class _Stream(Generic[ChunkT]):
     def end(self, eos: EosEvent, *, with_usage: bool = True) -> list[ChunkT]:
         """The finish chunk, and the usage chunk if asked for (``with_usage``: n > 1 sends
         one for all choices, :meth:`usage_chunk`)."""
-        chunks = [self._chunk(None, finish_reason(eos))]
+        chunks = [self._chunk(None, finish_reason(eos, self.legacy))]
         if self._usage is None and with_usage:
             chunks.append(self.usage_chunk(usage_of(eos)))
         return chunks
@@ -597,8 +614,11 @@ class ToolChatStream(ChatStream):
         chunks = [self._chunk(rest, None, logprobs=held)] if rest else []
         if eos.tool_calls:
             calls = [ToolCallDelta(i, c.id, c.function) for i, c in enumerate(eos.tool_calls)]
+            delta = (
+                Delta(function_call=eos.tool_calls[0].function) if self.legacy else Delta(tool_calls=calls)
+            )
             choice = ChatChunkChoice(
-                index=self.index, delta=Delta(tool_calls=calls), finish_reason=None,
+                index=self.index, delta=delta, finish_reason=None,
                 logprobs=None if rest else chat_logprobs(held),
             )  # fmt: skip
             chunks.append(ChatCompletionChunk(self.id, self.created, self.model, [choice], usage=self._usage))
@@ -625,15 +645,24 @@ class CompletionStream(_Stream[Completion]):
         return Completion(self.id, self.created, self.model, [choice], usage=self._usage)
 
 
-def chat_completion(completion_id: str, created: int, model: str, eos: EosEvent) -> ChatCompletion:
+def chat_completion(
+    completion_id: str, created: int, model: str, eos: EosEvent, legacy: bool = False
+) -> ChatCompletion:
+    """``legacy``: the deprecated ``functions`` were offered, so a call is ``function_call``
+    (one at most: those requests ask for no parallel calls)."""
     if eos.content is None:  # no tools offered
         message = AssistantMessage(content=eos.text or "")
+    elif eos.tool_calls and legacy:
+        message = AssistantMessage(content=eos.content or None, function_call=eos.tool_calls[0].function)
     elif eos.tool_calls:
         message = AssistantMessage(content=eos.content or None, tool_calls=eos.tool_calls)
     else:
         message = AssistantMessage(content=eos.content)
     choice = ChatChoice(
-        index=0, message=message, finish_reason=finish_reason(eos), logprobs=chat_logprobs(eos.logprobs)
+        index=0,
+        message=message,
+        finish_reason=finish_reason(eos, legacy),
+        logprobs=chat_logprobs(eos.logprobs),
     )
     return ChatCompletion(completion_id, created, model, [choice], usage_of(eos))
 

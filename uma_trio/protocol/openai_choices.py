@@ -41,8 +41,10 @@ def whole_eos(events: Sequence[ServerEvent]) -> EosEvent:
     return msgspec.structs.replace(eos, text="".join(e.text for e in tokens), logprobs=logprobs)
 
 
-def merged_chat(completion_id: str, created: int, model: str, eos: Sequence[EosEvent]) -> ChatCompletion:
-    answers = [chat_completion(completion_id, created, model, e) for e in eos]
+def merged_chat(
+    completion_id: str, created: int, model: str, eos: Sequence[EosEvent], legacy: bool = False
+) -> ChatCompletion:
+    answers = [chat_completion(completion_id, created, model, e, legacy) for e in eos]
     choices = [msgspec.structs.replace(a.choices[0], index=i) for i, a in enumerate(answers)]
     return ChatCompletion(completion_id, created, model, choices, _usage([a.usage for a in answers]))
 
