@@ -4,6 +4,7 @@ unchanged, against the gateway on the default model."""
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -296,3 +297,20 @@ async def test_refusals_before_a_route_come_in_each_api_s_shape(open_server: Ser
             openai_shape.status_code == 415
             and openai_shape.json()["error"]["code"] == "unsupported_media_type"
         )
+
+
+async def test_a_format_schema_gives_only_the_keys_it_lists_as_ollama_s(open_server: Server) -> None:
+    """Ollama (llama.cpp's converter) closes an object schema that lists its properties; here it
+    was left open, and at temperature 1 the default model wrote keys of its own (`{"a": 1, "b":
+    2, "c": 2}` for a schema naming `a`), which could run on to num_predict as invalid JSON."""
+
+    class Answer(pydantic.BaseModel):  # model_json_schema() leaves additionalProperties unsaid
+        a: int
+
+    api = client(open_server)
+    for seed in range(4):
+        reply = await api.chat(
+            model=MODEL, messages=[{"role": "user", "content": "Give JSON with many keys."}],
+            format=Answer.model_json_schema(), options={"num_predict": 40, "temperature": 1.0, "seed": seed},
+        )  # fmt: skip
+        assert reply.done_reason == "stop" and set(json.loads(reply.message.content or "")) == {"a"}, reply

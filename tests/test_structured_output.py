@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import httpx
+import msgspec
 import numpy as np
 import pydantic
 import pytest
@@ -329,3 +330,28 @@ async def test_a_strict_schema_gives_no_key_it_does_not_name(server: Server) -> 
             )  # fmt: skip
             assert done.eos.reason == "stop", done.text
             assert set(json.loads(done.text)) == {"k", "b"}, done.text
+
+
+def test_a_schema_that_is_not_strict_is_closed_as_llama_cpp_closes_it() -> None:
+    """Not strict, an object that lists its properties takes no other key (llama.cpp's converter,
+    so llama-server's `json_schema` and Ollama's `format`; vLLM's xgrammar alike); a bare
+    `{"type": "object"}` and one that says `additionalProperties` keep what they say."""
+    from uma_trio.protocol.messages import GenerateRequest
+    from uma_trio.runtime.samplers import format_schema
+
+    def takes(schema: dict[str, Any], text: str, strict: bool | None = None) -> bool:
+        spec: dict[str, Any] = {"schema": schema} if strict is None else {"schema": schema, "strict": strict}
+        request = GenerateRequest(
+            id="x", prompt="p", response_format={"type": "json_schema", "json_schema": spec}
+        )  # type: ignore[arg-type]
+        request = msgspec.convert(msgspec.to_builtins(request), GenerateRequest)
+        return grammar_accepts(json_schema_constraint(format_schema(request)).grammar, text)
+
+    listed = {"type": "object", "properties": {"a": {"type": "integer"}, "in": {"type": "object",
+              "properties": {"q": {"type": "integer"}}}}, "required": ["a"]}  # fmt: skip
+    assert takes(listed, '{"a": 1, "in": {"q": 2}}')
+    assert not takes(listed, '{"a": 1, "b": 2}') and not takes(listed, '{"a": 1, "in": {"z": 2}}')
+    assert takes({"type": "object"}, '{"b": 2}') and not takes({"type": "object"}, '{"b": 2}', strict=True)
+    assert takes({**listed, "additionalProperties": True}, '{"a": 1, "b": 2}')
+    assert takes({**listed, "additionalProperties": {"type": "string"}}, '{"a": 1, "b": "x"}')
+    assert "additionalProperties" not in listed  # the request's own schema is left as it was

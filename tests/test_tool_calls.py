@@ -23,6 +23,8 @@ from uma_trio.config import ServerConfig
 from uma_trio.engine.constraints import lark_constraint
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.engine.sampling import SamplingParams
+from uma_trio.protocol.messages import EosEvent, Timings, ToolCall, ToolCallFunction, Usage
+from uma_trio.protocol.openai import ToolChatStream, chat_completion
 from uma_trio.protocol.tool_text import ToolTextFilter, parse_tool_calls
 from uma_trio.protocol.tools import NamedToolChoice, Tool, ToolFormat, tool_call_grammar, tool_format_of
 from uma_trio.runtime.server import Server
@@ -583,31 +585,35 @@ async def test_a_generic_history_shows_its_calls_without_tools_offered(
     assert called.eos.usage.prompt_tokens >= bare.eos.usage.prompt_tokens + 12
 
 
-@pytest.mark.model
-async def test_calls_cut_off_by_max_tokens_finish_with_length(keyed_http_server: Server) -> None:
-    """Three calls asked for, cut off inside the second: the whole first one is kept, and
-    finish_reason says ``length`` (it said ``tool_calls``, and the cut call vanished)."""
-    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
-    fields: dict[str, Any] = dict(
-        model=MODEL, tools=[tool], tool_choice="required", temperature=0, max_tokens=70,
-        messages=[{"role": "system", "content": "Call get_weather once for every city the user names."},
-                  {"role": "user", "content": "What is the weather in Paris, in London and in Rome?"}],
-    )  # fmt: skip
-    async with openai_sdk(keyed_http_server) as client:
-        whole = await client.chat.completions.create(**fields)
-        assert whole.usage is not None and whole.usage.completion_tokens == 70
-        assert whole.choices[0].finish_reason == "length"
-        calls = whole.choices[0].message.tool_calls
-        assert calls and [c.function.name for c in calls] == ["get_weather"]
-        assert json.loads(calls[0].function.arguments)["city"] == "Paris"
-        finish, streamed = [], []
-        async for chunk in await client.chat.completions.create(**fields, stream=True):
-            finish += [c.finish_reason for c in chunk.choices if c.finish_reason]
-            streamed += [c.function.arguments for c in chunk.choices[0].delta.tool_calls or [] if c.function]
-        # A cache hit's greedy answer may differ from a cold one in the fast mode (SCHEDULER.md):
-        # the stream is checked for the same shape, not the same text.
-        assert finish == ["length"] and len(streamed) == 1 and json.loads(streamed[0])["city"] == "Paris"
+def test_calls_cut_off_by_max_tokens_finish_with_length() -> None:
+    """Cut off inside the second call: the whole first one is kept, and finish_reason says
+    ``length`` (it said ``tool_calls``, and the cut call vanished), whole and streamed.  (This
+    ran on the real model until its answers stopped after one call: objects that list their
+    properties are closed now, and the model no longer wrote keys of its own into a second.)"""
+    first = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    cut = '{"tool_calls": [' + first + ', {"name": "get_weather", "argu'
+    content, parsed = parse_tool_calls(cut, "generic", NAMES)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in parsed] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    calls = [
+        ToolCall(id="call_1", function=ToolCallFunction(name=c.name, arguments=c.arguments)) for c in parsed
+    ]
+    eos = EosEvent(
+        id="x",
+        reason="length",
+        usage=Usage(1, 70, 71),
+        timings=Timings(0.0, 1.0),
+        content=content,
+        tool_calls=calls,
+    )
+    whole = chat_completion("c", 0, MODEL, eos)
+    assert whole.choices[0].finish_reason == "length" and whole.choices[0].message.tool_calls == calls
+    stream = ToolChatStream("c", 0, MODEL, False, "generic")
+    chunks = [*stream.token(cut), *stream.end(eos)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+    streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert [json.loads(t.function.arguments) for t in streamed] == [{"city": "Paris"}]
 
 
 @pytest.mark.parametrize("cut", ["{", '{"', '{"to', '{"tool_calls"', '{"tool_calls":', ' { "tool_calls" : '])
@@ -740,7 +746,9 @@ async def test_a_hermes_stream_sends_the_text_after_a_call_and_the_logprobs(
 
 
 def test_a_strict_tools_objects_are_closed_in_its_grammar() -> None:
-    """function.strict was read and ignored: the arguments could carry keys it does not name."""
+    """function.strict was read and ignored: the arguments could carry keys it does not name.
+    A tool that is not strict left every object open, and the default model wrote keys of its
+    own into its calls (`"description": "Paris is a beautiful city..."`)."""
     loose = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
     def parameters(strict: bool) -> Any:
@@ -752,7 +760,13 @@ def test_a_strict_tools_objects_are_closed_in_its_grammar() -> None:
         return json.loads(grammar.removeprefix("start: %json ").strip())["$defs"]["uma_tool_0"]
 
     assert parameters(True)["additionalProperties"] is False
-    assert "additionalProperties" not in parameters(False)
+    # Not strict: closed as llama.cpp's converter closes it (llama-server, Ollama), since it
+    # lists its properties; a bare object stays any object unless strict.
+    assert parameters(False)["additionalProperties"] is False
+    loose = {"type": "object"}
+    assert (
+        "additionalProperties" not in parameters(False) and parameters(True)["additionalProperties"] is False
+    )
 
 
 @pytest.mark.parametrize(

@@ -214,10 +214,11 @@ _LOCATION = re.compile(r"^at \d+\(\d+\): ")  # a place in the grammar text, whic
 
 
 def tool_schema(tool: Tool) -> dict[str, Any]:
-    """The JSON schema of ``tool``'s arguments, as the call grammar holds it (a strict tool's
-    objects closed), before its move under the grammar's ``$defs``."""
+    """The JSON schema of ``tool``'s arguments, as the call grammar holds it (objects closed:
+    a strict tool's all, another's where they list their properties, as llama.cpp's converter
+    reads them), before its move under the grammar's ``$defs``."""
     parameters = tool.function.parameters or {"type": "object", "properties": {}}
-    return closed(parameters) if tool.function.strict else parameters
+    return closed(parameters, bare=bool(tool.function.strict))  # type: ignore[no-any-return]
 
 
 def tool_fault(index: int, error: str) -> str:

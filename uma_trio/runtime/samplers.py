@@ -58,18 +58,23 @@ def formatted(request: GenerateRequest) -> bool:
 
 
 def format_schema(request: GenerateRequest) -> dict[str, Any] | None:
-    """The JSON schema of a :func:`formatted` request's ``response_format`` (a strict one
-    closed); None: any JSON object.  Raises :class:`ConstraintError`."""
+    """The JSON schema of a :func:`formatted` request's ``response_format``, its objects
+    closed (a strict one's all, another's where they list their properties, as llama.cpp's
+    converter reads them: protocol/strict_schema.py); None: any JSON object.  Raises
+    :class:`ConstraintError`."""
     fmt = request.response_format
     if isinstance(fmt, JsonSchemaFormat):
-        schema = fmt.json_schema.schema
-        if schema is not None and fmt.json_schema.strict:
-            try:
-                return closed(schema)  # type: ignore[no-any-return]
-            except RecursionError:
-                raise ConstraintError("invalid JSON schema: nested too deeply") from None
-        return schema
-    return fmt.schema if isinstance(fmt, JsonObjectFormat) else None
+        schema, strict = fmt.json_schema.schema, bool(fmt.json_schema.strict)
+    elif isinstance(fmt, JsonObjectFormat):
+        schema, strict = fmt.schema, False
+    else:
+        return None
+    if schema is None:
+        return None
+    try:
+        return closed(schema, bare=strict)  # type: ignore[no-any-return]
+    except RecursionError:
+        raise ConstraintError("invalid JSON schema: nested too deeply") from None
 
 
 def blame_a_tool(request: GenerateRequest) -> None:
