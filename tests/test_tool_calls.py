@@ -883,8 +883,9 @@ async def test_tools_with_a_response_format_call_or_answer_in_the_format(keyed_h
             text={"format": {"type": "json_schema", "name": "answer", "schema": ANSWER}},
         )  # fmt: skip
         assert response.status == "completed" and response.output
+    # A new grammar compiles before the answer: under the whole suite, past httpx's 5 s default.
     async with httpx.AsyncClient(
-        base_url=str(keyed_http_server.http_url), headers={"Authorization": f"Bearer {API_KEY}"}
+        base_url=str(keyed_http_server.http_url), headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
     ) as http:
         ollama_chat = await http.post("/api/chat", json={
             "model": MODEL, "messages": ASK[1:], "tools": [WEATHER], "format": ANSWER, "stream": False,
