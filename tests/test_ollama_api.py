@@ -314,3 +314,18 @@ async def test_a_format_schema_gives_only_the_keys_it_lists_as_ollama_s(open_ser
             format=Answer.model_json_schema(), options={"num_predict": 40, "temperature": 1.0, "seed": seed},
         )  # fmt: skip
         assert reply.done_reason == "stop" and set(json.loads(reply.message.content or "")) == {"a"}, reply
+
+
+async def test_a_request_without_a_model_is_ollama_s_400(open_server: Server) -> None:
+    """`"model": ""` served the default model and answered `"model": ""`; `/api/show {}`
+    described the default model.  Ollama answers 400 `model is required`."""
+    async with httpx.AsyncClient(base_url=str(open_server.http_url)) as http:
+        for path, body in [
+            ("/api/generate", {"model": "", "prompt": "hi", "stream": False}),
+            ("/api/chat", {"model": "", "messages": [{"role": "user", "content": "hi"}], "stream": False}),
+            ("/api/show", {}),
+        ]:
+            answer = await http.post(path, json=body)
+            assert (answer.status_code, answer.json()) == (400, {"error": "model is required"}), path
+        shown = await http.post("/api/show", json={"name": MODEL})  # Ollama's older field still names it
+        assert shown.status_code == 200
