@@ -9,13 +9,18 @@ both loaded before the runs) and on the status quo for two models, one llama-ser
 * ``mixed``: the same chats, and from t = 1 s one background client on model B with a
   2,000-token prompt (16 tokens).
 
+With ``--job-lane interactive`` model B's job is a chat instead: a long pasted prompt (3,000
+tokens), whose reading must fit the gaps of model A's streams as a new chat's prompt fits
+between one model's streams (docs/SCHEDULER.md "Several models"; its TTFT is reported too).
+
 Model B is a copy of the default model under another name, so both systems load two models of
 the same size.  Figures: the chats' inter-token gaps (p50 / p95 / max) against their own alone
 run, their TTFT, the background job's completion time, aggregate tokens/s, and the resident
 memory of everything serving (uma-trio's one process; the two llama-servers together).
-Writes ``OUT/multi_model.csv``, ``OUT/multi_model.md`` and ``OUT/multi_model.png``.
+Writes ``OUT/multi_model.csv``, ``OUT/multi_model.md`` and ``OUT/multi_model.png``
+(``multi_model_interactive.*`` with ``--job-lane interactive``).
 
-    python benches/multi_model.py [--peers DIR] [--out DIR]
+    python benches/multi_model.py [--peers DIR] [--out DIR] [--job-lane interactive]
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import trio
 from bench_output import free_port, save_figure, write_csv
 from compare import DEFAULT_PEERS, Setup, llama_server_command, rss_bytes, run_separate, running, uma_command
 
 from uma_trio.loadgen import Scenario, ScenarioResult, lane_stats, run_scenario
-from uma_trio.loadgen.scenario import ClientSpec
+from uma_trio.loadgen.scenario import ClientSpec, Lane
 from uma_trio.loadgen.stats import tokens_per_s
 from uma_trio.loadgen.targets import OpenAITarget
 from uma_trio.model_files import ensure_default_model
@@ -42,20 +48,29 @@ SETUP = Setup(slots=4, n_ctx=4096)
 MODEL_B = "SmolLM2-second"  # the default model's copy, under its own name
 
 
-def scenarios(model_a: str) -> tuple[Scenario, Scenario]:
+def scenarios(model_a: str, job_lane: Lane = "background") -> tuple[Scenario, Scenario]:
     chats = ClientSpec(
         name="chat", prompt_tokens=64, max_tokens=96, requests=4, think_s=0.3, copies=3, stagger_s=0.2,
         model=model_a,
     )  # fmt: skip
+    prompt = 2000 if job_lane == "background" else 3000
     bulk = ClientSpec(
-        name="bulk", lane="background", prompt_tokens=2000, max_tokens=16, start_s=1.0, model=MODEL_B
+        name="bulk", lane=job_lane, prompt_tokens=prompt, max_tokens=16, start_s=1.0, model=MODEL_B
     )
     return Scenario(name="alone", clients=[chats]), Scenario(name="mixed", clients=[chats, bulk])
 
 
+def of_clients(result: ScenarioResult, chats: bool) -> ScenarioResult:
+    """The records of model A's chats (``chats``) or of model B's job: with an interactive job
+    both are in the interactive lane."""
+    records = [r for r in result.records if (r.client != "bulk") == chats]
+    return msgspec.structs.replace(result, records=records)
+
+
 def figures(system: str, alone: ScenarioResult, mixed: ScenarioResult, rss: int) -> dict[str, Any]:
-    base, chats = lane_stats(alone, "interactive"), lane_stats(mixed, "interactive")
-    bulk = lane_stats(mixed, "background")
+    base, chats = lane_stats(alone, "interactive"), lane_stats(of_clients(mixed, True), "interactive")
+    job = of_clients(mixed, False)
+    bulk = lane_stats(job, job.records[0].lane)
     return {
         "system": system,
         "chat_gap_p50_ms": round(chats.gap_p50 * 1e3, 2),
@@ -66,6 +81,7 @@ def figures(system: str, alone: ScenarioResult, mixed: ScenarioResult, rss: int)
         "max_over_alone_p95": round(chats.gap_max / base.gap_p95, 3),
         "chat_ttft_p50_ms": round(chats.ttft_p50 * 1e3, 1),
         "alone_ttft_p50_ms": round(base.ttft_p50 * 1e3, 1),
+        "bulk_ttft_s": round(bulk.ttft_p50, 3),
         "bulk_completion_s": round(bulk.completion_max, 3),
         "chats_failed": chats.failed,
         "bulk_failed": bulk.failed,
@@ -106,7 +122,7 @@ def run_llama_servers(
         return figures("two llama-servers, one per model", first, second, sum(rss_bytes(s) for s in servers))
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, job: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,11 +133,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for ax, key, title in (
         (axes[0], "p95_over_alone", "chat gap p95 / alone p95"),
         (axes[1], "max_over_alone_p95", "chat gap max / alone p95"),
-        (axes[2], "bulk_completion_s", "background job completion (s)"),
+        (axes[2], "bulk_completion_s", "model B's job completion (s)"),
     ):
         ax.bar(names, [r[key] for r in rows], color=["tab:blue", "tab:orange"])
         ax.set_title(title, fontsize=10)
-    fig.suptitle("Chats on model A, a 2,000-token job on model B, one machine")
+    fig.suptitle(f"Chats on model A, {job} on model B, one machine")
     save_figure(fig, path)
 
 
@@ -131,31 +147,37 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parent / "results" / "multi_model"
     )
+    parser.add_argument(
+        "--job-lane", choices=("background", "interactive"), default="background",
+        help="model B's job: a 2,000-token background job, or a chat with a 3,000-token prompt",
+    )  # fmt: skip
     args = parser.parse_args()
+    stem = "multi_model" if args.job_lane == "background" else "multi_model_interactive"
     args.out.mkdir(parents=True, exist_ok=True)
     model = ensure_default_model()
     with tempfile.TemporaryDirectory(prefix="uma-models-") as tmp:
         models_dir = Path(tmp)
         copy = models_dir / f"{MODEL_B}.gguf"
         shutil.copyfile(model, copy)
-        alone, mixed = scenarios(model.name.removesuffix(".gguf"))
+        alone, mixed = scenarios(model.name.removesuffix(".gguf"), args.job_lane)
         rows = [
             run_uma(model, models_dir, args.out, alone, mixed),
             run_llama_servers(args.peers, model, copy, args.out, alone, mixed),
         ]
     fields = list(rows[0])
-    write_csv(args.out / "multi_model.csv", rows, fields)
+    write_csv(args.out / f"{stem}.csv", rows, fields)
     lines = ["| " + " | ".join(fields) + " |", "|" + " --- |" * len(fields)]
     lines += ["| " + " | ".join(str(r[f]) for f in fields) + " |" for r in rows]
-    (args.out / "multi_model.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     uma, peers = rows
     ratios = {
         key: uma[key] / peers[key]
-        for key in ("chat_gap_p95_ms", "chat_gap_max_ms", "bulk_completion_s", "rss_mib")
+        for key in ("chat_gap_p95_ms", "chat_gap_max_ms", "bulk_ttft_s", "bulk_completion_s", "rss_mib")
     }
     print("\numa-trio / two llama-servers: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    plot(rows, args.out / "multi_model.png")
+    job = "a 2,000-token background job" if args.job_lane == "background" else "a 3,000-token chat"
+    plot(rows, args.out / f"{stem}.png", job)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,11 @@ def test_a_background_model_gets_a_bounded_tick_inside_another_models_gap() -> N
     # A step that cannot be cut below 10.5 ms would stretch a 10 ms gap past the guard's 2x.
     assert arbiter.grant("bulk", interactive=False, smallest_s=0.0105) == 0.0
     assert arbiter.grant("bulk", interactive=False, smallest_s=0.0095) == pytest.approx(0.008)
+    # With a chat of its own the bulk model gets no grant, but the chat model's pace, which
+    # its ticks must fit (SchedulerState.beside_s); the chat model sees none beside it.
+    assert arbiter.beside("bulk") == pytest.approx(0.010) and arbiter.beside("chat") == 0.0
     arbiter.quiet("chat")  # its streams ended: the bulk model runs freely again
+    assert arbiter.beside("bulk") == 0.0
     assert arbiter.grant("bulk", interactive=False) is None
     woken.clear()
     arbiter.leave("chat")  # a loop gone (a failed model) wakes those that waited on it
@@ -275,3 +279,44 @@ async def test_another_models_steps_are_not_counted_as_idle_time(autojump_clock:
         card = server.scorecard(trio.current_time())
     assert engines["bulk"].steps  # both models stepped, in turns
     assert card.engine_idle_pct is not None and card.engine_idle_pct < 5.0, card.engine_idle_pct
+
+
+async def test_a_long_chat_prompt_on_another_model_keeps_the_streams_gaps_under_the_guard(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A ~3,000-token chat to model b beside a stream on model a: with interactive work of its
+    own b ran unconstrained, its prompt's first tick the whole burst tick (nobody decoded on
+    b), and a's gaps reached 1.7-3.0 s on the CPU against ~50 ms for the same two requests on
+    one model (several-models review).  Now b's prompt ticks fit a's gaps as a new chat's
+    prompt fits one model's: at most ``max_pause`` × the pace the streams will have once it
+    decodes too (a tick of each model)."""
+    engines: dict[str, SimEngine] = {}
+    async with chat_and_bulk_models(engines) as (_, client):
+        await client.models("load", "bulk")
+        alone = await chat_gaps(client, 3, None)
+        bulk_alone = await chat_gaps(client, 1, "bulk")
+        # Once the long chat decodes, every stream's gap holds a tick of each model.
+        pace = float(np.percentile(alone, 95)) + float(np.percentile(bulk_alone, 95))
+
+        async def first_token(prompt: str) -> float:
+            start = trio.current_time()
+            async with client.stream(prompt=prompt, max_tokens=4, model="bulk") as events:
+                async for event in events:
+                    if isinstance(event, TokenEvent):
+                        return trio.current_time() - start
+            raise AssertionError("no token")
+
+        ttft_alone = await first_token("a long pasted file " * 700)
+        ttft: list[float] = []
+
+        async def long_chat() -> None:
+            await trio.sleep(0.1)  # the streams decode when it arrives
+            ttft.append(await first_token("another long pasted file " * 560))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(long_chat)
+            mixed = await chat_gaps(client, 3, None)
+    assert ttft, "the long chat got no token"
+    assert max(mixed) <= 2.0 * pace, (max(mixed), pace)
+    # It shared the machine with the streams, and still got most of it.
+    assert ttft[0] <= 3.0 * ttft_alone, (ttft[0], ttft_alone)

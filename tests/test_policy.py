@@ -378,6 +378,34 @@ def test_with_nobody_decoding_prompts_take_a_whole_micro_batch() -> None:
     assert sum(n for _, n in beside.prefill) < 512  # a decoding stream keeps its pause limit
 
 
+def test_beside_another_models_streams_a_chats_long_prompt_fits_their_gaps() -> None:
+    """Nobody decodes here, but another model's streams do, 20 ms a tick: a gap of theirs holds
+    this model's tick whole, so a long chat prompt is read at most ``max_pause`` × the pace
+    the streams will have once it decodes too (a tick of each model), not in one micro-batch
+    (a 3,000-token chat held a stream on another model for 1.7-3.0 s a gap).  Background work
+    beside it gets what stretches their gap no more than the cap."""
+    beside = 0.020
+    prompt, bulk = interactive(1, prompt=3000), background(2, prompt=3000)
+    alone = plan_tick(SchedulerState((prompt,), max_batch=2048, micro_batch=512), CONFIG, COST)
+    assert alone.prefill_tokens == 512  # no stream anywhere: the whole micro-batch
+    state = SchedulerState((prompt, bulk), max_batch=2048, micro_batch=512, beside_s=beside)
+    fitted = plan_tick(state, CONFIG, COST)
+    joined = COST.predict(1, 0, 3000)
+    assert 0 < fitted.prefill_tokens < 512
+    assert dict(fitted.prefill).keys() == {1}  # the chat's first token comes first
+    assert fitted.predicted_s <= CONFIG.max_pause * (joined + beside) - beside
+    # With the chat decoding, the background prompt gets its share of the headroom only.
+    decoding = SchedulerState((interactive(1, n_past=100), bulk), beside_s=beside)
+    assert plan_tick(decoding, CONFIG, COST).predicted_s <= CONFIG.latency_cap * COST.predict(1, 0, 100)
+    # Background work beside a parked chat stretches their gap at most to the cap; where not
+    # even one token fits there, one token (a plan is never empty with work waiting).
+    parked = interactive(1, n_past=5, parked=True)
+    for beside_s in (0.2, 0.02):
+        fill = plan_tick(SchedulerState((parked, bulk), beside_s=beside_s), CONFIG, COST)
+        headroom = (CONFIG.latency_cap * CONFIG.cap_margin - 1.0) * beside_s
+        assert fill.prefill_tokens == max(1, int((headroom - COST.fixed_s) / COST.prefill_s))
+
+
 def test_with_nobody_decoding_a_burst_takes_what_fits_the_burst_tick() -> None:
     """On a GPU a micro-batch of 512 prompt tokens is a fraction of the burst tick: sixteen
     128-token requests arriving at an idle daemon all prefill in one tick (as llama-server's

@@ -321,13 +321,13 @@ class DecodeLoop:
             await self._run_jobs()
             self._admit()
             self._release_parked()
-            cap = self._turn()
+            cap, beside = self._turn()
             if cap == 0.0:  # another model's streams decode: wait for a turn, or new work here
                 self._skipped = tuple((seq_id, "share") for seq_id in self._active)
                 self.engine.went_idle()
                 await self._sleep()
                 continue
-            plan = self._plan(cap)
+            plan = self._plan(cap, beside)
             self._skipped = plan.skipped
             if not plan:
                 if self._sharing is not None:
@@ -421,24 +421,23 @@ class DecodeLoop:
                 return
             seen = len(self._waiting)
 
-    def _turn(self) -> float | None:
+    def _turn(self) -> tuple[float | None, float]:
         """The longest tick this model may take now, beside the other models' streams (None:
-        no limit; 0.0: wait for a turn)."""
+        no limit; 0.0: wait for a turn), and, with interactive work here, what the other
+        models' stream ticks add to every gap (SchedulerState.beside_s)."""
         if self._sharing is None or not self._active:
-            return None
+            return None, 0.0
         interactive = any(s.lane == "interactive" for s in (*self._active.values(), *self._waiting))
-        if not interactive:
-            self._sharing.arbiter.quiet(self._sharing.name)
+        if interactive:
+            self._limited = False
+            return None, self._sharing.arbiter.beside(self._sharing.name)
+        self._sharing.arbiter.quiet(self._sharing.name)
         # The cheapest step this loop can take (priced only where a grant weighs it): one
         # token at the shortest context it holds.
-        smallest = 0.0
-        if not interactive:
-            smallest = self.policy.cost.predict(
-                1, 0, min((s.n_past for s in self._active.values()), default=0)
-            )
-        cap = self._sharing.arbiter.grant(self._sharing.name, interactive=interactive, smallest_s=smallest)
+        smallest = self.policy.cost.predict(1, 0, min((s.n_past for s in self._active.values()), default=0))
+        cap = self._sharing.arbiter.grant(self._sharing.name, interactive=False, smallest_s=smallest)
         self._limited = cap is not None and cap > 0
-        return cap
+        return cap, 0.0
 
     def _nudge(self) -> None:
         """Another model's tick ended: this loop's turn may have come."""
@@ -756,7 +755,7 @@ class DecodeLoop:
         self._free_cells(evicted)
         return reused
 
-    def _plan(self, cap_s: float | None = None) -> Plan:
+    def _plan(self, cap_s: float | None = None, beside_s: float = 0.0) -> Plan:
         now = self._clock()
         views = []
         for seq_id, session in self._active.items():
@@ -779,7 +778,7 @@ class DecodeLoop:
             )
         self._state = SchedulerState(
             tuple(views), tick=self._tick, max_batch=self.max_batch, micro_batch=self.config.engine_n_ubatch,
-            preemptible=self.engine.can_preempt, foreign_cap_s=cap_s,
+            preemptible=self.engine.can_preempt, foreign_cap_s=cap_s, beside_s=beside_s,
             capture_shape=self._shapes.capturing() if self._shapes is not None else None,
         )  # fmt: skip
         return self.policy.plan(self._state)

@@ -12,9 +12,12 @@ middle of A's gap: the guard allows such a stretched gap in at most ``share`` of
 smallest step (one token) is what B's policy cannot cut: one predicted past ``(max_gap - 1)``
 × A's tick (``max_gap``: the guard's bound on any gap) would break the guard, so B then waits
 for A's streams to pause.  With
-no interactive stream elsewhere, or with interactive work of its own (then both models' chats
-pay for each other, as two chats of one model do), a model runs unconstrained.  Pure: fed the
-measured ticks, no clock, no I/O.
+no interactive stream elsewhere a model runs unconstrained.  With interactive work of its own
+(then both models' chats pay for each other, as two chats of one model do) it gets no grant
+but :meth:`Arbiter.beside`, the other models' stream ticks, which its policy counts into its
+streams' pace: a long prompt of its own is then read in ticks that fit the others' gaps, not
+in one burst (a 3,000-token chat on one model held another's stream for 1.7-3.0 s a gap).
+Pure: fed the measured ticks, no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -84,6 +87,14 @@ class Arbiter:
             return 0.0
         self.granted += 1
         return (self.max_pause - 1.0) * tick
+
+    def beside(self, model: str) -> float:
+        """What the other models' streams add to every gap of ``model``'s own streams, and
+        every gap of theirs holds one tick of ``model``: the sum of their last stream ticks
+        (0.0: none streams, or none has ticked yet).  ``model``'s policy keeps its ticks with
+        interactive work inside these gaps as one model fits a new chat's prompt between its
+        streams' tokens (SchedulerState.beside_s)."""
+        return sum(s.tick_s for name, s in self._standing.items() if name != model and s.streams)
 
     def ran(self, model: str, *, streams: bool, seconds: float, limited: bool) -> None:
         """A tick of ``model`` ended: ``streams``, whether interactive sessions decoded in it;

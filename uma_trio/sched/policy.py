@@ -22,9 +22,11 @@ The stages, in order (each a function below):
    shortest prompt first), so a new interactive request joins on the very next
    tick (token-boundary preemption: it never waits behind a background chunk,
    which only ever gets headroom) and a burst of requests is let in at the pace
-   the burst will decode at, not a few tokens a tick.  With no stream decoding,
-   such a first tick is the new requests' own: background work takes only what
-   adds nothing to it, and no rescue rides on it (time to first token first).
+   the burst will decode at, not a few tokens a tick.  Beside another model's
+   streams (``SchedulerState.beside_s``) that pace holds a tick of each model.
+   With no stream decoding, such a first tick is the new requests' own: background
+   work takes only what adds nothing to it, and no rescue rides on it (time to
+   first token first).
 4. **Background decoders** fill the headroom, longest-waiting first, at most
    ``background_limit`` of them (the sweet-spot auto-tuner's setting).
 5. **Background prefill** fills what is still left, shortest remaining prompt
@@ -113,10 +115,16 @@ class PolicyConfig:
 
 
 def tick_budget(
-    sessions: Sequence[SessionState], config: PolicyConfig, cost: CostCoefficients
+    sessions: Sequence[SessionState], config: PolicyConfig, cost: CostCoefficients, beside_s: float = 0.0
 ) -> tuple[float, float]:
-    """``(budget_s, baseline_s)`` for this tick; see the module docstring."""
+    """``(budget_s, baseline_s)`` for this tick; see the module docstring.  ``beside_s``:
+    other models' stream ticks, whose gaps a tick here lands in (SchedulerState.beside_s)."""
     decoders = [s for s in sessions if s.interactive and s.decoding and not s.parked]
+    if not decoders and beside_s > 0.0:
+        # No stream here, but another model's: this tick only stretches their gaps, so it
+        # gets their cap headroom, as a background model's tick costs no share within it.
+        headroom = max(0.0, (config.latency_cap * config.cap_margin - 1.0) * beside_s)
+        return headroom, headroom
     if not decoders:
         throughput = throughput_tick(config, cost)
         return throughput, throughput
@@ -279,7 +287,7 @@ def plan_pipeline(
     """Every stage, in order, for any state (:func:`plan_tick` takes a short cut for one)."""
     skipped: dict[int, SkipReason] = {s.key: "parked" for s in state.sessions if s.parked}
     runnable = [s for s in state.sessions if not s.parked]
-    budget, baseline = tick_budget(runnable, config, cost)
+    budget, baseline = tick_budget(runnable, config, cost, state.beside_s)
     if quiet_tick(state):  # no interactive session: tick_budget gave the throughput tick
         growth = 2 ** min(controls.quiet_ticks, config.background_growth) if growing_tick(state) else 1
         budget = baseline = budget * growth
@@ -296,16 +304,19 @@ def plan_pipeline(
     # waiting prompts decode too: that is their own pace (the "alone" the guard compares
     # with), which admitting them sets anyway.  Against today's smaller tick a burst of
     # requests would trickle in a few tokens a tick (on a GPU, in waves over seconds).
+    # Beside other models' streams that pace holds a tick of each model (``beside_s``), and
+    # so does every gap the tick stretches.
     interactive_prompts = [s for s in runnable if s.interactive and not s.decoding]
     joined = joined_baseline(interactive_decoders, interactive_prompts, cost)
-    pause_limit = max(budget, config.max_pause * joined)
+    beside = state.beside_s
+    pause_limit = max(budget, config.max_pause * (joined + beside) - beside)
     room = batch.prefill_room(pause_limit, interactive_prompts)
-    # With no stream decoding there is no gap to protect: prompts take a whole micro-batch
-    # (work-conserving: the engine's efficient unit, as llama-server prefills), or as many as
-    # fit the burst tick where that is more, so a request arriving meanwhile waits one of
-    # those at most, then joins.  The budget covers what is planned.
+    # With no stream decoding, here or on another model, there is no gap to protect: prompts
+    # take a whole micro-batch (work-conserving: the engine's efficient unit, as llama-server
+    # prefills), or as many as fit the burst tick where that is more, so a request arriving
+    # meanwhile waits one of those at most, then joins.  The budget covers what is planned.
     nobody_decodes = not any(s.decoding for s in runnable)
-    if nobody_decodes and interactive_prompts:
+    if nobody_decodes and interactive_prompts and beside <= 0.0:
         whole = min(state.micro_batch, state.max_batch - batch.n_tokens)
         room = max(room, whole, batch.prefill_room(config.burst_tick_s, interactive_prompts))
     room = max(room, min(1, len(interactive_prompts), state.max_batch - batch.n_tokens))

@@ -45,6 +45,10 @@ class SchedulerState:
     # Another model's streams decode and this model has only background work: the longest
     # tick the machine's arbiter allows it (sched/arbiter.py); None: no such limit.
     foreign_cap_s: float | None = None
+    # This model has interactive work and other models' streams decode: the time their ticks
+    # add to every gap of a stream here, and theirs hold a tick of this model (Arbiter.beside).
+    # 0.0: no other model streams.
+    beside_s: float = 0.0
     # (tokens, logits) of the last step when it was the first of its shape and the engine
     # captures a step's graph on its second run in a row (llama.cpp's CUDA graphs): a tick
     # carrying prompt tokens avoids that shape (sched/graph_shapes.py).  None: no such shape.
