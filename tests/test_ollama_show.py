@@ -113,10 +113,15 @@ async def test_a_model_not_loaded_is_shown_from_its_file_and_stays_unloaded(
             missing = await http.post("/api/show", json={"model": "nothing-here"})
             assert missing.status_code == 404 and "nothing-here" in missing.json()["error"]
             # A file that is no model: refused as a request naming it is (it was a 200 of
-            # made-up details: family "", capabilities completion and tools).
-            await trio.Path(tmp_path / "junk.gguf").write_bytes(b"junk\n")
+            # made-up details: family "", capabilities completion and tools); one that is no
+            # GGUF file at all is no model of the store (it was listed as one).
+            await trio.Path(tmp_path / "junk.gguf").write_bytes(b"GGUF junk\n")
             junk = await http.post("/api/show", json={"model": "junk"})
             assert junk.status_code == 422 and "cannot load model 'junk'" in junk.json()["error"], junk.text
+            await trio.Path(tmp_path / "notes.gguf").write_bytes(b"notes\n")
+            notes = await http.post("/api/show", json={"model": "notes"})
+            assert notes.status_code == 404 and "notes" in notes.json()["error"], notes.text
+            assert "notes" not in {m.model for m in (await api.list()).models}
 
 
 async def test_a_dimensions_no_model_gives_is_refused_before_the_model_loads(

@@ -59,16 +59,23 @@ class ModelStore:
     def scan(cls, primary: Path, models_dir: Path | None = None, aliases: Sequence[str] = ()) -> ModelStore:
         """The primary model, the directory's ``*.gguf`` files (sorted; the primary's id wins
         a clash) and the aliases (``NAME=FILE``, FILE a path or a file name in the store)."""
-        files = {model_id(primary.name): primary}
+        primary_id = model_id(primary.name)
+        files = {primary_id: primary}
         directory = models_dir if models_dir is not None else default_models_dir()
         if models_dir is not None and not directory.is_dir():
             raise StoreError(f"--models-dir {directory}: not a directory")
-        found = {model_id(path.name): path for path in _gguf_files(directory)}
-        for key, path in found.items():
-            files.setdefault(key, path)
+        found = _found_files(directory, primary)
+        files.update(found)
         named = _aliases(aliases, files)
+        # A directory file an --alias name takes is left out, as a rescan leaves out such a
+        # file copied or pulled in while running: it must not stop the next start.
+        for key, names in named.items():
+            for name in names:
+                hidden = next((k for k, path in found.items() if name in (k, path.name) and k != key), None)
+                if hidden is not None and hidden not in named:
+                    _warn_hidden(found[hidden], name, StoreEntry(key, files[key], 0, tuple(names)))
+                    del files[hidden], found[hidden]
         _refuse_hiding(files, named)
-        primary_id = model_id(primary.name)
         return cls(
             (
                 StoreEntry(
@@ -95,7 +102,7 @@ class ModelStore:
         new = []
         for path in _gguf_files(self.directory):
             key = model_id(path.name)
-            if key in known:
+            if key in known or not _is_gguf(path):
                 continue
             if clash := next((name for name in (key, path.name) if name in taken), None):
                 _warn_hidden(path, clash, taken[clash])
@@ -177,6 +184,26 @@ def _refuse_hiding(files: dict[str, Path], named: dict[str, list[str]]) -> None:
                 raise StoreError(f"--alias {name}={key}: {name!r} is already another model's {other}")
 
 
+def _found_files(directory: Path, primary: Path) -> dict[str, Path]:
+    """The directory's model files by id, in name order, less a file whose id or file name an
+    earlier one (or the primary) already has: ``a.gguf.gguf`` (id ``a.gguf``) beside ``a.gguf``
+    was listed, yet its id named model ``a``; a rescan leaves such a file out, and so does this."""
+    taken = {model_id(primary.name): model_id(primary.name), primary.name: model_id(primary.name)}
+    found: dict[str, Path] = {}
+    for path in _gguf_files(directory):
+        if not _is_gguf(path):
+            continue
+        key = model_id(path.name)
+        clash = next((name for name in (key, path.name) if name in taken), None)
+        if clash is None:
+            found[key] = path
+            taken.update({key: key, path.name: key})
+        elif path.resolve() != primary.resolve() and taken[clash] != model_id(primary.name):
+            owner = found[taken[clash]]
+            _warn_hidden(path, clash, StoreEntry(taken[clash], owner, 0))
+    return found
+
+
 def _gguf_files(directory: Path) -> Iterator[Path]:
     """The directory's ``*.gguf`` files, sorted, less those whose name is not UTF-8: every
     answer that lists the models (JSON, metrics, an error naming them) would fail on it."""
@@ -192,12 +219,27 @@ def _gguf_files(directory: Path) -> Iterator[Path]:
             yield path
 
 
-def _warn_once(path: Path) -> None:
+def _is_gguf(path: Path) -> bool:
+    """Whether ``path`` starts as a GGUF file does: a notes file or an HTML error page saved
+    as ``*.gguf`` was listed as a model (/v1/models, /api/tags, ``ps``) that no request could
+    load.  A damaged GGUF file is still listed: its load fails, with the reason."""
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError:
+        return False  # gone or unreadable: a request for it could not load it either
+    if magic == b"GGUF":
+        return True
+    _warn_once(path, f"it is not a GGUF file (it starts {magic!r})")
+    return False
+
+
+def _warn_once(path: Path, why: str = "its name is not UTF-8") -> None:
     if str(path) in _WARNED:
         return
     _WARNED.add(str(path))
     shown = repr(path.name.encode("utf-8", "surrogateescape"))  # a log line must be UTF-8 too
-    log.warning("skipping the model file %s in %s: its name is not UTF-8", shown, path.parent)
+    log.warning("skipping the model file %s in %s: %s", shown, path.parent, why)
 
 
 def _warn_hidden(path: Path, name: str, owner: StoreEntry) -> None:
