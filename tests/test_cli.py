@@ -435,6 +435,23 @@ async def test_top_into_a_pipe_whose_reader_leaves_exits_141(server: Server) -> 
     assert proc.returncode == 141
 
 
+async def test_a_listing_into_a_pipe_whose_reader_left_exits_141_without_a_traceback(server: Server) -> None:
+    """`uma-trio ps | head -1` ended in a BrokenPipeError traceback, exit 1 (several-models
+    review); generate and top exited 141 quietly.  Every command now does."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    try:
+        done = await trio.to_thread.run_sync(
+            lambda: subprocess.run(
+                [*UMA, "ps", "--socket", str(server.config.socket_path)],
+                stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60,
+            )
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141 and done.stderr == "", done.stderr
+
+
 def test_serve_answers_a_socket_it_cannot_probe_with_exit_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

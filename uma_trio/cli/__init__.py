@@ -14,13 +14,14 @@ One module per group of commands; this one assembles the app.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import cyclopts
 
 from ..config import ConfigError
 from .client_commands import bench, generate, metrics, top
-from .common import EXIT_PROTOCOL_ERROR, EXIT_SERVER_ERROR, EXIT_USAGE
+from .common import EXIT_PROTOCOL_ERROR, EXIT_READER_GONE, EXIT_SERVER_ERROR, EXIT_USAGE
 from .models import load, ps, pull, unload
 from .serve import info, serve
 from .snapshot import snapshot_app
@@ -41,10 +42,16 @@ app.command(fetch_model, name="fetch-model")
 def main() -> None:
     try:
         result = app(exit_on_error=False)
+        sys.stdout.flush()  # a pipe's buffer: its reader's going away is seen here, not at exit
     except cyclopts.CycloptsError:  # already printed, with the usage
         # serve's and info's refusals at start-up are all exit 2 (CONFIG.md), the clients' 1.
         sys.exit(EXIT_SERVER_ERROR if sys.argv[1:2] in (["serve"], ["info"]) else EXIT_USAGE)
     except ConfigError as exc:  # ServerConfig's own checks run as cyclopts builds it
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(EXIT_SERVER_ERROR)
+    except BrokenPipeError:
+        # stdout's reader went away (`uma-trio ps | head -1`): exit as generate and top do, with
+        # no traceback, and no second complaint when Python flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(EXIT_READER_GONE)
     sys.exit(result if isinstance(result, int) else 0)
