@@ -515,7 +515,10 @@ async def test_two_real_models_answer_as_each_does_alone(
             tiny_alone = await greedy(alone, tiny, prompt)
     finally:
         tiny_model.close()
-    async with running_server(llama_model, server_config, http="127.0.0.1:0", models_dir=shelf_dir) as server:
+    alias = (f"little={tiny}.gguf",)
+    async with running_server(
+        llama_model, server_config, http="127.0.0.1:0", models_dir=shelf_dir, alias=alias
+    ) as server:
         default = server.models.store.primary.id
         async with trio.open_nursery() as nursery:  # interleaved: the tiny one loads meanwhile
             answers: dict[str, str] = {}
@@ -532,7 +535,11 @@ async def test_two_real_models_answer_as_each_does_alone(
             assert {m["id"]: m["uma"]["state"] for m in listed} == {default: "loaded", tiny: "loaded"}
             running = (await http.get("/api/ps")).json()["models"]
             assert [m["name"] for m in running] == [default, tiny]
-            assert {m["name"] for m in (await http.get("/api/tags")).json()["models"]} == {default, tiny}
+            # Every entry says its GPU bytes (none here) and context (the other's lacked both).
+            assert [(m["size_vram"], m["context_length"]) for m in running] == [(0, server.config.n_ctx)] * 2
+            # An --alias is listed as a name of its own, as Ollama lists a copy (it was absent).
+            tags = {m["name"]: m["size"] for m in (await http.get("/api/tags")).json()["models"]}
+            assert tags.keys() == {default, tiny, "little"} and tags["little"] == tags[tiny]
             gone = await http.post("/api/generate", json={"model": tiny, "keep_alive": 0})
             assert gone.json()["done_reason"] == "unload"
             assert [m["name"] for m in (await http.get("/api/ps")).json()["models"]] == [default]

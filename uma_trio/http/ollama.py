@@ -60,24 +60,40 @@ class OllamaApi:
 
     async def tags(self, request: Request) -> Response:
         models = self.gateway._ready().models.describe()
-        others = [e for m in models if not m["primary"] if (e := await self._other_entry(m)) is not None]
-        return json_response(ollama.ModelList([await self._entry(), *others]))
+        primary = await self._entry()
+        listed: list[ollama.ModelEntry] = [primary]
+        for model in models:
+            entry = primary if model["primary"] else await self._other_entry(model)
+            if entry is None:
+                continue
+            if not model["primary"]:
+                listed.append(entry)
+            # Each --alias as an entry of its own, as Ollama lists a copy (`ollama cp`): a
+            # picker filled from the list offers the names a request may use.
+            listed += [msgspec.structs.replace(entry, name=alias, model=alias) for alias in model["aliases"]]
+        return json_response(ollama.ModelList(listed))
 
     async def ps(self, request: Request) -> Response:
         # Loaded for good: it expires when the daemon stops, a year from now as far as a
         # client's countdown goes.
         later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=KEEP_ALIVE_MAX_S)
         entry = await self._entry()
-        summary = self.gateway._ready().describe_engine()
-        layers = summary["gpu_layers"]
+        desk = self.gateway._ready()
         entry.expires_at = later.isoformat().replace("+00:00", "Z")
-        entry.size_vram = entry.size * layers["offloaded"] // max(1, layers["total"])
-        entry.context_length = self.gateway._ready().loop.engine.n_ctx_seq
+        entry.size_vram = _size_vram(entry.size, desk.describe_engine())
+        entry.context_length = desk.loop.engine.n_ctx_seq
         loaded = []  # the store's other models while loaded: they expire after their keep-alive
-        for model in self.gateway._ready().models.describe():
+        for model in desk.models.describe():
             if model["state"] == "loaded" and not model["primary"]:
                 if (other := await self._other_entry(model)) is None:
                     continue
+                # What the primary's entry says, for this one too (both were missing).
+                other.context_length = model["context_length"]
+                unit = desk.models.units.get(model["id"])
+                if unit is not None and unit.loaded.describe is not None:
+                    other.size_vram = _size_vram(other.size, unit.loaded.describe())
+                else:  # a simulated engine: nothing on a GPU
+                    other.size_vram = 0
                 keep = model.get("keep_alive_s")
                 # Kept for good, or longer than a year (a socket client's /load may ask for
                 # more): a year from now, as the primary model (a timedelta overflows past ~1e14 s).
@@ -274,6 +290,14 @@ class OllamaApi:
             modified_at=self._modified_at(self.gateway.model), size=self._file_bytes(self.gateway.model),
             digest="", details=details,
         )  # fmt: skip
+
+
+def _size_vram(size: int, summary: dict[str, Any]) -> int:
+    """A model's bytes on a GPU, as its share of offloaded layers (0 with none, or simulated)."""
+    layers = summary.get("gpu_layers")
+    if layers is None:
+        return 0
+    return int(size * layers["offloaded"] // max(1, layers["total"]))
 
 
 async def load_or_unload(gateway: GatewayCore, model: str, keep_alive: float | None) -> str:
