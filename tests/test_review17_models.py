@@ -264,3 +264,19 @@ def test_a_repeated_alias_is_a_start_up_error(tmp_path: Path, model_path: Path) 
     assert (
         "--alias 'chat=b.gguf': 'chat' is already --alias chat=a.gguf" in done.stderr.strip().splitlines()[-1]
     )
+
+
+@pytest.mark.model
+def test_a_memory_budget_below_the_model_s_own_footprint_is_a_start_up_error(
+    tmp_path: Path, model_path: Path
+) -> None:
+    """Several-models review: `--memory-budget` below --model's own footprint was taken, and
+    every other model was then refused as too big for it."""
+    serve = [
+        sys.executable, "-m", "uma_trio", "serve", "--model", str(model_path), "--memory-budget", "10M",
+        "--socket", str(tmp_path / "d.sock"), "--bmt-budget-gbps", "20", "--n-ctx", "512", "--max-sessions", "1",
+    ]  # fmt: skip
+    done = subprocess.run(serve, capture_output=True, text=True, timeout=60)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "--memory-budget 10M (10 MiB) is below --model's own footprint" in last, last

@@ -196,6 +196,11 @@ def loading_for(engine: LlamaEngine, config: ServerConfig) -> Loading:
     primary = memory_footprint(engine.model.shape, config)
     if config.memory_budget is not None:
         budget = parse_memory_budget(config.memory_budget, memory.total)
+        if budget < primary:  # it was taken, and every other model then refused as too big
+            raise DaemonStartError(
+                f"--memory-budget {config.memory_budget} ({budget / 2**20:.0f} MiB) is below --model's "
+                f"own footprint ({primary / 2**20:.0f} MiB: its weights and KV cache); give at least that"
+            )
     else:
         budget = primary + int(0.9 * memory.available)
     return Loading(
