@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -652,3 +653,37 @@ async def test_with_no_mmap_a_loaded_model_s_file_may_be_truncated(
             file.truncate(1 << 20)
         assert await greedy(server, "other", "The capital of France is") == before
         assert server.models.state("other") == "loaded"
+
+
+@pytest.mark.model
+def test_a_loaded_model_s_file_truncated_under_mmap_leaves_a_trace_of_the_crash(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """Several-models review: the documented SIGBUS (a loaded model's file truncated in place
+    under --mmap, MODELS.md) killed the daemon with no line at all; the operator could not tell
+    why it was gone.  Now Python's fault handler writes the fatal error and each thread's stack."""
+    served, sock, err = tmp_path / "m.gguf", tmp_path / "d.sock", tmp_path / "serve.err"
+    shutil.copyfile(model_path, served)
+    serve = [
+        sys.executable, "-m", "uma_trio", "serve", "--model", str(served), "--socket", str(sock),
+        "--bmt-budget-gbps", "20", "--n-ctx", "512", "--max-sessions", "1",
+    ]  # fmt: skip
+    generate = [sys.executable, "-m", "uma_trio", "generate", "--prompt", "The capital of France is",
+                "--max-tokens", "4", "--socket", str(sock)]  # fmt: skip
+    with err.open("w") as stderr:
+        daemon = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 120
+        while subprocess.run(generate, capture_output=True, timeout=60).returncode != 0:
+            assert daemon.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.5)
+        with served.open("r+b") as file:
+            file.truncate(1 << 20)
+        subprocess.run(generate, capture_output=True, timeout=60)
+        code = daemon.wait(timeout=60)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+    assert code == -signal.SIGBUS, (code, err.read_text()[-2000:])
+    assert "Fatal Python error: Bus error" in err.read_text()

@@ -274,7 +274,8 @@ def test_a_memory_budget_below_the_model_s_own_footprint_is_a_start_up_error(
     every other model was then refused as too big for it."""
     serve = [
         sys.executable, "-m", "uma_trio", "serve", "--model", str(model_path), "--memory-budget", "10M",
-        "--socket", str(tmp_path / "d.sock"), "--bmt-budget-gbps", "20", "--n-ctx", "512", "--max-sessions", "1",
+        "--socket", str(tmp_path / "d.sock"), "--bmt-budget-gbps", "20", "--n-ctx", "512",
+        "--max-sessions", "1",
     ]  # fmt: skip
     done = subprocess.run(serve, capture_output=True, text=True, timeout=60)
     last = done.stderr.strip().splitlines()[-1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -70,6 +71,9 @@ def serve(
         Logging verbosity: debug, info, warning or error.
     """
     setup_logging(log_level)
+    # A fatal signal leaves a trace on stderr: SIGBUS when a loaded model's file is truncated
+    # under --mmap (MODELS.md) killed the daemon with no line at all.
+    faulthandler.enable()
     log = logging.getLogger("uma_trio")
     if config.cost_model is None:
         if (calibrated := _calibrated_cost_model(log)) is not None:
