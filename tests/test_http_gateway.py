@@ -123,3 +123,43 @@ async def test_a_streamed_body_arrives_whole_and_in_order_whether_written_at_onc
         nursery.cancel_scope.cancel()
     assert writes > chunks  # the request read, the chunks were tried at once (both times)
     assert short_writes > 0  # the lagging reader did send the rest through the locked path
+
+
+async def test_while_loading_ollama_s_routes_wait_for_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ollama review: for the first seconds after start `/api/chat` and the other model routes
+    answered 503 "still loading" while `GET /` already said "Ollama is running", so a client
+    whose readiness probe had passed failed.  Ollama holds a request until its model is in;
+    so do they now (up to LOAD_WAIT_S, then the 503, in Ollama's shape)."""
+    from uma_trio.daemon import http_gateway
+    from uma_trio.http import gateway as gateway_module
+
+    from .helpers import sim_daemon
+
+    async with sim_daemon(http="127.0.0.1:0") as server, http_gateway(server.config, "sim.gguf") as gateway:
+        assert gateway is not None and gateway.url is not None
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+            root = await http.get("/")
+            assert root.status_code == 200 and root.text == "Ollama is running"
+            assert (await http.get("/api/version")).status_code == 200
+            answers: dict[str, httpx.Response] = {}
+
+            async def ask(path: str, body: dict[str, Any] | None) -> None:
+                answers[path] = await (http.get(path) if body is None else http.post(path, json=body))
+
+            chat = {"model": "sim", "messages": [{"role": "user", "content": "a b c"}], "stream": False,
+                    "options": {"num_predict": 2}}  # fmt: skip
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask, "/api/tags", None)
+                nursery.start_soon(ask, "/api/chat", chat)
+                await trio.sleep(0.5)
+                assert answers == {}  # held, not refused
+                gateway.attach(server)
+            assert answers["/api/tags"].status_code == 200, answers["/api/tags"].text
+            assert answers["/api/chat"].status_code == 200 and answers["/api/chat"].json()["done"]
+    # A load that takes longer than the wait: the 503, as Ollama says errors.
+    monkeypatch.setattr(gateway_module, "LOAD_WAIT_S", 0.2)
+    async with sim_daemon(http="127.0.0.1:0") as server, http_gateway(server.config, "sim.gguf") as gateway:
+        assert gateway is not None and gateway.url is not None
+        async with httpx.AsyncClient(base_url=gateway.url) as http:
+            late = await http.get("/api/tags")
+    assert late.status_code == 503 and late.json() == {"error": "the model is still loading; retry shortly"}

@@ -177,12 +177,43 @@ async def test_a_history_past_the_context_loses_its_oldest_messages(
         )
     ]
     assert chunks[-1].done and chunks[-1].prompt_eval_count == fitted_count(llama_model, chat, 63)
-    # truncate false: refused as before; a last message too long alone: refused anyway.
+    # truncate false: refused as before.
     body = {"model": MODEL, "messages": chat, "stream": False, "options": greedy}
     refused = await post(small_server, {**body, "truncate": False})
     assert refused.status_code == 400 and "context" in refused.json()["error"]
-    too_long = [SYSTEM, {"role": "user", "content": "sea " * 300}]
-    assert (await post(small_server, {**body, "messages": too_long})).status_code == 400
+
+
+@pytest.mark.model
+async def test_a_prompt_too_long_alone_keeps_its_start_and_its_end_as_ollama_cuts_it(
+    small_server: Server, llama_model: LlamaModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ollama review: a last message too long alone, and any /api/generate prompt past the
+    context, was a 400 where Ollama cuts the prompt's middle and answers (its runner keeps the
+    first num_keep tokens, 4, and the last).  Now so here, leaving room for the answer:
+    num_predict's tokens, at most half the context; ``truncate: false`` still refuses."""
+    caplog.set_level("WARNING", logger="uma_trio.runtime.intake")
+    api = ollama.AsyncClient(host=str(small_server.http_url))
+    text = "The sea is deep and the sea is wide. " * 40 + "What colour is the sky?"
+    assert len(llama_model.tokenize(text)) > 2 * N_CTX
+    chat = await api.chat(model=MODEL, messages=[SYSTEM, {"role": "user", "content": text}],
+                          options={"temperature": 0, "num_predict": 8})  # fmt: skip
+    assert chat.done and chat.eval_count and chat.prompt_eval_count == N_CTX - 8
+    raw = await api.generate(model=MODEL, prompt=text, raw=True, options={"temperature": 0, "num_predict": 8})
+    assert raw.done and raw.eval_count and raw.prompt_eval_count == N_CTX - 8
+    # With no num_predict the answer may take half the context; the prompt the other half.
+    templated = await api.generate(model=MODEL, prompt=text, options={"temperature": 0})
+    assert templated.done and templated.prompt_eval_count == N_CTX // 2
+    # What was kept: the first four tokens and the end, the question with it; the log says so.
+    cut = f"truncating its prompt of {len(llama_model.tokenize(text))} tokens to {N_CTX - 8} (the first 4"
+    assert cut in caplog.text
+    # Past what any tokens could be (--max-prompt-tokens' bytes): cut the same way, not refused unread.
+    huge = "x" * 400_000 + " What colour is the sky?"  # more than 4,096 tokens' bytes, under 1 MiB
+    big = await api.generate(model=MODEL, prompt=huge, raw=True, options={"num_predict": 2})
+    assert big.done and big.prompt_eval_count == N_CTX - 2
+    async with httpx.AsyncClient(base_url=str(small_server.http_url), timeout=60) as http:
+        body = {"model": MODEL, "prompt": text, "raw": True, "stream": False, "truncate": False}
+        refused = await http.post("/api/generate", json=body)
+    assert refused.status_code == 400 and "context" in refused.json()["error"]
 
 
 # -- on the daemon: a streamed chat offered tools ----------------------------------------

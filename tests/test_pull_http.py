@@ -178,3 +178,25 @@ async def test_a_pulled_file_the_store_leaves_out_is_a_409_not_a_success(
     assert json.loads(streamed.text.splitlines()[-1]) == {"error": message}
     assert served.status_code == 200 and served.json() == {"status": "success", "model": "fresh"}
     assert server.models.store.resolve("fresh") == "fresh" and server.models.store.resolve(name) == "sim"
+
+
+async def test_pulling_a_model_the_store_serves_is_a_success_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ollama review: `/api/pull` of the served model was a 400 "give a repository as
+    user/repo", where scripts pull to make sure a model is there.  A name the store serves
+    answers success, whole or streamed, and nothing is fetched; another bare name is the 400."""
+    fetched: list[str] = []
+
+    def never(reference: str, store: Path, report: Progress) -> Path:
+        fetched.append(reference)
+        raise AssertionError("nothing is to be fetched")
+
+    monkeypatch.setattr(pull_module, "pull", never)
+    async with gateway_on_sim() as (_, _, url), httpx.AsyncClient(base_url=url) as http:
+        whole = await http.post("/api/pull", json={"model": "sim:latest", "stream": False})
+        streamed = await http.post("/api/pull", json={"model": "sim"})
+        monkeypatch.undo()  # the hub's own check of a reference, which needs no network
+        unknown = await http.post("/api/pull", json={"model": "nothing-here", "stream": False})
+    assert whole.status_code == 200 and whole.json() == {"status": "success", "model": "sim"}
+    lines = [json.loads(line) for line in streamed.text.splitlines()]
+    assert lines == [{"status": "success", "model": "sim"}]
+    assert fetched == [] and unknown.status_code == 400 and "user/repo" in unknown.json()["error"]

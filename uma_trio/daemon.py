@@ -197,10 +197,8 @@ def loading_for(engine: LlamaEngine, config: ServerConfig) -> Loading:
     if config.memory_budget is not None:
         budget = parse_memory_budget(config.memory_budget, memory.total)
         if budget < primary:  # it was taken, and every other model then refused as too big
-            raise DaemonStartError(
-                f"--memory-budget {config.memory_budget} ({budget / 2**20:.0f} MiB) is below --model's "
-                f"own footprint ({primary / 2**20:.0f} MiB: its weights and KV cache); give at least that"
-            )
+            mib = f"{budget / 2**20:.0f} MiB) is below --model's own footprint ({primary / 2**20:.0f} MiB"
+            raise DaemonStartError(f"--memory-budget {config.memory_budget} ({mib}: weights and KV cache)")
     else:
         budget = primary + int(0.9 * memory.available)
     return Loading(

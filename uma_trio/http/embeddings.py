@@ -27,7 +27,7 @@ from ..protocol.ollama_durations import keep_alive_seconds
 from ..protocol.openai import LANE_HEADER, ApiError, lane_from_header
 from .auth import request_owner
 from .event_stream import until_disconnect
-from .flight import GatewayCore, answering_as, completed, decode_body
+from .flight import GatewayCore, completed, decode_body, ollama_route
 from .ollama import load_or_unload
 from .responses import json_response
 
@@ -43,8 +43,8 @@ class EmbeddingsApi:
     def routes(self) -> list[Route]:
         return [
             Route("/v1/embeddings", self.openai, methods=["POST"]),
-            Route("/api/embed", answering_as("ollama", self.ollama_embed), methods=["POST"]),
-            Route("/api/embeddings", answering_as("ollama", self.ollama_embeddings), methods=["POST"]),
+            Route("/api/embed", ollama_route(self.gateway, self.ollama_embed), methods=["POST"]),
+            Route("/api/embeddings", ollama_route(self.gateway, self.ollama_embeddings), methods=["POST"]),
         ]
 
     async def openai(self, request: Request) -> Response:

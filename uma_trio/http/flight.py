@@ -71,6 +71,8 @@ class GatewayCore(Protocol):
 
     def _ready(self) -> RequestDesk: ...
 
+    async def _loaded(self) -> None: ...
+
     def _count_error(self, error: ApiError) -> None: ...
 
     async def _body(self, request: Request) -> bytes: ...
@@ -122,6 +124,18 @@ def with_ceiling(gateway: GatewayCore, request: GenerateRequest, model: str) -> 
 def decode_body(data: bytes, kind: type[BodyT]) -> BodyT:
     """A request body as ``kind``; a 400 naming the field when it is not."""
     return openai.decode_json(data, kind)
+
+
+def ollama_route(gateway: GatewayCore, handler: Handler) -> Handler:
+    """``handler`` as Ollama answers: its errors in Ollama's shape, and run once the model has
+    loaded.  Ollama's server answers ``GET /`` at once and holds a request until its model is
+    in; a 503 "still loading" failed the clients whose readiness probe had passed."""
+
+    async def after_load(request: Request) -> Response:
+        await gateway._loaded()
+        return await handler(request)
+
+    return answering_as("ollama", after_load)
 
 
 def answering_as(shape: str, handler: Handler) -> Handler:

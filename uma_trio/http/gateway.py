@@ -78,6 +78,8 @@ from .serve import AsgiApp, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
+LOAD_WAIT_S = 300.0  # how long an Ollama route waits for the model to load (OLLAMA_LOAD_TIMEOUT's 5 min)
+
 _json = msgspec.json.Encoder()
 
 
@@ -113,6 +115,7 @@ class Gateway:
         self.max_requests = max_requests  # generation requests in flight, tokenizing included
         self.body_timeout_s = body_timeout_s  # a body begun must arrive whole within this
         self.server: RequestDesk | None = None
+        self._attached = trio.Event()  # set with ``server``: the model has loaded
         self.created = int(time.time())
         self._flights: dict[str, Flight] = {}  # by request id, for POST /priority and the limit
         self.url: str | None = None
@@ -171,6 +174,13 @@ class Gateway:
 
     def attach(self, server: RequestDesk) -> None:
         self.server = server
+        self._attached.set()
+
+    async def _loaded(self) -> None:
+        """Once the model has loaded (at most :data:`LOAD_WAIT_S`; then :meth:`_ready`'s 503
+        says it is still loading): Ollama's routes wait so (http/flight.py ``ollama_route``)."""
+        with trio.move_on_after(LOAD_WAIT_S):
+            await self._attached.wait()
 
     def _counting(self, app: AsgiApp) -> AsgiApp:
         """``app``, counting each request against its connection among the daemon's open

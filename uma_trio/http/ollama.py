@@ -26,7 +26,7 @@ from ..protocol.openai import ApiError, api_error, ended_early, validation_error
 from ..protocol.openai_errors import client_param
 from ..runtime.models import ModelHost
 from .auth import request_owner
-from .flight import GatewayCore, answer_limits, answering_as, completed, decode_body
+from .flight import GatewayCore, answer_limits, answering_as, completed, decode_body, ollama_route
 from .responses import json_response
 
 _json = msgspec.json.Encoder()
@@ -45,11 +45,11 @@ class OllamaApi:
         return [
             Route("/", answering_as("ollama", self.root), methods=["GET", "HEAD"]),
             Route("/api/version", answering_as("ollama", self.version), methods=["GET"]),
-            Route("/api/tags", answering_as("ollama", self.tags), methods=["GET", "HEAD"]),
-            Route("/api/ps", answering_as("ollama", self.ps), methods=["GET"]),
-            Route("/api/show", answering_as("ollama", self.show), methods=["POST"]),
-            Route("/api/chat", answering_as("ollama", self.chat), methods=["POST"]),
-            Route("/api/generate", answering_as("ollama", self.generate), methods=["POST"]),
+            Route("/api/tags", ollama_route(self.gateway, self.tags), methods=["GET", "HEAD"]),
+            Route("/api/ps", ollama_route(self.gateway, self.ps), methods=["GET"]),
+            Route("/api/show", ollama_route(self.gateway, self.show), methods=["POST"]),
+            Route("/api/chat", ollama_route(self.gateway, self.chat), methods=["POST"]),
+            Route("/api/generate", ollama_route(self.gateway, self.generate), methods=["POST"]),
         ]
 
     async def root(self, request: Request) -> Response:

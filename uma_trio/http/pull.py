@@ -11,7 +11,9 @@ client hangs up (the same pull asked again waits for it and finds the file); at 
 :data:`MAX_PULLS` references are pulled at once, and at most :data:`MAX_WAITERS` requests wait
 on one of them; another is a 429 before anything streams.  The daemon's store then lists the
 model, and a request may name it by its file name without ``.gguf``; a file the store leaves
-out (its name already another model's alias or id) is a 409 saying so, not a ``success``.
+out (its name already another model's alias or id) is a 409 saying so, not a ``success``.  A
+name the store already serves (no ``user/``) answers ``success`` at once: scripts pull to make
+sure a model is there.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from starlette.routing import Route
 from ..hub import PullError, parse_reference, pull
 from ..model_store import ModelStore, default_models_dir, model_id
 from ..protocol.openai import ApiError
-from .flight import GatewayCore, answering_as, decode_body
+from .flight import GatewayCore, decode_body, ollama_route
 from .responses import json_response
 
 log = logging.getLogger(__name__)
@@ -58,12 +60,19 @@ class PullApi:
         self._under_way: dict[str, int] = {}  # a reference being pulled → its threads
 
     def routes(self) -> list[Route]:
-        return [Route("/api/pull", answering_as("ollama", self.pull), methods=["POST"])]
+        return [Route("/api/pull", ollama_route(self.gateway, self.pull), methods=["POST"])]
 
     async def pull(self, request: Request) -> Response:
         body = decode_body(await self.gateway._body(request) or b"{}", PullBody)
         reference = body.model or body.name or ""
         models = self.gateway._ready().models
+        if "/" not in reference and (known := models.store.resolve(reference)) is not None and reference:
+            # A name the store already serves: scripts pull to make sure a model is there
+            # (Ollama then checks its registry); there is no hub repository to ask.
+            done = {"status": "success", "model": known}
+            if body.stream:
+                return StreamingResponse(_ndjson(_once(done)), media_type="application/x-ndjson")
+            return json_response(done)
         store = models.store.directory or default_models_dir()
         outcome: dict[str, Any] = {}
         # Started here, before the response: a 429 has its status, and a client gone before
@@ -220,3 +229,7 @@ def _key(reference: str) -> str:
 async def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     async for line in lines:
         yield msgspec.json.encode(line) + b"\n"
+
+
+async def _once(line: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    yield line

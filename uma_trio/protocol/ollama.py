@@ -98,6 +98,7 @@ class GenerateBody(_Common, kw_only=True):
     context: list[int] | None = None
     raw: bool | None = None
     images: list[Any] | None = None
+    truncate: bool | None = None  # unset or true: a prompt too long for the context is cut
 
 
 class ShowBody(Struct, kw_only=True):
@@ -240,6 +241,7 @@ def generate_request(body: GenerateBody, request_id: str, limits: Limits | None 
     else:
         system = [{"role": "system", "content": body.system}] if body.system else []
         fields["messages"] = [*system, {"role": "user", "content": prompt}]
+    fields["truncate"] = body.truncate is not False and not body.suffix  # an infill is not cut
     return msgspec.convert(fields, GenerateRequest)
 
 

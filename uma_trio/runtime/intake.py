@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from functools import partial
 
 import msgspec
+import numpy as np
 import trio
 
 from ..config import ServerConfig
@@ -27,6 +28,9 @@ from .stream import RequestStream
 from .tool_use import chat_turns, template_format, tool_constraint, tool_format
 
 log = logging.getLogger(__name__)
+
+KEEP_HEAD = 4  # Ollama's num_keep: the prompt's first tokens stay when its middle is cut
+KEEP_HEAD_BYTES = 256  # ...and of a text cut before it is tokenized, its first bytes
 
 
 async def open_on(
@@ -74,6 +78,10 @@ async def open_on(
             request_id=rid,
         )
     limit_bytes = config.max_prompt_tokens * engine.max_token_bytes
+    if text_bytes > limit_bytes and request.truncate and not request.embed and request.suffix is None:
+        # To be cut below anyway: no more text than the tokens kept can come from, its start
+        # and its end (Ollama's truncation keeps both), so it is not refused unread.
+        request, text_bytes = _text_cut(request, limit_bytes, text_bytes)
     if text_bytes > limit_bytes and request.embed and request.truncate and request.prompt is not None:
         # To be cut anyway (below): no more text than the tokens kept can come from, cut at a
         # character (Ollama's /api/embed truncates by default; this was refused).
@@ -97,6 +105,8 @@ async def open_on(
         request, prompt = await fitted_chat(engine, config, request, fmt, prompt)
     if request.embed and request.truncate:  # cut to fit instead of refused (decode_loop.submit)
         prompt = prompt[: min(engine.n_ctx_seq, config.max_prompt_tokens)]
+    elif request.truncate and request.suffix is None:  # an infill's markers are not cut
+        prompt = middle_cut(engine, config, request, prompt, auto_max_tokens=auto_max_tokens)
     if len(prompt) > config.max_prompt_tokens:
         raise UmaError(
             ErrorCode.PROMPT_TOO_LARGE,
@@ -224,6 +234,53 @@ async def fitted_chat(
     gone = len(request.messages) - len(found[0])  # every message kept is one it had
     log.debug("request %s: the %d oldest messages dropped to fit %d tokens", request.id, gone, budget)
     return msgspec.structs.replace(request, messages=found[0]), found[1]
+
+
+def middle_cut(
+    engine: Engine, config: ServerConfig, request: GenerateRequest, prompt: TokenArray, *,
+    auto_max_tokens: bool,
+) -> TokenArray:  # fmt: skip
+    """A truncated request's prompt that leaves no answer token in its context (the request's
+    max_context, at most the engine's) or passes --max-prompt-tokens, even without its oldest
+    messages: its first :data:`KEEP_HEAD` tokens and its last ones, as Ollama's runner
+    truncates, with room left for the answer (its max_tokens, at most half the context; Ollama
+    shifts the context while generating instead).  As it was if it fits."""
+    context = min(request.max_context or engine.n_ctx_seq, engine.n_ctx_seq)
+    if len(prompt) <= min(context - 1, config.max_prompt_tokens):
+        return prompt
+    answer = min(config.max_tokens if auto_max_tokens else request.max_tokens, context // 2)
+    budget = min(context - max(1, answer), config.max_prompt_tokens)
+    keep = min(KEEP_HEAD, budget // 2)
+    log.warning(
+        "request %s: truncating its prompt of %d tokens to %d (the first %d and the last %d) for a "
+        "context of %d", request.id, len(prompt), budget, keep, budget - keep, context,
+    )  # fmt: skip
+    return np.concatenate([prompt[:keep], prompt[len(prompt) - (budget - keep) :]])
+
+
+def _text_cut(request: GenerateRequest, limit_bytes: int, text_bytes: int) -> tuple[GenerateRequest, int]:
+    """A truncated request with more text than ``limit_bytes`` could be tokens: its prompt, or
+    its last message (where the others leave it room), down to its start and its end."""
+    if request.prompt is not None:
+        text = _ends_of(request.prompt, limit_bytes)
+        return msgspec.structs.replace(request, prompt=text), len(text.encode())
+    messages = list(request.messages or ())
+    if not messages:
+        return request, text_bytes
+    last = messages[-1]
+    room = limit_bytes - (text_bytes - chat_text_bytes([last]))
+    if room <= 0 or len(last.content.encode()) <= room:
+        return request, text_bytes
+    messages[-1] = msgspec.structs.replace(last, content=_ends_of(last.content, room))
+    return msgspec.structs.replace(request, messages=messages), chat_text_bytes(messages)
+
+
+def _ends_of(text: str, limit_bytes: int) -> str:
+    """``text``'s first and last bytes, ``limit_bytes`` at most in all, cut at characters."""
+    data = text.encode()
+    head = min(KEEP_HEAD_BYTES, limit_bytes // 2)
+    tail = data[len(data) - (limit_bytes - head) :] if limit_bytes > head else b""
+    return data[:head].decode(errors="ignore") + tail.decode(errors="ignore")
 
 
 def chat_text_bytes(messages: Sequence[ChatMessage]) -> int:
