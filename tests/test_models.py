@@ -36,7 +36,8 @@ from uma_trio.observability.metrics import Metrics
 from uma_trio.protocol.errors import ErrorCode, UmaError
 from uma_trio.protocol.ollama_durations import keep_alive_seconds
 from uma_trio.protocol.openai_errors import ApiError
-from uma_trio.runtime.models import REAP_EVERY_S, LoadedModel, Loading, ModelHost
+from uma_trio.runtime import models as models_module
+from uma_trio.runtime.models import REAP_EVERY_S, ROOM_WAIT_S, LoadedModel, Loading, ModelHost
 from uma_trio.runtime.server import Server
 from uma_trio.sched.cost import CostCoefficients
 
@@ -295,14 +296,27 @@ async def test_the_least_recently_used_idle_model_makes_room(autojump_clock: tri
             "bad": "unloaded",
             "huge": "unloaded",
         }
-        async with trio.open_nursery() as nursery:  # c is busy: it is not unloaded for b
-            nursery.start_soon(lambda: c.complete(prompt="hi", max_tokens=40, model="c", keep_alive=-1))
+        ended: dict[str, float] = {}
+
+        async def ask(model: str, max_tokens: int) -> None:
+            await c.complete(prompt="hi", max_tokens=max_tokens, model=model, keep_alive=-1)
+            ended[model] = trio.current_time()
+
+        async with trio.open_nursery() as nursery:  # c is busy: it is not unloaded for b...
+            nursery.start_soon(ask, "c", 40)  # 20 s of steps
             await trio.sleep(2.0)
-            with pytest.raises(RequestFailed) as busy:
-                await c.complete(prompt="hi", max_tokens=2, model="b")
-            assert busy.value.event.code == "E_LIMIT_004" and "busy" in busy.value.event.message
-        await c.complete(prompt="hi", max_tokens=2, model="b")  # c is idle again: it makes room
+            nursery.start_soon(ask, "b", 2)  # ...which waits for it to end (it was a 429)
+        assert ended["c"] < ended["b"]  # (a worker thread's load lets the test clock leap: no bound)
         assert states(server)["b"] == "loaded" and states(server)["c"] == "unloaded"
+        async with trio.open_nursery() as nursery:  # b busy for longer than a load waits: the 429
+            nursery.start_soon(lambda: c.complete(prompt="hi", max_tokens=200, model="b"))
+            await trio.sleep(2.0)
+            asked = trio.current_time()
+            with pytest.raises(RequestFailed) as busy:
+                await c.complete(prompt="hi", max_tokens=2, model="c")
+            assert trio.current_time() - asked >= ROOM_WAIT_S
+            message = busy.value.event.message
+            assert busy.value.event.code == "E_LIMIT_004" and f"stayed busy for {ROOM_WAIT_S:g} s" in message
     assert shelf.closed == ["b", "c", "b"]
 
 
@@ -417,9 +431,12 @@ def sim_model(close: Callable[[], None] = lambda: None) -> LoadedModel:
 
 
 @pytest.mark.parametrize("limit", [{"max_loaded": 2}, {"budget_bytes": 3}])
-async def test_two_models_loading_at_once_keep_the_limits(limit: dict[str, int]) -> None:
+async def test_two_models_loading_at_once_keep_the_limits(
+    limit: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Loads of two models take turns making room: together, both saw room for one (neither
     was loaded yet) and both loaded, past --max-loaded 2 or a 3-byte budget."""
+    monkeypatch.setattr(models_module, "ROOM_WAIT_S", 0.5)  # the first is held for good
 
     def load(entry: StoreEntry) -> LoadedModel:
         time.sleep(0.2)  # a real load takes seconds

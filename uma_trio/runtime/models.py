@@ -40,6 +40,11 @@ from .machine import Machine
 
 log = logging.getLogger(__name__)
 
+# A load that needs room while every loaded model is busy waits this long for one to go idle
+# (checked this often), then is refused with E_LIMIT_004.
+ROOM_WAIT_S = 60.0
+ROOM_POLL_S = 0.05
+
 REAP_EVERY_S = 0.5  # how often idle units are checked against their keep-alive
 
 
@@ -329,8 +334,9 @@ class ModelHost:
 
     async def _make_room(self, model_id: str, need: int) -> None:
         """Unload least recently used idle units until one more model of ``need`` bytes fits
-        ``--max-loaded`` (the primary counts) and the memory budget; E_LIMIT_004 when every
-        loaded one is busy, E_MODEL_003 when it cannot fit even alone."""
+        ``--max-loaded`` (the primary counts) and the memory budget, waiting up to
+        :data:`ROOM_WAIT_S` for a busy one to go idle (then E_LIMIT_004); E_MODEL_003 when it
+        cannot fit even alone."""
         budget = self.loading.budget_bytes if self.loading is not None else None
         primary = self.loading.primary_bytes if self.loading is not None else 0
         if self._config.max_loaded <= 1:  # no retry can help: say so, not "busy"
@@ -346,6 +352,7 @@ class ModelHost:
                 f"{_gib(budget)}, of which --model's model takes {_gib(primary)}: it does not fit even "
                 "alone (--memory-budget, or a smaller --n-ctx / --max-sessions)",
             )
+        deadline = trio.current_time() + ROOM_WAIT_S
         while True:
             too_many = len(self.units) + len(self._closing) + 1 >= self._config.max_loaded
             too_big = budget is not None and self.used_bytes() + need > budget
@@ -355,6 +362,11 @@ class ModelHost:
             if not idle and self._closing:  # one being freed (the reaper's): room once it is
                 await self._closed.wait()
                 continue
+            if not idle and trio.current_time() < deadline and self.accepting:
+                # Queued, as Ollama queues a model's load: a busy model's requests end (a chat
+                # turn takes seconds), and a refusal the client must retry helps nobody.
+                await trio.sleep(ROOM_POLL_S)
+                continue
             if not idle:
                 limit = (
                     f"{len(self.units) + 1} models are loaded (--max-loaded {self._config.max_loaded})"
@@ -363,7 +375,8 @@ class ModelHost:
                 )
                 raise UmaError(
                     ErrorCode.SERVER_BUSY,
-                    f"{limit} and every loaded model is busy; {model_id!r} cannot load now, try again later",
+                    f"{limit} and every loaded model stayed busy for {ROOM_WAIT_S:g} s; {model_id!r} "
+                    "cannot load now, try again later",
                 )
             victim = min(idle, key=lambda u: u.last_used)
             await self.unload(victim.id, reason=f"room for {model_id}")
