@@ -533,3 +533,37 @@ async def test_more_choices_than_the_daemon_can_ever_hold_are_a_400() -> None:
             assert answer.status_code == 200 and "E_LIMIT_004" in answer.text
             assert server.metrics_snapshot()["errors"].get("E_LIMIT_004", 0) == before + 1
             nursery.cancel_scope.cancel()
+
+
+async def test_a_full_daemon_is_anthropic_s_529_overloaded_on_the_messages_route() -> None:
+    """A daemon too busy to take a request answered `/v1/messages` with 429 `rate_limit_error`,
+    which Anthropic's API means as an account's rate limit (and Claude Code reports so); its
+    overloaded server is 529 `overloaded_error`.  The other routes keep OpenAI's 429."""
+    import anthropic
+
+    async with (
+        gateway_on_sim(max_sessions=1, max_queue=0) as (_, _, url),
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        async with trio.open_nursery() as nursery:
+            busy = {"model": "sim", "prompt": "go", "max_tokens": 400, "stream": True}
+            started = trio.Event()
+
+            async def hold() -> None:
+                async with http.stream("POST", "/v1/completions", json=busy) as held:
+                    async for _ in held.aiter_lines():
+                        started.set()
+
+            nursery.start_soon(hold)
+            await started.wait()
+            client = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
+            with pytest.raises(anthropic.OverloadedError) as overloaded:
+                await client.messages.create(
+                    model="sim", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+                )
+            openai_shape = await http.post("/v1/completions", json={**busy, "stream": False})
+            nursery.cancel_scope.cancel()
+    assert overloaded.value.status_code == 529
+    assert overloaded.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    assert overloaded.value.response.headers["retry-after"] == "1"
+    assert openai_shape.status_code == 429 and openai_shape.json()["error"]["type"] == "rate_limit_error"

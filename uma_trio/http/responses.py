@@ -33,7 +33,7 @@ def error_response(error: ApiError, headers: Mapping[str, str] | None = None) ->
         headers = {"connection": "close", **(headers or {})}
     if error.shape == "anthropic":  # Anthropic's clients log an error's request-id (the SDK's request_id)
         headers = {"request-id": f"req_{secrets.token_hex(12)}", **(headers or {})}
-    return json_response(error.body(), headers=headers, status=error.status)
+    return json_response(error.body(), headers=headers, status=error.answer_status)
 
 
 async def unexpected_error_response(request: Request, exc: Exception) -> Response:

@@ -39,11 +39,19 @@ class ApiError(Exception):
     def __str__(self) -> str:
         return self.message  # as renamed since (client_param): the answer's, not the first one
 
+    @property
+    def answer_status(self) -> int:
+        """The status answered: Anthropic's API says a server too busy to take a request with
+        529 ``overloaded_error`` (its 429 is an account's rate limit, which Claude Code reports
+        as such); every 429 of the daemon is its own capacity (queue, requests in flight)."""
+        return 529 if self.shape == "anthropic" and self.status == 429 else self.status
+
     def body(self) -> dict[str, Any]:
         if self.shape == "ollama":
             return {"error": self.message}
         if self.shape == "anthropic":
-            kind = _ANTHROPIC_TYPE.get(self.status, "api_error" if self.status >= 500 else self.type)
+            status = self.answer_status
+            kind = _ANTHROPIC_TYPE.get(status, "api_error" if status >= 500 else self.type)
             return {"type": "error", "error": {"type": kind, "message": self.message}}
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
