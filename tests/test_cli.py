@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -438,18 +439,20 @@ async def test_top_into_a_pipe_whose_reader_leaves_exits_141(server: Server) -> 
 async def test_a_listing_into_a_pipe_whose_reader_left_exits_141_without_a_traceback(server: Server) -> None:
     """`uma-trio ps | head -1` ended in a BrokenPipeError traceback, exit 1 (several-models
     review); generate and top exited 141 quietly.  Every command now does."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)  # the reader is gone before anything is written
-    try:
-        done = await trio.to_thread.run_sync(
-            lambda: subprocess.run(
-                [*UMA, "ps", "--socket", str(server.config.socket_path)],
-                stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60,
+    sock = str(server.config.socket_path)
+    # metrics and --help print through rich, whose own answer to a closed pipe was exit 1.
+    for command in (["ps", "--socket", sock], ["metrics", "--socket", sock], ["--help"], ["serve", "--help"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before anything is written
+        try:
+            argv = [*UMA, *command]
+            run = partial(
+                subprocess.run, argv, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60
             )
-        )  # fmt: skip
-    finally:
-        os.close(write_end)
-    assert done.returncode == 141 and done.stderr == "", done.stderr
+            done = await trio.to_thread.run_sync(run)
+        finally:
+            os.close(write_end)
+        assert done.returncode == 141 and done.stderr == "", (command, done.returncode, done.stderr)
 
 
 def test_serve_answers_a_socket_it_cannot_probe_with_exit_2(

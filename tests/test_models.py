@@ -704,3 +704,36 @@ def test_a_loaded_model_s_file_truncated_under_mmap_leaves_a_trace_of_the_crash(
             daemon.wait()
     assert code == -signal.SIGBUS, (code, err.read_text()[-2000:])
     assert "Fatal Python error: Bus error" in err.read_text()
+
+
+async def test_an_http_request_waiting_for_room_gives_its_place_up_when_its_client_hangs_up() -> None:
+    """Review: a request for model c waiting for room (every loaded model busy) kept waiting
+    after its client had gone, and once b went idle, b was unloaded and c loaded for nobody."""
+    from uma_trio.daemon import http_gateway
+
+    shelf = Shelf(cost=CostCoefficients(fixed_s=0.02, source="test: 20 ms a step"))
+    async with daemon(shelf, max_loaded=2, http="127.0.0.1:0") as (server, _):
+        async with http_gateway(server.config, "sim.gguf") as gateway:
+            assert gateway is not None and gateway.url is not None
+            gateway.attach(server)
+            async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+                busy = {"model": "b", "prompt": "go", "max_tokens": 100, "stream": True}
+                async with trio.open_nursery() as nursery:
+                    started = trio.Event()
+
+                    async def hold() -> None:
+                        async with http.stream("POST", "/v1/completions", json=busy) as held:
+                            async for _ in held.aiter_lines():
+                                started.set()
+
+                    nursery.start_soon(hold)
+                    await started.wait()
+                    wanted = {"model": "c", "prompt": "hi", "max_tokens": 2}
+                    with pytest.raises(httpx.ReadTimeout):  # waits for room, and its client leaves
+                        await http.post("/v1/completions", json=wanted, timeout=0.3)
+                await trio.sleep(0.5)  # b idle: room, but nobody wants c any more
+                assert "c" not in shelf.engines and states(server)["b"] == "loaded"
+                answered = await http.post(
+                    "/v1/completions", json={"model": "c", "prompt": "hi", "max_tokens": 2}
+                )
+                assert answered.status_code == 200 and states(server)["c"] == "loaded"

@@ -213,7 +213,21 @@ async def test_a_prompt_too_long_alone_keeps_its_start_and_its_end_as_ollama_cut
     async with httpx.AsyncClient(base_url=str(small_server.http_url), timeout=60) as http:
         body = {"model": MODEL, "prompt": text, "raw": True, "stream": False, "truncate": False}
         refused = await http.post("/api/generate", json=body)
+        # A context of one cell holds no prompt and answer: refused, not cut to nothing (an
+        # empty prompt stopped the whole daemon: review).
+        one_cell = await http.post(
+            "/api/generate", json={**body, "truncate": True, "options": {"num_ctx": 1}}
+        )
+        chat_one = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": False,
+                    "options": {"num_ctx": 1}}  # fmt: skip
+        chat_one_cell = await http.post("/api/chat", json=chat_one)
     assert refused.status_code == 400 and "context" in refused.json()["error"]
+    assert one_cell.status_code == 400 and "no room for an answer" in one_cell.json()["error"], one_cell.text
+    assert chat_one_cell.status_code == 400, chat_one_cell.text
+    assert (
+        small_server.loop.accepting
+        and (await api.generate(model=MODEL, prompt="hi", options={"num_predict": 2})).done
+    )
 
 
 # -- on the daemon: a streamed chat offered tools ----------------------------------------

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import msgspec
 import trio
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -24,6 +23,7 @@ from .loadgen.bench import (
 from .loadgen.runner import ScenarioResult
 from .loadgen.scenario import Suite, load_suite
 from .loadgen.targets import DEFAULT_TIMEOUT_S, Target, parse_target
+from .pipe_console import PipeConsole
 
 # Scenario names are looked up under the current directory, then in the checkout this
 # package was installed from (an editable install), so `uma-trio bench mixed` works anywhere.
@@ -66,7 +66,7 @@ def run(
     """Run the suite ``name`` on every target and write what ran: 0 if every request completed,
     1 if any failed (or a target could not be run), 130 if interrupted by Ctrl-C."""
     suite = find_suite(name)
-    console = Console()
+    console = PipeConsole()
     if suite.skip is not None:
         console.print(f"{suite.name}: not run: {suite.skip}")
         return 0

@@ -10,10 +10,11 @@ from rich.live import Live
 
 from .client import UmaClient
 from .observability.views import dashboard
+from .pipe_console import PipeConsole
 
 
 async def run_top(socket: Path, interval: float, once: bool = False, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or PipeConsole()
     async with UmaClient.connect(socket) as client:
         frame = dashboard(await client.metrics())
         if once:

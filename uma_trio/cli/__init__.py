@@ -20,6 +20,7 @@ import sys
 import cyclopts
 
 from ..config import ConfigError
+from ..pipe_console import PipeConsole
 from .client_commands import bench, generate, metrics, top
 from .common import EXIT_PROTOCOL_ERROR, EXIT_READER_GONE, EXIT_SERVER_ERROR, EXIT_USAGE
 from .models import load, ps, pull, unload
@@ -30,8 +31,9 @@ from .tools import calibrate, fetch_model
 __all__ = ["EXIT_PROTOCOL_ERROR", "EXIT_SERVER_ERROR", "app", "main", "metrics", "top"]
 
 app = cyclopts.App(
-    name="uma-trio", help="A local multi-tenant LLM daemon with token-level scheduling, on trio."
-)
+    name="uma-trio", help="A local multi-tenant LLM daemon with token-level scheduling, on trio.",
+    console=PipeConsole(),  # `uma-trio --help | head`: exit 141 as every closed pipe, not rich's 1
+)  # fmt: skip
 for daemon_command in (serve, info):
     app.command(daemon_command, config=cyclopts.config.Env("UMA_", command=False))
 for client_command in (generate, metrics, top, bench, snapshot_app, calibrate, ps, load, unload, pull):

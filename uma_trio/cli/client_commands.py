@@ -214,11 +214,10 @@ def metrics(
     if json_:
         print(json.dumps(snapshot, indent=2, sort_keys=True))
     else:
-        from rich.console import Console
-
         from ..observability.views import report
+        from ..pipe_console import PipeConsole
 
-        Console().print(report(snapshot))
+        PipeConsole().print(report(snapshot))
     return 0
 
 

@@ -23,6 +23,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
+from contextvars import ContextVar
 from typing import Any, Literal
 
 import msgspec
@@ -77,6 +78,10 @@ from .responses_api import ResponsesApi
 from .serve import AsgiApp, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
+
+# The ASGI receive of the HTTP request a task serves (set by Gateway._counting), so its admission
+# can watch for a hang-up while it waits (Gateway._begin).
+_RECEIVE: ContextVar[Receive | None] = ContextVar("uma_http_receive", default=None)
 
 LOAD_WAIT_S = 300.0  # how long an Ollama route waits for the model to load (OLLAMA_LOAD_TIMEOUT's 5 min)
 
@@ -190,6 +195,8 @@ class Gateway:
             client = scope.get("client")
             if scope["type"] == "http" and client and self.server is not None:
                 self.server.clients.sent((str(client[0]), int(client[1])))
+            if scope["type"] == "http":
+                _RECEIVE.set(receive)  # this request's task (and the tasks it starts) only
             await app(scope, receive, send)
 
         return counted
@@ -720,11 +727,28 @@ class Gateway:
         if rid in self._flights:
             raise openai.api_error(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight")
         flight = self._flights[rid] = Flight(rid, owner)
+
+        refused: list[Exception] = []  # raised out of the watching nursery as itself, not a group
+
+        async def opening() -> None:
+            try:
+                flight.stream = await server.open_request(
+                    generate_request, arrived, connection=server.next_connection_number(),
+                    owner=owner, auto_max_tokens=auto_max_tokens,
+                )  # fmt: skip
+            except Exception as exc:
+                refused.append(exc)
+
         try:
-            flight.stream = await server.open_request(
-                generate_request, arrived, connection=server.next_connection_number(),
-                owner=owner, auto_max_tokens=auto_max_tokens,
-            )  # fmt: skip
+            # A client that hangs up while its request waits (for a model's load, or room to
+            # load it: up to a minute) gives its place up: nobody would read the answer, and a
+            # load for it would unload a model others use.
+            receive = _RECEIVE.get()
+            await (opening() if receive is None else until_disconnect(receive, opening))
+            if refused:
+                raise refused[0]
+            if flight.stream is None:
+                raise client_gone()
         except UmaError as exc:
             self._end(flight)
             raise openai.from_uma_error(exc, generate_request) from None

@@ -250,6 +250,8 @@ def middle_cut(
         return prompt
     answer = min(config.max_tokens if auto_max_tokens else request.max_tokens, context // 2)
     budget = min(context - max(1, answer), config.max_prompt_tokens)
+    if budget < 1:  # a context of one cell holds no prompt and answer: refused below, not emptied
+        return prompt
     keep = min(KEEP_HEAD, budget // 2)
     log.warning(
         "request %s: truncating its prompt of %d tokens to %d (the first %d and the last %d) for a "
