@@ -320,3 +320,48 @@ async def test_a_long_chat_prompt_on_another_model_keeps_the_streams_gaps_under_
     assert max(mixed) <= 2.0 * pace, (max(mixed), pace)
     # It shared the machine with the streams, and still got most of it.
     assert ttft[0] <= 3.0 * ttft_alone, (ttft[0], ttft_alone)
+
+
+async def test_a_model_copied_in_while_running_takes_turns_with_the_first(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Docs review: the machine's turns and the arbiter were set up at start-up only when the
+    store held a second model; a daemon started with one, then given another (pulled or copied
+    into --models-dir), served both with no turns and no guard across models.  Now the first
+    other model to load makes --model's loop join the machine."""
+
+    def load(entry: StoreEntry) -> LoadedModel:
+        return LoadedModel(SimEngine(COST, n_ctx_seq=SIM_CONFIG.n_ctx, n_seq_max=SIM_CONFIG.max_sessions))
+
+    with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
+        config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock", keep_alive_s=1e6)
+        shelf = Path(tmp) / "models"
+        shelf.mkdir()
+        store = ModelStore([StoreEntry("chat", Path("chat.gguf"), 1, primary=True)], shelf)
+        primary = SimEngine(COST, n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
+        server = Server(primary, config, store=store, loading=Loading(load))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            async with UmaClient.connect(config.socket_path) as client:
+                assert server.loop.sharing is None  # one model: no turns to take
+                (shelf / "later.gguf").write_bytes(b"GGUF later")
+                alone = await chat_gaps(client, 3, None)
+                ttft: list[float] = []
+
+                async def long_chat() -> None:
+                    await trio.sleep(0.1)
+                    start = trio.current_time()
+                    prompt = "another long pasted file " * 560
+                    async with client.stream(prompt=prompt, max_tokens=4, model="later") as events:
+                        async for event in events:
+                            if isinstance(event, TokenEvent):
+                                ttft.append(trio.current_time() - start)
+                                break
+
+                async with trio.open_nursery() as requests:
+                    requests.start_soon(long_chat)
+                    mixed = await chat_gaps(client, 3, None)
+                assert server.loop.sharing is not None and ttft
+            server.request_shutdown(force=True)
+    # Its gaps hold at most a long-prompt tick of the other model (as beside one loaded at start).
+    assert max(mixed) <= 4.0 * float(np.percentile(alone, 95)), (max(mixed), float(np.percentile(alone, 95)))

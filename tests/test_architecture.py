@@ -102,8 +102,9 @@ WIDE_CLASSES = {
     "Engine": 16, "LlamaEngine": 19, "SimEngine": 17, "FaultyEngine": 17,
     # The decode loop's surface: a request's life (submit, cancel, set_lane, wake, unpin,
     # restore), its task (run, exclusive, wait_idle, gauges) and its ending: stop_accepting,
-    # cancel_all at shutdown, fail_all once its task died (several models: the others serve on).
-    "DecodeLoop": 13,
+    # cancel_all at shutdown, fail_all once its task died (several models: the others serve on),
+    # and join, when a second model loads into a daemon that had one.
+    "DecodeLoop": 14,
 }  # fmt: skip
 
 

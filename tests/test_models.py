@@ -5,6 +5,7 @@ sleeps), and once on the real engine: the default model beside a tiny random-wei
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import shutil
 import signal
@@ -111,6 +112,7 @@ def test_a_directory_file_a_name_already_holds_or_no_model_is_left_out_at_start(
     for name in ("aaa.gguf", "zzz.gguf", "a.gguf", "a.gguf.gguf"):
         (shelf / name).write_bytes(b"GGUF" + name.encode())
     (shelf / "page.gguf").write_text("<html>404</html>")  # a failed download: no model file
+    (shelf / "main.gguf").write_bytes(b"GGUF another main")  # --model's id, another file
     with caplog.at_level("WARNING", logger="uma_trio.model_store"):
         store = ModelStore.scan(primary, shelf, ["zzz=aaa.gguf"])
     assert sorted(store.names()) == ["a", "aaa", "main"]
@@ -118,7 +120,8 @@ def test_a_directory_file_a_name_already_holds_or_no_model_is_left_out_at_start(
     warned = caplog.text
     assert "zzz.gguf" in warned and "'zzz' is an --alias of the model 'aaa'" in warned
     assert "a.gguf.gguf" in warned and "'a.gguf' is already the name of the model 'a'" in warned
-    assert "page.gguf" in warned and "it is not a GGUF file (it starts b'<htm')" in warned
+    assert "model file page.gguf in" in warned and "it is not a GGUF file (it starts b'<htm')" in warned
+    assert "model file main.gguf in" in warned and "'main' is already the name of the model 'main'" in warned
 
 
 def test_ollama_keep_alive_is_read_as_ollama_reads_it() -> None:
@@ -737,3 +740,31 @@ async def test_an_http_request_waiting_for_room_gives_its_place_up_when_its_clie
                     "/v1/completions", json={"model": "c", "prompt": "hi", "max_tokens": 2}
                 )
                 assert answered.status_code == 200 and states(server)["c"] == "loaded"
+
+
+async def test_a_request_waiting_for_room_at_shutdown_is_told_the_daemon_is_stopping(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Docs review: a request waiting for room when the drain began was refused at once with
+    E_LIMIT_004 "every loaded model stayed busy for 60 s" (untrue, and not MODELS.md's
+    E_LIMIT_008 for a request still waiting for its model at shutdown)."""
+    shelf = Shelf(cost=CostCoefficients(fixed_s=0.5, source="test: half a second a step"))
+    async with daemon(shelf, max_loaded=2) as (server, _), UmaClient.connect(socket_of(server)) as c:
+        codes: list[str] = []
+
+        async def waiting() -> None:
+            with pytest.raises(RequestFailed) as refused:
+                await c.complete(prompt="hi", max_tokens=2, model="c")
+            codes.append(refused.value.event.code)
+
+        async def busy() -> None:  # drained with the daemon, however it ends
+            with contextlib.suppress(RequestFailed):
+                await c.complete(prompt="hi", max_tokens=40, model="b")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(busy)
+            await trio.sleep(2.0)
+            nursery.start_soon(waiting)
+            await trio.sleep(5.0)
+            server.request_shutdown()
+    assert codes == ["E_LIMIT_008"] and "c" not in shelf.engines

@@ -247,8 +247,9 @@ class ServerConfig:
     and shares the pages with the file cache, but a loaded model's file must then never be
     overwritten or truncated in place (`cp new.gguf over.gguf`): the kernel kills the daemon
     (SIGBUS) at its next read of a page the file no longer has. Replace a model by writing
-    another file and renaming it over (`uma-trio pull` does). --no-mmap reads the weights into
-    the daemon's own memory instead: slower to load, and the file may then change freely."""
+    another file and renaming it over (`mv`: the loaded model keeps the old pages). --no-mmap
+    reads the weights into the daemon's own memory instead: slower to load, and the file may
+    then change freely."""
     gpu_sampling: bool = False
     """A greedy request's next token is picked where the logits are computed (llama.cpp's
     backend sampler, an argmax in the model's graph), so a step copies no logits to the host

@@ -198,8 +198,8 @@ def _found_files(directory: Path, primary: Path) -> dict[str, Path]:
         if clash is None:
             found[key] = path
             taken.update({key: key, path.name: key})
-        elif path.resolve() != primary.resolve() and taken[clash] != model_id(primary.name):
-            owner = found[taken[clash]]
+        elif path.resolve() != primary.resolve():  # --model's own file found there: nothing to say
+            owner = found.get(taken[clash], primary)
             _warn_hidden(path, clash, StoreEntry(taken[clash], owner, 0))
     return found
 
@@ -238,7 +238,10 @@ def _warn_once(path: Path, why: str = "its name is not UTF-8") -> None:
     if str(path) in _WARNED:
         return
     _WARNED.add(str(path))
-    shown = repr(path.name.encode("utf-8", "surrogateescape"))  # a log line must be UTF-8 too
+    try:
+        shown = path.name.encode("utf-8").decode()
+    except UnicodeEncodeError:  # a log line must be UTF-8 too
+        shown = repr(path.name.encode("utf-8", "surrogateescape"))
     log.warning("skipping the model file %s in %s: %s", shown, path.parent, why)
 
 

@@ -98,10 +98,8 @@ class DecodeLoop:
         self.config = config
         self.metrics = metrics
         # With several models loaded: the machine they take turns on (sched/arbiter.py).
-        self._sharing = sharing
+        self._sharing: MachineShare | None = None  # joined at the end, once the rest is set
         self._limited = False  # the tick in flight was granted inside another model's stream gap
-        if sharing is not None:
-            sharing.arbiter.join(sharing.name, self._nudge, self._preempt)
         self._clock = clock
         self.kv = KvManager(
             engine.n_seq_max, engine.n_ctx, config.prefix_cache_cells, pack_ids=engine.splits_at_seq_gaps
@@ -140,6 +138,8 @@ class DecodeLoop:
         # While steps run ahead, KV cells are freed only once the compute thread is idle again.
         self._chain = AheadChain()
         self._trace = TickTrace(config.tick_trace) if config.tick_trace is not None else None
+        if sharing is not None:
+            self.join(sharing)
 
     # -- called from connection tasks (synchronous: they only record and wake) --
 
@@ -153,6 +153,20 @@ class DecodeLoop:
         if prompt < n_ctx:  # the prompt fits: what it asks to generate does not
             return too_many_tokens_asked(f"{needs}; at most {n_ctx - prompt} can follow this prompt")
         return too_long(needs)
+
+    @property
+    def sharing(self) -> MachineShare | None:
+        """Its part of the machine several models' loops take turns on (None: the only one)."""
+        return self._sharing
+
+    def join(self, sharing: MachineShare) -> None:
+        """Take turns on the machine with other models' loops from now on: at start-up with
+        several models in the store, or when a second model loads into a daemon that had one
+        (a model pulled or copied in since: it had no turns and no guard across models)."""
+        self._sharing = sharing
+        sharing.arbiter.join(sharing.name, self._nudge, self._preempt)
+        if any(s.lane == "interactive" for s in self._active.values()):  # streaming as it joins
+            sharing.arbiter.wants(sharing.name, tick_s=self.policy.cost.last_s)
 
     def submit(self, session: Session) -> None:
         """Queue an accepted request, or raise :class:`UmaError` if the daemon is full."""

@@ -310,7 +310,12 @@ class ModelHost:
     def _start_unit(self, model_id: str, loaded: LoadedModel, need: int, began: float) -> ModelUnit:
         """A loaded model's unit, registered and its decode loop started."""
         assert self._nursery is not None
-        share = self._machine.share(model_id) if self._machine is not None else None
+        share = None
+        if self._machine is not None:
+            share = self._machine.share(model_id)
+            primary = self.primary_loop
+            if primary is not None and primary.sharing is None:  # the first other model
+                primary.join(self._machine.share(self.store.primary.id))
         config = self._config
         if (trace := config.tick_trace) is not None:  # each model's steps in a file of their own
             config = replace(config, tick_trace=trace.with_name(f"{trace.stem}.{model_id}{trace.suffix}"))
@@ -362,7 +367,9 @@ class ModelHost:
             if not idle and self._closing:  # one being freed (the reaper's): room once it is
                 await self._closed.wait()
                 continue
-            if not idle and trio.current_time() < deadline and self.accepting:
+            if not self.accepting:  # the daemon began draining while this request waited
+                raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+            if not idle and trio.current_time() < deadline:
                 # Queued, as Ollama queues a model's load: a busy model's requests end (a chat
                 # turn takes seconds), and a refusal the client must retry helps nobody.
                 await trio.sleep(ROOM_POLL_S)

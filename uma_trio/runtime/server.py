@@ -81,13 +81,13 @@ class Server:
         if store is None:  # the one model: the engine's
             name = engine.model_name
             store = ModelStore([StoreEntry(model_id(name), Path(name), 0, primary=True)])
-        # With other models to load, every loop's steps take turns under one arbiter.
+        # With other models to load, every loop's steps take turns under one arbiter; a daemon
+        # whose store has one model takes turns once a second one loads (runtime/models.py).
         # A cap over the arbiter's 1.8 pause (SCHEDULER.md lets users raise it) raises the pause
         # with it: it was a start-up traceback whenever the store held a second model.
         pause = max(1.8, config.latency_cap)
-        arbiter = Arbiter(latency_cap=config.latency_cap, max_pause=pause, max_gap=max(2.0, pause))
-        machine = Machine(arbiter) if len(store.entries()) > 1 else None
-        share = machine.share(store.primary.id) if machine is not None else None
+        machine = Machine(Arbiter(latency_cap=config.latency_cap, max_pause=pause, max_gap=max(2.0, pause)))
+        share = machine.share(store.primary.id) if len(store.entries()) > 1 else None
         # Open connections on every front end: a lone client's next request needs no burst wait.
         self.clients = Clients()
         self.loop = DecodeLoop(

@@ -64,12 +64,13 @@ class Arbiter:
         self._listeners.pop(model, None)
         self._wake_others(model)  # a failed tick never reached ran(), which would have woken them
 
-    def wants(self, model: str) -> None:
+    def wants(self, model: str, tick_s: float = 0.0) -> None:
         """An interactive request arrived for ``model``: from now the others' background
-        ticks wait for its first tick, then fit its gaps."""
+        ticks wait for its first tick, then fit its gaps.  ``tick_s``: its streams' last tick,
+        where known (a loop that joins while it streams: the others fit it at once)."""
         standing = self._standing.setdefault(model, _Standing())
         if not standing.streams:
-            standing.streams, standing.tick_s = True, 0.0
+            standing.streams, standing.tick_s = True, tick_s
         for name, (_, preempt) in list(self._listeners.items()):
             if name != model:
                 preempt()
