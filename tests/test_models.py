@@ -558,6 +558,8 @@ async def test_two_real_models_answer_as_each_does_alone(
             assert [m["name"] for m in running] == [default, tiny]
             # Every entry says its GPU bytes (none here) and context (the other's lacked both).
             assert [(m["size_vram"], m["context_length"]) for m in running] == [(0, server.config.n_ctx)] * 2
+            files = {m["name"]: m["size"] for m in (await http.get("/api/tags")).json()["models"]}
+            assert all(m["size"] > files[m["name"]] for m in running)  # weights and KV cache, as Ollama's
             # An --alias is listed as a name of its own, as Ollama lists a copy (it was absent).
             tags = {m["name"]: m["size"] for m in (await http.get("/api/tags")).json()["models"]}
             assert tags.keys() == {default, tiny, "little"} and tags["little"] == tags[tiny]

@@ -80,6 +80,10 @@ class OllamaApi:
         entry = await self._entry()
         desk = self.gateway._ready()
         entry.expires_at = later.isoformat().replace("+00:00", "Z")
+        # The memory a loaded model takes, weights and KV cache, as Ollama's `size` here counts
+        # its runner's (/api/tags gives the file's).
+        loading = desk.models.loading
+        entry.size = (loading.primary_bytes if loading is not None else 0) or entry.size
         entry.size_vram = _size_vram(entry.size, desk.describe_engine())
         entry.context_length = desk.loop.engine.n_ctx_seq
         loaded = []  # the store's other models while loaded: they expire after their keep-alive
@@ -89,6 +93,7 @@ class OllamaApi:
                     continue
                 # What the primary's entry says, for this one too (both were missing).
                 other.context_length = model["context_length"]
+                other.size = model.get("footprint_bytes") or other.size
                 unit = desk.models.units.get(model["id"])
                 if unit is not None and unit.loaded.describe is not None:
                     other.size_vram = _size_vram(other.size, unit.loaded.describe())
