@@ -3,6 +3,7 @@ hypercorn runs its own timers)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import ssl
@@ -567,3 +568,28 @@ async def test_a_full_daemon_is_anthropic_s_529_overloaded_on_the_messages_route
     assert overloaded.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
     assert overloaded.value.response.headers["retry-after"] == "1"
     assert openai_shape.status_code == 429 and openai_shape.json()["error"]["type"] == "rate_limit_error"
+
+
+async def test_a_hang_up_during_a_streamed_answer_of_several_choices_cancels_them_all() -> None:
+    """The later choices of a streamed `n` > 1 answer are admitted beside the stream, which
+    already watches for the hang-up: their admission must not watch too (two readers of one
+    connection's messages, and the hang-up reaches only one), or choices run on for nobody."""
+    from .helpers import assert_nothing_held
+
+    slow = CostCoefficients(fixed_s=0.02, source="test: 20 ms a step")
+    async with gateway_on_sim(slow) as (server, _, url):
+        body = {"model": "sim", "prompt": "go", "max_tokens": 400, "n": 3, "stream": True}
+        async with (
+            httpx.AsyncClient(base_url=url) as http,
+            http.stream("POST", "/v1/completions", json=body) as s,
+        ):
+            seen: set[int] = set()
+            async for line in s.aiter_lines():
+                if line.startswith("data: {"):
+                    seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+                if len(seen) == 3:
+                    break  # every choice streams: the client leaves
+        with trio.fail_after(5):
+            while server.loop.gauges()["in_flight"]:
+                await trio.sleep(0.05)
+        assert_nothing_held(server)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
+from contextvars import ContextVar
 
 import trio
 from starlette.responses import Response
@@ -13,6 +14,12 @@ from starlette.responses import Response
 from .serve import Receive, Scope, Send
 
 log = logging.getLogger(__name__)
+
+
+# The ASGI receive of the HTTP request a task serves while nobody watches it for a hang-up
+# (set per request by the gateway; None inside until_disconnect's work and the tasks it
+# starts: one watcher at a time, or the disconnect reaches only one of them).
+UNWATCHED_RECEIVE: ContextVar[Receive | None] = ContextVar("uma_unwatched_receive", default=None)
 
 
 async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> None:
@@ -25,7 +32,11 @@ async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(watch)
-        await work()
+        watched = UNWATCHED_RECEIVE.set(None)
+        try:
+            await work()
+        finally:
+            UNWATCHED_RECEIVE.reset(watched)
         nursery.cancel_scope.cancel()
 
 

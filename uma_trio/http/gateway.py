@@ -23,7 +23,6 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
-from contextvars import ContextVar
 from typing import Any, Literal
 
 import msgspec
@@ -67,7 +66,7 @@ from ..runtime.desk import RequestDesk
 from .anthropic import AnthropicApi
 from .auth import BearerAuth, request_owner
 from .embeddings import EmbeddingsApi
-from .event_stream import EventStream, until_disconnect
+from .event_stream import UNWATCHED_RECEIVE, EventStream, until_disconnect
 from .flight import Flight, answer_limits, client_gone, completed, decode_body, last_word, with_ceiling
 from .fresh import FreshConnections, peer_of
 from .ollama import OllamaApi, fill_in_middle
@@ -78,10 +77,6 @@ from .responses_api import ResponsesApi
 from .serve import AsgiApp, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
-
-# The ASGI receive of the HTTP request a task serves (set by Gateway._counting), so its admission
-# can watch for a hang-up while it waits (Gateway._begin).
-_RECEIVE: ContextVar[Receive | None] = ContextVar("uma_http_receive", default=None)
 
 LOAD_WAIT_S = 300.0  # how long an Ollama route waits for the model to load (OLLAMA_LOAD_TIMEOUT's 5 min)
 
@@ -196,7 +191,7 @@ class Gateway:
             if scope["type"] == "http" and client and self.server is not None:
                 self.server.clients.sent((str(client[0]), int(client[1])))
             if scope["type"] == "http":
-                _RECEIVE.set(receive)  # this request's task (and the tasks it starts) only
+                UNWATCHED_RECEIVE.set(receive)  # this request's task (and the tasks it starts) only
             await app(scope, receive, send)
 
         return counted
@@ -743,7 +738,7 @@ class Gateway:
             # A client that hangs up while its request waits (for a model's load, or room to
             # load it: up to a minute) gives its place up: nobody would read the answer, and a
             # load for it would unload a model others use.
-            receive = _RECEIVE.get()
+            receive = UNWATCHED_RECEIVE.get()  # None where a watcher runs already
             await (opening() if receive is None else until_disconnect(receive, opening))
             if refused:
                 raise refused[0]
