@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import trio
 
 from uma_trio.config import ServerConfig
@@ -55,6 +56,26 @@ async def sim_daemon(
         config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock", **overrides)
         async with serving_sim(sim_server(config, wrap, cost)) as server:
             yield server
+
+
+@asynccontextmanager
+async def streaming(
+    http: httpx.AsyncClient, body: dict[str, Any], path: str = "/v1/completions"
+) -> AsyncIterator[None]:
+    """``body`` streamed from ``path`` for the duration of the block, which begins once its
+    first line has come (a session taken); the stream is dropped at the block's end."""
+    async with trio.open_nursery() as nursery:
+        started = trio.Event()
+
+        async def hold() -> None:
+            async with http.stream("POST", path, json=body) as held:
+                async for _ in held.aiter_lines():
+                    started.set()
+
+        nursery.start_soon(hold)
+        await started.wait()
+        yield
+        nursery.cancel_scope.cancel()
 
 
 def assert_nothing_held(server: Server) -> None:

@@ -23,7 +23,7 @@ from uma_trio.http.gateway import Gateway
 from uma_trio.runtime.server import Server
 from uma_trio.sched.cost import CostCoefficients
 
-from .helpers import sim_daemon
+from .helpers import sim_daemon, streaming
 
 FAST = CostCoefficients(fixed_s=0.0001, decode_s=0.00001, prefill_s=0.00001, ctx_s_per_kcell=0.0)
 
@@ -517,23 +517,13 @@ async def test_more_choices_than_the_daemon_can_ever_hold_are_a_400() -> None:
         kv.unpin(seq)
         assert (await http.post("/v1/completions", json=pair)).status_code == 200
 
-        async with trio.open_nursery() as nursery:  # one session taken: the second choice is refused
-            busy = {"model": "sim", "prompt": "go", "max_tokens": 400, "stream": True}
-            started = trio.Event()
-
-            async def hold() -> None:
-                async with http.stream("POST", "/v1/completions", json=busy) as held:
-                    async for _ in held.aiter_lines():
-                        started.set()
-
-            nursery.start_soon(hold)
-            await started.wait()
+        busy = {"model": "sim", "prompt": "go", "max_tokens": 400, "stream": True}
+        async with streaming(http, busy):  # one session taken: the second choice is refused
             before = server.metrics_snapshot()["errors"].get("E_LIMIT_004", 0)
             body = {"model": "sim", "prompt": "hello", "max_tokens": 50, "n": 2, "stream": True}
             answer = await http.post("/v1/completions", json=body)
             assert answer.status_code == 200 and "E_LIMIT_004" in answer.text
             assert server.metrics_snapshot()["errors"].get("E_LIMIT_004", 0) == before + 1
-            nursery.cancel_scope.cancel()
 
 
 async def test_a_full_daemon_is_anthropic_s_529_overloaded_on_the_messages_route() -> None:
@@ -546,24 +536,14 @@ async def test_a_full_daemon_is_anthropic_s_529_overloaded_on_the_messages_route
         gateway_on_sim(max_sessions=1, max_queue=0) as (_, _, url),
         httpx.AsyncClient(base_url=url) as http,
     ):
-        async with trio.open_nursery() as nursery:
-            busy = {"model": "sim", "prompt": "go", "max_tokens": 400, "stream": True}
-            started = trio.Event()
-
-            async def hold() -> None:
-                async with http.stream("POST", "/v1/completions", json=busy) as held:
-                    async for _ in held.aiter_lines():
-                        started.set()
-
-            nursery.start_soon(hold)
-            await started.wait()
+        busy = {"model": "sim", "prompt": "go", "max_tokens": 400, "stream": True}
+        async with streaming(http, busy):
             client = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
             with pytest.raises(anthropic.OverloadedError) as overloaded:
                 await client.messages.create(
                     model="sim", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
                 )
             openai_shape = await http.post("/v1/completions", json={**busy, "stream": False})
-            nursery.cancel_scope.cancel()
     assert overloaded.value.status_code == 529
     assert overloaded.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
     assert overloaded.value.response.headers["retry-after"] == "1"

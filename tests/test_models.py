@@ -43,6 +43,7 @@ from uma_trio.runtime.server import Server
 from uma_trio.sched.cost import CostCoefficients
 
 from .conftest import running_server
+from .helpers import streaming
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -723,16 +724,7 @@ async def test_an_http_request_waiting_for_room_gives_its_place_up_when_its_clie
             gateway.attach(server)
             async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
                 busy = {"model": "b", "prompt": "go", "max_tokens": 100, "stream": True}
-                async with trio.open_nursery() as nursery:
-                    started = trio.Event()
-
-                    async def hold() -> None:
-                        async with http.stream("POST", "/v1/completions", json=busy) as held:
-                            async for _ in held.aiter_lines():
-                                started.set()
-
-                    nursery.start_soon(hold)
-                    await started.wait()
+                async with streaming(http, busy):
                     wanted = {"model": "c", "prompt": "hi", "max_tokens": 2}
                     with pytest.raises(httpx.ReadTimeout):  # waits for room, and its client leaves
                         await http.post("/v1/completions", json=wanted, timeout=0.3)

@@ -66,7 +66,7 @@ class PullApi:
         body = decode_body(await self.gateway._body(request) or b"{}", PullBody)
         reference = body.model or body.name or ""
         models = self.gateway._ready().models
-        if "/" not in reference and (known := models.store.resolve(reference)) is not None and reference:
+        if reference and "/" not in reference and (known := models.store.resolve(reference)) is not None:
             # A name the store already serves: scripts pull to make sure a model is there
             # (Ollama then checks its registry); there is no hub repository to ask.
             done = {"status": "success", "model": known}

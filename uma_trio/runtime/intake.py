@@ -214,7 +214,7 @@ async def fitted_chat(
     dropped until it fits (protocol/chat_truncate.py), searched off the loop.  As it was if
     even the last message does not fit: refused as before."""
     assert request.messages is not None
-    context = min(request.max_context or engine.n_ctx_seq, engine.n_ctx_seq)
+    context = request_context(engine, request)
     budget = min(context - 1, config.max_prompt_tokens)
     if len(prompt) <= budget:
         return request, prompt
@@ -236,6 +236,11 @@ async def fitted_chat(
     return msgspec.structs.replace(request, messages=found[0]), found[1]
 
 
+def request_context(engine: Engine, request: GenerateRequest) -> int:
+    """The context a request may fill: its max_context (Ollama's num_ctx), at most the engine's."""
+    return min(request.max_context or engine.n_ctx_seq, engine.n_ctx_seq)
+
+
 def middle_cut(
     engine: Engine, config: ServerConfig, request: GenerateRequest, prompt: TokenArray, *,
     auto_max_tokens: bool,
@@ -245,7 +250,7 @@ def middle_cut(
     messages: its first :data:`KEEP_HEAD` tokens and its last ones, as Ollama's runner
     truncates, with room left for the answer (its max_tokens, at most half the context; Ollama
     shifts the context while generating instead).  As it was if it fits."""
-    context = min(request.max_context or engine.n_ctx_seq, engine.n_ctx_seq)
+    context = request_context(engine, request)
     if len(prompt) <= min(context - 1, config.max_prompt_tokens):
         return prompt
     answer = min(config.max_tokens if auto_max_tokens else request.max_tokens, context // 2)
