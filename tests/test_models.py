@@ -554,7 +554,11 @@ async def test_two_real_models_answer_as_each_does_alone(
         assert "Paris" in answers[default]
         async with httpx.AsyncClient(base_url=str(server.http_url)) as http:
             listed = (await http.get("/v1/models")).json()["data"]
-            assert {m["id"]: m["uma"]["state"] for m in listed} == {default: "loaded", tiny: "loaded"}
+            states = {m["id"]: m["uma"]["state"] for m in listed}
+            assert states == {default: "loaded", tiny: "loaded", "little": "loaded"}
+            # The alias is an entry of its own there too (it was absent), its model's state shown.
+            assert next(m["uma"]["id"] for m in listed if m["id"] == "little") == tiny
+            assert (await http.get("/v1/models/little")).json()["id"] == "little"
             running = (await http.get("/api/ps")).json()["models"]
             assert [m["name"] for m in running] == [default, tiny]
             # Every entry says its GPU bytes (none here) and context (the other's lacked both).
@@ -592,6 +596,7 @@ async def test_two_real_models_answer_as_each_does_alone(
             assert refused.status_code == 400 and "stays loaded" in refused.json()["error"]["message"]
             missing = await http.post("/v1/completions", json={"model": "gpt-5", "prompt": "x"})
             assert missing.status_code == 404 and tiny in missing.json()["error"]["message"]
+            assert "`little`" in missing.json()["error"]["message"]  # the aliases a request may name too
 
 
 @pytest.mark.model

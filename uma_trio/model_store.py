@@ -136,8 +136,8 @@ class ModelStore:
         return None if _gone(self._entries[found]) else found
 
     def names(self) -> list[str]:
-        """The ids, for an error that lists them."""
-        return list(self._entries)
+        """The ids and the --alias names, for an error that lists what a request may name."""
+        return [name for e in self._entries.values() for name in (e.id, *e.aliases)]
 
 
 def _aliases(aliases: Sequence[str], files: dict[str, Path]) -> dict[str, list[str]]:
