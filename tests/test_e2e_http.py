@@ -361,6 +361,31 @@ async def test_priority_finds_a_stream_by_its_request_id(
         await wait_until_idle(http_server)
 
 
+async def test_a_move_before_the_later_choices_start_moves_them_too(http_server: Server) -> None:
+    """Scheduler review: with n > 1 the later choices start once choice 0's first token is
+    out; a /priority move that came before that moved choice 0 only, and the others were
+    created in the lane the request first asked for (HTTP.md: it moves every choice)."""
+    auth = {"authorization": f"Bearer {KEY}", "x-uma-priority": "background"}
+    long_story = [{"role": "user", "content": "Write a long story about a dragon. " * 40}]
+    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "messages": long_story, "n": 3, "max_tokens": 40}
+    async with httpx.AsyncClient(base_url=http_server.http_url or "", headers=auth) as http:
+        streamed = body | {"stream": True, "seed": 3}
+        async with http.stream("POST", "/v1/chat/completions", json=streamed) as response:
+            assert response.status_code == 200
+            rid = response.headers["x-request-id"]  # choice 0 is admitted; its prompt is being read
+            in_flight = [r for r in http_server.metrics_snapshot()["in_flight"] if r["id"].startswith(rid)]
+            assert len(in_flight) == 1  # the move comes before the other choices exist
+            moved = await http.post("/priority", json={"id": rid, "priority": "interactive"})
+            assert moved.status_code == 200, moved.text
+            lanes: dict[str, str] = {}
+            async for _ in response.aiter_lines():
+                for r in http_server.metrics_snapshot()["in_flight"]:
+                    if r["id"].startswith(rid):
+                        lanes[r["id"]] = r["lane"]
+        assert len(lanes) == 3 and set(lanes.values()) == {"interactive"}, lanes
+        await wait_until_idle(http_server)
+
+
 async def test_every_whole_answer_carries_its_request_id(http_server: Server) -> None:
     """Found by review: whole answers with n > 1, /generate's and Ollama's came without the
     X-Request-Id HTTP.md promises for every answer (streamed ones had it)."""

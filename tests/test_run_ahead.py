@@ -228,7 +228,8 @@ async def test_tick_trace_has_one_line_per_step_run_ahead_or_planned(
         await stream_all(server, [req(f"r{i}", 30) for i in range(3)])
         await server.loop.wait_idle()
         ticks = server.loop._tick
-    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+        # Readable while the daemon runs, not only once it stops (a review found it empty).
+        rows = [json.loads(line) for line in trace.read_text().splitlines()]
     assert len(rows) == ticks
     assert [r["tick"] for r in rows] == list(range(ticks))
     # Each request prefills its 4 prompt tokens; the step that ends its prompt samples token 1.

@@ -243,17 +243,23 @@ class Gateway:
         return Response(exposition(self._ready().registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
-        """Every model of the store, with its state (docs/MODELS.md); OpenAI's fields first."""
+        """Every model of the store, with its state (docs/MODELS.md); OpenAI's fields first.
+        Each --alias is an entry of its own (as vLLM lists each served name): a client's model
+        picker offers the names a request may use."""
         described = self._ready().models.describe()
-        listed = [openai.Model(id=m["id"], created=self.created, uma=m) for m in described]
+        names = [(name, m) for m in described for name in (m["id"], *m["aliases"])]
+        listed = [openai.Model(id=name, created=self.created, uma=m) for name, m in names]
         return json_response(openai.ModelList(listed))
 
     async def _model(self, request: Request) -> Response:
         """OpenAI's ``GET /v1/models/{model}``: the model a name names (an id, a file name or
-        an alias, as /v1/chat/completions resolves it), as the list shows it; 404 else."""
-        found = self.model_for(request.path_params["model"])
+        an alias, as /v1/chat/completions resolves it), as the list shows it (an alias as its
+        own entry); 404 else."""
+        name = request.path_params["model"]
+        found = self.model_for(name)
         described = next((m for m in self._ready().models.describe() if m["id"] == found), None)
-        return json_response(openai.Model(id=found, created=self.created, uma=described))
+        listed = name if described is not None and name in described["aliases"] else found
+        return json_response(openai.Model(id=listed, created=self.created, uma=described))
 
     def model_for(self, name: str) -> str:
         """The id of the model ``name`` names (an id, a file name or an alias); 404 listing
@@ -431,8 +437,9 @@ class Gateway:
                         await first.wait()
                     try:
                         flight = await self._begin(
-                            choice, arrived, auto_max_tokens=translated.auto_max_tokens, owner=owner
-                        )
+                            _in_lane_of(choice, flights), arrived, auto_max_tokens=translated.auto_max_tokens,
+                            owner=owner,
+                        )  # fmt: skip
                     except ApiError as exc:  # raised in here, a nursery would wrap it in a group
                         refusal.append(exc)
                         nursery.cancel_scope.cancel()
@@ -489,9 +496,8 @@ class Gateway:
                 await started.wait()
                 for i in range(1, n):
                     try:
-                        flights.append(
-                            await self._begin(requests[i], arrived, auto_max_tokens=auto, owner=owner)
-                        )
+                        choice = _in_lane_of(requests[i], flights)
+                        flights.append(await self._begin(choice, arrived, auto_max_tokens=auto, owner=owner))
                     except ApiError as exc:
                         await send.send((i, exc))
                         return
@@ -813,3 +819,10 @@ def _generate_request(data: bytes) -> GenerateRequest:
     if not isinstance(message, GenerateRequest):
         raise ApiError(400, "POST /generate takes a generate request", param="type")
     return message
+
+
+def _in_lane_of(choice: GenerateRequest, flights: Sequence[Flight]) -> GenerateRequest:
+    """A later choice of an ``n`` > 1 request, in the lane its first choice is in now: a
+    ``/priority`` move that came before it started moves it too (it started in the old one)."""
+    first = flights[0].stream if flights else None
+    return choice if first is None else msgspec.structs.replace(choice, priority=first.lane)

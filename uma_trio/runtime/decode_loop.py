@@ -346,6 +346,8 @@ class DecodeLoop:
             if not plan:
                 if self._sharing is not None:
                     self._sharing.arbiter.quiet(self._sharing.name)
+                if self._trace is not None:  # readable while the daemon runs (tail -f)
+                    self._trace.flush(self._clock())
                 self._update_idle()
                 self._last_step_end = None
                 self.engine.went_idle()
