@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from uma_trio.runtime.admission import Capacity, InteractiveDemand, Waiting, next_to_admit
+from uma_trio.runtime.admission import Capacity, InteractiveDemand, Reader, Waiting, follows, next_to_admit
 
 ROOMY = Capacity(
     available_seqs=4, room_cells=10_000, reserved_cells=0, background_running=0, background_cap=3
@@ -126,3 +127,24 @@ def test_a_socket_connection_is_a_client_and_so_is_an_http_principal() -> None:
     assert client_of("uid:1000", 3) != client_of("uid:1000", 4)  # two apps of one user
     assert client_of("http", 3) == client_of("http", 9)  # HTTP: a connection per request
     assert client_of("key:abc", 3) != client_of("http", 3)
+
+
+def test_a_request_waits_for_a_reader_of_its_prefix_only_while_it_is_worth_it() -> None:
+    """:func:`follows`: wait while a running request reads a prefix this prompt shares past what
+    it has read (then copy it); not for a short or already-read prefix, and an interactive
+    request never for a background reader."""
+    prompt = np.arange(100, dtype=np.int32)
+    same_start = np.concatenate([np.arange(60, dtype=np.int32), np.full(40, -1, dtype=np.int32)])
+    reading = Reader("interactive", prompt.copy(), n_past=30)
+    assert follows(prompt, "interactive", [reading], min_reuse=16)
+    assert follows(same_start, "background", [reading], min_reuse=16)  # 60 shared, 30 read
+    # Read past the shared part already: admitted now, and its claim copies what is read.
+    assert not follows(same_start, "interactive", [Reader("interactive", prompt, n_past=60)], min_reuse=16)
+    # Its last token is its own to read: an identical prompt read to its last token is not waited for.
+    assert not follows(prompt, "interactive", [Reader("interactive", prompt, n_past=99)], min_reuse=16)
+    short = np.concatenate([np.arange(10, dtype=np.int32), np.full(90, -1, dtype=np.int32)])
+    assert not follows(short, "interactive", [reading], min_reuse=16)  # 10 shared: not worth a copy
+    background_reader = Reader("background", prompt, n_past=0)
+    assert not follows(prompt, "interactive", [background_reader], min_reuse=16)
+    assert follows(prompt, "background", [background_reader], min_reuse=16)
+    assert not follows(prompt, "interactive", [], min_reuse=16)

@@ -122,6 +122,33 @@ async def test_concurrent_requests_sharing_a_prefix_each_get_their_own_answer(
     assert len({tuple(ids) for ids in expected}) == len(expected)  # four different answers
 
 
+async def test_requests_arriving_together_with_a_shared_prefix_read_it_once(
+    server: Server, llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    """Scheduler review: identical prompts (or one system prompt) arriving together were each
+    read in full, side by side (six 1,600-token prompts: every first token after 46 s, one
+    alone 7 s).  Now one reads the shared prefix and the others copy it once read, and each
+    answer is still exactly its cold answer."""
+    conversations = [chat(("user", q)) for q in QUESTIONS]
+    with trio.fail_after(180):
+        async with UmaClient.connect(server.config.socket_path) as client:
+            before = await cache_figures(client)
+            results: dict[int, tuple[list[int], EosEvent]] = {}
+
+            async def one(i: int) -> None:
+                results[i] = await greedy(client, conversations[i])
+
+            async with trio.open_nursery() as nursery:  # a cold cache: nothing read yet
+                for i in range(len(conversations)):
+                    nursery.start_soon(one, i)
+            after = await cache_figures(client)
+    cached = sorted(eos.usage.cached_tokens for _, eos in results.values())
+    assert cached[0] == 0 and all(c > 300 for c in cached[1:]), cached  # all but the first copied it
+    assert after["hits"] - before["hits"] == len(conversations) - 1
+    expected = await reference(llama_model, server_config, conversations)
+    assert [results[i][0] for i in range(len(conversations))] == expected
+
+
 async def test_prefix_evicted_while_a_request_reuses_it_breaks_nothing(
     llama_model: LlamaModel, server_config: ServerConfig
 ) -> None:

@@ -56,7 +56,7 @@ from ..sched.graph_shapes import ShapeStreak, plan_shape
 from ..sched.kv_manager import Claim, KvManager, common_prefix
 from ..sched.policy import Policy, default_policy
 from ..sched.state import Lane, Plan, SchedulerState, SessionState, SkipReason
-from .admission import Capacity, InteractiveDemand, Waiting, client_of, next_to_admit
+from .admission import Capacity, InteractiveDemand, Reader, Waiting, client_of, follows, next_to_admit
 from .arrivals import Arrivals
 from .batch import batch_entries, set_up_sequence
 from .clients import Clients
@@ -696,10 +696,24 @@ class DecodeLoop:
         return now
 
     def _next_admittable(self) -> Session | None:
-        """The request :func:`.admission.next_to_admit` picks, if any."""
-        views = [self._waiting_view(s) for s in self._waiting]
-        index = next_to_admit(views, self._capacity())
-        return None if index is None else self._waiting[index]
+        """The request :func:`.admission.next_to_admit` picks, if any, among those not waiting
+        for a running request to read the prompt prefix they share (:func:`.admission.follows`)."""
+        readers = self._readers()
+        free = [s for s in self._waiting if not self._follows(s, readers)] if readers else self._waiting
+        index = next_to_admit([self._waiting_view(s) for s in free], self._capacity())
+        return None if index is None else free[index]
+
+    def _readers(self) -> list[Session]:
+        """Running requests still reading a prompt whose prefix a waiting one may copy."""
+        if not self.kv.enabled:
+            return []
+        return [s for s in self._active.values() if s.phase is Phase.PREFILL and s.pool is None]
+
+    def _follows(self, session: Session, readers: list[Session]) -> bool:
+        if session.pool is not None:  # it starts empty (an embedding): it copies nothing
+            return False
+        mine = [Reader(s.lane, s.prompt, s.n_past) for s in readers if s.owner == session.owner]
+        return bool(mine) and follows(session.prompt, session.lane, mine, self.kv.min_reuse)
 
     @staticmethod
     def _waiting_view(session: Session) -> Waiting:
