@@ -6,7 +6,15 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from uma_trio.runtime.admission import Capacity, InteractiveDemand, Reader, Waiting, follows, next_to_admit
+from uma_trio.runtime.admission import (
+    FOLLOW_MIN_UNREAD,
+    Capacity,
+    InteractiveDemand,
+    Reader,
+    Waiting,
+    follows,
+    next_to_admit,
+)
 
 ROOMY = Capacity(
     available_seqs=4, room_cells=10_000, reserved_cells=0, background_running=0, background_cap=3
@@ -130,20 +138,26 @@ def test_a_socket_connection_is_a_client_and_so_is_an_http_principal() -> None:
 
 
 def test_a_request_waits_for_a_reader_of_its_prefix_only_while_it_is_worth_it() -> None:
-    """:func:`follows`: wait while a running request reads a prefix this prompt shares past what
-    it has read (then copy it); not for a short or already-read prefix, and an interactive
-    request never for a background reader."""
-    prompt = np.arange(100, dtype=np.int32)
-    same_start = np.concatenate([np.arange(60, dtype=np.int32), np.full(40, -1, dtype=np.int32)])
-    reading = Reader("interactive", prompt.copy(), n_past=30)
+    """:func:`follows`: wait while a running request reads a prefix this prompt shares, at
+    least FOLLOW_MIN_UNREAD tokens of it unread (then copy what it read); not for a short or
+    nearly read prefix, and an interactive request never for a background reader."""
+    unread = FOLLOW_MIN_UNREAD
+    prompt = np.arange(3 * unread, dtype=np.int32)
+    same_start = np.concatenate([prompt[: 2 * unread], np.full(unread, -1, dtype=np.int32)])
+    reading = Reader("interactive", prompt.copy(), n_past=unread // 2)
     assert follows(prompt, "interactive", [reading], min_reuse=16)
-    assert follows(same_start, "background", [reading], min_reuse=16)  # 60 shared, 30 read
-    # Read past the shared part already: admitted now, and its claim copies what is read.
-    assert not follows(same_start, "interactive", [Reader("interactive", prompt, n_past=60)], min_reuse=16)
-    # Its last token is its own to read: an identical prompt read to its last token is not waited for.
-    assert not follows(prompt, "interactive", [Reader("interactive", prompt, n_past=99)], min_reuse=16)
-    short = np.concatenate([np.arange(10, dtype=np.int32), np.full(90, -1, dtype=np.int32)])
-    assert not follows(short, "interactive", [reading], min_reuse=16)  # 10 shared: not worth a copy
+    assert follows(same_start, "background", [reading], min_reuse=16)
+    # Less than FOLLOW_MIN_UNREAD of the shared part unread: admitted now, its claim copies
+    # what is read and it reads the rest beside the reader.
+    nearly = Reader("interactive", prompt, n_past=2 * unread - unread // 2)
+    assert not follows(same_start, "interactive", [nearly], min_reuse=16)
+    # Its last token is its own to read: an identical prompt read all but that is not waited for.
+    done = Reader("interactive", prompt, n_past=len(prompt) - 1)
+    assert not follows(prompt, "interactive", [done], min_reuse=16)
+    # A short shared prefix (a chat template's system line, a load generator's short chats):
+    # read side by side, as before.
+    short = np.concatenate([prompt[: unread - 1], np.full(unread, -1, dtype=np.int32)])
+    assert not follows(short, "interactive", [Reader("interactive", prompt, n_past=0)], min_reuse=16)
     background_reader = Reader("background", prompt, n_past=0)
     assert not follows(prompt, "interactive", [background_reader], min_reuse=16)
     assert follows(prompt, "background", [background_reader], min_reuse=16)

@@ -61,6 +61,14 @@ class Capacity:
         return request.lane == "interactive" or self.background_running < self.background_cap
 
 
+# A request waits for a reader only while this much of the prefix they share is unread:
+# below it, reading it side by side costs about one tick (at once on a GPU), where waiting
+# costs a tick and a stream copy each, the copies admitted one a round while chats decode
+# (a burst of sixteen 32-token prompts would start in waves).  The loads' own 64-token chats
+# never wait.
+FOLLOW_MIN_UNREAD = 128
+
+
 @dataclass(frozen=True, slots=True)
 class Reader:
     """A running request still reading its prompt, as a waiting one may follow it."""
@@ -76,14 +84,15 @@ def follows(prompt: TokenArray, lane: Lane, readers: Sequence[Reader], min_reuse
     copy it as a cached prefix, rather than start now and read that prefix too.  Identical
     prompts arriving together (an app's burst, an agent's fan-out) were each read in full,
     side by side: six 1,600-token prompts all got their first token after 46 s, where one
-    alone took 7 s.  An interactive request does not wait for a background one, which reads
-    at the pace the latency guard leaves it."""
+    alone took 7 s.  Only while :data:`FOLLOW_MIN_UNREAD` tokens of it are still unread: the
+    rest it reads beside the reader.  An interactive request does not wait for a background
+    one, which reads at the pace the latency guard leaves it."""
     limit = len(prompt) - 1  # its last token is read by the request itself, for its logits
     for reader in readers:
         if lane == "interactive" and reader.lane != "interactive":
             continue
         shared = min(common_prefix(reader.prompt, prompt), limit)
-        if shared >= min_reuse and reader.n_past < shared:
+        if shared >= min_reuse and shared - reader.n_past >= FOLLOW_MIN_UNREAD:
             return True
     return False
 
