@@ -9,9 +9,10 @@ worst gap with the background compares with the worst gap without it.  Vulkan ru
 with CUDA graphs turned off are left out (another backend, another engine).  No GPU needed: it
 reads what the runs wrote.
 
-    python benches/gpu_mixed_runs.py [--since 2026-11-26] [--data docs/data] [--out benches/results]
+    python benches/gpu_mixed_runs.py [--since 2026-11-26] [--until 2026-11-27] [--data docs/data] [--out benches/results]
 
-``--since DATE`` keeps the runs from that day on (a run's label starts with its date).
+``--since DATE`` keeps the runs from that day on, ``--until DATE`` those up to that day (a
+run's label starts with its date): a table of BENCHMARKS.md written on a day regenerates.
 
 Prints a line per run and the totals; writes ``gpu_mixed_runs.csv`` and
 ``gpu_mixed_runs.png`` (each run's mixed max against its chats-alone max, both over the
@@ -120,12 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, default=ROOT / "docs" / "data")
     ap.add_argument("--out", type=Path, default=ROOT / "benches" / "results")
     ap.add_argument("--since", default="", help="only runs from this date on (YYYY-MM-DD)")
+    ap.add_argument("--until", default="9999", help="only runs up to this date (YYYY-MM-DD)")
     args = ap.parse_args(argv)
     rows: list[dict[str, str]] = []
     for path in sorted(args.data.glob("gpu-*.csv")):
         with path.open() as f:
             rows += list(csv.DictReader(f))
-    runs = [r for r in mixed_runs(rows) if r.run[:10] >= args.since]
+    runs = [r for r in mixed_runs(rows) if args.since <= r.run[:10] <= args.until]
     for r in runs:
         print(
             f"{r.run[:30]:30} {r.variant[:28]:28} p95 {r.p95_vs_alone_p95:5.2f}"

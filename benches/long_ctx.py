@@ -329,7 +329,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps per measurement")
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps first")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the fastest counts")
-    parser.add_argument("--n-ubatch", type=int, default=32, help="as the daemon (prefill micro-batch)")
+    parser.add_argument(
+        "--n-ubatch",
+        type=int,
+        default=32,
+        help="prefill micro-batch (32: --deterministic's; the daemon's fast default is 512)",
+    )
     parser.add_argument("--n-batch", type=int, default=512, help="prefill chunk")
     parser.add_argument("--threads", type=int, default=None, help="default: all cores")
     parser.add_argument("--fill", choices=["text", "random"], default="text")

@@ -14,10 +14,11 @@ one with it off (``--prefix-cache-cells 0``), same settings otherwise:
   sequence.
 
 TTFT is measured by the client, from sending the request to its first token.
-Prints both tables with the ratios, writes ``benches/results/prefix_cache.csv``
-and ``benches/results/prefix_cache.png``.
+Prints both tables with the ratios, writes ``OUT/prefix_cache.csv`` and
+``OUT/prefix_cache.png`` (``--out``, by default ``benches/results``).  Both daemons run the
+default settings of the code checked out.
 
-    python benches/prefix_cache.py [--rounds 3] [--questions 4] [--turns 5]
+    python benches/prefix_cache.py [--rounds 3] [--questions 4] [--turns 5] [--out DIR]
 """
 
 from __future__ import annotations
@@ -200,13 +201,15 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=4, help="requests per round (the first is cold)")
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--answer-tokens", type=int, default=48)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     model = LlamaModel(ensure_default_model())
     samples: list[Sample] = []
     for cache in (True, False):
         samples += trio.run(run_daemon, model, cache, args)
     rows = report(samples)
-    out = Path(__file__).parent / "results"
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "prefix_cache.csv", [vars(s) for s in samples], list(vars(samples[0])))
     write_csv(out / "prefix_cache_summary.csv", rows, list(rows[0]))
     plot(samples, out / "prefix_cache.png")

@@ -4,6 +4,10 @@ their UMA_* variables and docs/CONFIG.md's table, and the file agrees with the c
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -62,3 +66,21 @@ def test_a_bad_value_is_refused_naming_the_flag() -> None:
         cli.app.parse_args(["serve", "--idle-timeout", "0"])
     with pytest.raises(ValueError, match="--tls-cert and --tls-key"):
         cli.app.parse_args(["serve", "--tls-cert", "/tmp/c.pem"])
+
+
+def test_serve_help_shows_each_text_as_config_md_does() -> None:
+    """Docs review: `serve --help` read the help as markdown, so `"*" as a wildcard inside one
+    (http://localhost:*)` lost both asterisks; and --socket listed UMA_SOCKET twice."""
+
+    env = {**os.environ, "COLUMNS": "400"}
+    shown = subprocess.run(
+        [sys.executable, "-m", "uma_trio", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    assert '"*" as a wildcard inside one (http://localhost:*)' in shown
+    for names in re.findall(r"env var: ([^\]]+)\]", shown):
+        listed = [n.strip() for n in names.split(",")]
+        assert len(listed) == len(set(listed)), listed

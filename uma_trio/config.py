@@ -163,6 +163,9 @@ class ServerConfig:
         Parameter(
             name="--socket",
             env_var=SOCKET_ENV,  # UMA_SOCK: the seeds' name
+            # Shown, the help listed UMA_SOCKET twice (here and as the flag's UMA_ name); the
+            # text below names both, in the order they are read.
+            show_env_var=False,
             converter=socket_path,
             show_default="$XDG_RUNTIME_DIR/uma-trio/uma.sock, else /tmp/uma-trio-UID/uma.sock",
         ),
@@ -427,8 +430,8 @@ class ServerConfig:
         _COMMA_LIST,
         Parameter(show_default="local pages, app://*, tauri://*, vscode-webview://*"),
     ] = None
-    """Comma-separated browser origins allowed to call the HTTP API, "*" as a wildcard inside
-    one (http://localhost:*). The default allows http(s)://localhost:*, 127.0.0.1, [::1] and
+    """Comma-separated browser origins allowed to call the HTTP API, "\\*" as a wildcard inside
+    one (http://localhost:\\*). The default allows http(s)://localhost:\\*, 127.0.0.1, [::1] and
     app and editor webviews. Requests from other origins, and Origin: null, get 403."""
 
     # Access control (docs/SECURITY.md)
