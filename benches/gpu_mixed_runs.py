@@ -9,7 +9,8 @@ worst gap with the background compares with the worst gap without it.  Vulkan ru
 with CUDA graphs turned off are left out (another backend, another engine).  No GPU needed: it
 reads what the runs wrote.
 
-    python benches/gpu_mixed_runs.py [--since 2026-11-26] [--until 2026-11-27] [--data docs/data] [--out benches/results]
+    python benches/gpu_mixed_runs.py [--since 2026-11-26] [--until 2026-11-27] [--data docs/data]
+                                     [--out benches/results]
 
 ``--since DATE`` keeps the runs from that day on, ``--until DATE`` those up to that day (a
 run's label starts with its date): a table of BENCHMARKS.md written on a day regenerates.

@@ -86,6 +86,34 @@ async def test_a_request_in_flight_shows_when_it_should_end(autojump_clock: trio
         assert 0.5 * left <= row["eta_s"] <= 2.0 * left, (row["eta_s"], left)
 
 
+async def test_an_embedding_in_flight_ends_with_its_prompt(autojump_clock: trio.abc.Clock) -> None:
+    """Scheduler review: ``top`` showed an embedding as ``0/256`` generated and its ``eta_s``
+    counted 256 answer tokens it never generates."""
+    from rich.console import Console
+
+    from uma_trio.observability.views import sessions_table
+    from uma_trio.protocol.messages import GenerateRequest
+
+    from .helpers import sim_daemon
+
+    async with sim_daemon(n_ctx=8192, max_prompt_tokens=8192) as server:
+        prompt = " ".join(f"w{i}" for i in range(3000))
+        request = GenerateRequest(id="vec", prompt=prompt, embed=True, priority="background")
+        stream = await server.open_request(request, trio.current_time(), connection=1)
+        await trio.sleep(2.0)
+        row = next(r for r in server.loop.gauges()["in_flight"] if r["id"] == "vec")
+        asked = trio.current_time()
+        assert row["phase"] == "prefill" and row["max_tokens"] == 0 and row["eta_s"] is not None
+        console = Console(width=200, record=True)
+        console.print(sessions_table(server.metrics_snapshot()))
+        shown = console.export_text()
+        async for _ in stream.receive:
+            pass
+        left = trio.current_time() - asked
+        assert 0.5 * left <= row["eta_s"] <= 1.5 * left, (row["eta_s"], left)
+    assert "vec" in shown and "/256" not in shown
+
+
 async def test_a_held_decoder_s_expected_end_grows_with_its_wait(autojump_clock: trio.abc.Clock) -> None:
     """A background request decoding alone, then held by the budget beside three streaming
     chats: its ``eta_s`` counts the wait for its next token (the pace so far), so it grows

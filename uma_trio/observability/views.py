@@ -215,7 +215,9 @@ def _sessions(snap: dict[str, Any], layout: _Layout) -> tuple[Table, int]:
             "conn": str(row["connection"]), "id": row["id"], "model": str(row.get("model") or "-"),
             "lane": row["lane"], "phase": row["phase"] + (f" ({held})" if held else ""),
             "prompt": f"{row['prefilled']}/{row['prompt_tokens']}",
-            "generated": f"{row['generated']}/{row['max_tokens']}", "gap ms": _num(row["gap_ms"]),
+            # An embedding generates nothing (max_tokens 0): "-", not "0/256".
+            "generated": f"{row['generated']}/{row['max_tokens']}" if row["max_tokens"] else "-",
+            "gap ms": _num(row["gap_ms"]),
             "age s": f"{row['age_ms'] / 1000:,.1f}",
             "eta s": "-" if row.get("eta_s") is None else f"{row['eta_s']:,.1f}",
         })  # fmt: skip

@@ -15,9 +15,9 @@ def eta_s(session: Session, now: float, tick_s: float) -> float | None:
     """Seconds until the request ends (at ``max_tokens``) at the pace it has gone so far: its
     prompt at the rate its prefill has run, then one tick a token; once decoding, at its own
     mean gap, or slower while the token it waits for now has taken longer than that (a
-    decoder held back by the budget: its pace so far counts the wait).  None until it has
-    advanced."""
-    left = session.request.max_tokens - session.generated
+    decoder held back by the budget: its pace so far counts the wait).  An embedding ends
+    with its prompt.  None until it has advanced."""
+    left = _answer_tokens(session) - session.generated
     times = session.generated_at
     if session.phase is Phase.DECODE and times.first is not None and times.last is not None:
         mean_gap = (times.last - times.first) / (session.generated - 1) if session.generated > 1 else tick_s
@@ -28,6 +28,11 @@ def eta_s(session: Session, now: float, tick_s: float) -> float | None:
         return None
     rate = prefilled / (now - started)
     return round(session.prompt_remaining / rate + left * tick_s, 3)
+
+
+def _answer_tokens(session: Session) -> int:
+    """The most tokens it may generate: none for an embedding (its ``max_tokens`` is unused)."""
+    return 0 if session.request.embed else session.request.max_tokens
 
 
 def describe(session: Session, now: float, tick_s: float = 0.0, held: str | None = None) -> dict[str, Any]:
@@ -43,7 +48,7 @@ def describe(session: Session, now: float, tick_s: float = 0.0, held: str | None
         "prompt_tokens": len(session.prompt),
         "prefilled": min(session.n_past, len(session.prompt)),
         "generated": session.generated,
-        "max_tokens": session.request.max_tokens,
+        "max_tokens": _answer_tokens(session),
         "age_ms": round((now - session.created) * 1000.0, 1),
         "gap_ms": round((now - since) * 1000.0, 1),
         "eta_s": eta_s(session, now, tick_s),

@@ -314,7 +314,8 @@ def plan_pipeline(
     # With no stream decoding, here or on another model, there is no gap to protect: prompts
     # take a whole micro-batch (work-conserving: the engine's efficient unit, as llama-server
     # prefills), or as many as fit the burst tick where that is more, so a request arriving
-    # meanwhile waits one of those at most, then joins.  The budget covers what is planned.
+    # meanwhile waits for the one running, then joins the next (its prompt first).  The budget
+    # covers what is planned.
     nobody_decodes = not any(s.decoding for s in runnable)
     if nobody_decodes and interactive_prompts and beside <= 0.0:
         whole = min(state.micro_batch, state.max_batch - batch.n_tokens)
