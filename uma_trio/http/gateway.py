@@ -270,7 +270,7 @@ class Gateway:
         except UmaError:
             found = None
         if found is None:
-            available = ", ".join(f"`{n}`" for n in models.store.names())
+            available = ", ".join(f"`{n}`" for n in models.store.offered())
             raise ApiError(
                 404, f"The model `{shown(name)}` does not exist; this server has {available}",
                 param="model", code="model_not_found",

@@ -141,7 +141,7 @@ class ModelHost:
             self.store = self.store.rescanned(loaded=self.units)
             model_id = self.store.resolve(name, loaded=self.units)
         if model_id is None:
-            available = ", ".join(self.store.names())
+            available = ", ".join(self.store.offered())
             message = f"model {name!r} is not here; this daemon has {available}"
             raise UmaError(ErrorCode.MODEL_NOT_FOUND, message)
         return model_id
