@@ -123,6 +123,31 @@ async def test_a_parked_session_stays_while_the_others_run_and_nobody_waits(
             nursery.cancel_scope.cancel()
 
 
+async def test_a_parked_session_stays_while_the_only_request_waiting_follows_a_reader(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A request waiting for a running one to read the prompt prefix they share (SCHEDULER.md
+    "A prefix still being read is waited for") waits for no sequence: cancelling a parked
+    session would not start it sooner, so the parked one is left to the stall timeout."""
+    async with sim_daemon(n_ctx=8192, max_prompt_tokens=8192, prefix_cache_cells=None, stream_buffer=64) as server:
+        hog = await RawClient.connect(server.config.socket_path)
+        await hog.send({"id": "h", "prompt": "tell me everything", "max_tokens": 3000})
+        while server.loop.gauges()["sessions"]["parked"] < 1:  # its reader has stopped reading
+            await trio.sleep(0.1)
+        prompt = " ".join(f"w{i}" for i in range(6000))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stream, server, "reader", 4, prompt)
+            await trio.sleep(0.5)
+            nursery.start_soon(_stream, server, "follower", 4, prompt)
+            await trio.sleep(PARKED_HOLD_S + 3.0)
+            rows = {r["id"]: r for r in server.loop.gauges()["in_flight"]}
+            assert rows["reader"]["phase"] == "prefill" and rows["follower"]["phase"] == "waiting", rows
+            assert server.loop.gauges()["sessions"]["parked"] == 1
+            assert not server.metrics.cancels
+        # The follower copied what the reader read.
+        assert server.loop.kv.stats.reused_tokens >= 5000
+
+
 async def _stream(server: Server, request_id: str, max_tokens: int, prompt: str = "count to many") -> None:
     request = GenerateRequest(id=request_id, prompt=prompt, max_tokens=max_tokens, stream=True)
     stream = await server.open_request(request, trio.current_time(), connection=1)

@@ -369,7 +369,7 @@ class DecodeLoop:
         """Wait to be woken (or until a parked session has held its sequence too long while
         requests wait for one: :meth:`_release_parked`)."""
         deadline = math.inf
-        if self._waiting and self._parked_since:
+        if self._parked_since and self._waiting_for_room():
             # One already due was drained since (its next plan forgets it): no busy wait on it.
             now, hold = self._clock(), self._parked_hold_s()
             due = min((t + hold for t in self._parked_since.values() if t + hold > now), default=math.inf)
@@ -387,7 +387,7 @@ class DecodeLoop:
         ``stalled``, and what waits is admitted in its place.  Its reader keeps the stall
         timeout's per-frame timer alive with a little progress now and then, and meanwhile
         holds a sequence and its KV; with nobody waiting it slows nobody and is left alone."""
-        if not self._waiting or not self._parked_since:
+        if not self._parked_since or not self._waiting_for_room():
             return
         now, hold = self._clock(), self._parked_hold_s()
         released = False
@@ -702,6 +702,12 @@ class DecodeLoop:
         free = [s for s in self._waiting if not self._follows(s, readers)] if readers else self._waiting
         index = next_to_admit([self._waiting_view(s) for s in free], self._capacity())
         return None if index is None else free[index]
+
+    def _waiting_for_room(self) -> bool:
+        """Requests wait for a sequence or cells, not only for a reader of their prefix (whose
+        wait no parked session's cancelling would shorten)."""
+        readers = self._readers()
+        return any(not (readers and self._follows(s, readers)) for s in self._waiting)
 
     def _readers(self) -> list[Session]:
         """Running requests still reading a prompt whose prefix a waiting one may copy."""
