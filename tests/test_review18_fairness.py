@@ -129,7 +129,8 @@ async def test_a_parked_session_stays_while_the_only_request_waiting_follows_a_r
     """A request waiting for a running one to read the prompt prefix they share (SCHEDULER.md
     "A prefix still being read is waited for") waits for no sequence: cancelling a parked
     session would not start it sooner, so the parked one is left to the stall timeout."""
-    async with sim_daemon(n_ctx=8192, max_prompt_tokens=8192, prefix_cache_cells=None, stream_buffer=64) as server:
+    settings = dict(n_ctx=8192, max_prompt_tokens=8192, prefix_cache_cells=None, stream_buffer=64)
+    async with sim_daemon(**settings) as server:
         hog = await RawClient.connect(server.config.socket_path)
         await hog.send({"id": "h", "prompt": "tell me everything", "max_tokens": 3000})
         while server.loop.gauges()["sessions"]["parked"] < 1:  # its reader has stopped reading
