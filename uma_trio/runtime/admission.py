@@ -14,8 +14,9 @@ cached prefix that would yield it) and the cells it may come to need (prompt plu
 ``max_tokens``) fit beside what running requests reserve and pinned prefixes hold.
 Background requests never take the last ``interactive_reserve`` sequences, nor those
 interactive requests needed lately (:class:`InteractiveDemand`).  A request whose prompt
-shares a prefix with one its owner's running requests is still reading waits until that
-prefix is read, then copies it (:func:`follows`).
+shares a prefix with one its owner's running requests is still reading waits while 128
+tokens or more of it are unread, then copies what is read (:func:`follows`); meanwhile the
+requests behind it may start.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def follows(prompt: TokenArray, lane: Lane, readers: Sequence[Reader], min_reuse
     for reader in readers:
         if lane == "interactive" and reader.lane != "interactive":
             continue
+        if reader.n_past + FOLLOW_MIN_UNREAD > min(limit, len(reader.prompt)):
+            continue  # too little left to read for any shared prefix to count (no scan)
         shared = min(common_prefix(reader.prompt, prompt), limit)
         if shared >= min_reuse and shared - reader.n_past >= FOLLOW_MIN_UNREAD:
             return True
