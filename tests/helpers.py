@@ -19,6 +19,7 @@ from uma_trio.config import ServerConfig
 from uma_trio.engine.base import Engine
 from uma_trio.engine.sim import SimEngine
 from uma_trio.loadgen.simulate import SIM_CONFIG
+from uma_trio.model_store import ModelStore
 from uma_trio.protocol.framing import FrameDecoder
 from uma_trio.runtime.server import Server
 from uma_trio.sched.cost import CostCoefficients
@@ -268,3 +269,8 @@ def grammar_accepts(grammar: str, text: str) -> bool:
     assert not failed, messages
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     return all(matcher.consume_token(b) for b in text.encode()) and matcher.is_accepting()
+
+
+def ids(store: ModelStore) -> list[str]:
+    """The store's model ids, in its order."""
+    return [entry.id for entry in store.entries()]

@@ -43,7 +43,7 @@ from uma_trio.runtime.server import Server
 from uma_trio.sched.cost import CostCoefficients
 
 from .conftest import running_server
-from .helpers import streaming
+from .helpers import ids, streaming
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,7 +61,7 @@ def test_the_store_names_every_file_and_alias(tmp_path: Path) -> None:
     elsewhere.parent.mkdir()
     elsewhere.write_bytes(b"GGUF")
     store = ModelStore.scan(primary, shelf, ["chat=main.gguf", "code=coder.gguf", f"far={elsewhere}"])
-    assert sorted(store.names()) == ["big", "coder", "embed", "main"]
+    assert sorted(ids(store)) == ["big", "coder", "embed", "main"]
     assert store.primary.id == "main" and store.entry("coder").size == 8
     names: dict[str | None, str | None] = {
         "main": "main", "main.gguf": "main", "chat": "main", "code": "coder", "coder:latest": "coder",
@@ -116,7 +116,7 @@ def test_a_directory_file_a_name_already_holds_or_no_model_is_left_out_at_start(
     (shelf / "main.gguf").write_bytes(b"GGUF another main")  # --model's id, another file
     with caplog.at_level("WARNING", logger="uma_trio.model_store"):
         store = ModelStore.scan(primary, shelf, ["zzz=aaa.gguf"])
-    assert sorted(store.names()) == ["a", "aaa", "main"]
+    assert sorted(ids(store)) == ["a", "aaa", "main"]
     assert store.resolve("zzz") == "aaa" and store.resolve("a.gguf") == "a"
     warned = caplog.text
     assert "zzz.gguf" in warned and "'zzz' is an --alias of the model 'aaa'" in warned

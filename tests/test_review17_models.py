@@ -25,6 +25,7 @@ from uma_trio.hub import PullError, pull
 from uma_trio.model_store import ModelStore, StoreError
 
 from .conftest import running_server
+from .helpers import ids
 from .hub_server import Repos, _handler
 
 NOT_UTF8 = os.fsdecode(b"bad\xe8.gguf")  # a name the file system allows and JSON cannot carry
@@ -166,7 +167,7 @@ def test_a_file_name_that_is_not_utf8_is_skipped_with_one_warning(
         store = ModelStore.scan(primary, shelf)
         (shelf / "new.gguf").write_bytes(b"GGUF")
         again = store.rescanned().rescanned()
-    assert store.names() == ["main", "ok"] and again.names() == ["main", "ok", "new"]
+    assert ids(store) == ["main", "ok"] and ids(again) == ["main", "ok", "new"]
     warned = [r.getMessage() for r in caplog.records if "not UTF-8" in r.getMessage()]
     assert len(warned) == 1 and "bad\\xe8.gguf" in warned[0]
 
@@ -199,11 +200,11 @@ def test_a_deleted_file_leaves_the_store_and_the_others_stay(tmp_path: Path) -> 
     (shelf / "gone.gguf").unlink()
     assert store.resolve("gone") is None and store.resolve("g") is None  # the caller rescans
     rescanned = store.rescanned()
-    assert rescanned.names() == ["main", "kept", "far"] and rescanned.resolve("gone") is None
+    assert ids(rescanned) == ["main", "kept", "far"] and rescanned.resolve("gone") is None
     # Only what the directory gave is forgotten: --model's file and an aliased path stay.
     primary.unlink()
     far.unlink()
-    assert rescanned.rescanned().names() == ["main", "kept", "far"] and rescanned.resolve("f") == "far"
+    assert ids(rescanned.rescanned()) == ["main", "kept", "far"] and rescanned.resolve("f") == "far"
 
 
 def test_a_loaded_model_whose_file_is_deleted_serves_on_from_memory(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from uma_trio.observability.metrics import Metrics
 from uma_trio.protocol.errors import ErrorCode, UmaError
 from uma_trio.runtime.models import REAP_EVERY_S, LoadedModel, Loading, ModelHost
 
+from .helpers import ids
 from .test_models import Shelf, daemon, sim_model, states, two_other_models
 
 
@@ -61,8 +62,8 @@ def test_a_file_added_under_a_name_an_alias_has_is_left_out_with_one_warning(
         (shelf / name).write_bytes(b"GGUF")
     with caplog.at_level(logging.WARNING, logger="uma_trio.model_store"):
         again = store.rescanned().rescanned()
-    assert again.names() == ["main", "qwen", "new"]
-    assert all(again.resolve(model) == model for model in again.names())  # the list and resolve agree
+    assert ids(again) == ["main", "qwen", "new"]
+    assert all(again.resolve(model) == model for model in ids(again))  # the list and resolve agree
     assert again.resolve("coder") == again.resolve("q.gguf") == "qwen" and again.resolve("q") is None
     warned = sorted(r.getMessage() for r in caplog.records if "skipping" in r.getMessage())
     assert len(warned) == 2, warned  # once per file, not per rescan

@@ -135,10 +135,6 @@ class ModelStore:
         # A file deleted since the last scan: None, so the caller rescans and the store forgets it.
         return None if _gone(self._entries[found]) else found
 
-    def names(self) -> list[str]:
-        """The ids."""
-        return list(self._entries)
-
     def offered(self) -> list[str]:
         """The ids and the --alias names, for an error that lists what a request may name."""
         return [name for e in self._entries.values() for name in (e.id, *e.aliases)]

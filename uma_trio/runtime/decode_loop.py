@@ -707,19 +707,26 @@ class DecodeLoop:
         """Requests wait for a sequence or cells, not only for a reader of their prefix (whose
         wait no parked session's cancelling would shorten)."""
         readers = self._readers()
-        return any(not (readers and self._follows(s, readers)) for s in self._waiting)
+        return any(not self._follows(s, readers) for s in self._waiting)
 
-    def _readers(self) -> list[Session]:
-        """Running requests still reading a prompt whose prefix a waiting one may copy."""
-        if not self.kv.enabled:
-            return []
-        return [s for s in self._active.values() if s.phase is Phase.PREFILL and s.pool is None]
+    def _readers(self) -> dict[str, list[Reader]]:
+        """Per principal, its running requests still reading a prompt whose prefix a waiting
+        request of its may copy (none with the prefix cache off)."""
+        by_owner: dict[str, list[Reader]] = {}
+        if self.kv.enabled:
+            for s in self._active.values():
+                if s.phase is Phase.PREFILL and s.pool is None:
+                    by_owner.setdefault(s.owner, []).append(Reader(s.lane, s.prompt, s.n_past))
+        return by_owner
 
-    def _follows(self, session: Session, readers: list[Session]) -> bool:
-        if session.pool is not None:  # it starts empty (an embedding): it copies nothing
-            return False
-        mine = [Reader(s.lane, s.prompt, s.n_past) for s in readers if s.owner == session.owner]
-        return bool(mine) and follows(session.prompt, session.lane, mine, self.kv.min_reuse)
+    def _follows(self, session: Session, readers: dict[str, list[Reader]]) -> bool:
+        mine = readers.get(session.owner)
+        # An embedding starts empty (session.pool): it copies nothing, so it waits for nobody.
+        return (
+            bool(mine)
+            and session.pool is None
+            and follows(session.prompt, session.lane, mine, self.kv.min_reuse)
+        )
 
     @staticmethod
     def _waiting_view(session: Session) -> Waiting:
