@@ -720,13 +720,10 @@ class DecodeLoop:
         return by_owner
 
     def _follows(self, session: Session, readers: dict[str, list[Reader]]) -> bool:
-        mine = readers.get(session.owner)
-        # An embedding starts empty (session.pool): it copies nothing, so it waits for nobody.
-        return (
-            bool(mine)
-            and session.pool is None
-            and follows(session.prompt, session.lane, mine, self.kv.min_reuse)
-        )
+        mine = readers.get(session.owner, [])
+        if not mine or session.pool is not None:  # an embedding starts empty: it copies nothing
+            return False
+        return follows(session.prompt, session.lane, mine, self.kv.min_reuse)
 
     @staticmethod
     def _waiting_view(session: Session) -> Waiting:
