@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -665,9 +666,12 @@ async def test_a_forced_call_cut_short_leaks_no_json_in_any_api(keyed_http_serve
 
 
 @pytest.mark.model
-async def test_a_tool_stream_carries_the_logprobs_of_the_whole_answer(keyed_http_server: Server) -> None:
+async def test_a_tool_stream_carries_the_logprobs_of_the_whole_answer(
+    llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
     """Offered tools (the generic format holds the whole answer back), a stream with
-    ``logprobs: true`` sent none."""
+    ``logprobs: true`` sent none.  ``--deterministic``: the stream's prompt is a cache hit,
+    whose greedy answer equals the cold one only in that mode (SCHEDULER.md)."""
     fields: dict[str, Any] = dict(
         model=MODEL,
         messages=ASK,
@@ -677,16 +681,18 @@ async def test_a_tool_stream_carries_the_logprobs_of_the_whole_answer(keyed_http
         logprobs=True,
         top_logprobs=2,
     )
-    async with openai_sdk(keyed_http_server) as client:
-        whole = await client.chat.completions.create(**fields)
-        expected = whole.choices[0].logprobs
-        assert expected is not None and expected.content and len(expected.content) == 12
-        streamed = []
-        async for chunk in await client.chat.completions.create(**fields, stream=True):
-            for choice in chunk.choices:
-                streamed += choice.logprobs.content or [] if choice.logprobs else []
-        # The same tokens (their logprobs vary a little from run to run).
-        assert [t.token for t in streamed] == [t.token for t in expected.content]
+    exact = replace(server_config, deterministic=True)
+    async with running_server(llama_model, exact, http="127.0.0.1:0", api_key=API_KEY) as server:
+        async with openai_sdk(server) as client:
+            whole = await client.chat.completions.create(**fields)
+            expected = whole.choices[0].logprobs
+            assert expected is not None and expected.content and len(expected.content) == 12
+            streamed = []
+            async for chunk in await client.chat.completions.create(**fields, stream=True):
+                for choice in chunk.choices:
+                    streamed += choice.logprobs.content or [] if choice.logprobs else []
+    # The same tokens (their logprobs vary a little from run to run).
+    assert [t.token for t in streamed] == [t.token for t in expected.content]
 
 
 @pytest.mark.model
