@@ -6,6 +6,7 @@ import pytest
 import trio
 
 from uma_trio.client import UmaClient
+from uma_trio.config import SOCKET_ENV, client_socket_path, default_socket_path
 from uma_trio.protocol.messages import EosEvent, ErrorEvent, TokenEvent
 
 from .helpers import sim_daemon
@@ -54,3 +55,25 @@ async def test_an_id_already_in_flight_is_refused_and_the_first_stream_goes_on(
             with trio.fail_after(30):
                 seen = [event async for event in events]
         assert isinstance(seen[-1], EosEvent) and sum(isinstance(e, TokenEvent) for e in seen) == 20
+
+
+async def test_connect_with_no_path_reaches_the_socket_the_commands_would(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README's sample took ``default_socket_path()``, which no variable moves: with
+    ``UMA_SOCKET`` set, ``uma-trio generate`` reached the daemon and the sample did not."""
+    async with sim_daemon() as server:
+        for name in SOCKET_ENV:
+            monkeypatch.delenv(name, raising=False)
+        assert client_socket_path() == default_socket_path()
+        monkeypatch.setenv("UMA_SOCK", str(server.config.socket_path))
+        async with UmaClient.connect() as client:  # the seeds' name, as the commands read it
+            assert (await client.complete(prompt="hello", max_tokens=2)).eos.reason == "length"
+        monkeypatch.setenv("UMA_SOCK", "/nonexistent/uma.sock")
+        monkeypatch.setenv("UMA_SOCKET", str(server.config.socket_path))  # read first
+        async with UmaClient.connect() as client:
+            assert (await client.complete(prompt="hello", max_tokens=2)).eos.reason == "length"
+        monkeypatch.setenv("UMA_SOCKET", "")
+        with pytest.raises(ValueError, match="UMA_SOCKET is set but empty"):
+            async with UmaClient.connect():
+                pass

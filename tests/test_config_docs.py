@@ -84,3 +84,16 @@ def test_serve_help_shows_each_text_as_config_md_does() -> None:
     for names in re.findall(r"env var: ([^\]]+)\]", shown):
         listed = [n.strip() for n in names.split(",")]
         assert len(listed) == len(set(listed)), listed
+
+
+def test_a_flag_named_no_has_no_double_negative() -> None:
+    """Docs review: `generate --help` offered `--no-stream --no-no-stream`."""
+    shown = subprocess.run(
+        [sys.executable, "-m", "uma_trio", "generate", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+        check=True,
+    ).stdout
+    assert "--no-stream" in shown and "--no-no-" not in shown
+    assert cli.app.parse_args(["generate", "--prompt", "hi", "--no-stream"])[1].kwargs["no_stream"] is True

@@ -1,13 +1,14 @@
 """A small anyio client for the daemon: usable from trio and asyncio apps alike.
 
-    async with UmaClient.connect(default_socket_path()) as client:
+    async with UmaClient.connect() as client:
         async with client.stream(prompt="Hello", max_tokens=32) as events:
             async for event in events:
                 if isinstance(event, TokenEvent):
                     print(event.text, end="")
 
-``default_socket_path()`` (from :mod:`uma_trio.config`) is where ``uma-trio serve``
-listens by default: ``$XDG_RUNTIME_DIR/uma-trio/uma.sock``, else
+With no path ``connect`` reaches the socket the client commands would
+(:func:`uma_trio.config.client_socket_path`): ``UMA_SOCKET``, else ``UMA_SOCK``, else
+where ``uma-trio serve`` listens by default, ``$XDG_RUNTIME_DIR/uma-trio/uma.sock`` or
 ``/tmp/uma-trio-<uid>/uma.sock``.  Before anything is sent, ``connect`` asks the
 kernel which user the daemon runs as and refuses (:class:`UntrustedDaemon`) one
 that runs as neither this user nor root: an impostor listening where the daemon
@@ -33,6 +34,7 @@ import anyio
 from anyio.abc import SocketAttribute, SocketStream, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from .config import client_socket_path
 from .protocol.codec import decode_server_event, encode_message, is_request_id
 from .protocol.errors import UmaError
 from .protocol.framing import FrameDecoder
@@ -86,8 +88,9 @@ class UmaClient:
     @classmethod
     @asynccontextmanager
     async def connect(
-        cls, path: str | os.PathLike[str], *, max_frame_bytes: int = 1 << 24
+        cls, path: str | os.PathLike[str] | None = None, *, max_frame_bytes: int = 1 << 24
     ) -> AsyncIterator[UmaClient]:
+        path = client_socket_path() if path is None else path
         stream = await anyio.connect_unix(os.fspath(Path(path)))
         try:
             _check_daemon_user(stream, path)

@@ -125,6 +125,19 @@ def socket_path(_type: object, tokens: Sequence[Token]) -> Path:
 SOCKET_ENV = ["UMA_SOCKET", "UMA_SOCK"]
 
 
+def client_socket_path() -> Path:
+    """The socket a client reaches unless told otherwise, as the client commands read it:
+    ``UMA_SOCKET``, else ``UMA_SOCK``, else :func:`default_socket_path`.  An empty variable
+    is refused, as ``--socket`` refuses it (a program using the library sees the daemon the
+    CLI sees)."""
+    for name in SOCKET_ENV:
+        if (value := os.environ.get(name)) is not None:
+            if not value:
+                raise ValueError(f"{name} is set but empty: unset it or give the socket's path")
+            return Path(value)
+    return default_socket_path()
+
+
 def _tensor_split(_type: object, tokens: Sequence[Token]) -> tuple[float, ...]:
     return parse_tensor_split(tokens[-1].value)
 

@@ -38,7 +38,7 @@ def generate(
     temp: float = 0.8,
     top_p: float = 0.95,
     seed: Annotated[int | None, Parameter(converter=whole_number)] = None,
-    no_stream: bool = False,
+    no_stream: Annotated[bool, Parameter(negative=())] = False,  # not --no-no-stream
     raw: bool = False,
     json_schema: Path | None = None,
     json_object: bool = False,
