@@ -24,6 +24,7 @@ holding them); without them the tests are skipped.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -293,6 +294,19 @@ def test_litellm_s_ollama_providers_are_answered(hello_daemon: str, monkeypatch:
         model=f"ollama_chat/{MODEL}", api_base=hello_daemon, messages=ask, stream=True
     )
     assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == "Hello"
+
+    # Its async calls send the body as application/octet-stream: every one was a 415.
+    async def asynchronously() -> None:
+        for provider in ("ollama_chat", "ollama"):
+            named = f"{provider}/{MODEL}"
+            answer = await litellm.acompletion(model=named, api_base=hello_daemon, messages=ask)
+            assert answer.choices[0].message.content == "Hello", provider
+        chunks = await litellm.acompletion(
+            model=f"ollama_chat/{MODEL}", api_base=hello_daemon, messages=ask, stream=True
+        )
+        assert "".join([chunk.choices[0].delta.content or "" async for chunk in chunks]) == "Hello"
+
+    asyncio.run(asynchronously())
 
 
 def test_aider_over_ollama_s_api(hello_daemon: str, tmp_path: Path) -> None:

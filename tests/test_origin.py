@@ -79,6 +79,10 @@ def test_check_host_origin_and_content_type() -> None:
     # A page always sends an Origin with a POST: without a type it is refused as any other.
     assert refused(content_type=None) is None
     assert refused(content_type=None, origin="http://localhost:3000") == 415
+    # Raw bytes from a tool, the same (LiteLLM's async Ollama calls: every one was a 415).
+    assert refused(content_type="application/octet-stream") is None
+    assert refused(content_type="application/octet-stream", origin="http://localhost:3000") == 415
+    assert refused(content_type="application/xml") == 415
     assert refused(method="GET", content_type=None) is None
     anywhere = check(
         method="GET",

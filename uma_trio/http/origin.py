@@ -11,9 +11,11 @@ that, before authentication and routing (docs/SECURITY.md "Web pages"):
   desktop-app and editor webviews).  ``Origin: null`` (sandboxed frames, ``file:``) is refused
   unless listed.  Tools that are not browsers send no Origin and are not affected.
 * **Content-Type** of a POST must be ``application/json``, which no page can send across
-  origins without a preflight that the origin check answers.  A POST with neither an Origin
-  nor a Content-Type comes from a tool (every current browser sends an Origin with a POST; a form has
-  a type): its body is read as JSON, as Ollama does (LiteLLM's Ollama provider sends none).
+  origins without a preflight that the origin check answers.  A POST with no Origin and
+  either no Content-Type or ``application/octet-stream`` comes from a tool (every current
+  browser sends an Origin with a POST; a form has a type, never that one): its body is read
+  as JSON, as Ollama reads every body (LiteLLM's Ollama provider sends no type, its async
+  calls ``application/octet-stream``).
 
 Allowed origins get CORS headers (Starlette's ``CORSMiddleware``, which also answers their
 preflights), on this middleware's own refusals too (a wrong Content-Type): without them the
@@ -40,6 +42,9 @@ DEFAULT_CORS_ORIGINS = (
     "app://*", "tauri://*", "vscode-webview://*",
 )  # fmt: skip
 JSON_TYPE = "application/json"
+# What tools send a JSON body as when they name no type of their own: httpx and aiohttp say
+# this of raw bytes (LiteLLM's async Ollama calls were all 415s).  No form can send it.
+RAW_BYTES_TYPE = "application/octet-stream"
 UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
 
 
@@ -88,8 +93,12 @@ def origin_pattern(patterns: Sequence[str]) -> re.Pattern[str]:
     return re.compile("|".join(f"(?:{p})" for p in parts) or "(?!)")
 
 
+def _media_type(header: str) -> str:
+    return header.split(";", 1)[0].strip().lower()
+
+
 def content_type_is_json(header: str | None) -> bool:
-    return header is not None and header.split(";", 1)[0].strip().lower() == JSON_TYPE
+    return header is not None and _media_type(header) == JSON_TYPE
 
 
 def check(
@@ -112,10 +121,11 @@ def check(
             403, f"requests from the web origin {shown(origin)!r} are not allowed (--cors-origins)",
             type="permission_error", code="origin_not_allowed",
         )  # fmt: skip
-    # No Content-Type from a tool (no Origin) is JSON by default, as Ollama reads it: LiteLLM's
-    # Ollama provider (Aider's) sends none.  A page's request always has an Origin (a POST),
-    # and one without a type is then checked as any other.
-    tool_without_type = content_type is None and origin is None
+    # No Content-Type, or raw bytes, from a tool (no Origin) is JSON, as Ollama reads it:
+    # LiteLLM's Ollama provider (Aider's) sends none, its async calls raw bytes.  A page's
+    # request always has an Origin (a POST), and is then checked as any other.
+    raw = content_type is None or _media_type(content_type) == RAW_BYTES_TYPE
+    tool_without_type = origin is None and raw
     if method == "POST" and not content_type_is_json(content_type) and not tool_without_type:
         got = shown(content_type or "none")
         return ApiError(
