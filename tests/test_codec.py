@@ -47,7 +47,7 @@ def test_control_messages() -> None:
         (b'{"id": "a", "prompt": "\xff"}', ErrorCode.INVALID_UTF8, "UTF-8"),
         (b'{"id": "a", "prompt": 5}', ErrorCode.SCHEMA, "$.prompt"),
         (b'{"id": "a", "prompt": "p", "max_tokens": "9"}', ErrorCode.SCHEMA, "$.max_tokens"),
-        (b'{"id": "a", "prompt": "p", "bogus": 1}', ErrorCode.SCHEMA, "bogus"),
+        (b'{"id": "a", "prompt": "p", "bogus": 1}', ErrorCode.SCHEMA, "unknown field `bogus` - at `$`"),
         (b'{"id": "a", "prompt": "p", "top_p": 0}', ErrorCode.SCHEMA, "$.top_p"),
         (b'{"id": "a", "prompt": "p", "priority": "urgent"}', ErrorCode.SCHEMA, "$.priority"),
         (b'{"id": "a"}', ErrorCode.SCHEMA, "exactly one"),

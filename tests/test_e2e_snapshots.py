@@ -48,6 +48,9 @@ async def test_snapshot_restored_after_a_restart_gives_the_same_greedy_output(
                 cache = (await client.metrics())["prefix_cache"]
     assert [s.name for s in listed.snapshots] == ["library"]
     assert restored.snapshots[0].tokens == saved.snapshots[0].tokens
+    # One size for one file, whichever op reports it (restore said its KV bytes only).
+    on_disk = (tmp_path / f"library{SUFFIX}").stat().st_size
+    assert saved.snapshots[0].bytes == listed.snapshots[0].bytes == restored.snapshots[0].bytes == on_disk
     assert after_eos.usage.cached_tokens > 300 and cache["hits"] == 1  # served from the restored cells
     assert after == before and len(after) > 5
 

@@ -165,6 +165,8 @@ async def test_bad_embedding_requests_are_refused_by_name(open_server: Server) -
         with pytest.raises(openai.BadRequestError) as refused:
             await api.embeddings.create(model=MODEL, **fields)  # type: ignore[arg-type]
         assert refused.value.param == param, fields
+        if fields["input"] == [[1, 2, 3]]:  # LangChain's default: its user is told the way out
+            assert "check_embedding_ctx_length=False" in str(refused.value)
     with pytest.raises(openai.BadRequestError) as an_object:  # it said "token ids are not accepted"
         await api.embeddings.create(model=MODEL, input=[{"text": "x"}])  # type: ignore[list-item]
     assert "must be a string, not an object" in str(an_object.value) and an_object.value.param == "input"

@@ -48,7 +48,10 @@ def decode_client_message(payload: bytes) -> ClientMessage:
     try:
         return msgspec.convert(obj, type=message_type)
     except msgspec.ValidationError as exc:
-        raise UmaError(ErrorCode.SCHEMA, readable(str(exc)), request_id=request_id) from None
+        message = readable(str(exc))
+        if " - at `$" not in message:  # msgspec names no path for the top level's own faults
+            message += " - at `$`"
+        raise UmaError(ErrorCode.SCHEMA, message, request_id=request_id) from None
 
 
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)

@@ -67,7 +67,8 @@ def texts_of(value: str | list[Any] | None) -> list[str]:
         if isinstance(item, int | list) and not isinstance(item, bool):
             raise bad_request(
                 f"`input[{i}]` is not a text: token ids are not accepted (they would be another "
-                "model's); send the text itself",
+                "model's); send the text itself (LangChain's OpenAIEmbeddings sends tiktoken's "
+                "ids unless given check_embedding_ctx_length=False)",
                 "input",
             )
         if not isinstance(item, str):  # an object, a number: said as such, not as token ids

@@ -141,10 +141,10 @@ class SnapshotService:
         # The header is checked before the KV bytes are read: another model's are not.
         # Abandoned on cancel: a read stuck in the filesystem must not hold up a shutdown.
         read = partial(self.store_for(owner).read, request.name, partial(self._check_header, fingerprint))
-        header, state = await file_io(read, abandon=True)
+        header, state, file_bytes = await file_io(read, abandon=True)
         tokens = np.asarray(header.tokens, dtype=np.int32)
         await self.loop.exclusive(partial(self.loop.restore, tokens, state, owner))
-        return header.info(len(state))
+        return header.info(file_bytes)  # the file's, as save and list report it (KV bytes only, it differed)
 
     def _check_header(self, fingerprint: str, header: SnapshotHeader) -> None:
         """Refuse a snapshot of another model file, KV type or layout, or too long a context

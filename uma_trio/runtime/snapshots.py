@@ -264,9 +264,10 @@ class SnapshotStore:
 
     def read(
         self, name: str, check: Callable[[SnapshotHeader], None] | None = None
-    ) -> tuple[SnapshotHeader, bytes]:
-        """The snapshot's header and KV bytes.  ``check`` sees the header first and may raise:
-        a snapshot this daemon refuses is not read past its header."""
+    ) -> tuple[SnapshotHeader, bytes, int]:
+        """The snapshot's header, KV bytes and file size (what ``save`` and ``list`` report as
+        its ``bytes``).  ``check`` sees the header first and may raise: a snapshot this daemon
+        refuses is not read past its header."""
         if not self._check_directory():
             raise UmaError(ErrorCode.SNAPSHOT_NOT_FOUND, f"no snapshot named {name!r} in {self.directory}")
         fd, size = self._open(self.path(name), name)
@@ -285,7 +286,7 @@ class SnapshotStore:
         problem = header.check_state(name, len(state), state)
         if problem is not None:
             raise UmaError(ErrorCode.SNAPSHOT_INVALID, problem)
-        return header, state
+        return header, state, size
 
     def list(self) -> list[SnapshotInfo]:
         """Every snapshot whose header reads and whose size matches it, by its file's name;
