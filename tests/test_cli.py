@@ -23,7 +23,7 @@ from uma_trio.engine.llama import LlamaModel
 from uma_trio.protocol.messages import EosEvent, TokenEvent
 from uma_trio.runtime.server import Server
 
-from .helpers import slow_grammar
+from .helpers import sim_daemon, slow_grammar
 
 pytestmark = pytest.mark.model
 
@@ -375,6 +375,20 @@ async def test_generate_exits_2_when_the_daemon_cancels_the_request(
             code = await _generate(daemon.config.socket_path, request)
     assert code == 2
     assert "the daemon cancelled the request (shutdown)" in capsys.readouterr().err
+
+
+async def test_a_refusal_before_any_text_is_one_line(
+    autojump_clock: trio.abc.Clock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Docs review: a refused `generate` printed an empty line before its error (the newline
+    that ends an answer cut short, with no answer)."""
+    from uma_trio.cli.client_commands import _generate
+
+    async with sim_daemon(max_tokens=20) as daemon:
+        code = await _generate(daemon.config.socket_path, {"prompt": "hi", "max_tokens": 21})
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert captured.err.startswith("error E_LIMIT_003: "), captured.err
 
 
 async def test_serve_refuses_a_live_socket_and_a_bad_store_before_loading(

@@ -318,14 +318,22 @@ async def test_a_format_schema_gives_only_the_keys_it_lists_as_ollama_s(open_ser
 
 async def test_a_request_without_a_model_is_ollama_s_400(open_server: Server) -> None:
     """`"model": ""` served the default model and answered `"model": ""`; `/api/show {}`
-    described the default model.  Ollama answers 400 `model is required`."""
+    described the default model.  Ollama answers 400 `model is required`; with no `model` at
+    all too (it said "Object missing required field `model`"), and on the embedding routes."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "stream": False}
     async with httpx.AsyncClient(base_url=str(open_server.http_url)) as http:
         for path, body in [
-            ("/api/generate", {"model": "", "prompt": "hi", "stream": False}),
-            ("/api/chat", {"model": "", "messages": [{"role": "user", "content": "hi"}], "stream": False}),
+            ("/api/generate", {"prompt": "hi", "stream": False}),
+            ("/api/chat", chat),
+            ("/api/embed", {"input": "hi"}),
+            ("/api/embeddings", {"prompt": "hi"}),
             ("/api/show", {}),
         ]:
-            answer = await http.post(path, json=body)
-            assert (answer.status_code, answer.json()) == (400, {"error": "model is required"}), path
+            for named in ({}, {"model": ""}):
+                answer = await http.post(path, json={**body, **named})
+                assert (answer.status_code, answer.json()) == (400, {"error": "model is required"}), (
+                    path,
+                    named,
+                )
         shown = await http.post("/api/show", json={"name": MODEL})  # Ollama's older field still names it
         assert shown.status_code == 200

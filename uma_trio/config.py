@@ -346,8 +346,9 @@ class ServerConfig:
     (the other models of `--models-dir` keep their own). A file that cannot be read or does
     not compile is refused at start-up."""
     cost_model: Annotated[Path | None, Parameter(show_default="the calibrated file if present")] = None
-    """Tick-cost coefficients from `uma-trio calibrate` (default path: cost-model.json in the
-    model cache directory). A file records the device, layers, model and engine settings it
+    """Tick-cost coefficients from `uma-trio calibrate` (default path:
+    cost-model.json in UMA_CACHE_DIR or the per-user cache, ~/.cache/uma-trio on Linux: beside
+    its models/ directory). A file records the device, layers, model and engine settings it
     was measured with and is used only for the same; else, on a GPU, the daemon uses what it
     calibrated at an earlier start on the same device, model and settings (cost-models/ beside
     that file; delete it to measure again), or calibrates now (seconds on an H100, minutes on a

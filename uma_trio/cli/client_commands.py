@@ -156,12 +156,15 @@ def _write(text: str, *, flush: bool = False) -> None:
 
 async def _generate(socket: Path, request: dict[str, object]) -> int:
     try:
+        streamed = False  # an error then starts a line of its own, and only then
         async with UmaClient.connect(socket) as client, client.stream(**request) as events:
             async for event in events:
                 if isinstance(event, TokenEvent):
                     _write(event.text, flush=True)
+                    streamed = streamed or bool(event.text)
                 elif isinstance(event, ErrorEvent):  # the request's, or the connection's (no id)
-                    print(f"\nerror {event.code}: {event.message}", file=sys.stderr)
+                    start = "\n" if streamed else ""
+                    print(f"{start}error {event.code}: {event.message}", file=sys.stderr)
                     return EXIT_SERVER_ERROR if event.id is not None else EXIT_PROTOCOL_ERROR
                 elif isinstance(event, EosEvent):
                     _write((event.text or "") + "\n")

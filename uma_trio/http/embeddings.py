@@ -23,6 +23,7 @@ from ..engine.model_card import card_of
 from ..protocol import embeddings
 from ..protocol.errors import ErrorCode
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, ServerEvent
+from ..protocol.ollama import required_model
 from ..protocol.ollama_durations import keep_alive_seconds
 from ..protocol.openai import LANE_HEADER, ApiError, lane_from_header
 from .auth import request_owner
@@ -61,7 +62,7 @@ class EmbeddingsApi:
     async def ollama_embed(self, request: Request) -> Response:
         data, arrived = await self.gateway._arriving(request)
         body = decode_body(data or b"{}", embeddings.OllamaEmbedBody)
-        model = self.gateway.model_for(body.model)
+        model = self.gateway.model_for(required_model(body.model))
         keep_alive = keep_alive_seconds(body.keep_alive)
         texts = embeddings.ollama_texts(body.input)
         ends = []
@@ -83,7 +84,7 @@ class EmbeddingsApi:
     async def ollama_embeddings(self, request: Request) -> Response:
         data, arrived = await self.gateway._arriving(request)
         body = decode_body(data or b"{}", embeddings.OllamaEmbeddingsBody)
-        model = self.gateway.model_for(body.model)
+        model = self.gateway.model_for(required_model(body.model))
         keep_alive = keep_alive_seconds(body.keep_alive)
         if not body.prompt:  # as Ollama: an empty prompt loads the model and has an empty embedding
             await load_or_unload(self.gateway, model, keep_alive)

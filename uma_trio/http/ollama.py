@@ -22,7 +22,7 @@ from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEvent
 from ..protocol.ollama_durations import KEEP_ALIVE_MAX_S, keep_alive_seconds
 from ..protocol.ollama_stream import Lines, ToolChatLines
-from ..protocol.openai import ApiError, api_error, ended_early, validation_error
+from ..protocol.openai import api_error, ended_early, validation_error
 from ..protocol.openai_errors import client_param
 from ..runtime.models import ModelHost
 from .auth import request_owner
@@ -114,7 +114,7 @@ class OllamaApi:
         what this daemon serves of it: its per-request context and, for the primary model,
         the template --chat-template may have set."""
         body = self._decode(await self.gateway._body(request), ollama.ShowBody)
-        model = self.gateway.model_for(_required_model(body.model or body.name))
+        model = self.gateway.model_for(ollama.required_model(body.model or body.name))
         card = await self._card(model)
         primary = model == self.gateway.model
         if card is None and not primary and self.gateway._ready().models.state(model) != "loaded":
@@ -181,7 +181,7 @@ class OllamaApi:
             body = self._decode(data, ollama.ChatBody)
         else:
             body = self._decode(data, ollama.GenerateBody)
-        model = gateway.model_for(_required_model(body.model))
+        model = gateway.model_for(ollama.required_model(body.model))
         keep_alive = keep_alive_seconds(body.keep_alive)
         # Ollama's load call (an empty prompt, or no messages), with keep_alive 0 its unload call.
         generate = isinstance(body, ollama.GenerateBody)
@@ -352,11 +352,3 @@ def capabilities(card: ModelCard | None, *, insert: bool) -> list[str]:
 
 def _line(value: object) -> bytes:
     return _json.encode(value) + b"\n"
-
-
-def _required_model(name: str | None) -> str:
-    """A request's model name; none is Ollama's ``400 model is required`` (it served the
-    default model and answered with ``"model": ""``)."""
-    if not name:
-        raise ApiError(400, "model is required")
-    return name

@@ -36,7 +36,7 @@ class OllamaEmbedBody(Struct, kw_only=True):
     once idle); ``options`` is accepted and has nothing to change (no sampling).  ``dimensions``
     0 is unset, as in Ollama."""
 
-    model: str
+    model: str = ""  # required: ollama.required_model says so as Ollama does
     input: str | list[str] | None = None
     truncate: bool = True
     dimensions: int | None = None
@@ -48,7 +48,7 @@ class OllamaEmbeddingsBody(Struct, kw_only=True):
     """``POST /api/embeddings``, the older endpoint: one prompt, an unnormalized vector;
     ``keep_alive`` as on /api/embed."""
 
-    model: str
+    model: str = ""  # required: ollama.required_model says so as Ollama does
     prompt: str = ""
     options: dict[str, Any] | None = None  # an object, as Ollama decodes it (else a 400)
     keep_alive: Any = None

@@ -73,8 +73,17 @@ class OllamaMessage(Struct, kw_only=True):
     thinking: str | None = None
 
 
+def required_model(name: str | None) -> str:
+    """A request's model name; none (missing or empty) is Ollama's ``400 model is required``
+    on every model route (a missing one was msgspec's "Object missing required field", an
+    empty one served the default model and answered with ``"model": ""``)."""
+    if not name:
+        raise ApiError(400, "model is required")
+    return name
+
+
 class _Common(Struct, kw_only=True):
-    model: str
+    model: str = ""  # required: required_model says so as Ollama does
     stream: bool | None = None  # Ollama streams unless told not to
     format: Any = None  # "json", "" or a JSON schema
     options: Options | None = None
