@@ -30,24 +30,21 @@ async def test_an_unset_max_tokens_takes_a_lower_max_tokens_limit(autojump_clock
     assert refused is not None and refused["code"] == "E_LIMIT_003", refused
 
 
-async def test_an_unset_max_tokens_takes_what_the_context_leaves(autojump_clock: trio.abc.Clock) -> None:
+async def test_an_unset_max_tokens_that_does_not_fit_is_said_to_be_the_default(
+    autojump_clock: trio.abc.Clock,
+) -> None:
     """Protocol review: with a 64-token context, a 10-token prompt that named no max_tokens
-    was refused: "prompt (11 tokens) + max_tokens (256) exceeds the context", a field the
-    client never sent.  It gets what the context leaves; a max_tokens it names that does not
-    fit is still refused, and so is a prompt that leaves nothing."""
+    was refused as "prompt (11 tokens) + max_tokens (256) exceeds the context", a field the
+    client never sent: the message says it is the default, and how many tokens fit."""
     async with sim_daemon(n_ctx=64, max_sessions=1) as server:
         client = await RawClient.connect(server.config.socket_path)
-        await client.send({"id": "d", "prompt": "one two three four five six", "stream": False})
-        served = await client.until_end("d")
+        await client.send({"id": "d", "prompt": "one two three four five six"})
+        default = await client.next_event()
         await client.send({"id": "x", "prompt": "one two three four five six", "max_tokens": 100})
-        refused = await client.next_event()
-        await client.send({"id": "f", "prompt": "word " * 80})
-        full = await client.next_event()
-    eos = served[-1]
-    assert eos["event"] == "eos" and eos["reason"] == "length", eos
-    assert eos["usage"]["prompt_tokens"] + eos["usage"]["completion_tokens"] == 64, eos["usage"]
-    assert refused is not None and refused["code"] == "E_LIMIT_002", refused
-    assert full is not None and full["code"] == "E_LIMIT_002", full
+        named = await client.next_event()
+    assert default is not None and default["code"] == "E_LIMIT_002", default
+    assert "max_tokens (256, the default)" in default["message"] and "ask for that many" in default["message"]
+    assert named is not None and "max_tokens (100)" in named["message"], named
 
 
 def test_responses_truncation_auto_drops_the_oldest_turns_and_other_values_are_refused() -> None:

@@ -51,7 +51,7 @@ from ..config import ServerConfig
 from ..engine.base import BatchEntry, Engine, EngineError, Follow, StepResult, TokenArray
 from ..observability.metrics import Metrics
 from ..protocol.errors import ErrorCode, UmaError, too_long, too_many_tokens_asked
-from ..protocol.messages import CancelReason, ErrorEvent, FinishReason, TokenEvent
+from ..protocol.messages import DEFAULT_MAX_TOKENS, CancelReason, ErrorEvent, FinishReason, TokenEvent
 from ..sched.graph_shapes import ShapeStreak, plan_shape
 from ..sched.kv_manager import Claim, KvManager, common_prefix
 from ..sched.policy import Policy, default_policy
@@ -149,9 +149,14 @@ class DecodeLoop:
         room = f"exceeds the per-request context of {n_ctx} tokens"
         if session.request.embed:
             return too_long(f"the input to embed ({prompt} tokens) {room}")
-        needs = f"prompt ({prompt} tokens) + max_tokens ({session.request.max_tokens}) {room}"
+        asked = session.request.max_tokens
+        # A socket request that named none was told of a max_tokens it never sent.
+        named = f"{asked}, the default" if asked == DEFAULT_MAX_TOKENS else f"{asked}"
+        needs = f"prompt ({prompt} tokens) + max_tokens ({named}) {room}"
         if prompt < n_ctx:  # the prompt fits: what it asks to generate does not
-            return too_many_tokens_asked(f"{needs}; at most {n_ctx - prompt} can follow this prompt")
+            return too_many_tokens_asked(
+                f"{needs}; at most {n_ctx - prompt} can follow this prompt: ask for that many or fewer"
+            )
         return too_long(needs)
 
     @property

@@ -50,9 +50,7 @@ async def open_on(
     rid = request.id
     if not loop.accepting:  # before tokenizing: the engine may be closing
         raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=rid)
-    # The default (or as much): what a request that never named max_tokens may generate.
-    defaulted = request.max_tokens == DEFAULT_MAX_TOKENS and not auto_max_tokens
-    if defaulted and config.max_tokens < DEFAULT_MAX_TOKENS:
+    if request.max_tokens == DEFAULT_MAX_TOKENS > config.max_tokens:  # the default (or as much)
         request = msgspec.structs.replace(request, max_tokens=config.max_tokens)  # was refused
     if not auto_max_tokens and request.max_tokens > config.max_tokens:
         raise UmaError(
@@ -118,11 +116,6 @@ async def open_on(
     if auto_max_tokens and not request.embed:
         room = max(1, engine.n_ctx_seq - len(prompt))
         request = msgspec.structs.replace(request, max_tokens=min(config.max_tokens, room))
-    elif defaulted and not request.embed and 1 <= engine.n_ctx_seq - len(prompt) < request.max_tokens:
-        # It was refused as "prompt + max_tokens (256) exceeds the context", naming a field
-        # the client never sent (an explicit 256 reads as the default; any other that does
-        # not fit is still refused).
-        request = msgspec.structs.replace(request, max_tokens=engine.n_ctx_seq - len(prompt))
     # The client's own cap (Ollama's num_ctx): never a reload.
     if request.max_context is not None and not request.embed:
         # Never past the engine's own: a route's ceiling read --n-ctx for a model not loaded
