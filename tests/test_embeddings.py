@@ -266,3 +266,37 @@ async def test_encoding_format_null_is_float(open_server: Server) -> None:
     assert answer.status_code == 200, answer.text
     vector = answer.json()["data"][0]["embedding"]
     assert isinstance(vector, list) and len(vector) == 576
+
+
+@pytest.mark.model
+async def test_a_batch_refused_for_room_cancels_its_admitted_inputs_for_the_client(
+    llama_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    """Mixed-load review: a batch some of whose inputs were admitted before the queue was full
+    answered its 429, and the admitted inputs were counted as cancelled by a client hang-up
+    (`cancels.disconnect`), though the client was waiting for that 429."""
+    async with (
+        running_server(llama_model, server_config, http="127.0.0.1:0", max_sessions=4, max_queue=2) as server,
+        UmaClient.connect(server.config.socket_path) as client,
+    ):
+        story = [{"role": "user", "content": "Write a long story about a dragon."}]
+
+        async def hold(k: int) -> None:
+            async with client.stream(id=f"hold{k}", messages=story, max_tokens=200) as events:
+                async for _ in events:
+                    pass
+
+        async with trio.open_nursery() as nursery:
+            for k in range(5):
+                nursery.start_soon(hold, k)
+            await trio.sleep(1.0)
+            async with httpx.AsyncClient(base_url=str(server.http_url), timeout=60) as http:
+                refused = await http.post("/v1/embeddings", json={"model": MODEL, "input": [TEXT] * 6})
+            await trio.sleep(0.5)  # the batch's admitted inputs are cancelled by now
+            snapshot = server.metrics_snapshot()
+            nursery.cancel_scope.cancel()
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "E_LIMIT_004", refused.text
+    assert snapshot["errors"].get("E_LIMIT_004") == 1, snapshot["errors"]
+    # An input was admitted (one place was left) and ended for the client, not as a hang-up.
+    assert snapshot["cancels"] == {"client": snapshot["requests"]["background"]["cancelled"]}, snapshot
+    assert snapshot["cancels"]["client"] >= 1

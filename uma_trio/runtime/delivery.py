@@ -47,4 +47,4 @@ async def deliver(server: RequestDesk, stream: RequestStream) -> AsyncGenerator[
                 metrics.on_token_latency(stream.lane, now, ttft_s=ttft, gap_s=gap)
     finally:
         server.open_deliveries -= 1
-        stream.cancel("disconnect")  # a no-op once the request has ended
+        stream.cancel(stream.gone_reason())  # a no-op once the request has ended

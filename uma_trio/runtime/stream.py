@@ -10,6 +10,7 @@ the channel: tokens, then one :class:`~.session.StreamEnd` carrying the loop's f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -30,6 +31,10 @@ class LoopControls(Protocol):
     def wake(self) -> None: ...
 
 
+def _hung_up() -> CancelReason:
+    return "disconnect"
+
+
 class RequestStream:
     """One request as its front end sees it; owned by that front end."""
 
@@ -47,6 +52,9 @@ class RequestStream:
         self.delivered_at = TokenTimes()  # when each token was written to the client
         self._session = session  # the loop's: only handed back to it
         self._loop = loop
+        # Why it is cancelled when its delivery stops before the end: its client hung up,
+        # unless the front end says otherwise (the rest of a failed embeddings batch).
+        self.gone_reason: Callable[[], CancelReason] = _hung_up
 
     @property
     def cached_tokens(self) -> int:
