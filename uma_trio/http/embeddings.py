@@ -22,13 +22,13 @@ from starlette.routing import Route
 from ..engine.model_card import card_of
 from ..protocol import embeddings
 from ..protocol.errors import ErrorCode
-from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, ServerEvent
+from ..protocol.messages import CancelReason, EosEvent, ErrorEvent, GenerateRequest, ServerEvent
 from ..protocol.ollama import required_model
 from ..protocol.ollama_durations import keep_alive_seconds
 from ..protocol.openai import LANE_HEADER, ApiError, lane_from_header
 from .auth import request_owner
 from .event_stream import until_disconnect
-from .flight import Ending, GatewayCore, completed, decode_body, ollama_route
+from .flight import GatewayCore, completed, decode_body, ollama_route
 from .ollama import load_or_unload
 from .responses import json_response
 
@@ -123,12 +123,18 @@ class EmbeddingsApi:
         collected: list[list[ServerEvent]] = [[] for _ in requests]
         refusal: list[ApiError] = []  # raised while being admitted (busy, shutting down, too long)
         limiter = trio.CapacityLimiter(max(1, gateway._ready().loop.engine.n_seq_max))
-        ending = Ending()  # the batch's inputs end together
+        failed = False  # one input failed: the rest end for the client, which has not hung up
+
+        def gone_reason() -> CancelReason:  # (they were counted as disconnects)
+            return "client" if failed else "disconnect"
 
         async def one(i: int, embed: GenerateRequest, nursery: trio.Nursery) -> None:
+            nonlocal failed
             async with limiter:
                 try:
-                    async with gateway._in_flight(embed, arrived, False, owner, ending) as flight:
+                    async with gateway._in_flight(embed, arrived, False, owner) as flight:
+                        assert flight.stream is not None
+                        flight.stream.gone_reason = gone_reason
                         async with aclosing(gateway._events(flight)) as events:
                             async for event in events:
                                 collected[i].append(event)
@@ -137,9 +143,7 @@ class EmbeddingsApi:
                         exc.param, exc.message = f"input[{i}]", f"input[{i}]: {exc.message}"
                     refusal.append(exc)
             if refusal or any(isinstance(e, ErrorEvent) for e in collected[i]):
-                # One failed: the answer is its error; the rest end for the client, which has
-                # not hung up (they were counted as disconnects).
-                ending.reason = "client"
+                failed = True  # the answer is its error
                 nursery.cancel_scope.cancel()
 
         async def run() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import msgspec
@@ -15,21 +15,12 @@ from starlette.responses import Response
 
 from ..protocol import openai
 from ..protocol.errors import ErrorCode
-from ..protocol.messages import CancelReason, EosEvent, ErrorEvent, GenerateRequest, ServerEvent
+from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, ServerEvent
 from ..protocol.ollama import Limits, Options, answer_bounds
 from ..protocol.openai import ApiError
 from ..runtime.desk import RequestDesk
 from ..runtime.stream import RequestStream
 from .event_stream import EventStream
-
-
-@dataclass
-class Ending:
-    """Why the requests sharing it are cancelled if they end before their eos: their client
-    hung up, unless the gateway ends them for it (the rest of an embeddings batch one of whose
-    inputs failed: they were counted as disconnects while the client waited for the error)."""
-
-    reason: CancelReason = "disconnect"
 
 
 @dataclass(eq=False)
@@ -39,7 +30,6 @@ class Flight:
     id: str
     owner: str = ""  # its principal (auth.request_owner): only the same one may move it
     stream: RequestStream | None = None  # None while it is being tokenized
-    ending: Ending = field(default_factory=Ending)
 
 
 def last_word(events: Sequence[ServerEvent]) -> EosEvent:
@@ -90,12 +80,7 @@ class GatewayCore(Protocol):
     async def _arriving(self, request: Request) -> tuple[bytes, float]: ...
 
     def _in_flight(
-        self,
-        generate_request: GenerateRequest,
-        arrived: float,
-        auto_max_tokens: bool,
-        owner: str,
-        ending: Ending | None = None,
+        self, generate_request: GenerateRequest, arrived: float, auto_max_tokens: bool, owner: str
     ) -> AbstractAsyncContextManager[Flight]: ...
 
     async def _collect(self, request: Request, flight: Flight) -> list[ServerEvent]: ...

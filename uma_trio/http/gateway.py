@@ -67,16 +67,7 @@ from .anthropic import AnthropicApi
 from .auth import BearerAuth, request_owner
 from .embeddings import EmbeddingsApi
 from .event_stream import UNWATCHED_RECEIVE, EventStream, until_disconnect
-from .flight import (
-    Ending,
-    Flight,
-    answer_limits,
-    client_gone,
-    completed,
-    decode_body,
-    last_word,
-    with_ceiling,
-)
+from .flight import Flight, answer_limits, client_gone, completed, decode_body, last_word, with_ceiling
 from .fresh import FreshConnections, peer_of
 from .ollama import OllamaApi, fill_in_middle
 from .origin import DEFAULT_CORS_ORIGINS, LOOPBACK_HOSTS, OriginGuard, origin_pattern
@@ -707,20 +698,13 @@ class Gateway:
 
     @asynccontextmanager
     async def _in_flight(
-        self,
-        generate_request: GenerateRequest,
-        arrived: float,
-        auto_max_tokens: bool,
-        owner: str,
-        ending: Ending | None = None,
+        self, generate_request: GenerateRequest, arrived: float, auto_max_tokens: bool, owner: str
     ) -> AsyncIterator[Flight]:
         """The request lifecycle guard: a registered request is released if anything raises
         before its response owns it (:class:`EventStream` and :meth:`_collect` release it
         however they end).  Without it, a failure in between (once, a header that would not
         encode) left the id taken and the session parked for good."""
-        flight = await self._begin(
-            generate_request, arrived, auto_max_tokens=auto_max_tokens, owner=owner, ending=ending
-        )
+        flight = await self._begin(generate_request, arrived, auto_max_tokens=auto_max_tokens, owner=owner)
         try:
             yield flight
         except BaseException:
@@ -728,13 +712,7 @@ class Gateway:
             raise
 
     async def _begin(
-        self,
-        generate_request: GenerateRequest,
-        arrived: float,
-        *,
-        auto_max_tokens: bool,
-        owner: str,
-        ending: Ending | None = None,
+        self, generate_request: GenerateRequest, arrived: float, *, auto_max_tokens: bool, owner: str
     ) -> Flight:
         """Admit one generation request: its id and a place among the HTTP requests in flight
         are taken before it is tokenized, so neither can be handed out twice."""
@@ -749,7 +727,7 @@ class Gateway:
         rid = generate_request.id
         if rid in self._flights:
             raise openai.api_error(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight")
-        flight = self._flights[rid] = Flight(rid, owner, ending=ending or Ending())
+        flight = self._flights[rid] = Flight(rid, owner)
 
         refused: list[Exception] = []  # raised out of the watching nursery as itself, not a group
 
@@ -772,7 +750,6 @@ class Gateway:
                 raise refused[0]
             if flight.stream is None:
                 raise client_gone()
-            flight.stream.gone_reason = lambda: flight.ending.reason
         except UmaError as exc:
             self._end(flight)
             raise openai.from_uma_error(exc, generate_request) from None
@@ -795,7 +772,7 @@ class Gateway:
         """The request is over for its client: cancel it if it still runs (a no-op after its
         eos) and give back its place.  Idempotent; reached however the response ends."""
         if flight.stream is not None:
-            flight.stream.cancel(flight.ending.reason)
+            flight.stream.cancel(flight.stream.gone_reason())
         if self._flights.get(flight.id) is flight:
             del self._flights[flight.id]
 

@@ -52,8 +52,9 @@ class RequestStream:
         self.delivered_at = TokenTimes()  # when each token was written to the client
         self._session = session  # the loop's: only handed back to it
         self._loop = loop
-        # Why it is cancelled when its delivery stops before the end: its client hung up,
-        # unless the front end says otherwise (the rest of a failed embeddings batch).
+        # Why it is cancelled when its delivery or its front end stops before the end: its
+        # client hung up, unless the front end says otherwise (the rest of a failed
+        # embeddings batch, http/embeddings.py).
         self.gone_reason: Callable[[], CancelReason] = _hung_up
 
     @property
