@@ -131,7 +131,7 @@ async def test_the_socket_appears_already_listening(tmp: Path, monkeypatch: pyte
         client.close()
         # A name taken meanwhile (after the stale-socket check) is refused, not replaced.
         monkeypatch.setattr(uma_trio.runtime.unix_socket, "remove_stale_socket", lambda _: None)
-        with pytest.raises(FileExistsError):
+        with pytest.raises(SocketInUseError, match=r"cannot create the socket .*: File exists"):
             await bind_unix_listener(path)
         assert os.listdir(tmp) == ["d.sock"]
 

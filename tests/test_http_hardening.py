@@ -365,7 +365,7 @@ async def test_browser_sdks_preflights_from_an_allowed_origin_are_answered() -> 
 def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:
     import resource
 
-    from uma_trio.daemon import raise_fd_limit
+    from uma_trio.process_setup import raise_fd_limit
 
     before = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:

@@ -264,7 +264,7 @@ def test_startup_heap_is_frozen_after_collecting_its_garbage() -> None:
     import gc
     import weakref
 
-    from uma_trio.daemon import freeze_startup_heap
+    from uma_trio.process_setup import freeze_startup_heap
 
     class Node:
         other: object = None

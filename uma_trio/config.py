@@ -188,7 +188,9 @@ class ServerConfig:
     and must be a real directory (not a symbolic link) owned by the daemon's user that group
     and others cannot write to (or a sticky directory owned by root or the user, like /tmp),
     else start-up fails (exit 2), before the model loads; so does a path over 97 bytes (93 on
-    macOS: a Unix socket's limit less the 10 of the name it is bound under first).
+    macOS: a Unix socket's limit less the 10 of the name it is bound under first), and a
+    directory where no socket can be created (a read-only file system, /proc: a socket is
+    bound there and removed to find out).
     XDG_RUNTIME_DIR is used when it is an absolute path to a directory the user owns
     (SECURITY.md). Also read from the seeds' UMA_SOCK (UMA_SOCKET first, for the clients
     too); an empty path is refused."""
@@ -393,9 +395,11 @@ class ServerConfig:
     """Seconds a frame may take to arrive whole once its first byte is in; then E_PROTO_008
     and the connection is closed. Also the deadline of an HTTP request body (408)."""
     shutdown_grace_s: Annotated[float, Parameter(name="--shutdown-grace")] = 10.0
-    """Seconds running requests get to finish after SIGINT/SIGTERM (then exit 0; a second
-    signal stops at once). Ctrl-C before the daemon serves (while the model loads) exits 130,
-    with one log line."""
+    """Seconds running requests get to finish after SIGINT, SIGTERM or SIGHUP (then exit 0; a
+    second signal stops at once; SIGHUP stays ignored where the daemon started with it
+    ignored, as under nohup). Before the daemon serves (while the model loads), Ctrl-C exits
+    130 and SIGTERM or SIGHUP end it by the signal (status 143 or 129), each with one log
+    line."""
     stream_buffer: Annotated[WholeNumber, _HIDDEN] = 16  # token events held per request before it is parked
 
     # Observability (docs/METRICS.md)
@@ -406,10 +410,11 @@ class ServerConfig:
     metrics: Annotated[str | None, Parameter(show_default="off")] = None
     """Serve Prometheus text at http://HOST:PORT/metrics on any address, for routers and
     scrapers (FLEET.md): no prompts, no request ids, no key asked; a bare PORT binds
-    127.0.0.1. Instead of --metrics-port."""
+    127.0.0.1. Instead of --metrics-port. Bound before the model loads (a taken port is a
+    start-up error, exit 2), answered once the daemon serves."""
     metrics_port: Annotated[int | None, Parameter(converter=whole_number, show_default="off")] = None
     """Serve Prometheus text at http://127.0.0.1:PORT/metrics, loopback only; 0 picks a free
-    port (logged)."""
+    port (logged). Bound before the model loads, as --metrics."""
     scorecard_csv: Annotated[Path | None, Parameter(show_default="off")] = None
     """Append a scorecard row to this CSV file every --metrics-interval seconds."""
 

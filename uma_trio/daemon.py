@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import gc
 import ipaddress
 import logging
-import resource
 import socket
 import ssl
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -45,6 +43,7 @@ from .http.metrics import metrics_app
 from .http.origin import DEFAULT_CORS_ORIGINS, allowed_hosts
 from .http.serve import BindError, bind_tcp, serve_asgi
 from .model_store import ModelStore, StoreEntry, StoreError
+from .process_setup import freeze_startup_heap, raise_fd_limit
 from .runtime.models import LoadedModel, Loading
 from .runtime.server import DaemonFailed, Server
 from .runtime.unix_socket import SocketInUseError
@@ -299,14 +298,23 @@ async def http_gateway(config: ServerConfig, model_file: str) -> AsyncIterator[G
         nursery.cancel_scope.cancel()
 
 
+def bind_metrics(config: ServerConfig) -> socket.socket | None:
+    """``--metrics-port``'s socket, bound before the model loads (as the HTTP ports are), so a
+    taken port is a start-up error in a second, not after the load; it answers once serving."""
+    address = config.metrics_address
+    return bind_tcp(*address, "metrics") if address is not None else None
+
+
 async def _serve(
     server: Server, gateway: Gateway | None, *, handle_signals: bool,
+    metrics_sock: socket.socket | None = None,
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
 ) -> None:  # fmt: skip
     """Run ``server``; the gateway serves it once its socket accepts, and ``--metrics-port``
-    (bound first, so a taken port is a start-up error) until it stops."""
+    (``metrics_sock``, bound here unless the caller bound it first) until it stops."""
     address = server.config.metrics_address
-    metrics_sock = bind_tcp(*address, "metrics") if address is not None else None
+    if metrics_sock is None:
+        metrics_sock = bind_metrics(server.config)
     async with trio.open_nursery() as nursery:
 
         async def run_server(task_status: trio.TaskStatus[Server]) -> None:
@@ -352,42 +360,22 @@ async def serving(model: LlamaModel, config: ServerConfig) -> AsyncIterator[Serv
         engine.close()
 
 
-def raise_fd_limit() -> int:
-    """Raise the soft limit on open files to the hard one and return it: each HTTP or
-    socket client holds a descriptor, and at the usual soft limit (1,024) a local user
-    opening connections could exhaust them (the accept loops then back off)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):  # some platforms cap it lower (macOS: OPEN_MAX)
-            pass
-    return soft
-
-
-def freeze_startup_heap() -> None:
-    """Move everything allocated so far (modules, the model's Python objects: ~60,000) out
-    of the cyclic garbage collector's reach.  A full collection scanned them all: 26-46 ms
-    with the GIL held on the 2-core dev machine, a stall of every stream and of the compute
-    thread's sampling in the middle of serving; afterwards it scans only what serving made."""
-    gc.collect()
-    gc.freeze()
-
-
 async def run_daemon(model_path: Path, config: ServerConfig) -> None:
     log.debug("open-file limit %d", raise_fd_limit())
     engine: LlamaEngine | None = None
     try:
         try:
             async with http_gateway(config, model_path.name) as gateway:
-                # The HTTP port answers /health with 503 "loading" meanwhile.
-                log.info("loading %s", model_path)
-                engine = await trio.to_thread.run_sync(load_engine, model_path, config)
-                policy = await trio.to_thread.run_sync(policy_for, engine, config)
-                freeze_startup_heap()
-                await _serve(server_for(engine, config, policy), gateway, handle_signals=True)
+                with ExitStack() as closing:
+                    if (metrics_sock := bind_metrics(config)) is not None:
+                        closing.callback(metrics_sock.close)  # a no-op once serving has closed it
+                    # The HTTP port answers /health with 503 "loading" meanwhile.
+                    log.info("loading %s", model_path)
+                    engine = await trio.to_thread.run_sync(load_engine, model_path, config)
+                    policy = await trio.to_thread.run_sync(policy_for, engine, config)
+                    freeze_startup_heap()
+                    server = server_for(engine, config, policy)
+                    await _serve(server, gateway, handle_signals=True, metrics_sock=metrics_sock)
         finally:
             # Only once the gateway has stopped: its handlers may still be tokenizing in
             # worker threads, which leaving its nursery waits for.

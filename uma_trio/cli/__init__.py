@@ -22,7 +22,13 @@ import cyclopts
 from ..config import ConfigError
 from ..pipe_console import PipeConsole
 from .client_commands import bench, generate, metrics, top
-from .common import EXIT_PROTOCOL_ERROR, EXIT_READER_GONE, EXIT_SERVER_ERROR, EXIT_USAGE
+from .common import (
+    EXIT_PROTOCOL_ERROR,
+    EXIT_READER_GONE,
+    EXIT_SERVER_ERROR,
+    EXIT_USAGE,
+    from_the_environment,
+)
 from .models import load, ps, pull, unload
 from .serve import info, serve
 from .snapshot import snapshot_app
@@ -49,7 +55,7 @@ def main() -> None:
         # serve's and info's refusals at start-up are all exit 2 (CONFIG.md), the clients' 1.
         sys.exit(EXIT_SERVER_ERROR if sys.argv[1:2] in (["serve"], ["info"]) else EXIT_USAGE)
     except ConfigError as exc:  # ServerConfig's own checks run as cyclopts builds it
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc}{from_the_environment(str(exc), sys.argv[2:])}", file=sys.stderr)
         sys.exit(EXIT_SERVER_ERROR)
     except BrokenPipeError:
         # stdout's reader went away (`uma-trio ps | head -1`): exit as generate and top do, with

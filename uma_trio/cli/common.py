@@ -4,17 +4,44 @@ failure to talk to the daemon is reported."""
 from __future__ import annotations
 
 import logging
+import os
+import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
-from cyclopts import Parameter
+from cyclopts import Parameter, Token
 
 from ..client import RequestFailed
 from ..config import SOCKET_ENV, ServerConfig, socket_path
 
 SocketPath = Annotated[Path, Parameter(env_var=SOCKET_ENV, converter=socket_path)]
-LogLevel = Literal["debug", "info", "warning", "error"]
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _log_level(_type: object, tokens: Sequence[Token]) -> str:
+    """A level in any case: ``UMA_LOG_LEVEL=DEBUG`` was refused (logging's own names are upper case)."""
+    if (value := tokens[-1].value.lower()) not in LOG_LEVELS:
+        raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
+    return value
+
+
+LogLevel = Annotated[Literal["debug", "info", "warning", "error"], Parameter(converter=_log_level)]
+
+
+def from_the_environment(message: str, argv: Sequence[str]) -> str:
+    """What of ``message``'s flags came from ``UMA_*`` variables rather than the command line
+    (``UMA_N_CTX=0``'s refusal named only ``--n-ctx``), as a suffix for it ("" if none)."""
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    found = []
+    for flag in dict.fromkeys(re.findall(r"--[a-z][a-z0-9-]*", message)):
+        names = SOCKET_ENV if flag == "--socket" else ["UMA_" + flag[2:].upper().replace("-", "_")]
+        env = next((name for name in names if name in os.environ), None)
+        if flag not in given and env is not None:
+            found.append(f"{env}={os.environ[env]}")
+    return f" (from the environment: {', '.join(found)})" if found else ""
+
 
 EXIT_USAGE = 1  # a bad option or file (cli.main maps cyclopts' own 2 to it)
 EXIT_SERVER_ERROR = 2

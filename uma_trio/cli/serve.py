@@ -17,7 +17,14 @@ from cyclopts import Parameter
 from ..config import ConfigError, ServerConfig
 from ..model_files import ModelFileError, check_model_path, ensure_default_model
 from ..model_store import ModelStore, StoreError
-from ..runtime.unix_socket import SocketInUseError, check_socket_path, ensure_private_dir, refuse_taken_socket
+from ..runtime.stop_signals import log_stops_while_not_serving
+from ..runtime.unix_socket import (
+    SocketInUseError,
+    check_socket_path,
+    ensure_private_dir,
+    probe_socket_dir,
+    refuse_taken_socket,
+)
 from .common import (
     DEFAULTS,
     EXIT_SERVER_ERROR,
@@ -58,7 +65,7 @@ def serve(
     model: Annotated[Path | None, Parameter(show_default="embedded SmolLM2-135M-Instruct Q4_1")] = None,
     log_level: LogLevel = "info",
 ) -> int:
-    """Run the daemon in the foreground until SIGINT/SIGTERM.
+    """Run the daemon in the foreground until SIGINT, SIGTERM or SIGHUP.
 
     Every setting is a field of ServerConfig (uma_trio/config.py), where its help lives.
 
@@ -88,6 +95,7 @@ def serve(
         check_socket_path(config.socket_path)
         ensure_private_dir(config.socket_path.parent)
         refuse_taken_socket(config.socket_path)  # a live daemon there: "already running"
+        probe_socket_dir(config.socket_path)  # a read-only file system: refused before the load
         ModelStore.scan(model_path, config.models_dir, config.alias)
         check_output_paths(config)
     except (ModelFileError, SocketInUseError, StoreError, ConfigError) as exc:
@@ -104,6 +112,7 @@ def serve(
 
     from ..daemon import DaemonStartError, run_daemon  # imports llama_cpp: keep other commands light
 
+    log_stops_while_not_serving()
     try:
         trio.run(run_daemon, model_path, config)
     except DaemonStartError as exc:

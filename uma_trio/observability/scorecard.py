@@ -7,6 +7,10 @@ The formulas are in docs/METRICS.md.
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
+from typing import Any
+
 import msgspec
 
 from .metrics import Metrics
@@ -70,3 +74,13 @@ def scorecard(metrics: Metrics, now: float, *, latency_cap: float, rss_bytes: in
         sum_bmt_mb_per_token=_ratio(sums.bmt_bytes / MB, sums.generated) if sums.bmt_bytes else None,
         rss_gb=round(rss_bytes / GB, 4),
     )
+
+
+def append_csv_row(path: Path, row: dict[str, Any]) -> None:
+    """Append ``row``; write the header first when the file is new or empty."""
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=CSV_FIELDS)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)

@@ -1,11 +1,11 @@
 """The daemon: one nursery supervising the listener, connections, decode and metrics.
 
-Shutdown (first SIGINT/SIGTERM, or :meth:`Server.request_shutdown`): stop
-accepting connections and requests, remove the socket file, let running
-requests finish for ``shutdown_grace_s``, cancel what is left with
-``eos(cancelled, cancel_reason=shutdown)``, give the connections a moment to
-flush those events (and to answer requests still being admitted, refused as the daemon is
-shutting down), then cancel everything.  A second signal skips the grace.
+Shutdown (the first SIGINT, SIGTERM or SIGHUP: runtime/stop_signals.py; or
+:meth:`Server.request_shutdown`): stop accepting connections and requests, remove the socket
+file, let running requests finish for ``shutdown_grace_s``, cancel what is left with
+``eos(cancelled, cancel_reason=shutdown)``, give the connections a moment to flush those
+events (and to answer requests still being admitted, refused as the daemon is shutting
+down), then cancel everything.  A second signal skips the grace.
 
 If ``--model``'s decode loop dies (its context cannot be rebuilt, or a bug), the daemon
 cannot serve: every request of that loop ends with an error, the daemon drains as above
@@ -14,11 +14,11 @@ without the grace, and :meth:`Server.serve` raises :class:`DaemonFailed`.
 
 from __future__ import annotations
 
-import csv
+import contextlib
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from ..model_store import ModelStore, StoreEntry, model_id
 from ..observability.metrics import Metrics
 from ..observability.process import ProcessSampler
 from ..observability.prometheus import build_registry
-from ..observability.scorecard import CSV_FIELDS, Scorecard, scorecard
+from ..observability.scorecard import Scorecard, append_csv_row, scorecard
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, ModelsEvent, ModelsRequest, SnapshotEvent, SnapshotRequest
 from ..sched.arbiter import Arbiter
@@ -48,6 +48,7 @@ from .models import Loading, ModelHost, ModelUnit
 from .peer import peer_uid
 from .snapshot_service import SnapshotService
 from .snapshots import SnapshotStore, default_snapshot_dir
+from .stop_signals import drain_signals
 from .stream import RequestStream
 from .tool_use import tool_format
 from .unix_socket import bind_unix_listener, unlink_if_ours
@@ -115,6 +116,14 @@ class Server:
         self, *, handle_signals: bool = False, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Run until shut down.  ``task_status.started`` fires once the socket accepts."""
+        with contextlib.ExitStack() as stack:
+            # Taken before the socket exists: a supervisor that sees it may signal at once.
+            signals = None
+            if handle_signals:
+                signals = stack.enter_context(trio.open_signal_receiver(*drain_signals()))
+            await self._serve(signals, task_status)
+
+    async def _serve(self, signals: AsyncIterator[int] | None, task_status: trio.TaskStatus[Server]) -> None:
         listener, inode = await bind_unix_listener(self.config.socket_path)
         self.metrics.started = trio.current_time()
         log.info(
@@ -126,8 +135,8 @@ class Server:
                 nursery.start_soon(self._run_primary)
                 await nursery.start(self.models.run)
                 nursery.start_soon(self._metrics_task)
-                if handle_signals:
-                    nursery.start_soon(self._signal_task)
+                if signals is not None:
+                    nursery.start_soon(self._signal_task, signals)
                 async with trio.open_nursery() as connections:
                     async with trio.open_nursery() as acceptor:
                         acceptor.start_soon(self._accept_loop, listener, connections)
@@ -346,12 +355,11 @@ class Server:
         await self._force.wait()
         scope.cancel()
 
-    async def _signal_task(self) -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                first = not self._shutdown.is_set()
-                log.info("%s: %s", signal.Signals(signum).name, "draining" if first else "stopping now")
-                self.request_shutdown(force=not first)
+    async def _signal_task(self, signals: AsyncIterator[int]) -> None:
+        async for signum in signals:
+            first = not self._shutdown.is_set()
+            log.info("%s: %s", signal.Signals(signum).name, "draining" if first else "stopping now")
+            self.request_shutdown(force=not first)
 
     async def _metrics_task(self) -> None:
         """Every ``metrics_interval_s``: a scorecard line in the log (only when something
@@ -377,16 +385,6 @@ class Server:
                     await trio.to_thread.run_sync(append_csv_row, csv_path, row)
                 except OSError as exc:
                     log.warning("cannot append to %s: %s", csv_path, exc)
-
-
-def append_csv_row(path: Path, row: dict[str, Any]) -> None:
-    """Append ``row``; write the header first when the file is new or empty."""
-    new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=CSV_FIELDS)
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
 
 
 def socket_owner(stream: trio.abc.Stream) -> str:

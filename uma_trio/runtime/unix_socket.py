@@ -3,6 +3,7 @@ daemons respected."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -155,13 +156,37 @@ async def bind_unix_listener(path: Path, backlog: int = 128) -> tuple[trio.Socke
         sock.listen(backlog)
         os.link(staging, path)  # unlike rename, refuses a socket that appeared meanwhile
         staging.unlink()
-    except OSError:
+    except OSError as exc:
         sock.close()
         staging.unlink(missing_ok=True)
-        raise
+        raise _cannot_create(path, exc) from exc
     finally:
         os.umask(old_umask)
     return trio.SocketListener(sock), os.stat(path).st_ino
+
+
+def _cannot_create(path: Path, exc: OSError) -> SocketInUseError:
+    return SocketInUseError(
+        f"cannot create the socket {path}: {exc.strerror or exc}; give --socket a path in a "
+        "directory this user can write to"
+    )
+
+
+def probe_socket_dir(path: Path) -> None:
+    """Bind a socket under ``path``'s staging name and remove it: SocketInUseError where
+    none can be created there (a read-only file system, /proc).  At start-up, so that fails
+    in a second; the directory's other checks passed, and the bind itself failed only after
+    the model had loaded, with a traceback."""
+    staging = staging_path(path)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.bind(str(staging))
+    except OSError as exc:
+        raise _cannot_create(path, exc) from None
+    finally:
+        probe.close()
+        with contextlib.suppress(OSError):
+            staging.unlink()
 
 
 def unlink_if_ours(path: Path, inode: int) -> None:
