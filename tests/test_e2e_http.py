@@ -5,6 +5,7 @@ cannot send (bad JSON, no key)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -572,3 +573,35 @@ async def test_an_overlong_prompt_is_refused_before_it_is_tokenized(http_server:
             assert fine.status_code == 200 and calls == 1
     finally:
         del http_server.engine.tokenize
+
+
+async def test_a_request_abandoned_right_after_it_was_sent_is_cancelled(http_server: Server) -> None:
+    """An editor sends a completion per keystroke and drops the last one at once.  Hung up
+    before its answer began, such a request could run to its end for nobody (a review: 10
+    of 20 `/infill` requests ran 48 tokens each, `/v1/completions` alike): the hang-up was
+    taken by the watcher around its admission (test_http_hardening.py)."""
+    assert http_server.http_url is not None
+    host, port = http_server.http_url.removeprefix("http://").rsplit(":", 1)
+
+    async def keystroke(i: int) -> None:
+        body = json.dumps({"model": MODEL, "prompt": f"def f{i}(", "max_tokens": 48, "stream": i % 2 == 0})
+        request = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+        ).encode()
+        client = await trio.open_tcp_stream(host, int(port))
+        await client.send_all(request)
+        await trio.sleep(0.002 * (i % 6))  # hang-ups from before its admission to after it
+        await client.aclose()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(24):
+            nursery.start_soon(keystroke, i)
+            await trio.sleep(0.03)  # the next keystroke, the one before still on its way in
+    await trio.sleep(0.5)  # the last ones reach the loop (or not)
+    with trio.fail_after(60):
+        while http_server.loop.gauges()["in_flight"]:
+            await trio.sleep(0.05)
+    snapshot = http_server.metrics_snapshot()
+    ran = {k: v for k, v in snapshot["requests"]["interactive"].items() if k in ("stop", "length")}
+    assert not any(ran.values()), (ran, snapshot["cancels"])  # none ran on for nobody

@@ -16,9 +16,11 @@ import httpx
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from uma_trio.daemon import http_gateway
 from uma_trio.http import gateway as gateway_module
+from uma_trio.http.event_stream import sticky_disconnect, until_disconnect
 from uma_trio.http.gateway import Gateway
 from uma_trio.runtime.server import Server
 from uma_trio.sched.cost import CostCoefficients
@@ -573,3 +575,25 @@ async def test_a_hang_up_during_a_streamed_answer_of_several_choices_cancels_the
             while server.loop.gauges()["in_flight"]:
                 await trio.sleep(0.05)
         assert_nothing_held(server)
+
+
+async def test_a_hang_up_taken_by_one_watcher_is_seen_by_the_next() -> None:
+    """Hypercorn says `http.disconnect` once.  The watcher around a request's admission,
+    blocked on receive, could be handed it just as the admission ended; the watcher around
+    the answer then waited for nothing, and the request ran on for nobody (test_e2e_http.py
+    has the editor's burst on the real model).  Through `sticky_disconnect` the next one sees it."""
+    send, messages = trio.open_memory_channel[dict[str, Any]](1)
+
+    async def hypercorn_receive() -> dict[str, Any]:
+        return await messages.receive()
+
+    for receive, seen in ((hypercorn_receive, False), (sticky_disconnect(hypercorn_receive), True)):
+
+        async def admission() -> None:
+            await trio.testing.wait_all_tasks_blocked()  # the watcher blocks on receive
+            send.send_nowait({"type": "http.disconnect"})  # handed to it as the admission ends
+
+        await until_disconnect(receive, admission)
+        with trio.move_on_after(0.5) as waited:
+            await until_disconnect(receive, trio.sleep_forever)  # the answer's watcher
+        assert waited.cancelled_caught is not seen

@@ -129,6 +129,24 @@ async def test_infill_over_http_whole_and_streamed(fim_server: Server, fim_model
         )
 
 
+async def test_logit_bias_in_llama_server_s_forms_is_honoured(
+    fim_server: Server, fim_model: LlamaModel
+) -> None:
+    """`logit_bias` was dropped with the unknown fields, junk and all: every form answered as if
+    none were given.  llama-server's forms: `{"id": bias}` and `[[id, bias]]`, `false` banning."""
+    body: dict[str, Any] = {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n",
+                            "n_predict": 6, "temperature": 0}  # fmt: skip
+    async with http(fim_server) as client:
+        first = (await client.post("/infill", json=body)).json()["content"]
+        token = fim_model.tokenize(first, add_bos=False, special=False).tolist()[0]
+        for bias in ({str(token): -100}, [[token, -100]], [[token, False]]):
+            answer = await client.post("/infill", json={**body, "logit_bias": bias})
+            assert answer.status_code == 200 and answer.json()["content"] != first, (bias, answer.text)
+        for junk in ("junk", [[token]], [["return", -1]], [[1.5, 1]], {"abc": 1}):
+            answer = await client.post("/infill", json={**body, "logit_bias": junk})
+            assert answer.status_code == 400 and "logit_bias" in answer.text, (junk, answer.text)
+
+
 @pytest.mark.model
 async def test_a_model_without_fim_tokens_is_a_clear_error(keyed_http_server: Server) -> None:
     async with http(keyed_http_server) as client:

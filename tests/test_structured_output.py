@@ -3,6 +3,7 @@ what the real model generates, through the openai SDK, raw HTTP and the socket."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -177,6 +178,7 @@ async def test_bad_schemas_and_grammars_are_400s_naming_the_problem(keyed_http_s
             assert answer.status_code == 400, answer.text
             assert problem in answer.json()["error"]["message"], answer.text
             assert answer.json()["error"]["param"] == param, answer.text
+            assert answer.json()["error"]["code"] is not None, answer.text  # json_schema + grammar: null
             assert "uma_tool" not in answer.text and "x-guidance" not in answer.text
         answer = await http.post(
             "/chat/completions", json={"model": MODEL, "messages": ask("hi"), "max_tokens": 2}
@@ -220,21 +222,76 @@ async def test_a_deep_grammar_is_served_or_refused_and_never_kills_the_daemon(se
 async def test_a_grammar_is_compiled_off_the_event_loop(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """GBNF's conversion ran on the event loop: a 228 KB grammar froze every stream for 24 s."""
+    """GBNF's conversion ran on the event loop: a 228 KB grammar froze every stream for 24 s.
+    Then on a thread, holding the GIL beside the decode; now in a process of its own, and
+    the compile of its Lark on a thread."""
     import threading
 
     from uma_trio.runtime import samplers
 
-    threads: list[str] = []
+    threads: list[tuple[str, bool]] = []
 
-    def recorded(text: str) -> Any:
-        threads.append(threading.current_thread().name)
-        return grammar_constraint(text)
+    def recorded(text: str, lark: str | None = None) -> Any:
+        threads.append((threading.current_thread().name, lark is not None))
+        return grammar_constraint(text, lark)
 
     monkeypatch.setattr(samplers, "grammar_constraint", recorded)
     async with UmaClient.connect(server.config.socket_path) as client:
         done = await client.complete(prompt="Colour:", grammar='root ::= " red" | " green"', max_tokens=4)
-    assert done.text in (" red", " green") and threads and threading.main_thread().name not in threads
+    assert done.text in (" red", " green") and threads
+    assert all(name != threading.main_thread().name and converted for name, converted in threads), threads
+
+
+async def test_a_slow_grammar_s_conversion_ends_with_its_client_and_has_a_time_limit(
+    keyed_http_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review: two clients sent 4,000-rule GBNF grammars (within the limits) and hung up;
+    their conversions ran on for two minutes holding both compile threads, and a JSON
+    request of anyone else waited 126-153 s for its 5 tokens.  The conversion's process is
+    now killed with its request, and one that runs past the limit is refused."""
+    from uma_trio.runtime import gbnf_convert
+
+    from .helpers import slow_grammar
+
+    def converters() -> int:
+        found = 0
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            with contextlib.suppress(OSError):  # a process gone meanwhile
+                found += b"gbnf_worker" in cmdline.read_bytes()
+        return found
+
+    url = f"{keyed_http_server.http_url}/v1/chat/completions"
+    key = {"Authorization": "Bearer k"}
+    async with httpx.AsyncClient(headers=key, timeout=60) as http:
+        for k in range(2):  # each hangs up while its grammar converts
+            body = {
+                "model": MODEL,
+                "messages": ask("x"),
+                "max_tokens": 5,
+                "grammar": slow_grammar() + f"# {k}",
+            }
+            with trio.move_on_after(1.5):
+                await http.post(url, json=body)
+        with trio.fail_after(5):
+            while converters():  # killed with its request
+                await trio.sleep(0.05)
+        started = trio.current_time()
+        body = {
+            "model": MODEL,
+            "messages": ask("hi"),
+            "max_tokens": 5,
+            "response_format": {"type": "json_object"},
+        }
+        answer = await http.post(url, json=body)
+        assert answer.status_code == 200 and trio.current_time() - started < 20, answer.text
+        monkeypatch.setattr(gbnf_convert, "CONVERT_LIMIT_S", 0.5)
+        body = {"model": MODEL, "messages": ask("x"), "max_tokens": 5, "grammar": slow_grammar()}
+        answer = await http.post(url, json=body)
+        assert answer.status_code == 400, answer.text
+        assert "took over 0.5 s to convert from GBNF" in answer.json()["error"]["message"], answer.text
+        assert answer.json()["error"]["param"] == "grammar", answer.text
+    snapshot = keyed_http_server.metrics_snapshot()
+    assert snapshot["cancels"].get("disconnect", 0) >= 2, snapshot["cancels"]  # the hang-ups count
 
 
 def test_a_schema_nested_too_deeply_is_refused_by_name() -> None:

@@ -24,6 +24,7 @@ import llguidance
 import numpy as np
 import numpy.typing as npt
 import outcome
+from llguidance.gbnf_to_lark import is_lark_syntax
 
 from .logprobs import LogprobSampler
 from .sampling import Sampler, SamplingParams
@@ -79,13 +80,26 @@ def json_schema_constraint(schema: dict[str, Any] | None) -> OutputConstraint:
         raise ConstraintError(f"invalid JSON schema: {exc}") from None
 
 
-def grammar_constraint(text: str) -> OutputConstraint:
-    """Output matching a grammar in llama.cpp's GBNF or in Lark (llguidance's syntax)."""
+def check_grammar_size(text: str) -> None:
+    """:class:`ConstraintError` for a grammar over the limits, before any work on it."""
     if len(text.encode()) > MAX_GRAMMAR_BYTES:
         raise ConstraintError(f"the grammar is over {MAX_GRAMMAR_BYTES} bytes")
     if (rules := text.count("::=")) > MAX_GBNF_RULES:
         raise ConstraintError(f"the grammar has {rules} rules; at most {MAX_GBNF_RULES}")
+
+
+def needs_converting(text: str) -> bool:
+    """Whether ``text`` is GBNF, which llguidance's Python converter turns into Lark first."""
+    return not is_lark_syntax(text)
+
+
+def grammar_constraint(text: str, lark: str | None = None) -> OutputConstraint:
+    """Output matching a grammar in llama.cpp's GBNF or in Lark (llguidance's syntax);
+    ``lark``: the GBNF ``text`` already converted (runtime/gbnf_convert.py)."""
+    check_grammar_size(text)
     try:
+        if lark is not None:
+            return OutputConstraint(llguidance.LLMatcher.grammar_from_lark(lark), "grammar")
         return OutputConstraint(llguidance.grammar_from("gbnf", text), "grammar")
     except ValueError as exc:
         raise ConstraintError(f"invalid grammar: {exc}") from None

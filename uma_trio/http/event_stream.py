@@ -11,7 +11,7 @@ from contextvars import ContextVar
 import trio
 from starlette.responses import Response
 
-from .serve import Receive, Scope, Send
+from .serve import Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +20,27 @@ log = logging.getLogger(__name__)
 # (set per request by the gateway; None inside until_disconnect's work and the tasks it
 # starts: one watcher at a time, or the disconnect reaches only one of them).
 UNWATCHED_RECEIVE: ContextVar[Receive | None] = ContextVar("uma_unwatched_receive", default=None)
+
+
+def sticky_disconnect(receive: Receive) -> Receive:
+    """``receive``, answering ``http.disconnect`` for good once it has said so.  Hypercorn
+    says it once, and a request meets several watchers in turn (:func:`until_disconnect`
+    around its admission, then around its answer): one whose work ended as the hang-up came
+    could take the message and stop, and the next then waited for nothing while the request
+    ran to its end for nobody (an editor abandoning a completion right after sending it)."""
+    gone: Message | None = None
+
+    async def receive_sticky() -> Message:
+        nonlocal gone
+        if gone is not None:
+            await trio.lowlevel.checkpoint()
+            return gone
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            gone = message
+        return message
+
+    return receive_sticky
 
 
 async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> None:

@@ -66,7 +66,7 @@ from ..runtime.desk import RequestDesk
 from .anthropic import AnthropicApi
 from .auth import BearerAuth, request_owner
 from .embeddings import EmbeddingsApi
-from .event_stream import UNWATCHED_RECEIVE, EventStream, until_disconnect
+from .event_stream import UNWATCHED_RECEIVE, EventStream, sticky_disconnect, until_disconnect
 from .flight import Flight, answer_limits, client_gone, completed, decode_body, last_word, with_ceiling
 from .fresh import FreshConnections, peer_of
 from .ollama import OllamaApi, fill_in_middle
@@ -191,6 +191,7 @@ class Gateway:
             if scope["type"] == "http" and client and self.server is not None:
                 self.server.clients.sent((str(client[0]), int(client[1])))
             if scope["type"] == "http":
+                receive = sticky_disconnect(receive)
                 UNWATCHED_RECEIVE.set(receive)  # this request's task (and the tasks it starts) only
             await app(scope, receive, send)
 
@@ -748,7 +749,11 @@ class Gateway:
             await (opening() if receive is None else until_disconnect(receive, opening))
             if refused:
                 raise refused[0]
-            if flight.stream is None:
+            if flight.stream is None:  # hung up before it was queued (its grammar's compile, a load)
+                server.metrics.on_finished(
+                    generate_request.priority, "cancelled", trio.current_time(), computed_tokens=0,
+                    cancel_reason="disconnect",
+                )  # fmt: skip
                 raise client_gone()
         except UmaError as exc:
             self._end(flight)

@@ -40,6 +40,8 @@ class InfillBody(Struct, kw_only=True):
     repeat_last_n: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    # llama-server's forms: {"id": bias}, or [[id, bias]] where false bans the token.
+    logit_bias: dict[str, Any] | list[Any] | None = None
     priority: Literal["interactive", "background"] | None = None
 
 
@@ -78,7 +80,28 @@ def infill_request(
     for name in _PASSED:
         if (value := getattr(body, name)) is not None:
             fields[name] = value
+    if body.logit_bias is not None:
+        fields["logit_bias"] = _logit_bias(body.logit_bias)
     return msgspec.convert(minus_one_means(fields), GenerateRequest)
+
+
+def _logit_bias(value: dict[str, Any] | list[Any]) -> dict[str, Any]:
+    """llama-server's ``logit_bias`` as the socket's ``{"id": bias}`` (checked there);
+    ``ValueError`` for a pair that is not ``[id, bias]``.  A token given as text (llama-server
+    biases each of its tokens) is refused: give its ids."""
+    if isinstance(value, dict):
+        return value
+    biases: dict[str, Any] = {}
+    for pair in value:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise ValueError(f"logit_bias: each item must be [token id, bias], not {pair!r}"[:200])
+        token, bias = pair
+        if isinstance(token, str):
+            raise ValueError("logit_bias: a token given as text is not supported; give token ids")
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise ValueError(f"logit_bias: a token id must be an integer, not {token!r}"[:200])
+        biases[str(token)] = -100.0 if bias is False else bias
+    return biases
 
 
 class InfillAnswer(Struct, omit_defaults=True):

@@ -294,14 +294,16 @@ def translate(
     if body.repetition_penalty is not None:
         if body.repeat_penalty not in (None, body.repetition_penalty):
             raise ApiError(
-                400, "repeat_penalty and repetition_penalty disagree; give one", param="repetition_penalty"
-            )
+                400, "repeat_penalty and repetition_penalty disagree; give one", param="repetition_penalty",
+                code=ErrorCode.SCHEMA,
+            )  # fmt: skip
         fields["repeat_penalty"] = body.repetition_penalty
     if body.json_schema is not None:
         if body.response_format is not None or body.grammar is not None:
             raise ApiError(
-                400, "give one of `response_format`, `json_schema` and `grammar`", param="json_schema"
-            )
+                400, "give one of `response_format`, `json_schema` and `grammar`", param="json_schema",
+                code=ErrorCode.SCHEMA,
+            )  # fmt: skip
         fields["response_format"] = {"type": "json_schema", "json_schema": {"schema": body.json_schema}}
     try:
         request = msgspec.convert(fields, GenerateRequest)

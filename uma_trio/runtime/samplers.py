@@ -11,8 +11,10 @@ from ..engine.constraints import (
     ConstraintError,
     OutputConstraint,
     check_alone,
+    check_grammar_size,
     grammar_constraint,
     json_schema_constraint,
+    needs_converting,
     on_big_stack,
 )
 from ..engine.sampling import Sampler, SamplingParams, banned
@@ -20,6 +22,7 @@ from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, JsonObjectFormat, JsonSchemaFormat
 from ..protocol.strict_schema import closed
 from ..protocol.tools import TOOL_GRAMMAR_ERROR, tool_error_words, tool_fault, tool_schema
+from .gbnf_convert import gbnf_as_lark
 from .off_loop import compile_limiter, off_loop
 
 if TYPE_CHECKING:
@@ -43,10 +46,11 @@ def sampling_params(request: GenerateRequest) -> SamplingParams:
     )  # fmt: skip
 
 
-def output_constraint(request: GenerateRequest) -> OutputConstraint | None:
-    """What the request's output must match (pure); raises :class:`ConstraintError`."""
+def output_constraint(request: GenerateRequest, lark: str | None = None) -> OutputConstraint | None:
+    """What the request's output must match (pure; ``lark``: its GBNF grammar converted);
+    raises :class:`ConstraintError`."""
     if request.grammar is not None:
-        return grammar_constraint(request.grammar)
+        return grammar_constraint(request.grammar, lark)
     if formatted(request):
         return json_schema_constraint(format_schema(request))
     return None
@@ -127,11 +131,15 @@ async def sampler_for(
         # can take seconds (a 4,000-rule grammar: ~20 s on 2 cores): a shutdown or a hang-up
         # stops waiting for it.
         await off_loop(engine, vocabulary.tokenizer, small=vocabulary.has_tokenizer)
+        lark = None
+        if request.grammar is not None and engine.tokenizer_blocks and needs_converting(request.grammar):
+            check_grammar_size(request.grammar)
+            lark = await gbnf_as_lark(request.grammar)  # in a process of its own: killed on cancel
 
         def compile_matcher() -> llguidance.LLMatcher:
-            if tool_grammar is not None and (answer := output_constraint(request)) is not None:
+            if tool_grammar is not None and (answer := output_constraint(request, lark)) is not None:
                 check_alone(answer)  # the format's own faults, named as its, not the tools'
-            constraint = tool_grammar or output_constraint(request)
+            constraint = tool_grammar or output_constraint(request, lark)
             assert constraint is not None  # constrained, above
             try:
                 return vocabulary.matcher(constraint)
