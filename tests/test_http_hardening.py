@@ -362,6 +362,13 @@ async def test_browser_sdks_preflights_from_an_allowed_origin_are_answered() -> 
                 "access-control-request-headers": headers,
             })  # fmt: skip
             assert answer.status_code == 200, (headers, answer.text)
+        # Chrome's Private Network Access (a public page calling loopback) asks for it: a 400 before.
+        answer = await http.options("/v1/chat/completions", headers={
+            "origin": "http://localhost:3000", "access-control-request-method": "POST",
+            "access-control-request-private-network": "true",
+        })  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["access-control-allow-private-network"] == "true"
 
 
 def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:

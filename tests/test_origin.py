@@ -55,6 +55,26 @@ def test_default_origins_refuse_other_sites(origin: str) -> None:
     assert not ORIGINS.fullmatch(origin)
 
 
+def test_a_port_wildcard_also_matches_no_port() -> None:
+    """`--cors-origins 'http://localhost:*'` refused `http://localhost` (a page on port 80,
+    which browsers write without a port); a host wildcard stays within its dots' place."""
+    allowed = origin_pattern(["http://localhost:*", "https://*.corp.example:*"])
+    for origin in (
+        "http://localhost",
+        "http://localhost:80",
+        "http://localhost:5173",
+        "https://a.corp.example",
+    ):
+        assert allowed.fullmatch(origin), origin
+    for origin in (
+        "http://localhostx",
+        "http://localhost.evil",
+        "https://corp.example",
+        "https://a.corp.examplex",
+    ):
+        assert not allowed.fullmatch(origin), origin
+
+
 def test_check_host_origin_and_content_type() -> None:
     def refused(**kw: object) -> int | None:
         args = {

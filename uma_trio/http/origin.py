@@ -88,9 +88,20 @@ def host_allowed(name: str, hosts: frozenset[str]) -> bool:
 
 def origin_pattern(patterns: Sequence[str]) -> re.Pattern[str]:
     """One regular expression for ``patterns``: ``*`` stands for any run of characters other
-    than ``/`` (a port, a host), everything else is literal; matched whole."""
-    parts = [re.escape(p.strip().lower()).replace(r"\*", "[^/]*") for p in patterns if p.strip()]
+    than ``/`` (a port, a host), everything else is literal; matched whole.  A closing ``:*``
+    is any port or none: a browser writes a page on the scheme's default port without one
+    (``http://localhost:*`` refused ``http://localhost``)."""
+    parts = [_origin_regex(p.strip().lower()) for p in patterns if p.strip()]
     return re.compile("|".join(f"(?:{p})" for p in parts) or "(?!)")
+
+
+def _origin_regex(pattern: str) -> str:
+    def literal(text: str) -> str:
+        return re.escape(text).replace(r"\*", "[^/]*")
+
+    if pattern.endswith(":*"):
+        return literal(pattern[:-2]) + "(?::[^/]*)?"
+    return literal(pattern)
 
 
 def _media_type(header: str) -> str:
