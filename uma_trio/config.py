@@ -450,8 +450,9 @@ class ServerConfig:
         Parameter(show_default="local pages, app://*, tauri://*, vscode-webview://*"),
     ] = None
     """Comma-separated browser origins allowed to call the HTTP API, "\\*" as a wildcard inside
-    one (http://localhost:\\*; a closing ":\\*" also matches no port). The default allows http(s)://localhost:\\*, 127.0.0.1, [::1] and
-    app and editor webviews. Requests from other origins, and Origin: null, get 403."""
+    one (http://localhost:\\*; a closing ":\\*" also matches no port). The default allows
+    http(s)://localhost:\\*, 127.0.0.1, [::1] and app and editor webviews. Requests from other
+    origins, and Origin: null, get 403."""
 
     # Access control (docs/SECURITY.md)
     allowed_uids: Annotated[
