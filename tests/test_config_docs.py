@@ -80,7 +80,7 @@ def test_serve_help_shows_each_text_as_config_md_does() -> None:
         env=env,
         check=True,
     ).stdout
-    assert '"*" as a wildcard inside one (http://localhost:*)' in shown
+    assert '"*" as a wildcard inside one (http://localhost:*; a closing ":*"' in shown
     for names in re.findall(r"env var: ([^\]]+)\]", shown):
         listed = [n.strip() for n in names.split(",")]
         assert len(listed) == len(set(listed)), listed
