@@ -105,6 +105,37 @@ async def test_a_connection_waiting_for_a_snapshot_is_not_idle_and_counts_in_fli
         assert trio.current_time() - server.metrics.started > 2.0  # it did outlast the idle timeout
 
 
+async def test_a_snapshot_request_s_id_is_in_flight_until_answered(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """A review: a generate and a snapshot request (or two snapshot requests) with one id were
+    both taken, and their answers came back under that id, which a client cannot tell apart.
+    Any id in flight on the connection is E_PROTO_006, as between two generates."""
+    from .helpers import RawClient, sim_daemon
+
+    prompt = " ".join(["word"] * 2000)  # seconds of prefill on the simulated engine's costs
+    async with sim_daemon(snapshot_dir=tmp_path / "snaps") as server:
+        client = await RawClient.connect(server.config.socket_path)
+        await client.send({"type": "snapshot", "op": "save", "name": "long", "prompt": prompt, "id": "sv"})
+        await client.send({"prompt": "a b", "max_tokens": 2, "id": "sv"})
+        await client.send({"type": "snapshot", "op": "list", "id": "sv"})
+        await client.send({"prompt": "a b", "max_tokens": 2, "id": "g"})
+        await client.send({"type": "snapshot", "op": "list", "id": "g"})
+        refused, ends = [], {}
+        while len(refused) + len(ends) < 5:
+            event = await client.next_event()
+            assert event is not None
+            if event["event"] == "error":
+                refused.append((event["id"], event["code"]))
+            elif event["event"] in ("eos", "snapshot"):
+                ends[event["id"]] = event["event"]
+        assert sorted(refused) == [("g", "E_PROTO_006"), ("sv", "E_PROTO_006"), ("sv", "E_PROTO_006")]
+        assert ends == {"sv": "snapshot", "g": "eos"}
+        await client.send({"type": "snapshot", "op": "list", "id": "sv"})  # answered: free again
+        answer = await client.next_event()
+        assert answer is not None and answer["event"] == "snapshot" and answer["id"] == "sv", answer
+
+
 def test_a_header_with_bytes_that_are_not_utf8_is_a_corrupt_snapshot(tmp_path: Path) -> None:
     """One flipped byte in a header string made msgspec raise UnicodeDecodeError: listing
     failed for every snapshot, and reading it was no E_SNAPSHOT_003."""

@@ -73,6 +73,7 @@ class Connection:
         self._nursery: trio.Nursery | None = None
         self._idle_deadline = trio.current_time() + self.config.idle_timeout_s
         self._snapshots = 0  # snapshot requests answered in their own tasks, not yet answered
+        self._answering: set[str] = set()  # the ids of those that have one
         self._frame_deadline = math.inf  # set while part of a frame is buffered
         self._read_scope: trio.CancelScope | None = None
 
@@ -149,7 +150,11 @@ class Connection:
                 # Saving prefills a whole prompt, loading reads a model: answer in its own task,
                 # so the reader goes on.  It counts as in flight: against --max-in-flight, and
                 # the connection is not idle while it waits for the answer.
+                if message.id is not None:
+                    self._refuse_taken(message.id)
                 self._check_room(message.id)
+                if message.id is not None:
+                    self._answering.add(message.id)
                 self._snapshots += 1
                 self._set_idle_deadline()
                 assert self._nursery is not None
@@ -182,8 +187,7 @@ class Connection:
 
     async def _start_request(self, request: GenerateRequest, arrived: float) -> None:
         rid = request.id
-        if rid in self.requests or rid in self._admitting:
-            raise UmaError(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight", request_id=rid)
+        self._refuse_taken(rid)
         self._check_room(rid)
         self.server.clients.sent(self)
         # Admitted in a task of its own: a long one (a big grammar's compile, a model loading)
@@ -193,6 +197,12 @@ class Connection:
         before, self._admitted_last = self._admitted_last, trio.Event()
         assert self._nursery is not None
         self._nursery.start_soon(self._admit, request, arrived, before, self._admitted_last)
+
+    def _refuse_taken(self, rid: str) -> None:
+        """E_PROTO_006 for an id in flight: a request's, or an unanswered snapshot or models
+        request's (answers to both came back under one id, which a client cannot tell apart)."""
+        if rid in self.requests or rid in self._admitting or rid in self._answering:
+            raise UmaError(ErrorCode.DUPLICATE_ID, f"request {rid!r} is already in flight", request_id=rid)
 
     async def _admit(
         self, request: GenerateRequest, arrived: float, before: trio.Event | None, done: trio.Event
@@ -252,6 +262,7 @@ class Connection:
             await self._send_error(UmaError(code, failed, request_id=request.id))
         finally:
             self._snapshots -= 1
+            self._answering.discard(request.id or "")
             self._set_idle_deadline()
 
     # -- writing -----------------------------------------------------------------
