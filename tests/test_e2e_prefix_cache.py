@@ -12,6 +12,7 @@ from uma_trio.client import UmaClient
 from uma_trio.config import ServerConfig
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.protocol.messages import EosEvent, TokenEvent
+from uma_trio.runtime.admission import FOLLOW_MIN_UNREAD
 from uma_trio.runtime.server import Server
 
 from .conftest import running_server
@@ -143,7 +144,10 @@ async def test_requests_arriving_together_with_a_shared_prefix_read_it_once(
                     nursery.start_soon(one, i)
             after = await cache_figures(client)
     cached = sorted(eos.usage.cached_tokens for _, eos in results.values())
-    assert cached[0] == 0 and all(c > 300 for c in cached[1:]), cached  # all but the first copied it
+    # All but the first copied the 401 tokens they share: whole, or (one that reached admission
+    # after the reader had read all but FOLLOW_MIN_UNREAD of them: a CI machine once took a
+    # tick to send them all) what was read by then, reading the rest beside it (admission.py).
+    assert cached[0] == 0 and all(c >= 401 - FOLLOW_MIN_UNREAD for c in cached[1:]), cached
     assert after["hits"] - before["hits"] == len(conversations) - 1
     expected = await reference(llama_model, server_config, conversations)
     assert [results[i][0] for i in range(len(conversations))] == expected
