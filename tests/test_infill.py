@@ -54,6 +54,30 @@ def test_the_prompt_is_laid_out_as_llama_server_lays_it_out() -> None:
         infill_tokens(None, words, "a", "b")
 
 
+def test_an_infill_past_its_budget_loses_other_files_first_then_the_ends_of_its_texts() -> None:
+    """As llama-server cuts an infill: the oldest files first, then the prefix's start and the
+    suffix's end; the FIM tokens and the middle never.  (It was laid out whole and refused.)"""
+    files = [("a.py", "one two three"), ("b.py", "four five"), ("c.py", "six")]
+    whole = infill_tokens(FIM, words, "p1 p2 p3 p4", "s1 s2", files, middle="m").tolist()
+    assert (
+        infill_tokens(FIM, words, "p1 p2 p3 p4", "s1 s2", files, middle="m", budget=len(whole)).tolist()
+        == whole
+    )
+    # One token short: the first file goes (its separator and three words), nothing else.
+    cut = infill_tokens(FIM, words, "p1 p2 p3 p4", "s1 s2", files, middle="m", budget=len(whole) - 1).tolist()
+    assert cut == [4, *words("project\n"), 5, *words("b.py\nfour five"), 5, *words("c.py\nsix"), 5,
+                   8, *words("p1 p2 p3 p4"), 9, *words("s1 s2"), 10, *words("m")]  # fmt: skip
+    # Room for the FIM tokens, the middle and four words: no files, the prefix's end (three
+    # quarters of the room) and the suffix's start.
+    four = infill_tokens(FIM, words, "p1 p2 p3 p4", "s1 s2", files, middle="m", budget=4 + 4).tolist()
+    assert four == [8, *words("p2 p3 p4"), 9, *words("s1"), 10, *words("m")]
+    # A long suffix keeps at least a quarter of the room.
+    long_suffix = infill_tokens(FIM, words, "p " * 20, "s " * 20, budget=3 + 8).tolist()
+    assert long_suffix == [8, *words("p " * 6), 9, *words("s " * 2), 10]
+    # The FIM tokens and the middle alone past the budget: as it was, to be refused.
+    assert len(infill_tokens(FIM, words, "p", "s", middle="m1 m2 m3", budget=4)) == 3 + 2 + 3
+
+
 @pytest.fixture(scope="module")
 def fim_model_path(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     gguf = pytest.importorskip("gguf")
@@ -205,3 +229,64 @@ async def test_a_stream_cut_short_ends_with_an_error(fim_server: Server) -> None
     assert chunks and "error" in chunks[-1], chunks[-3:]
     assert "cancelled (stalled)" in chunks[-1]["error"]["message"]
     assert all(c["stop"] is False for c in chunks[:-1])
+
+
+@pytest.mark.model
+async def test_an_editor_s_context_past_the_model_s_is_cut_not_refused(
+    fim_model: LlamaModel, server_config: ServerConfig
+) -> None:
+    """llama.vim sends the files it saw lately (its ring of chunks) with each completion: past
+    the context they made every completion a 400 here, where llama-server cuts them.  Now cut:
+    oldest files first, then the prefix's start; /v1/completions (OpenAI's API never cuts) and
+    Ollama's ``truncate: false`` still refuse."""
+    chunk = "def helper_{0}(value):\n    return value * {0} + offset_{0}\n" * 4
+    extra = [{"filename": f"mod{i}.py", "text": chunk.format(i)} for i in range(12)]
+    prefix = "import os\n" + "x = compute(1, 2, 3)\n" * 300
+    body: dict[str, Any] = {"input_prefix": prefix, "input_suffix": "\n", "input_extra": extra,
+                            "n_predict": 8, "temperature": 0}  # fmt: skip
+    n_ctx = 512  # a small context: quick to fill on two cores
+    files = [(f["filename"], f["text"]) for f in extra]
+    assert len(fim_model.tokenize_infill(prefix, "\n", files)) > 4 * n_ctx  # far past the context
+    async with (
+        running_server(fim_model, server_config, http="127.0.0.1:0", api_key=API_KEY, n_ctx=n_ctx) as server,
+        http(server) as client,
+    ):
+        assert server.loop.engine.n_ctx_seq == n_ctx
+        client.timeout = httpx.Timeout(120.0)
+        answer = await client.post("/infill", json=body)
+        assert answer.status_code == 200, answer.text
+        evaluated = answer.json()["tokens_evaluated"]
+        assert evaluated == len(fim_model.tokenize_infill(prefix, "\n", files, budget=n_ctx - 8))
+        assert n_ctx - 8 - 50 < evaluated <= n_ctx - 8  # the context filled, room left for the answer
+        # Files alone past the context: the newest ones kept, the prefix whole.
+        short = {**body, "input_prefix": "x = "}
+        answer = await client.post("/infill", json=short)
+        assert answer.status_code == 200, answer.text
+        kept = fim_model.tokenize_infill("x = ", "\n", files, budget=n_ctx - 8).tolist()
+        assert answer.json()["tokens_evaluated"] == len(kept)
+        assert 2 < kept.count(FIM.sep) - 1 < len(files)  # some files kept, the oldest dropped
+
+        def has_file(name: str, text: str) -> bool:
+            file = fim_model.tokenize(f"{name}\n{text}", add_bos=False, special=False).tolist()
+            return any(kept[i : i + len(file)] == file for i in range(len(kept)))
+
+        assert has_file(*files[-1]) and not has_file(*files[0])
+        refused = await client.post(
+            "/v1/completions",
+            json={"model": "smollm2-fim", "prompt": prefix, "suffix": "\n", "max_tokens": 8},
+        )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+        ollama = await client.post(
+            "/api/generate",
+            json={"model": "smollm2-fim", "prompt": prefix, "suffix": "\n", "stream": False,
+                  "options": {"num_predict": 4, "temperature": 0}},
+        )  # fmt: skip
+        assert ollama.status_code == 200, ollama.text
+        assert ollama.json()["prompt_eval_count"] <= n_ctx - 4
+        no_cut = await client.post(
+            "/api/generate",
+            json={"model": "smollm2-fim", "prompt": prefix, "suffix": "\n", "stream": False,
+                  "truncate": False, "options": {"num_predict": 4}},
+        )  # fmt: skip
+        assert no_cut.status_code == 400, no_cut.text

@@ -206,10 +206,12 @@ class Engine(Protocol):
         ...
 
     def tokenize_infill(
-        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = ""
-    ) -> TokenArray:
+        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = "",
+        budget: int | None = None,
+    ) -> TokenArray:  # fmt: skip
         """A fill-in-the-middle prompt (engine/infill.py): ``extra`` is (file name, text) of
-        other files; ``NoFimTokens`` (a ValueError) for a model without FIM tokens."""
+        other files; with ``budget``, cut to that many tokens where it can be (as llama-server
+        cuts an infill); ``NoFimTokens`` (a ValueError) for a model without FIM tokens."""
         ...
 
     def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:

@@ -214,9 +214,10 @@ class FaultyEngine:
         return self.inner.tokenize_chat(messages, tools)
 
     def tokenize_infill(
-        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = ""
-    ) -> TokenArray:
-        return self.inner.tokenize_infill(prefix, suffix, extra, middle)
+        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = "",
+        budget: int | None = None,
+    ) -> TokenArray:  # fmt: skip
+        return self.inner.tokenize_infill(prefix, suffix, extra, middle, budget)
 
     def seq_cells(self, seq_id: int) -> int:
         return self.inner.seq_cells(seq_id)

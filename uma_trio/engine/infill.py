@@ -4,16 +4,25 @@ was trained on, with its FIM tokens (as llama-server's ``format_infill`` lays it
     [<fim_rep>project\\n <fim_sep>file\\ntext ...] <fim_pre>prefix<fim_suf>suffix<fim_mid>
 
 The texts are tokenized as plain text (a ``<fim_pre>`` typed into the code stays text).
-A model without the three FIM tokens cannot infill: :class:`NoFimTokens`."""
+A model without the three FIM tokens cannot infill: :class:`NoFimTokens`.
+
+Given a ``budget`` of tokens, a prompt that would pass it is cut as llama-server cuts an
+infill, so an editor's growing context never turns completions into errors: the other files
+go first, oldest (first listed) first, then the prefix loses its start and the suffix its
+end (the suffix keeping at least a quarter of what is left, as llama-server gives it); the
+FIM tokens and the middle already written are never cut."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from .base import TokenArray
+
+log = logging.getLogger(__name__)
 
 NO_FIM_TOKENS = "this model has no fill-in-the-middle tokens (FIM): infill needs a code model that has them"
 
@@ -39,18 +48,49 @@ def infill_tokens(
     extra: Sequence[tuple[str, str]] = (),
     bos: int | None = None,
     middle: str = "",
+    budget: int | None = None,
 ) -> TokenArray:
     """The infill prompt; ``extra`` is (file name, text) of other files, as context, and
-    ``middle`` the start of the middle, already written (llama-server's ``prompt``)."""
+    ``middle`` the start of the middle, already written (llama-server's ``prompt``).  With
+    ``budget``, cut to at most that many tokens where it can be (the module docstring); as
+    it is where even the FIM tokens and the middle pass it."""
     if fim is None:
         raise NoFimTokens(NO_FIM_TOKENS)
-    tokens: list[int] = [] if bos is None else [bos]
+    head: list[int] = [] if bos is None else [bos]
+    files: list[list[int]] = []  # each other file, its separator first
+    project: list[int] = []  # the repository's name before them, their separator after
     if extra and fim.rep is not None and fim.sep is not None:
-        tokens += [fim.rep, *tokenize("project\n")]
-        for name, text in extra:
-            tokens += [fim.sep, *tokenize(f"{name}\n{text}")]
-        tokens += [fim.sep]
+        files = [[fim.sep, *tokenize(f"{name}\n{text}")] for name, text in extra]
+        project = [fim.rep, *tokenize("project\n")]
+        closing = fim.sep
     elif extra:  # no repository tokens: the files as commented-out context before the prefix
         prefix = "".join(f"{text}\n" for _, text in extra) + prefix
-    tokens += [fim.pre, *tokenize(prefix), fim.suf, *tokenize(suffix), fim.mid, *tokenize(middle)]
+    before, after = list(tokenize(prefix)), list(tokenize(suffix))
+    fixed = [*tokenize(middle)]
+    core = len(head) + 3 + len(before) + len(after) + len(fixed)
+    extra_len = len(project) + sum(map(len, files)) + (1 if files else 0)
+    if budget is not None and core + extra_len > budget:
+        was, listed, texts = core + extra_len, len(files), (len(before), len(after))
+        while files and core + extra_len > budget:
+            extra_len -= len(files.pop(0))
+        if not files:
+            project, extra_len = [], 0
+        room = budget - (core - len(before) - len(after))
+        if core > budget and room > 0:
+            take_after = min(len(after), max(room // 4, room - len(before)))
+            take_before = min(len(before), room - take_after)
+            before, after = before[len(before) - take_before :], after[:take_after]
+        log.warning(
+            "infill prompt of %d tokens cut to %d for a budget of %d: %d of its %d other files "
+            "dropped, its prefix of %d tokens to %d, its suffix of %d to %d", was,
+            len(head) + 3 + len(before) + len(after) + len(fixed) + extra_len, budget,
+            listed - len(files), listed, texts[0], len(before), texts[1], len(after),
+        )  # fmt: skip
+    tokens = list(head)
+    if files:
+        tokens += project
+        for file in files:
+            tokens += file
+        tokens += [closing]
+    tokens += [fim.pre, *before, fim.suf, *after, fim.mid, *fixed]
     return np.asarray(tokens, dtype=np.int32)

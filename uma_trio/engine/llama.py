@@ -309,9 +309,10 @@ class LlamaEngine:
         return self.model.tokenize_chat(messages, tools)
 
     def tokenize_infill(
-        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = ""
-    ) -> TokenArray:
-        return self.model.tokenize_infill(prefix, suffix, extra, middle)
+        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = "",
+        budget: int | None = None,
+    ) -> TokenArray:  # fmt: skip
+        return self.model.tokenize_infill(prefix, suffix, extra, middle, budget)
 
     @property
     def vocabulary(self) -> ModelVocabulary:

@@ -298,12 +298,15 @@ class LlamaModel:
         return cached
 
     def tokenize_infill(
-        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = ""
-    ) -> TokenArray:
+        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = "",
+        budget: int | None = None,
+    ) -> TokenArray:  # fmt: skip
         """The fill-in-the-middle prompt (engine/infill.py); :class:`NoFimTokens` without FIM."""
         bos = int(llama.llama_vocab_bos(self._vocab)) if self._add_bos else None
         plain = partial(self.tokenize, add_bos=False, special=False)
-        return infill_tokens(self.fim, lambda text: plain(text).tolist(), prefix, suffix, extra, bos, middle)
+        return infill_tokens(
+            self.fim, lambda text: plain(text).tolist(), prefix, suffix, extra, bos, middle, budget
+        )
 
     def fingerprint(self) -> str:
         """The sha256 of the model file as loaded: what a KV snapshot must match

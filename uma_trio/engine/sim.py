@@ -172,8 +172,9 @@ class SimEngine:
         return 1 << 20  # a token per word, and a word may be long: no useful bound
 
     def tokenize_infill(
-        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = ""
-    ) -> TokenArray:
+        self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = "",
+        budget: int | None = None,
+    ) -> TokenArray:  # fmt: skip
         return infill_tokens(None, lambda text: [], prefix, suffix)  # no FIM tokens: refused
 
     def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:

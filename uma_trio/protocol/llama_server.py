@@ -66,7 +66,10 @@ def infill_request(
     answer within ``max_tokens_limit`` (--max-tokens) and ``context`` (the per-request
     context); ``msgspec.ValidationError`` or ``ValueError`` for a bad one (the socket
     protocol's checks)."""
-    fields: dict[str, Any] = {"id": request_id, "prompt": body.input_prefix, "suffix": body.input_suffix}
+    # Cut to fit, never refused for its length, as llama-server cuts an infill (engine/infill.py).
+    fields: dict[str, Any] = {
+        "id": request_id, "prompt": body.input_prefix, "suffix": body.input_suffix, "truncate": True
+    }  # fmt: skip
     if (n := n_predict(body)) is None:
         fields["max_tokens"] = max_tokens_limit  # the gateway cuts it to the context's room
     else:  # a ceiling, as llama-server's: cut, never refused

@@ -250,7 +250,7 @@ def generate_request(body: GenerateBody, request_id: str, limits: Limits | None 
     else:
         system = [{"role": "system", "content": body.system}] if body.system else []
         fields["messages"] = [*system, {"role": "user", "content": prompt}]
-    fields["truncate"] = body.truncate is not False and not body.suffix  # an infill is not cut
+    fields["truncate"] = body.truncate is not False  # an infill is cut as engine/infill.py says
     return msgspec.convert(fields, GenerateRequest)
 
 

@@ -82,6 +82,9 @@ async def open_on(
         # To be cut below anyway: no more text than the tokens kept can come from, its start
         # and its end (Ollama's truncation keeps both), so it is not refused unread.
         request, text_bytes = _text_cut(request, limit_bytes, text_bytes)
+    if text_bytes > limit_bytes and request.truncate and request.input_extra:
+        # An infill to be cut below anyway: its other files go first, oldest first.
+        request, text_bytes = _fewer_files(request, limit_bytes, text_bytes)
     if text_bytes > limit_bytes and request.embed and request.truncate and request.prompt is not None:
         # To be cut anyway (below): no more text than the tokens kept can come from, cut at a
         # character (Ollama's /api/embed truncates by default; this was refused).
@@ -100,7 +103,12 @@ async def open_on(
             request_id=rid,
         )
     fmt = tool_format(engine, request)
-    prompt = await tokenize_request(engine, request, fmt)
+    # A truncated infill is cut while it is laid out (engine/infill.py), as llama-server cuts
+    # one: an editor's context of other files grows with the session.
+    infill_budget = None
+    if request.truncate and request.suffix is not None:
+        infill_budget = prompt_budget(engine, config, request, auto_max_tokens=auto_max_tokens)
+    prompt = await tokenize_request(engine, request, fmt, infill_budget=infill_budget)
     if request.truncate and request.messages is not None:
         request, prompt = await fitted_chat(engine, config, request, fmt, prompt)
     if request.embed and request.truncate:  # cut to fit instead of refused (decode_loop.submit)
@@ -154,10 +162,14 @@ async def open_on(
 
 
 async def tokenize_request(
-    engine: Engine, request: GenerateRequest, fmt: ToolFormat | None = None
+    engine: Engine,
+    request: GenerateRequest,
+    fmt: ToolFormat | None = None,
+    *,
+    infill_budget: int | None = None,
 ) -> TokenArray:
     """The request's prompt as tokens (chat template applied, with the tools it offers in
-    the way ``fmt`` says), off the event loop."""
+    the way ``fmt`` says), off the event loop; an infill cut to ``infill_budget`` tokens."""
     try:
         if request.messages is not None:
             turns, tools = chat_turns(request, fmt, template_format(engine))
@@ -173,7 +185,9 @@ async def tokenize_request(
         elif request.suffix is not None:
             assert request.prompt is not None
             extra = [(f.filename, f.text) for f in request.input_extra or ()]
-            infill = partial(engine.tokenize_infill, request.prompt, request.suffix, extra, request.middle)
+            infill = partial(
+                engine.tokenize_infill, request.prompt, request.suffix, extra, request.middle, infill_budget
+            )
             tokens = await off_loop(engine, infill)
         else:
             assert request.prompt is not None
@@ -253,8 +267,7 @@ def middle_cut(
     context = request_context(engine, request)
     if len(prompt) <= min(context - 1, config.max_prompt_tokens):
         return prompt
-    answer = min(config.max_tokens if auto_max_tokens else request.max_tokens, context // 2)
-    budget = min(context - max(1, answer), config.max_prompt_tokens)
+    budget = prompt_budget(engine, config, request, auto_max_tokens=auto_max_tokens)
     if budget < 1:  # a context of one cell holds no prompt and answer: refused below, not emptied
         return prompt
     keep = min(KEEP_HEAD, budget // 2)
@@ -263,6 +276,26 @@ def middle_cut(
         "context of %d", request.id, len(prompt), budget, keep, budget - keep, context,
     )  # fmt: skip
     return np.concatenate([prompt[:keep], prompt[len(prompt) - (budget - keep) :]])
+
+
+def prompt_budget(
+    engine: Engine, config: ServerConfig, request: GenerateRequest, *, auto_max_tokens: bool
+) -> int:
+    """The tokens a prompt cut to fit may keep: its context (the request's max_context, at
+    most the engine's) less room for the answer (its max_tokens, at most half the context),
+    and never more than --max-prompt-tokens."""
+    context = request_context(engine, request)
+    answer = min(config.max_tokens if auto_max_tokens else request.max_tokens, context // 2)
+    return min(context - max(1, answer), config.max_prompt_tokens)
+
+
+def _fewer_files(request: GenerateRequest, limit_bytes: int, text_bytes: int) -> tuple[GenerateRequest, int]:
+    """A truncated infill without the first of its other files (``input_extra``) its text
+    needs to lose to be at most ``limit_bytes``, or without them all."""
+    files = list(request.input_extra or ())
+    while files and text_bytes > limit_bytes:
+        text_bytes -= len(files.pop(0).text.encode())
+    return msgspec.structs.replace(request, input_extra=files or None), text_bytes
 
 
 def _text_cut(request: GenerateRequest, limit_bytes: int, text_bytes: int) -> tuple[GenerateRequest, int]:
