@@ -35,6 +35,9 @@ from datetime import datetime
 from typing import Any, NoReturn
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 from jinja2.exceptions import SecurityError
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -55,16 +58,36 @@ class ChatTemplateError(ValueError):
     """The template could not be compiled or rendered; the message names the problem."""
 
 
+class _Refused(jinja2.exceptions.TemplateError):
+    """The template's own ``raise_exception``: it refuses what it was given."""
+
+
 def _raise_exception(message: str) -> NoReturn:
-    raise jinja2.exceptions.TemplateError(message)
+    raise _Refused(message)
 
 
 def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-def _tojson(value: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+    sort_keys: bool = False,
+) -> str:  # fmt: skip
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """HF transformers' ``{% generation %}...{% endgeneration %}``, which marks the assistant's
+    words for training masks: its body is rendered as it is (GLM, LFM2.5, Laguna use it)."""
+
+    tags = {"generation"}  # noqa: RUF012  # jinja2.ext.Extension declares it so
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 _PADDING = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})  # str methods sized by an argument
@@ -86,7 +109,9 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset(["*", "**", "%"])
 
     def __init__(self, limits: RenderLimits) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        super().__init__(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag]
+        )
         self.limits = limits
         self._render = threading.local()  # this thread's render: range items left, deadline
         self.globals["range"] = self._range
@@ -185,6 +210,24 @@ class JinjaChatTemplate:
         add_generation_prompt: bool = True,
     ) -> str:
         try:
+            return self._render(messages, tools, add_generation_prompt)
+        except _Refused as refused:
+            # A template that refuses a system message (Gemma's: "System role not supported")
+            # gets it at the start of the first user message, as llama-server's and Ollama's
+            # templates give it; a refusal for any other reason stands.
+            folded = _system_folded(messages)
+            if folded is None:
+                raise ChatTemplateError(f"the model's chat template failed: {_describe(refused)}") from None
+            try:
+                return self._render(folded, tools, add_generation_prompt)
+            except _Refused:
+                raise ChatTemplateError(f"the model's chat template failed: {_describe(refused)}") from None
+
+    def _render(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> str:  # fmt: skip
+        try:
             self._env.start_render()
             pieces = self._template.generate(
                 messages=messages,  # the sandbox is immutable: the template cannot change them
@@ -194,6 +237,8 @@ class JinjaChatTemplate:
                 eos_token=self.eos_token,
             )
             return self._bounded(pieces)
+        except _Refused:
+            raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template failed: {_describe(exc)}") from None
         except MemoryError:
@@ -214,6 +259,25 @@ class JinjaChatTemplate:
             self._env.check_deadline()
             out.append(piece)
         return "".join(out)
+
+
+def _system_folded(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]] | None:
+    """``messages`` with their system messages' text put before the first user message's (a
+    blank line between, as llama.cpp's polyfill does); None without a system message or a
+    user message after it to take it."""
+    system = [m for m in messages if m.get("role") == "system"]
+    rest = [m for m in messages if m.get("role") != "system"]
+    first = next((i for i, m in enumerate(rest) if m.get("role") == "user"), None)
+    if not system or first is None or not all(isinstance(m.get("content"), str) for m in system):
+        return None
+    said = "\n\n".join(str(m["content"]) for m in system)
+    user = rest[first]
+    content = user.get("content")
+    rest[first] = {
+        **user,
+        "content": f"{said}\n\n{content}" if isinstance(content, str) and content else said,
+    }
+    return rest
 
 
 def _describe(exc: jinja2.TemplateError) -> str:

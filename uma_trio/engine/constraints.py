@@ -161,6 +161,24 @@ class ModelVocabulary:
                     self._tokenizer = lltokenizer_from_vocab(self._vocab, eos_token=self._end_tokens)
             return self._tokenizer
 
+    def special_token(self, text: str) -> int | None:
+        """The id of the one token whose text is ``text`` where llguidance reads that token as
+        special (a control token, or a user-defined one in angle brackets, as Qwen's
+        ``<tool_call>``), which a grammar must name as a token, never spell as text: the text
+        tokenizes to that token, which the text's bytes never match.  None otherwise."""
+        from llama_cpp import llama_cpp as llama  # as lltokenizer_from_vocab reads the vocab
+
+        data = text.encode()
+        buf = (llama.llama_token * (len(data) + 2))()
+        if llama.llama_tokenize(self._vocab, data, len(data), buf, len(data) + 2, False, True) != 1:
+            return None
+        token = int(buf[0])
+        attr = llama.llama_vocab_get_attr(self._vocab, token)
+        angled = text.startswith("<") and text.endswith(">")
+        if attr & llama.LLAMA_TOKEN_ATTR_CONTROL or (attr & llama.LLAMA_TOKEN_ATTR_USER_DEFINED and angled):
+            return token
+        return None
+
     def sampler(
         self,
         params: SamplingParams,

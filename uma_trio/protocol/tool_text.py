@@ -192,6 +192,10 @@ class ToolTextFilter:
         """Where a call may begin (``len(text)``: nowhere), and whether it surely does."""
         if self._fmt == "llama3" and not self.sent.strip() and text.lstrip().startswith("{"):
             return len(text) - len(text.lstrip()), True  # Llama 3 answers a call with bare JSON
+        if self._fmt == "mistral" and not self.sent.strip() and text.lstrip().startswith("["):
+            # Mistral's [TOOL_CALLS] is a control token, written as no text: its calls then
+            # come as a bare JSON list, which parse_tool_calls reads as calls too.
+            return len(text) - len(text.lstrip()), True
         marker = _MARKERS.get(self._fmt, "")
         at = text.find(marker) if marker else -1
         if at >= 0:

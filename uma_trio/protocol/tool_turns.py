@@ -6,6 +6,8 @@ result's tool was called: its call names it.  Pure: no I/O."""
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -66,5 +68,30 @@ def name_results(turns: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             named = names.get(str(turn.get("tool_call_id") or ""))
             if named:
                 turn = {**turn, "name": named}
+        out.append(turn)
+    return out
+
+
+_NINE = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def nine_character_ids(turns: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The turns with every tool call id as Mistral's templates demand it, nine letters or
+    digits ("Tool call IDs should be alphanumeric strings with length 9!"): an id already
+    so is kept, another becomes the first nine hex digits of its sha256, in its call and in
+    the result that answers it alike (OpenAI's ids, ``call_`` and 24 more, were refused)."""
+
+    def nine(call_id: Any) -> Any:
+        if not isinstance(call_id, str) or _NINE.fullmatch(call_id):
+            return call_id
+        return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+    out = []
+    for turn in turns:
+        if turn.get("tool_calls"):
+            calls = [{**c, "id": nine(c["id"])} if "id" in c else c for c in turn["tool_calls"]]
+            turn = {**turn, "tool_calls": calls}
+        if turn.get("role") == "tool" and "tool_call_id" in turn:
+            turn = {**turn, "tool_call_id": nine(turn["tool_call_id"])}
         out.append(turn)
     return out

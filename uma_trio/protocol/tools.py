@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -159,17 +159,32 @@ def _json(schema: dict[str, Any], defs: dict[str, Any]) -> str:
     return "%json " + json.dumps({"x-guidance": _JSON_STYLE, **schema, "$defs": defs})
 
 
+# The text each family's calls are marked with, which a model's vocabulary may hold as one
+# special token (Qwen's <tool_call>, Mistral's [TOOL_CALLS]): a grammar must then name it.
+CALL_MARKERS: dict[ToolFormat, tuple[str, ...]] = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "mistral": ("[TOOL_CALLS]",),
+}
+
+
 def tool_call_grammar(
     fmt: ToolFormat,
     tools: Sequence[Tool],
     choice: ToolChoice,
     parallel: bool,
     answer: dict[str, Any] | None = None,
+    special: Mapping[str, int] | None = None,
 ) -> str | None:
     """A Lark grammar (llguidance's dialect) for the answer, or None to leave it free.
     ``answer``: the JSON schema a direct answer (no call) must match, the request's
     ``response_format``; None: free text.  A call, when the model must make one, is never
-    bound by it (OpenAI's reading: the format is the final answer's)."""
+    bound by it (OpenAI's reading: the format is the final answer's).  ``special``: the
+    markers (CALL_MARKERS) the model's vocabulary holds as special tokens, and their ids."""
+
+    def marker(text: str) -> str:
+        token = (special or {}).get(text)
+        return json.dumps(text) if token is None else f"<[{token}]>"
+
     chosen = chosen_tools(tools, choice)
     must_call = choice == "required" or isinstance(choice, NamedToolChoice)
     if not chosen or (fmt != "generic" and not must_call and answer is None):
@@ -183,14 +198,15 @@ def tool_call_grammar(
     call = _json({"anyOf": one_of}, defs)
     many = "+" if parallel else ""
     if fmt == "hermes":
-        return f'start: call{many}{formatted}\ncall: "<tool_call>\\n" {call} "\\n</tool_call>\\n"?\n'
+        opens, closes = marker("<tool_call>"), marker("</tool_call>")
+        return f'start: call{many}{formatted}\ncall: {opens} "\\n" {call} ("\\n" {closes} "\\n")?\n'
     if fmt == "llama3":
         return f"start: {call}{formatted}\n"
     items: dict[str, Any] = {"type": "array", "items": {"anyOf": one_of}, "minItems": 1}
     if not parallel:
         items["maxItems"] = 1
     if fmt == "mistral":
-        return f'start: "[TOOL_CALLS]"? {_json(items, defs)}{formatted}\n'
+        return f"start: {marker('[TOOL_CALLS]')}? {_json(items, defs)}{formatted}\n"
     calls = {
         "type": "object",
         "properties": {"tool_calls": items},

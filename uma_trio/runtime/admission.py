@@ -38,6 +38,12 @@ def client_of(owner: str, connection: int) -> str:
     return f"{owner}#{connection}" if owner.startswith("uid:") else owner
 
 
+def spare_places(max_queue: int) -> int:
+    """Places past a full queue (``--max-queue``) kept for requests of clients with nothing
+    waiting, so that one app filling the queue does not shut every other out."""
+    return max(1, max_queue // 4)
+
+
 @dataclass(frozen=True, slots=True)
 class Waiting:
     lane: Lane

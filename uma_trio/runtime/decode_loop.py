@@ -56,7 +56,16 @@ from ..sched.graph_shapes import ShapeStreak, plan_shape
 from ..sched.kv_manager import Claim, KvManager, common_prefix
 from ..sched.policy import Policy, default_policy
 from ..sched.state import Lane, Plan, SchedulerState, SessionState, SkipReason
-from .admission import Capacity, InteractiveDemand, Reader, Waiting, client_of, follows, next_to_admit
+from .admission import (
+    Capacity,
+    InteractiveDemand,
+    Reader,
+    Waiting,
+    client_of,
+    follows,
+    next_to_admit,
+    spare_places,
+)
 from .arrivals import Arrivals
 from .batch import batch_entries, set_up_sequence
 from .clients import Clients
@@ -197,11 +206,19 @@ class DecodeLoop:
     def _queue_full(self, session: Session) -> bool:
         """Waiting requests that free ids will take at the next tick are not queued yet; the
         rest may number at most max_queue, however many arrive within one tick.  An
-        interactive request that can start at once still gets in past background ones."""
-        if len(self._waiting) < self.config.max_queue + self.kv.available_seqs():
+        interactive request that can start at once still gets in past background ones.  A
+        full queue still takes a request of a client with nothing waiting, up to a quarter
+        of max_queue more (:func:`spare_places`): one app that fills the queue does not
+        shut every other out."""
+        limit = self.config.max_queue + self.kv.available_seqs()
+        if len(self._waiting) < limit:
             return False
-        if session.lane == "interactive" and all(s.lane == "background" for s in self._waiting):
-            return not self._capacity().fits(self._waiting_view(session))
+        past_background = session.lane == "interactive" and all(s.lane == "background" for s in self._waiting)
+        if past_background and self._capacity().fits(self._waiting_view(session)):
+            return False
+        if len(self._waiting) < limit + spare_places(self.config.max_queue):
+            client = client_of(session.owner, session.connection)
+            return any(client_of(s.owner, s.connection) == client for s in self._waiting)
         return True
 
     def cancel(self, session: Session, reason: CancelReason) -> None:

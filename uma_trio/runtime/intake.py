@@ -25,7 +25,7 @@ from .off_loop import INLINE_TEXT_CHARS, INLINE_TURNS, off_loop
 from .samplers import sampler_for
 from .session import END_SLOTS, Session, StreamItem
 from .stream import RequestStream
-from .tool_use import chat_turns, template_format, tool_constraint, tool_format
+from .tool_use import chat_turns, template_family, template_format, tool_constraint, tool_format
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ async def open_on(
     if request.embed:
         sampler = Sampler(SamplingParams(temperature=0.0))
     else:
-        sampler = await sampler_for(engine, request, tool_constraint(request, fmt))
+        sampler = await sampler_for(engine, request, tool_constraint(request, fmt, engine.vocabulary))
     send, receive = trio.open_memory_channel[StreamItem](config.stream_buffer + END_SLOTS)
     session = Session(request, prompt, sampler, send, created=arrived, connection=connection)
     session.pin_on_finish = pin_on_finish
@@ -172,7 +172,7 @@ async def tokenize_request(
     the way ``fmt`` says), off the event loop; an infill cut to ``infill_budget`` tokens."""
     try:
         if request.messages is not None:
-            turns, tools = chat_turns(request, fmt, template_format(engine))
+            turns, tools = chat_turns(request, fmt, template_format(engine), template_family(engine))
             # Few turns of little text: rendered and tokenized on the loop.  Turns cost the
             # template's work however empty they are (4,000 empty ones: 0.6 s).
             small = (
@@ -232,10 +232,10 @@ async def fitted_chat(
     budget = min(context - 1, config.max_prompt_tokens)
     if len(prompt) <= budget:
         return request, prompt
-    template = template_format(engine)
+    template, family = template_format(engine), template_family(engine)
 
     def measure(messages: list[ChatMessage]) -> TokenArray | None:
-        turns, tools = chat_turns(msgspec.structs.replace(request, messages=messages), fmt, template)
+        turns, tools = chat_turns(msgspec.structs.replace(request, messages=messages), fmt, template, family)
         try:
             return engine.tokenize_chat(turns, tools)
         except ValueError:  # this cut's roles no longer suit the template (one wants them to alternate)

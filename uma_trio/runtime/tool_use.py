@@ -11,12 +11,13 @@ from typing import Any
 import msgspec
 
 from ..engine.base import Engine
-from ..engine.constraints import ConstraintError, OutputConstraint, lark_constraint
+from ..engine.constraints import ConstraintError, ModelVocabulary, OutputConstraint, lark_constraint
 from ..protocol.errors import ErrorCode, UmaError
 from ..protocol.messages import GenerateRequest, ToolCall, ToolCallFunction
 from ..protocol.tool_text import parse_tool_calls
-from ..protocol.tool_turns import UNANSWERED_AT_END, name_results
+from ..protocol.tool_turns import UNANSWERED_AT_END, name_results, nine_character_ids
 from ..protocol.tools import (
+    CALL_MARKERS,
     TOOL_GRAMMAR_ERROR,
     TOOL_GRAMMAR_KIND,
     ToolFormat,
@@ -29,7 +30,12 @@ from .samplers import format_schema, formatted
 
 def tool_format(engine: Engine, request: GenerateRequest) -> ToolFormat | None:
     """How the model writes tool calls, for a request that offers it tools; else None."""
-    return tool_format_of(engine.chat_template_source) if request.uses_tools else None
+    return template_family(engine) if request.uses_tools else None
+
+
+def template_family(engine: Engine) -> ToolFormat | None:
+    """The family the engine's chat template writes tool calls in, offered tools or not."""
+    return tool_format_of(engine.chat_template_source)
 
 
 def template_format(engine: Engine) -> ToolFormat | None:
@@ -61,13 +67,15 @@ def generic_turn(turn: dict[str, Any]) -> dict[str, Any]:
 
 
 def chat_turns(
-    request: GenerateRequest, fmt: ToolFormat | None, template: ToolFormat | None = None
-) -> tuple[list[dict[str, Any]], list[Any] | None]:
+    request: GenerateRequest, fmt: ToolFormat | None, template: ToolFormat | None = None,
+    family: ToolFormat | None = None,
+) -> tuple[list[dict[str, Any]], list[Any] | None]:  # fmt: skip
     """The turns and the tools for the chat template.  A template that cannot render tools
     (``generic``) gets them described in the system message instead.  ``template``:
     ``generic`` when the template cannot render earlier calls (``template_format``): they and
     their results are then written into the turns' text whether or not this request offers
-    tools, or the model would not see them."""
+    tools, or the model would not see them.  ``family``: the template's (``tool_format_of``),
+    whose history may need its own call ids (Mistral's: nine characters)."""
     assert request.messages is not None
     last = request.messages[-1]
     if last.role == "assistant" and last.tool_calls:  # it was continued as the answer's start
@@ -75,10 +83,12 @@ def chat_turns(
     turns = name_results([m.template_fields() for m in request.messages])
     if "generic" in (fmt, template):
         turns = [generic_turn(turn) for turn in turns]
+    if "mistral" in (fmt, family):
+        turns = nine_character_ids(turns)
     if fmt is None or request.tools is None:
         return turns, None
     if fmt != "generic":
-        return turns, msgspec.to_builtins(request.tools)
+        return turns, [_template_tool(tool) for tool in msgspec.to_builtins(request.tools)]
     instructions = generic_instructions(request.tools, request.tool_choice, formatted(request))
     if turns and turns[0]["role"] == "system":
         turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{instructions}"}
@@ -87,15 +97,32 @@ def chat_turns(
     return turns, None
 
 
-def tool_constraint(request: GenerateRequest, fmt: ToolFormat | None) -> OutputConstraint | None:
+def _template_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as the template is given it: without ``strict`` unless the client set it (a
+    template writing the whole tool out wrote ``"strict": null`` into every prompt)."""
+    function = tool["function"]
+    if function.get("strict") is None:
+        tool = {**tool, "function": {k: v for k, v in function.items() if k != "strict"}}
+    return tool
+
+
+def tool_constraint(
+    request: GenerateRequest, fmt: ToolFormat | None, vocabulary: ModelVocabulary | None = None
+) -> OutputConstraint | None:
     """The grammar a tool-calling answer must follow, where it must follow one: a call, or
-    (with a ``response_format``) a direct answer in that format."""
+    (with a ``response_format``) a direct answer in that format.  ``vocabulary``: the
+    model's, whose special tokens the grammar names where the family's markers are ones."""
     if fmt is None or request.tools is None:
         return None
+    special = {}
+    if vocabulary is not None:
+        for text in CALL_MARKERS.get(fmt, ()):
+            if (token := vocabulary.special_token(text)) is not None:
+                special[text] = token
     try:
         answer = (format_schema(request) or {"type": "object"}) if formatted(request) else None
         grammar = tool_call_grammar(
-            fmt, request.tools, request.tool_choice, request.parallel_tool_calls, answer
+            fmt, request.tools, request.tool_choice, request.parallel_tool_calls, answer, special
         )
     except ConstraintError as exc:
         raise UmaError(ErrorCode.GRAMMAR, str(exc), request_id=request.id) from None

@@ -1,0 +1,193 @@
+"""Other model families' GGUFs, as users bring them (the chat-templates review, 2026-11-29):
+copies of the default model with another family's chat template and special tokens written
+into its metadata (gguf's ``copy_with_new_metadata``).  Its weights stay SmolLM2's, so these
+tests check the mechanics (prompts, grammars, the reading of calls), not what a Qwen or a
+Mistral would answer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from uma_trio.config import ServerConfig
+from uma_trio.engine.chat_template import ChatTemplateError, JinjaChatTemplate
+from uma_trio.engine.llama import LlamaModel
+from uma_trio.protocol.messages import GenerateRequest
+from uma_trio.protocol.tool_text import ToolTextFilter, parse_tool_calls
+from uma_trio.protocol.tool_turns import nine_character_ids
+from uma_trio.runtime.tool_use import chat_turns
+
+from .conftest import openai_sdk, running_server
+from .test_tool_calls import ASK, NAMES, TIME, WEATHER
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types, as GGUF writes them
+
+
+def family_copy(source: Path, target: Path, template: str, renames: dict[int, tuple[str, int]]) -> Path:
+    """The default model with ``template`` and its tokens ``renames`` (id: text, type)."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    reader = gguf.GGUFReader(source)
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
+    for token, (text, kind) in renames.items():
+        tokens[token], types[token] = text, kind
+    value, keys = gguf.GGUFValueType, gguf.Keys.Tokenizer
+    metadata = {
+        keys.LIST: MetadataDetails(value.ARRAY, tokens, sub_type=value.STRING),
+        keys.TOKEN_TYPE: MetadataDetails(value.ARRAY, types, sub_type=value.INT32),
+        keys.CHAT_TEMPLATE: MetadataDetails(value.STRING, template),
+    }
+    writer = gguf.GGUFWriter(target, arch="llama", endianess=reader.endianess)
+    copy_with_new_metadata(reader, writer, metadata, [])
+    return target
+
+
+@pytest.fixture(scope="module")
+def qwen_like(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaModel]:
+    """Qwen 2.5's template, and its <tool_call> markers as the user-defined tokens they are in
+    Qwen's vocabulary."""
+    path = family_copy(
+        model_path, tmp_path_factory.mktemp("qwen") / "qwen-tools.gguf",
+        (TEMPLATES / "qwen2.5-instruct.jinja").read_text(),
+        {3: ("<tool_call>", USER_DEFINED), 4: ("</tool_call>", USER_DEFINED)},
+    )  # fmt: skip
+    model = LlamaModel(path)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def mistral_like(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaModel]:
+    """Mistral Nemo's template, and [TOOL_CALLS] as the control token it is in its vocabulary
+    (written as no text)."""
+    path = family_copy(
+        model_path, tmp_path_factory.mktemp("mistral") / "nemo-tools.gguf",
+        (TEMPLATES / "mistral-nemo-instruct-2407.jinja").read_text(), {6: ("[TOOL_CALLS]", CONTROL)},
+    )  # fmt: skip
+    model = LlamaModel(path)
+    yield model
+    model.close()
+
+
+@pytest.mark.model
+async def test_a_forced_call_on_a_model_whose_markers_are_special_tokens(
+    qwen_like: LlamaModel, server_config: ServerConfig
+) -> None:
+    """The grammar spelled <tool_call> as text, which the tokenizer turns into Qwen's special
+    token, whose bytes the grammar then refused: every forced call was a 500 ("the grammar
+    refused token 3").  It names the token now."""
+    assert qwen_like.vocabulary.special_token("<tool_call>") == 3
+    assert qwen_like.vocabulary.special_token("<|im_end|>") == 2  # a control token
+    assert qwen_like.vocabulary.special_token("hello") is None
+    async with running_server(qwen_like, server_config, http="127.0.0.1:0", api_key="k") as server:
+        async with openai_sdk(server) as client:
+            for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+                reply = await client.chat.completions.create(
+                    model="qwen-tools", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,  # type: ignore[arg-type,list-item]
+                    temperature=0, max_tokens=80,
+                )  # fmt: skip
+                calls = reply.choices[0].message.tool_calls
+                assert reply.choices[0].finish_reason == "tool_calls" and calls, reply
+                assert calls[0].function.name in NAMES
+                json.loads(calls[0].function.arguments)
+
+
+@pytest.mark.model
+async def test_a_mistral_tool_loop_streams_its_call_and_takes_its_result_back(
+    mistral_like: LlamaModel, server_config: ServerConfig
+) -> None:
+    """Streamed, the call came as content too ([TOOL_CALLS] is written as no text, and the
+    stream only held back text after it); its result sent back was a 400 (Mistral's template
+    wants nine-character ids, and ours were OpenAI's ``call_`` and 24 more)."""
+    async with running_server(mistral_like, server_config, http="127.0.0.1:0", api_key="k") as server:
+        async with openai_sdk(server) as client:
+            ask: Any = dict(model="nemo-tools", tools=[WEATHER, TIME], tool_choice="required",
+                            temperature=0, max_tokens=80)  # fmt: skip
+            stream = await client.chat.completions.create(messages=ASK, stream=True, **ask)
+            content, names, arguments, call_id = "", "", "", ""
+            async for chunk in stream:
+                delta = chunk.choices[0].delta
+                content += delta.content or ""
+                for call in delta.tool_calls or ():
+                    call_id = call.id or call_id
+                    names += call.function.name or "" if call.function else ""
+                    arguments += call.function.arguments or "" if call.function else ""
+            assert content == "" and names in NAMES, (content, names)
+            history = [
+                *ASK,
+                {"role": "assistant", "tool_calls": [
+                    {"id": call_id, "type": "function", "function": {"name": names, "arguments": arguments}}
+                ]},
+                {"role": "tool", "tool_call_id": call_id, "content": "sunny, 21 C"},
+            ]  # fmt: skip
+            assert len(call_id) > 9
+            answer = await client.chat.completions.create(
+                messages=history, **{**ask, "tool_choice": "none", "max_tokens": 8}
+            )
+            assert answer.choices[0].message.content is not None
+
+
+def test_tool_call_ids_become_nine_characters_alike_in_call_and_result() -> None:
+    turns = [
+        {"role": "assistant", "tool_calls": [{"id": "call_0123456789abcdef01234567", "function": {}},
+                                             {"id": "abcDEF123", "function": {}}]},
+        {"role": "tool", "tool_call_id": "call_0123456789abcdef01234567", "content": "x"},
+        {"role": "tool", "tool_call_id": "abcDEF123", "content": "y"},
+    ]  # fmt: skip
+    out = nine_character_ids(turns)
+    first, kept = (c["id"] for c in out[0]["tool_calls"])
+    assert len(first) == 9 and first.isalnum() and kept == "abcDEF123"
+    assert [out[1]["tool_call_id"], out[2]["tool_call_id"]] == [first, kept]
+    assert turns[1]["tool_call_id"].startswith("call_")  # the request's own turns unchanged
+
+
+def test_a_template_refusing_a_system_message_gets_it_in_the_first_user_message() -> None:
+    """Gemma's template raises "System role not supported": every agent's request was a 400,
+    where llama-server and Ollama put the system text before the first user message."""
+    gemma = JinjaChatTemplate((TEMPLATES / "gemma-2-2b-it.jinja").read_text(), bos_token="<bos>")
+    rendered = gemma.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert rendered == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):  # another refusal stands
+        gemma.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_hf_template_extensions_render() -> None:
+    """``{% generation %}`` (HF's training-mask tag: GLM, LFM2.5, Laguna) did not compile, and
+    ``tojson(ensure_ascii=...)`` (GLM-4.6, MiniMax, Kimi) was a TypeError."""
+    template = JinjaChatTemplate(
+        "{% for m in messages %}{% generation %}{{ m.content | tojson(ensure_ascii=False) }}"
+        "{% endgeneration %}{{ m.content | tojson(ensure_ascii=True) }}{% endfor %}"
+    )
+    assert template.render([{"role": "user", "content": "é"}]) == '"é""\\u00e9"'
+
+
+def test_a_tool_is_given_to_the_template_without_strict_unless_set() -> None:
+    request = msgspec.convert({"id": "r", "messages": ASK, "tools": [WEATHER]}, GenerateRequest)
+    _, tools = chat_turns(request, "hermes")
+    assert tools is not None and "strict" not in tools[0]["function"]
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}  # type: ignore[dict-item]
+    request = msgspec.convert({"id": "r", "messages": ASK, "tools": [strict]}, GenerateRequest)
+    _, tools = chat_turns(request, "hermes")
+    assert tools is not None and tools[0]["function"]["strict"] is True
+
+
+@pytest.mark.parametrize("marker", ["", "[TOOL_CALLS]"])
+def test_a_streamed_mistral_call_is_held_back_with_or_without_its_marker_s_text(marker: str) -> None:
+    """[TOOL_CALLS] is a control token, written as no text: the filter waited for the marker
+    and streamed the bare JSON list as content (OpenAI, Ollama and Anthropic streams alike)."""
+    pieces = [marker, '[{"', "name", '": "', "get", "_weather", '", "arguments": {"city": "Rome"}}]']
+    held = ToolTextFilter("mistral")
+    assert "".join(held.feed(piece) for piece in pieces) == ""
+    text = "".join(pieces)
+    content, calls = parse_tool_calls(text, "mistral", NAMES)
+    assert [c.name for c in calls] == ["get_weather"] and held.rest(content) == ""
+    prose = ToolTextFilter("mistral")  # text that is no call still streams as it comes
+    assert prose.feed("Sunny ") + prose.feed("today") == "Sunny today"
