@@ -191,3 +191,22 @@ def test_a_streamed_mistral_call_is_held_back_with_or_without_its_marker_s_text(
     assert [c.name for c in calls] == ["get_weather"] and held.rest(content) == ""
     prose = ToolTextFilter("mistral")  # text that is no call still streams as it comes
     assert prose.feed("Sunny ") + prose.feed("today") == "Sunny today"
+
+
+def test_a_template_that_renders_calls_itself_gets_the_history_as_it_is() -> None:
+    """MiniMax-M2's (and gpt-oss's) calls are read in the generic format, and their history was
+    rewritten for it: the calls into the assistant's text, while the results kept their
+    `tool` role, which these templates refuse without a call before it ("Message has tool
+    role, but there was no previous assistant message with a tool call!"): every second turn
+    of a tool loop was a 400.  Such a template renders the calls itself, as llama.cpp lets it."""
+    history = [
+        *ASK,
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
+    ]  # fmt: skip
+    request = msgspec.convert({"id": "r", "messages": history, "tools": [WEATHER]}, GenerateRequest)
+    turns, tools = chat_turns(request, "generic", None)
+    minimax = JinjaChatTemplate((TEMPLATES / "minimax-m2.jinja").read_text())
+    rendered = minimax.render(turns, tools=tools)
+    assert "get_weather" in rendered and "sunny, 21 C" in rendered

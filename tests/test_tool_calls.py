@@ -549,7 +549,7 @@ def test_a_generic_history_shows_the_model_its_calls_and_their_results(llama_mod
         },
         GenerateRequest,
     )  # fmt: skip
-    turns, no_tools = chat_turns(request, "generic")
+    turns, no_tools = chat_turns(request, "generic", "generic")
     assert no_tools is None  # described in the system message instead
     called, answered = turns[2], turns[3]
     assert json.loads(called["content"]) == {

@@ -81,7 +81,7 @@ def chat_turns(
     if last.role == "assistant" and last.tool_calls:  # it was continued as the answer's start
         raise UmaError(ErrorCode.SCHEMA, UNANSWERED_AT_END, request_id=request.id)
     turns = name_results([m.template_fields() for m in request.messages])
-    if "generic" in (fmt, template):
+    if template == "generic":  # one that renders calls itself gets them as they are (llama.cpp too)
         turns = [generic_turn(turn) for turn in turns]
     if "mistral" in (fmt, family):
         turns = nine_character_ids(turns)
