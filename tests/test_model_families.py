@@ -11,7 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
+import openai
 import pytest
 
 from uma_trio.config import ServerConfig
@@ -210,3 +212,54 @@ def test_a_template_that_renders_calls_itself_gets_the_history_as_it_is() -> Non
     minimax = JinjaChatTemplate((TEMPLATES / "minimax-m2.jinja").read_text())
     rendered = minimax.render(turns, tools=tools)
     assert "get_weather" in rendered and "sunny, 21 C" in rendered
+
+
+@pytest.mark.model
+async def test_thinking_controls_reach_the_template(model_path: Path, server_config: ServerConfig) -> None:
+    """`chat_template_kwargs` (llama-server's and vLLM's) and Ollama's `think: false` were
+    accepted and dropped: Qwen 3 was never told not to think (HF's prompt has the empty
+    `<think>` block its template writes for `enable_thinking: false`)."""
+    model = LlamaModel(model_path)
+    try:
+        model.use_chat_template((TEMPLATES / "qwen3.jinja").read_text())
+        chat = [{"role": "user", "content": "Hi"}]
+        plain = model.tokenize_chat(chat)
+        quiet = model.tokenize_chat(chat, None, {"enable_thinking": False})
+        assert "<think>\n\n</think>" in model.apply_chat_template(chat, None, {"enable_thinking": False})
+        assert "<think>" not in model.apply_chat_template(chat) and len(quiet) > len(plain)
+        async with (
+            running_server(model, server_config, http="127.0.0.1:0", api_key="k") as server,
+            openai_sdk(server) as client,
+        ):
+            counts = []
+            for extra in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
+                reply = await client.chat.completions.create(
+                    model="SmolLM2-135M-Instruct.Q4_1", messages=chat, max_tokens=1,  # type: ignore[arg-type]
+                    extra_body=extra,
+                )  # fmt: skip
+                assert reply.usage is not None
+                counts.append(reply.usage.prompt_tokens)
+            assert counts == [len(plain), len(quiet)]
+            async with httpx.AsyncClient(base_url=str(server.http_url)) as http:
+                answer = await http.post("/api/chat", headers={"Authorization": "Bearer k"}, json={
+                    "model": "SmolLM2-135M-Instruct.Q4_1", "messages": chat, "stream": False, "think": False,
+                    "options": {"num_predict": 1},
+                })  # fmt: skip
+                assert answer.status_code == 200 and answer.json()["prompt_eval_count"] == len(quiet)
+            with pytest.raises(openai.BadRequestError, match="may not set 'messages'"):
+                await client.chat.completions.create(
+                    model="SmolLM2-135M-Instruct.Q4_1", messages=chat, max_tokens=1,  # type: ignore[arg-type]
+                    extra_body={"chat_template_kwargs": {"messages": []}},
+                )  # fmt: skip
+    finally:
+        model.close()
+
+
+def test_template_args_are_checked() -> None:
+    chat = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(msgspec.ValidationError, match="need `messages`"):
+        msgspec.convert({"id": "r", "prompt": "x", "template_args": {"a": 1}}, GenerateRequest)
+    for bad in ("messages", "add_generation_prompt", "not a name"):
+        with pytest.raises(msgspec.ValidationError, match="may not set"):
+            msgspec.convert({"id": "r", "messages": chat, "template_args": {bad: 1}}, GenerateRequest)
+    assert msgspec.convert({"id": "r", "messages": chat, "template_args": {"x": 1}}, GenerateRequest)

@@ -23,6 +23,7 @@ TokenArray = npt.NDArray[np.int32]
 # and what else the turn has: tool_calls, tool_call_id, name).
 ChatTurn = tuple[str, str] | Mapping[str, Any]
 Tools = Sequence[Mapping[str, Any]] | None  # OpenAI's `tools`, as the chat template reads them
+TemplateArgs = Mapping[str, Any] | None  # more variables for the chat template (chat_template_kwargs)
 
 
 def turn_fields(turn: ChatTurn) -> dict[str, Any]:
@@ -189,7 +190,9 @@ class Engine(Protocol):
         N / max_token_bytes tokens (the server refuses an overlong prompt before tokenizing)."""
         ...
 
-    def apply_chat_template(self, messages: Sequence[ChatTurn], tools: Tools = None) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[ChatTurn], tools: Tools = None, args: TemplateArgs = None
+    ) -> str:
         """The chat as text, with ``tools`` (OpenAI's ``tools``) for the template to render."""
         ...
 
@@ -214,7 +217,9 @@ class Engine(Protocol):
         cuts an infill); ``NoFimTokens`` (a ValueError) for a model without FIM tokens."""
         ...
 
-    def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
+    def tokenize_chat(
+        self, messages: Sequence[ChatTurn], tools: Tools = None, args: TemplateArgs = None
+    ) -> TokenArray:
         """The chat as tokens, control tokens only where the template put them: a message's
         content is plain text whatever it contains."""
         ...

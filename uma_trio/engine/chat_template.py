@@ -208,9 +208,12 @@ class JinjaChatTemplate:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
+        """The chat as the template writes it; ``extra``: more variables (a request's
+        ``template_args``: Qwen 3's ``enable_thinking``), under the ones set here."""
         try:
-            return self._render(messages, tools, add_generation_prompt)
+            return self._render(messages, tools, add_generation_prompt, extra)
         except _Refused as refused:
             # A template that refuses a system message (Gemma's: "System role not supported")
             # gets it at the start of the first user message, as llama-server's and Ollama's
@@ -219,17 +222,18 @@ class JinjaChatTemplate:
             if folded is None:
                 raise ChatTemplateError(f"the model's chat template failed: {_describe(refused)}") from None
             try:
-                return self._render(folded, tools, add_generation_prompt)
+                return self._render(folded, tools, add_generation_prompt, extra)
             except _Refused:
                 raise ChatTemplateError(f"the model's chat template failed: {_describe(refused)}") from None
 
     def _render(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
-        add_generation_prompt: bool,
+        add_generation_prompt: bool, extra: Mapping[str, Any] | None = None,
     ) -> str:  # fmt: skip
         try:
             self._env.start_render()
             pieces = self._template.generate(
+                **(extra or {}),
                 messages=messages,  # the sandbox is immutable: the template cannot change them
                 tools=tools or None,
                 add_generation_prompt=add_generation_prompt,

@@ -29,7 +29,18 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from .base import BatchEntry, ChatTurn, Engine, EngineError, Follow, KvState, StepResult, TokenArray, Tools
+from .base import (
+    BatchEntry,
+    ChatTurn,
+    Engine,
+    EngineError,
+    Follow,
+    KvState,
+    StepResult,
+    TemplateArgs,
+    TokenArray,
+    Tools,
+)
 from .constraints import ModelVocabulary
 from .sampling import Sampler
 
@@ -195,8 +206,10 @@ class FaultyEngine:
     def tokenize(self, text: str) -> TokenArray:
         return self.inner.tokenize(text)
 
-    def apply_chat_template(self, messages: Sequence[ChatTurn], tools: Tools = None) -> str:
-        return self.inner.apply_chat_template(messages, tools)
+    def apply_chat_template(
+        self, messages: Sequence[ChatTurn], tools: Tools = None, args: TemplateArgs = None
+    ) -> str:
+        return self.inner.apply_chat_template(messages, tools, args)
 
     @property
     def chat_template_source(self) -> str | None:
@@ -210,8 +223,10 @@ class FaultyEngine:
     def max_token_bytes(self) -> int:
         return self.inner.max_token_bytes
 
-    def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
-        return self.inner.tokenize_chat(messages, tools)
+    def tokenize_chat(
+        self, messages: Sequence[ChatTurn], tools: Tools = None, args: TemplateArgs = None
+    ) -> TokenArray:
+        return self.inner.tokenize_chat(messages, tools, args)
 
     def tokenize_infill(
         self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = "",

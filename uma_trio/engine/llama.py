@@ -57,6 +57,7 @@ from .base import (
     Sampled,
     SampleFailure,
     StepResult,
+    TemplateArgs,
     TokenArray,
     Tools,
 )
@@ -298,15 +299,19 @@ class LlamaEngine:
     def tokenize(self, text: str) -> TokenArray:
         return self.model.tokenize(text)
 
-    def apply_chat_template(self, messages: Sequence[ChatTurn], tools: Tools = None) -> str:
-        return self.model.apply_chat_template(messages, tools)
+    def apply_chat_template(
+        self, messages: Sequence[ChatTurn], tools: Tools = None, args: TemplateArgs = None
+    ) -> str:
+        return self.model.apply_chat_template(messages, tools, args)
 
     @property
     def chat_template_source(self) -> str | None:
         return self.model.template_source
 
-    def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
-        return self.model.tokenize_chat(messages, tools)
+    def tokenize_chat(
+        self, messages: Sequence[ChatTurn], tools: Tools = None, args: TemplateArgs = None
+    ) -> TokenArray:
+        return self.model.tokenize_chat(messages, tools, args)
 
     def tokenize_infill(
         self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = "",

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..config import SplitMode
-from .base import ChatTurn, TokenArray, Tools, split_prefill, turn_fields
+from .base import ChatTurn, TemplateArgs, TokenArray, Tools, split_prefill, turn_fields
 from .chat_escape import ControlTextEscaper
 from .chat_template import ChatTemplateError, JinjaChatTemplate
 from .constraints import ModelVocabulary
@@ -254,7 +254,9 @@ class LlamaModel:
             self._max_token_bytes = max(1, max(len(self.piece(t)) for t in range(n_vocab)))
         return self._max_token_bytes
 
-    def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
+    def tokenize_chat(
+        self, messages: Sequence[ChatTurn], tools: Tools = None, args: TemplateArgs = None
+    ) -> TokenArray:
         """A chat as tokens: the template rendered with the clients' text and tokenized whole,
         as llama-server does, except that client text spelling a control token
         (``<|im_end|>``) stays plain text, so it cannot close its turn or open another
@@ -264,7 +266,8 @@ class LlamaModel:
         escaper = self._control_escaper()
         head, prefill = split_prefill([turn_fields(m) for m in messages])
         turns = [escaper.escape(t) for t in head]
-        text = self.apply_chat_template(turns, escaper.escape(list(tools)) if tools else None)
+        escaped_args = escaper.escape(dict(args)) if args else None  # client text, as the turns
+        text = self.apply_chat_template(turns, escaper.escape(list(tools)) if tools else None, escaped_args)
         text += escaper.escape(prefill)
         pieces, first = [], True
         for piece, template in escaper.pieces(text):
@@ -337,10 +340,12 @@ class LlamaModel:
             return ""
         return bytes(llama.llama_vocab_get_text(self._vocab, token) or b"").decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[ChatTurn], tools: Tools = None) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[ChatTurn], tools: Tools = None, args: TemplateArgs = None
+    ) -> str:
         turns = [turn_fields(m) for m in messages]
         if self.jinja is not None:
-            text = self.jinja.render(turns, tools=tools)
+            text = self.jinja.render(turns, tools=tools, extra=args)
             bos = self.jinja.bos_token
             # A template that writes the BOS text itself (Llama 3) would get a second one from
             # the tokenizer, which adds it already.

@@ -33,6 +33,7 @@ from .base import (
     Sampled,
     SampleFailure,
     StepResult,
+    TemplateArgs,
     TokenArray,
     Tools,
     split_prefill,
@@ -155,7 +156,9 @@ class SimEngine:
         words = text.split()
         return np.array([100 + zlib.crc32(w.encode()) % 30000 for w in words], dtype=np.int32)
 
-    def apply_chat_template(self, messages: Sequence[ChatTurn], tools: Tools = None) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[ChatTurn], tools: Tools = None, args: TemplateArgs = None
+    ) -> str:
         turns = [turn_fields(m) for m in messages]
         return " ".join(f"{t['role']}: {t['content']}" for t in turns) + " assistant:"
 
@@ -177,7 +180,9 @@ class SimEngine:
     ) -> TokenArray:  # fmt: skip
         return infill_tokens(None, lambda text: [], prefix, suffix)  # no FIM tokens: refused
 
-    def tokenize_chat(self, messages: Sequence[ChatTurn], tools: Tools = None) -> TokenArray:
+    def tokenize_chat(
+        self, messages: Sequence[ChatTurn], tools: Tools = None, args: TemplateArgs = None
+    ) -> TokenArray:
         # The simulation has no control tokens; a last assistant message is continued.
         head, prefill = split_prefill([turn_fields(m) for m in messages])
         return self.tokenize(self.apply_chat_template(head, tools) + prefill)

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from .response_format import ResponseFormat, TextFormat
 from .tools import NamedToolChoice, Tool, ToolChoice
 
 Lane = Literal["interactive", "background"]
@@ -91,32 +92,16 @@ class ExtraFile(Struct, forbid_unknown_fields=True, kw_only=True):
     text: str
 
 
-class JsonSchemaSpec(Struct, forbid_unknown_fields=True, kw_only=True):
-    """OpenAI's ``response_format.json_schema``: the schema the output must match."""
-
-    name: Annotated[str, Meta(max_length=256)] = "response"
-    schema: dict[str, Any] | None = None  # None: any JSON object
-    strict: bool | None = None
-    description: str | None = None
-
-
-class TextFormat(Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
-    """Free text: no constraint."""
-
-
-class JsonObjectFormat(Struct, tag_field="type", tag="json_object", forbid_unknown_fields=True):
-    """One JSON object; with ``schema`` (llama-server's extension), one matching it."""
-
-    schema: dict[str, Any] | None = None
-
-
-class JsonSchemaFormat(Struct, tag_field="type", tag="json_schema", forbid_unknown_fields=True):
-    json_schema: JsonSchemaSpec
-
-
-ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
 # A GBNF (llama.cpp) or Lark (llguidance) grammar, as text.
 GrammarText = Annotated[str, Meta(min_length=1, max_length=256 * 1024)]
+
+
+# What the daemon gives a chat template itself (engine/chat_template.py): `template_args` may not
+# set them.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+     "strftime_now", "range", "namespace", "dict", "cycler", "joiner"}
+)  # fmt: skip
 
 
 class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -171,6 +156,9 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
+    # More variables for the chat template (llama-server's and vLLM's `chat_template_kwargs`:
+    # Qwen 3's `enable_thinking`, gpt-oss's `reasoning_effort`); chat requests only.
+    template_args: Annotated[dict[str, Any], Meta(max_length=16)] | None = None
     # Embeddings (docs/PROTOCOL.md "Embeddings"): nothing is generated; the eos carries the
     # prompt's pooled hidden state, scaled to unit length with `normalize`.  `truncate` cuts
     # a prompt longer than the context to fit instead of refusing it.
@@ -200,6 +188,13 @@ class GenerateRequest(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("give `tools` or a `grammar`, not both")
         if len(set(names)) != len(names):
             raise ValueError("two tools have the same name")
+        if self.template_args is not None:
+            if self.messages is None:
+                raise ValueError("`template_args` need `messages` (the chat template reads them)")
+            if bad := [k for k in self.template_args if not k.isidentifier() or k in RESERVED_TEMPLATE_NAMES]:
+                raise ValueError(
+                    f"`template_args` may not set {bad[0]!r}: the daemon sets it, or it is no name"
+                )
         if self.suffix is not None and self.prompt is None:
             raise ValueError("`suffix` (infill) needs `prompt`, the text before it")
         if self.input_extra is not None and self.suffix is None:

@@ -199,6 +199,12 @@ def _common_fields(body: _Common, request_id: str, limits: Limits | None) -> dic
     return fields
 
 
+def _thinking(body: _Common) -> dict[str, Any]:
+    """``think: false`` for a templated request: the template is told so (Qwen 3's
+    ``enable_thinking``; a template that reads no such variable renders as before)."""
+    return {"template_args": {"enable_thinking": False}} if body.think is False else {}
+
+
 def chat_request(body: ChatBody, request_id: str, limits: Limits | None = None) -> GenerateRequest:
     """The daemon request for ``/api/chat``; :class:`ApiError` or ``ValueError`` /
     ``msgspec.ValidationError`` (the socket protocol's checks) for a bad one.  Without
@@ -219,6 +225,7 @@ def chat_request(body: ChatBody, request_id: str, limits: Limits | None = None) 
     if not messages:
         raise ApiError(400, "`messages` must hold at least one message")
     fields["messages"] = messages
+    fields.update(_thinking(body))
     fields["truncate"] = body.truncate is not False  # the daemon drops the oldest messages to fit
     if body.tools:
         fields["tools"] = body.tools
@@ -250,6 +257,7 @@ def generate_request(body: GenerateBody, request_id: str, limits: Limits | None 
     else:
         system = [{"role": "system", "content": body.system}] if body.system else []
         fields["messages"] = [*system, {"role": "user", "content": prompt}]
+        fields.update(_thinking(body))
     fields["truncate"] = body.truncate is not False  # an infill is cut as engine/infill.py says
     return msgspec.convert(fields, GenerateRequest)
 

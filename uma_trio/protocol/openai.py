@@ -134,6 +134,9 @@ class ChatTurn(Struct, kw_only=True):
 class ChatBody(_Body, kw_only=True):
     messages: list[ChatTurn]
     function_call: Any = None  # deprecated, with `functions`: openai_functions.py
+    # More variables for the chat template, as llama-server and vLLM take them (Qwen 3's
+    # `enable_thinking`): the daemon's `template_args`.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # What a field may be set to and still mean "off".
@@ -268,6 +271,8 @@ def translate(
     fields: dict[str, Any] = {"id": request_id, "stream": bool(body.stream), "priority": lane}
     if isinstance(body, ChatBody):
         fields["messages"] = _chat_messages(body.messages)
+        if body.chat_template_kwargs is not None:
+            fields["template_args"] = body.chat_template_kwargs
     else:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:

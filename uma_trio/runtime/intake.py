@@ -180,7 +180,7 @@ async def tokenize_request(
                 and chat_text_bytes(request.messages) <= INLINE_TEXT_CHARS
                 and not tools
             )
-            tokenize = partial(engine.tokenize_chat, turns, tools)
+            tokenize = partial(engine.tokenize_chat, turns, tools, request.template_args)
             tokens = await off_loop(engine, tokenize, small=small)
         elif request.suffix is not None:
             assert request.prompt is not None
@@ -237,7 +237,7 @@ async def fitted_chat(
     def measure(messages: list[ChatMessage]) -> TokenArray | None:
         turns, tools = chat_turns(msgspec.structs.replace(request, messages=messages), fmt, template, family)
         try:
-            return engine.tokenize_chat(turns, tools)
+            return engine.tokenize_chat(turns, tools, request.template_args)
         except ValueError:  # this cut's roles no longer suit the template (one wants them to alternate)
             return None
 

@@ -19,7 +19,8 @@ from ..engine.constraints import (
 )
 from ..engine.sampling import Sampler, SamplingParams, banned
 from ..protocol.errors import ErrorCode, UmaError
-from ..protocol.messages import GenerateRequest, JsonObjectFormat, JsonSchemaFormat
+from ..protocol.messages import GenerateRequest
+from ..protocol.response_format import JsonObjectFormat, JsonSchemaFormat
 from ..protocol.strict_schema import closed
 from ..protocol.tools import TOOL_GRAMMAR_ERROR, tool_error_words, tool_fault, tool_schema
 from .gbnf_convert import gbnf_as_lark
