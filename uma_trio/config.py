@@ -366,9 +366,9 @@ class ServerConfig:
     sessions kept for interactive requests count as free, so background requests may queue
     --interactive-reserve more); a burst within one tick counts too. More get E_LIMIT_004 at
     once, except that a request of a client with nothing waiting (another app's) still gets
-    one of a quarter of --max-queue places more, so one app filling the queue does not shut
-    the others out. An interactive request that can start at once still gets past a queue of
-    background ones."""
+    one of a quarter of --max-queue places more (one at least; none with 0), so one app
+    filling the queue does not shut the others out. An interactive request that can start
+    at once still gets past a queue of background ones."""
     max_connections: WholeNumber = 64
     """Socket connections at once; separately, HTTP generation requests in flight (--http)
     and connections to --metrics-port."""

@@ -40,8 +40,9 @@ def client_of(owner: str, connection: int) -> str:
 
 def spare_places(max_queue: int) -> int:
     """Places past a full queue (``--max-queue``) kept for requests of clients with nothing
-    waiting, so that one app filling the queue does not shut every other out."""
-    return max(1, max_queue // 4)
+    waiting, so that one app filling the queue does not shut every other out: a quarter of
+    it, one at least, none where there is no queue (``--max-queue 0``)."""
+    return max(1, max_queue // 4) if max_queue > 0 else 0
 
 
 @dataclass(frozen=True, slots=True)
