@@ -145,6 +145,7 @@ class ModelVocabulary:
         self._end_tokens = list(end_tokens)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        self._special: dict[str, int | None] = {}  # special_token's answers
 
     @property
     def has_tokenizer(self) -> bool:
@@ -165,7 +166,13 @@ class ModelVocabulary:
         """The id of the one token whose text is ``text`` where llguidance reads that token as
         special (a control token, or a user-defined one in angle brackets, as Qwen's
         ``<tool_call>``), which a grammar must name as a token, never spell as text: the text
-        tokenizes to that token, which the text's bytes never match.  None otherwise."""
+        tokenizes to that token, which the text's bytes never match.  None otherwise.  Read
+        once per text (a tool request asks for its family's markers every time)."""
+        if text not in self._special:
+            self._special[text] = self._read_special_token(text)
+        return self._special[text]
+
+    def _read_special_token(self, text: str) -> int | None:
         from llama_cpp import llama_cpp as llama  # as lltokenizer_from_vocab reads the vocab
 
         data = text.encode()

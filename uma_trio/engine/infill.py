@@ -57,40 +57,40 @@ def infill_tokens(
     if fim is None:
         raise NoFimTokens(NO_FIM_TOKENS)
     head: list[int] = [] if bos is None else [bos]
-    files: list[list[int]] = []  # each other file, its separator first
-    project: list[int] = []  # the repository's name before them, their separator after
+    # Other files: the repository's name before them, each with its separator first, and a
+    # separator after them.
+    project: list[int] = []
+    files: list[list[int]] = []
+    trailer: list[int] = []
     if extra and fim.rep is not None and fim.sep is not None:
-        files = [[fim.sep, *tokenize(f"{name}\n{text}")] for name, text in extra]
         project = [fim.rep, *tokenize("project\n")]
-        closing = fim.sep
+        files = [[fim.sep, *tokenize(f"{name}\n{text}")] for name, text in extra]
+        trailer = [fim.sep]
     elif extra:  # no repository tokens: the files as commented-out context before the prefix
         prefix = "".join(f"{text}\n" for _, text in extra) + prefix
     before, after = list(tokenize(prefix)), list(tokenize(suffix))
-    fixed = [*tokenize(middle)]
-    core = len(head) + 3 + len(before) + len(after) + len(fixed)
-    extra_len = len(project) + sum(map(len, files)) + (1 if files else 0)
-    if budget is not None and core + extra_len > budget:
-        was, listed, texts = core + extra_len, len(files), (len(before), len(after))
-        while files and core + extra_len > budget:
+    written = list(tokenize(middle))
+    fixed = len(head) + 3 + len(written)  # tokens never cut: BOS, the FIM tokens, the middle
+    texts = len(before) + len(after)
+    extra_len = len(project) + sum(map(len, files)) + len(trailer)
+    was = fixed + texts + extra_len
+    if budget is not None and was > budget:
+        listed, cut_from = len(files), (len(before), len(after))
+        while files and fixed + texts + extra_len > budget:
             extra_len -= len(files.pop(0))
         if not files:
-            project, extra_len = [], 0
-        room = budget - (core - len(before) - len(after))
-        if core > budget and room > 0:
+            project, trailer = [], []
+        room = budget - fixed
+        if fixed + texts > budget and room > 0:
             take_after = min(len(after), max(room // 4, room - len(before)))
             take_before = min(len(before), room - take_after)
             before, after = before[len(before) - take_before :], after[:take_after]
+    tokens = [*head, *project, *(t for file in files for t in file), *trailer]
+    tokens += [fim.pre, *before, fim.suf, *after, fim.mid, *written]
+    if len(tokens) < was:
         log.warning(
             "infill prompt of %d tokens cut to %d for a budget of %d: %d of its %d other files "
-            "dropped, its prefix of %d tokens to %d, its suffix of %d to %d", was,
-            len(head) + 3 + len(before) + len(after) + len(fixed) + extra_len, budget,
-            listed - len(files), listed, texts[0], len(before), texts[1], len(after),
+            "dropped, its prefix of %d tokens to %d, its suffix of %d to %d", was, len(tokens),
+            budget, listed - len(files), listed, cut_from[0], len(before), cut_from[1], len(after),
         )  # fmt: skip
-    tokens = list(head)
-    if files:
-        tokens += project
-        for file in files:
-            tokens += file
-        tokens += [closing]
-    tokens += [fim.pre, *before, fim.suf, *after, fim.mid, *fixed]
     return np.asarray(tokens, dtype=np.int32)

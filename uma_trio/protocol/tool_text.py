@@ -151,6 +151,12 @@ _MARKERS: dict[ToolFormat, str] = {
 }
 
 
+# How a call opens when it comes with no marker text at the answer's start, as
+# parse_tool_calls reads it too: Llama 3 answers a call with bare JSON; Mistral's [TOOL_CALLS]
+# is a control token, written as no text, so its calls come as a bare JSON list.
+_BARE_OPENINGS: dict[ToolFormat, str] = {"llama3": "{", "mistral": "["}
+
+
 class ToolTextFilter:
     """Streams the content of an answer that may hold tool calls: text is passed on until it
     could be the start of a call, and from a call's marker on held until the end, when the
@@ -190,11 +196,8 @@ class ToolTextFilter:
 
     def _call_start(self, text: str) -> tuple[int, bool]:
         """Where a call may begin (``len(text)``: nowhere), and whether it surely does."""
-        if self._fmt == "llama3" and not self.sent.strip() and text.lstrip().startswith("{"):
-            return len(text) - len(text.lstrip()), True  # Llama 3 answers a call with bare JSON
-        if self._fmt == "mistral" and not self.sent.strip() and text.lstrip().startswith("["):
-            # Mistral's [TOOL_CALLS] is a control token, written as no text: its calls then
-            # come as a bare JSON list, which parse_tool_calls reads as calls too.
+        opening = _BARE_OPENINGS.get(self._fmt)
+        if opening and not self.sent.strip() and text.lstrip().startswith(opening):
             return len(text) - len(text.lstrip()), True
         marker = _MARKERS.get(self._fmt, "")
         at = text.find(marker) if marker else -1
