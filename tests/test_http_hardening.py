@@ -604,3 +604,39 @@ async def test_a_hang_up_taken_by_one_watcher_is_seen_by_the_next() -> None:
         with trio.move_on_after(0.5) as waited:
             await until_disconnect(receive, trio.sleep_forever)  # the answer's watcher
         assert waited.cancelled_caught is not seen
+
+
+async def test_one_key_cannot_take_every_place_in_flight(tmp_path: Path) -> None:
+    """Noisy neighbours: the HTTP requests in flight (--max-connections) were one count for
+    every key, so one key's flood made another key's every request a 429.  A quarter of the
+    places are now kept for the other principals: the flooding key is refused past three
+    quarters, and another key still gets in."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-flood\nsk-other\n")
+    flood, other = ({"authorization": f"Bearer {key}"} for key in ("sk-flood", "sk-other"))
+    busy = {"model": "sim", "prompt": "go", "max_tokens": 4000, "stream": True}
+    short = {"model": "sim", "prompt": "hi", "max_tokens": 2}
+    async with (
+        gateway_on_sim(api_key_file=keys, max_connections=4, max_sessions=8) as (_, gateway, url),
+        httpx.AsyncClient(base_url=url, headers=flood, timeout=30) as http,
+        streaming(http, busy),
+        streaming(http, busy),
+        streaming(http, busy),
+    ):
+        assert gateway.max_requests == 4
+        refused = await http.post("/v1/completions", json=short)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "E_LIMIT_006", refused.text
+        assert "kept for other keys" in refused.json()["error"]["message"]
+        assert refused.headers["retry-after"] == "1"
+        answer = await http.post("/v1/completions", json=short, headers=other)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 2
+    # With one principal (no keys) nobody else could use them: one client takes every place.
+    async with (
+        gateway_on_sim(max_connections=4, max_sessions=8) as (_, _, url),
+        httpx.AsyncClient(base_url=url, timeout=30) as http,
+        streaming(http, busy),
+        streaming(http, busy),
+        streaming(http, busy),
+    ):
+        assert (await http.post("/v1/completions", json=short)).status_code == 200

@@ -370,8 +370,9 @@ class ServerConfig:
     filling the queue does not shut the others out. An interactive request that can start
     at once still gets past a queue of background ones."""
     max_connections: WholeNumber = 64
-    """Socket connections at once; separately, HTTP generation requests in flight (--http)
-    and connections to --metrics-port."""
+    """Socket connections at once; separately, HTTP generation requests in flight (--http;
+    with several API keys one key holds three quarters of them at most) and connections to
+    --metrics-port."""
     http_max_connections: WholeNumber = 256
     """HTTP connections open at once, idle keep-alive ones included (--http); more wait in
     the kernel's accept queue until one closes (hypercorn closes a connection idle for 5 s)."""

@@ -92,6 +92,14 @@ class PriorityBody(msgspec.Struct, forbid_unknown_fields=True):
 # key any local user can send them, so they never reuse a socket user's cached prefixes.
 
 
+def kept_for_others(max_requests: int) -> int:
+    """The places among the HTTP requests in flight that one API key may not take, where
+    there are several keys: a quarter of them.  One key's flood made another key's every
+    request a 429.  (With one key or none every HTTP request is one principal's: nobody
+    else could use them.)"""
+    return max_requests // 4
+
+
 class Gateway:
     """The app's state: the server once the model is loaded, and its requests in flight."""
 
@@ -111,6 +119,8 @@ class Gateway:
         self.model_names = {self.model, model_file}
         self.api_key = api_key
         self._keyed = bool(api_key or api_keys)  # /health tells key holders more
+        # Principals that may share the places in flight: one per key (keyless, one in all).
+        self._principals = len({*api_keys, *([api_key] if api_key else [])}) or 1
         self.max_body_bytes = max_body_bytes
         self.max_requests = max_requests  # generation requests in flight, tokenizing included
         self.body_timeout_s = body_timeout_s  # a body begun must arrive whole within this
@@ -727,6 +737,13 @@ class Gateway:
             raise openai.api_error(
                 ErrorCode.TOO_MANY_CONNECTIONS,
                 f"at most {self.max_requests} HTTP requests may be in flight; try again later",
+            )
+        held = sum(1 for other in self._flights.values() if other.owner == owner)
+        if self._principals > 1 and held >= self.max_requests - kept_for_others(self.max_requests):
+            raise openai.api_error(
+                ErrorCode.TOO_MANY_CONNECTIONS,
+                f"{held} of the {self.max_requests} HTTP requests that may be in flight are this"
+                " key's; the rest are kept for other keys; try again later",
             )
         rid = generate_request.id
         if rid in self._flights:
