@@ -396,3 +396,21 @@ def test_json_keys_a_template_writes_stay_plain_text(llama_model: LlamaModel) ->
     for control in ("<|im_start|>", "<|im_end|>"):
         token = int(llama_model.tokenize(control, add_bos=False)[0])
         assert attacked.count(token) == plain.count(token), control
+
+
+def test_a_template_jinja_cannot_compile_gets_llama_cpp_s_formatter(
+    llama_model: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where Jinja cannot compile the model's template, llama.cpp's built-in formatter writes
+    the chat from its family's turn markers (SmolLM2's: ChatML); it knows nothing of tools,
+    so a request with tools or with earlier calls is refused with a reason."""
+    monkeypatch.setattr(llama_model, "jinja", None)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = llama_model.apply_chat_template(chat)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(ValueError, match="cannot render tool calls"):
+        llama_model.apply_chat_template(chat, [tool])
+    called = [*chat, {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]
+    with pytest.raises(ValueError, match="cannot render tool calls"):
+        llama_model.apply_chat_template(called)

@@ -31,8 +31,12 @@ TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types, as GGUF writes them
 
 
-def family_copy(source: Path, target: Path, template: str, renames: dict[int, tuple[str, int]]) -> Path:
-    """The default model with ``template`` and its tokens ``renames`` (id: text, type)."""
+def family_copy(
+    source: Path, target: Path, template: str, renames: dict[int, tuple[str, int]],
+    named: dict[str, str] | None = None,
+) -> Path:  # fmt: skip
+    """The default model with ``template`` and its tokens ``renames`` (id: text, type), and
+    the templates ``named`` (``tool_use``: tokenizer.chat_template.tool_use)."""
     gguf = pytest.importorskip("gguf")
     from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 
@@ -47,6 +51,8 @@ def family_copy(source: Path, target: Path, template: str, renames: dict[int, tu
         keys.TOKEN_TYPE: MetadataDetails(value.ARRAY, types, sub_type=value.INT32),
         keys.CHAT_TEMPLATE: MetadataDetails(value.STRING, template),
     }
+    for name, text in (named or {}).items():
+        metadata[f"{keys.CHAT_TEMPLATE}.{name}"] = MetadataDetails(value.STRING, text)
     writer = gguf.GGUFWriter(target, arch="llama", endianess=reader.endianess)
     copy_with_new_metadata(reader, writer, metadata, [])
     return target
@@ -60,6 +66,27 @@ def qwen_like(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         model_path, tmp_path_factory.mktemp("qwen") / "qwen-tools.gguf",
         (TEMPLATES / "qwen2.5-instruct.jinja").read_text(),
         {3: ("<tool_call>", USER_DEFINED), 4: ("</tool_call>", USER_DEFINED)},
+    )  # fmt: skip
+    model = LlamaModel(path)
+    yield model
+    model.close()
+
+
+# Hermes 3's default template: ChatML, no tools (those are in its tool_use template); its
+# {{bos_token}} left out, which in SmolLM2's vocabulary is <|im_start|>.
+CHATML = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hermes_like(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaModel]:
+    """Hermes 3's two templates: ChatML by default, and the one named ``tool_use``."""
+    path = family_copy(
+        model_path, tmp_path_factory.mktemp("hermes") / "hermes-tools.gguf", CHATML, {},
+        {"tool_use": (TEMPLATES / "hermes-3-llama-3.1-tool_use.jinja").read_text()},
     )  # fmt: skip
     model = LlamaModel(path)
     yield model
@@ -263,3 +290,36 @@ def test_template_args_are_checked() -> None:
         with pytest.raises(msgspec.ValidationError, match="may not set"):
             msgspec.convert({"id": "r", "messages": chat, "template_args": {bad: 1}}, GenerateRequest)
     assert msgspec.convert({"id": "r", "messages": chat, "template_args": {"x": 1}}, GenerateRequest)
+
+
+@pytest.mark.model
+async def test_a_request_with_tools_gets_the_gguf_s_tool_use_template(
+    hermes_like: LlamaModel, server_config: ServerConfig
+) -> None:
+    """Hermes 2 Pro / 3 and Command-R GGUFs carry their tools in a second template, named
+    ``tool_use``, which llama.cpp renders a request with tools with; it was unread, so those
+    models got their default one and the generic format's instructions instead of the prompt
+    and the <tool_call> they were trained on."""
+    plain = hermes_like.apply_chat_template(ASK)
+    assert plain.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>"), plain
+    assert "function calling AI model" in hermes_like.apply_chat_template(ASK, [WEATHER])
+    request = msgspec.convert(
+        {"id": "h", "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required"}, GenerateRequest
+    )
+    turns, tools = chat_turns(request, "hermes", None, "hermes")
+    expected = len(hermes_like.tokenize_chat(turns, tools))
+    async with running_server(hermes_like, server_config, http="127.0.0.1:0", api_key="k") as server:
+        async with openai_sdk(server) as client:
+            reply = await client.chat.completions.create(
+                model="hermes-tools", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",  # type: ignore[arg-type,list-item]
+                temperature=0, max_tokens=80,
+            )  # fmt: skip
+            calls = reply.choices[0].message.tool_calls
+            assert reply.choices[0].finish_reason == "tool_calls" and calls, reply
+            assert calls[0].function.name in NAMES
+            json.loads(calls[0].function.arguments)
+            assert reply.usage is not None and reply.usage.prompt_tokens == expected
+            chat = await client.chat.completions.create(
+                model="hermes-tools", messages=ASK, temperature=0, max_tokens=2,  # type: ignore[arg-type]
+            )  # fmt: skip
+            assert chat.usage is not None and chat.usage.prompt_tokens == len(hermes_like.tokenize_chat(ASK))

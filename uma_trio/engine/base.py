@@ -203,6 +203,13 @@ class Engine(Protocol):
         ...
 
     @property
+    def tool_template_source(self) -> str | None:
+        """The Jinja template a request that offers tools is rendered with: the GGUF's named
+        ``tool_use`` template where it has one (Hermes 2 Pro / 3, Command-R), else
+        :attr:`chat_template_source`."""
+        ...
+
+    @property
     def vocabulary(self) -> ModelVocabulary | None:
         """The vocabulary for constrained decoding (engine/constraints.py); None where the
         engine has no real vocabulary (the simulation)."""

@@ -216,6 +216,10 @@ class FaultyEngine:
         return self.inner.chat_template_source
 
     @property
+    def tool_template_source(self) -> str | None:
+        return self.inner.tool_template_source
+
+    @property
     def vocabulary(self) -> ModelVocabulary | None:
         return self.inner.vocabulary
 

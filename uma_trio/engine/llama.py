@@ -308,6 +308,10 @@ class LlamaEngine:
     def chat_template_source(self) -> str | None:
         return self.model.template_source
 
+    @property
+    def tool_template_source(self) -> str | None:
+        return self.model.tool_template_source or self.model.template_source
+
     def tokenize_chat(
         self, messages: Sequence[ChatTurn], tools: Tools = None, args: TemplateArgs = None
     ) -> TokenArray:

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..config import SplitMode
 from .base import ChatTurn, TemplateArgs, TokenArray, Tools, split_prefill, turn_fields
+from .builtin_chat import builtin_chat_text
 from .chat_escape import ControlTextEscaper
 from .chat_template import ChatTemplateError, JinjaChatTemplate
 from .constraints import ModelVocabulary
@@ -220,11 +221,14 @@ class LlamaModel:
         # built-in formatter where Jinja cannot compile it.
         self.jinja: JinjaChatTemplate | None = None
         self.template_source: str | None = None
+        self.tool_jinja: JinjaChatTemplate | None = None  # the GGUF's tool_use template
+        self.tool_template_source: str | None = None
         if self.chat_template is not None:
             try:
                 self.use_chat_template(self.chat_template.decode("utf-8", errors="replace"))
             except ChatTemplateError as exc:
                 log.warning("%s; llama.cpp's built-in chat formatting is used instead", exc)
+        self._use_tool_template(llama.llama_model_chat_template(self._model, b"tool_use"))
         self._max_token_bytes: int | None = None
         self._escaper: ControlTextEscaper | None = None
         self._control_escaper()  # read here, off the event loop (a large vocabulary: ~40 ms)
@@ -322,10 +326,23 @@ class LlamaModel:
     def use_chat_template(self, source: str) -> None:
         """Render chats with the Jinja template ``source`` (the model's own, or
         ``--chat-template``); :class:`ChatTemplateError` if it does not compile."""
+        self.jinja, self.template_source = self._compiled(source), source
+        self.tool_jinja, self.tool_template_source = None, None  # --chat-template serves every request
+
+    def _use_tool_template(self, named: bytes | None) -> None:
+        """The GGUF's template named ``tool_use``, for requests that offer tools; left out
+        (with a warning) where it does not compile."""
+        try:
+            if named:
+                source = named.decode("utf-8", errors="replace")
+                self.tool_jinja, self.tool_template_source = self._compiled(source), source
+        except ChatTemplateError as exc:
+            log.warning("%s (the GGUF's tool_use template); requests with tools get the default one", exc)
+
+    def _compiled(self, source: str) -> JinjaChatTemplate:
         bos = self._token_text(llama.llama_vocab_bos(self._vocab))
         eos = self._token_text(llama.llama_vocab_eos(self._vocab))
-        self.jinja = JinjaChatTemplate(source, bos_token=bos, eos_token=eos)
-        self.template_source = source
+        return JinjaChatTemplate(source, bos_token=bos, eos_token=eos)
 
     def chat_template_in_use(self, file: Path | None = None) -> str:
         """Which chat formatting requests get, in words (the start-up log)."""
@@ -344,33 +361,18 @@ class LlamaModel:
         self, messages: Sequence[ChatTurn], tools: Tools = None, args: TemplateArgs = None
     ) -> str:
         turns = [turn_fields(m) for m in messages]
-        if self.jinja is not None:
-            text = self.jinja.render(turns, tools=tools, extra=args)
-            bos = self.jinja.bos_token
+        # A request offering tools gets the GGUF's tool_use template where it has one, as
+        # llama.cpp gives it (Hermes 2 Pro / 3, Command-R: their default one has no tools).
+        jinja = self.tool_jinja if tools and self.tool_jinja is not None else self.jinja
+        if jinja is not None:
+            text = jinja.render(turns, tools=tools, extra=args)
+            bos = jinja.bos_token
             # A template that writes the BOS text itself (Llama 3) would get a second one from
             # the tokenizer, which adds it already.
             return text[len(bos) :] if self._add_bos and bos and text.startswith(bos) else text
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send `prompt` instead")
-        if any("tool_calls" in t for t in turns) or tools:
-            raise ValueError(
-                "llama.cpp's built-in chat formatter cannot render tool calls; give a Jinja "
-                "template that can (--chat-template)"
-            )
-        keep = [(str(t["role"]).encode(), str(t["content"]).encode()) for t in turns]
-        chat = (llama.llama_chat_message * len(keep))(
-            *(llama.llama_chat_message(role=r, content=c) for r, c in keep)
-        )
-        size = 2 * sum(len(r) + len(c) for r, c in keep) + 256
-        for _ in range(2):
-            buf = ctypes.create_string_buffer(size)
-            n = llama.llama_chat_apply_template(self.chat_template, chat, len(keep), True, buf, size)
-            if n < 0:
-                raise ValueError("the model's chat template is not supported by llama.cpp")
-            if n <= size:
-                return buf.raw[:n].decode("utf-8", errors="replace")
-            size = n
-        raise ValueError("chat template output kept growing")  # pragma: no cover
+        return builtin_chat_text(self.chat_template, turns, tools)
 
     def close(self) -> None:
         if self._model:

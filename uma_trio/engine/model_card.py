@@ -71,7 +71,7 @@ class ModelCard:
     def model_info(self) -> dict[str, Any]:
         """The metadata with numbers as numbers and booleans as booleans, as Ollama shows it
         (the chat template is shown on its own)."""
-        return {k: typed(v) for k, v in self.metadata.items() if k != "tokenizer.chat_template"}
+        return {k: typed(v) for k, v in self.metadata.items() if not k.startswith("tokenizer.chat_template")}
 
 
 def typed(value: str) -> int | float | bool | str:

@@ -167,6 +167,10 @@ class SimEngine:
         return None
 
     @property
+    def tool_template_source(self) -> None:
+        return None
+
+    @property
     def vocabulary(self) -> None:
         return None  # its one-candidate rows have no vocabulary to constrain
 

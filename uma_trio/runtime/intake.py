@@ -172,7 +172,8 @@ async def tokenize_request(
     the way ``fmt`` says), off the event loop; an infill cut to ``infill_budget`` tokens."""
     try:
         if request.messages is not None:
-            turns, tools = chat_turns(request, fmt, template_format(engine), template_family(engine))
+            template, family = template_format(engine, request), template_family(engine, request)
+            turns, tools = chat_turns(request, fmt, template, family)
             # Few turns of little text: rendered and tokenized on the loop.  Turns cost the
             # template's work however empty they are (4,000 empty ones: 0.6 s).
             small = (
@@ -232,7 +233,7 @@ async def fitted_chat(
     budget = min(context - 1, config.max_prompt_tokens)
     if len(prompt) <= budget:
         return request, prompt
-    template, family = template_format(engine), template_family(engine)
+    template, family = template_format(engine, request), template_family(engine, request)
 
     def measure(messages: list[ChatMessage]) -> TokenArray | None:
         turns, tools = chat_turns(msgspec.structs.replace(request, messages=messages), fmt, template, family)

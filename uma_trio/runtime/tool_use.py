@@ -30,19 +30,30 @@ from .samplers import format_schema, formatted
 
 def tool_format(engine: Engine, request: GenerateRequest) -> ToolFormat | None:
     """How the model writes tool calls, for a request that offers it tools; else None."""
-    return template_family(engine) if request.uses_tools else None
+    return template_family(engine, request) if request.uses_tools else None
 
 
-def template_family(engine: Engine) -> ToolFormat | None:
-    """The family the engine's chat template writes tool calls in, offered tools or not."""
-    return tool_format_of(engine.chat_template_source)
+def template_source(engine: Engine, request: GenerateRequest) -> str | None:
+    """The chat template ``request`` is rendered with: for a request that offers tools, the
+    GGUF's ``tool_use`` one where it has one in a family read back (Hermes 2 Pro / 3; the
+    engine renders it when given the tools); else the default, and a family not read back
+    (Command-R's) gets the generic format with it."""
+    tools = engine.tool_template_source
+    if request.uses_tools and tool_format_of(tools) != "generic":
+        return tools
+    return engine.chat_template_source
 
 
-def template_format(engine: Engine) -> ToolFormat | None:
-    """``generic`` when the engine's chat template cannot render earlier tool calls itself
+def template_family(engine: Engine, request: GenerateRequest) -> ToolFormat | None:
+    """The family the request's chat template writes tool calls in, offered tools or not."""
+    return tool_format_of(template_source(engine, request))
+
+
+def template_format(engine: Engine, request: GenerateRequest) -> ToolFormat | None:
+    """``generic`` when the request's chat template cannot render earlier tool calls itself
     (its source never reads ``tool_calls``), whatever the request offers; else None.  A
     template may render calls and results without rendering a tools list."""
-    source = engine.chat_template_source
+    source = template_source(engine, request)
     return "generic" if not source or "tool_calls" not in source else None
 
 
