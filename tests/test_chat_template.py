@@ -407,10 +407,12 @@ def test_a_template_jinja_cannot_compile_gets_llama_cpp_s_formatter(
     monkeypatch.setattr(llama_model, "jinja", None)
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     text = llama_model.apply_chat_template(chat)
-    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    turns = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    assert text == turns + "<|im_start|>assistant\n"
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     with pytest.raises(ValueError, match="cannot render tool calls"):
         llama_model.apply_chat_template(chat, [tool])
-    called = [*chat, {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]
+    call = {"id": "c", "function": {"name": "f"}}
+    called = [*chat, {"role": "assistant", "content": "", "tool_calls": [call]}]
     with pytest.raises(ValueError, match="cannot render tool calls"):
         llama_model.apply_chat_template(called)
