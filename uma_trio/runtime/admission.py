@@ -33,8 +33,8 @@ from ..sched.state import Lane
 def client_of(owner: str, connection: int) -> str:
     """Whose turn a request counts against: its socket connection (each app has its own; a
     user's apps share one principal, ``uid:N``), or over HTTP its principal: requests made
-    with one API key (without keys, every HTTP request) are one client, since a connection
-    there carries one request at a time."""
+    with one API key are one client, and without keys all HTTP requests together, since a
+    connection there carries one request at a time."""
     return f"{owner}#{connection}" if owner.startswith("uid:") else owner
 
 
