@@ -640,3 +640,40 @@ async def test_one_key_cannot_take_every_place_in_flight(tmp_path: Path) -> None
         streaming(http, busy),
     ):
         assert (await http.post("/v1/completions", json=short)).status_code == 200
+
+
+async def test_a_keyless_http_flood_does_not_queue_ahead_of_a_socket_app() -> None:
+    """Without keys all HTTP requests are one client together (admission.client_of), not a
+    client each: a socket app's request sent after a keyless flood had filled the sessions
+    and queued behind them takes the next session freed, before the flood's queue."""
+    from .helpers import RawClient
+
+    slow = CostCoefficients(fixed_s=0.004, decode_s=0.001, prefill_s=0.0001, ctx_s_per_kcell=0.0)
+    started: list[float] = []
+    async with (
+        gateway_on_sim(cost=slow, max_sessions=2, interactive_reserve=0) as (server, _, url),
+        httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=20)) as http,
+        trio.open_nursery() as nursery,
+    ):
+
+        async def flood(i: int) -> None:
+            body = {"model": "sim", "prompt": f"flood {i}", "max_tokens": 150, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as answer:
+                first = True
+                async for _ in answer.aiter_lines():
+                    if first:  # its first line: it holds a session
+                        started.append(trio.current_time())
+                        first = False
+
+        for i in range(6):
+            nursery.start_soon(flood, i)
+        with trio.fail_after(20):
+            while server.metrics_snapshot()["sessions"]["waiting"] < 4:
+                await trio.sleep(0.01)
+        raw = await RawClient.connect(server.config.socket_path)
+        await raw.send({"id": "app-1", "prompt": "mine", "max_tokens": 3})
+        events = await raw.until_end("app-1")
+        done = trio.current_time()
+        await raw.aclose()
+        assert events[-1]["event"] == "eos", events
+        assert len([t for t in started if t < done]) <= 3, (started, done)  # two ran, one freed beside it at most
