@@ -325,3 +325,27 @@ async def test_each_principal_lists_restores_and_overwrites_only_its_own_snapsho
                 listed = await service.handle(ask("list"), 3, owner)
                 assert [s.name for s in listed.snapshots] == ["notes"]
                 await service.handle(ask("restore", "notes"), 3, owner)
+
+
+async def test_a_snapshot_longer_than_the_prefix_cache_may_keep_is_refused_by_name(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """Restored into a daemon whose --prefix-cache-cells is under the snapshot's tokens: the
+    refusal said how many tokens and cells but not which snapshot (a review's note)."""
+    snaps = tmp_path / "snaps"
+    async with (
+        sim_daemon(snapshot_dir=snaps, prefix_cache_cells=None) as server,
+        UmaClient.connect(server.config.socket_path) as client,
+    ):
+        saved = await client.snapshot("save", "long-one", prompt="word " * 40)
+    async with (
+        sim_daemon(snapshot_dir=snaps, prefix_cache_cells=8) as server,
+        UmaClient.connect(server.config.socket_path) as client,
+    ):
+        with pytest.raises(RequestFailed) as failed:
+            await client.snapshot("restore", "long-one")
+        event = failed.value.event
+        assert event.code == ErrorCode.SNAPSHOT_MISMATCH.value
+        assert "'long-one'" in event.message and "--prefix-cache-cells" in event.message
+        assert saved.snapshots and str(saved.snapshots[0].tokens) in event.message
+        assert_nothing_held(server)

@@ -312,15 +312,15 @@ class DecodeLoop:
         self._unpin.append(seq_id)
         self.wake()
 
-    async def restore(self, tokens: TokenArray, data: bytes, owner: str = "") -> None:
-        """Load a saved sequence into ``owner``'s part of the prefix cache (a job: run it
-        through :meth:`exclusive`)."""
+    async def restore(self, tokens: TokenArray, data: bytes, owner: str = "", name: str = "") -> None:
+        """Load the saved sequence ``name`` into ``owner``'s part of the prefix cache (a job:
+        run it through :meth:`exclusive`)."""
         budget = self.kv.budget_cells
         if budget is not None and len(tokens) > budget:
             raise UmaError(
                 ErrorCode.SNAPSHOT_MISMATCH,
-                f"the snapshot holds {len(tokens)} tokens and the prefix cache may keep {budget} "
-                "(--prefix-cache-cells)",
+                f"snapshot {name!r} cannot be restored: it holds {len(tokens)} tokens and the prefix "
+                f"cache may keep {budget} (--prefix-cache-cells)",
             )
         if self.kv.find(tokens, owner) is not None:
             return  # already cached

@@ -143,7 +143,7 @@ class SnapshotService:
         read = partial(self.store_for(owner).read, request.name, partial(self._check_header, fingerprint))
         header, state, file_bytes = await file_io(read, abandon=True)
         tokens = np.asarray(header.tokens, dtype=np.int32)
-        await self.loop.exclusive(partial(self.loop.restore, tokens, state, owner))
+        await self.loop.exclusive(partial(self.loop.restore, tokens, state, owner, request.name))
         return header.info(file_bytes)  # the file's, as save and list report it (KV bytes only, it differed)
 
     def _check_header(self, fingerprint: str, header: SnapshotHeader) -> None:
