@@ -406,6 +406,27 @@ def test_beside_another_models_streams_a_chats_long_prompt_fits_their_gaps() -> 
         assert fill.prefill_tokens == max(1, int((headroom - COST.fixed_s) / COST.prefill_s))
 
 
+def test_a_prompt_that_ends_in_a_tick_has_that_tick_to_itself() -> None:
+    """A chat sent while a long interactive prompt was read (nobody decoding) shared its first
+    tick with the rest of a micro-batch of the long one, so its first token waited two
+    micro-batches (4-5 s on this CPU; 10-20 s on a loaded one, a review's several-models
+    run).  Where a prompt ends in the tick, the tick carries the prompts that end; the long
+    one goes on after, beside the new stream."""
+    chat, long_one = interactive(1, prompt=30), interactive(2, prompt=1500, n_past=512)
+    state = SchedulerState((chat, long_one), max_batch=2048, micro_batch=512)
+    first = plan_tick(state, CONFIG, COST)
+    assert dict(first.prefill) == {1: 30}
+    # Both ending: both go; none ending (a lone long prompt): the whole micro-batch, as before.
+    short_rest = interactive(2, prompt=100, n_past=1400)
+    both = plan_tick(replace(state, sessions=(chat, short_rest)), CONFIG, COST)
+    assert dict(both.prefill) == {1: 30, 2: 100}
+    assert plan_tick(replace(state, sessions=(long_one,)), CONFIG, COST).prefill_tokens == 512
+    # With a stream decoding its pause limit decides, unchanged: the prompts share it.
+    decoding = interactive(3, n_past=40)
+    beside = plan_tick(replace(state, sessions=(chat, long_one, decoding)), CONFIG, COST)
+    assert set(dict(beside.prefill)) == {1, 2} and 3 in beside.decode
+
+
 def test_with_nobody_decoding_a_burst_takes_what_fits_the_burst_tick() -> None:
     """On a GPU a micro-batch of 512 prompt tokens is a fraction of the burst tick: sixteen
     128-token requests arriving at an idle daemon all prefill in one tick (as llama-server's

@@ -220,6 +220,21 @@ def water_fill(candidates: Sequence[SessionState], room: int) -> list[tuple[Sess
     return chunks
 
 
+Chunks = list[tuple[SessionState, int]]
+
+
+def first_ends(chunks: Chunks, nobody_decodes: bool) -> Chunks:
+    """With no stream decoding, a tick in which some interactive prompts end carries those
+    alone: their first tokens come out at once, where the rest of a longer prompt's
+    micro-batch beside them held them back a whole micro-batch (a chat sent while a
+    1,500-token interactive prompt was read waited two: 4-5 s on this CPU).  The longer
+    prompt goes on in the next ticks, beside their streams as any prompt does."""
+    if not nobody_decodes:
+        return chunks
+    ending = [(s, n) for s, n in chunks if n >= s.prompt_remaining]
+    return ending if ending and len(ending) < len(chunks) else chunks
+
+
 def shortest_first(candidates: Sequence[SessionState], room: int) -> list[tuple[SessionState, int]]:
     """``room`` prompt tokens to the shortest remaining prompts, each whole before the next:
     the order that finishes background prompts soonest on average (shortest remaining
@@ -314,14 +329,14 @@ def plan_pipeline(
     # With no stream decoding, here or on another model, there is no gap to protect: prompts
     # take a whole micro-batch (work-conserving: the engine's efficient unit, as llama-server
     # prefills), or as many as fit the burst tick where that is more, so a request arriving
-    # meanwhile waits for the one running, then joins the next (its prompt first).  The budget
-    # covers what is planned.
+    # meanwhile waits for the one running, then has the next to itself where its prompt ends
+    # in it (first_ends).  The budget covers what is planned.
     nobody_decodes = not any(s.decoding for s in runnable)
     if nobody_decodes and interactive_prompts and beside <= 0.0:
         whole = min(state.micro_batch, state.max_batch - batch.n_tokens)
         room = max(room, whole, batch.prefill_room(config.burst_tick_s, interactive_prompts))
     room = max(room, min(1, len(interactive_prompts), state.max_batch - batch.n_tokens))
-    batch.prefill.extend(water_fill(interactive_prompts, room))
+    batch.prefill.extend(first_ends(water_fill(interactive_prompts, room), nobody_decodes))
     # A new interactive request's first tick with no stream decoding: time to first token
     # comes first, so background work only takes what adds nothing to it (under a GPU's
     # knee), not the throughput tick: on the CPU a chat's 16 ms first tick was filled with
