@@ -571,6 +571,11 @@ async def test_two_real_models_answer_as_each_does_alone(
             gone = await http.post("/api/generate", json={"model": tiny, "keep_alive": 0})
             assert gone.json()["done_reason"] == "unload"
             assert [m["name"] for m in (await http.get("/api/ps")).json()["models"]] == [default]
+            # --model's model stays: its unload call said "unload" and nothing was (a review).
+            for route in ("/api/generate", "/api/chat"):
+                kept = await http.post(route, json={"model": default, "keep_alive": 0})
+                assert kept.status_code == 400 and "stays loaded" in kept.json()["error"], kept.text
+            assert [m["name"] for m in (await http.get("/api/ps")).json()["models"]] == [default]
             # Kept for longer than a timedelta holds: /api/ps says a year, as for the primary.
             back = (await http.post("/load", json={"model": f"{tiny}.gguf", "keep_alive": 1e300})).json()
             assert back["model"] == tiny and {m["id"]: m["state"] for m in back["models"]}[tiny] == "loaded"

@@ -435,3 +435,22 @@ async def test_logprobs_come_with_include_whole_and_streamed(keyed_http_server: 
         with pytest.raises(openai.BadRequestError) as refused:
             await client.responses.create(**{**asked, "top_logprobs": 21})
         assert refused.value.param == "top_logprobs"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("conversation", "conv_abc123"), ("conversation", {"id": "conv_abc123"}), ("prompt", {"id": "pmpt_1"})],
+)
+def test_stored_conversations_and_prompts_are_refused_by_name(field: str, value: object) -> None:
+    """A review: ``conversation`` (OpenAI's Conversations API) and ``prompt`` (a stored prompt
+    template) were taken and ignored, the answer made from ``input`` alone, without the
+    stored turns or template: the silent loss the refusal of previous_response_id exists to
+    prevent.  Both are 400s naming the field now."""
+    from uma_trio.protocol.openai import ApiError
+    from uma_trio.protocol.responses_api import ResponsesBody, responses_request
+
+    body = msgspec.convert({"model": MODEL, "input": "Continue.", field: value}, ResponsesBody)
+    with pytest.raises(ApiError) as refused:
+        responses_request(body, "r-1", None)
+    assert refused.value.status == 400 and refused.value.param == field
+    assert "nothing is stored" in refused.value.message

@@ -307,10 +307,13 @@ def _size_vram(size: int, summary: dict[str, Any]) -> int:
 
 async def load_or_unload(gateway: GatewayCore, model: str, keep_alive: float | None) -> str:
     """Ollama's load call (no prompt, messages or input): load ``model`` (``"load"``), or
-    unload it with ``keep_alive`` 0 (``"unload"``; the primary model stays)."""
+    unload it with ``keep_alive`` 0 (``"unload"``).  The primary model stays: its unload call
+    is refused as ``POST /unload`` refuses it (it said ``"unload"`` and nothing was)."""
     models = gateway._ready().models
     if models.store.entry(model).primary:
-        return "unload" if keep_alive == 0 else "load"
+        if keep_alive == 0:
+            raise api_error(ErrorCode.MODEL, f"{model} is --model's model: it stays loaded")
+        return "load"
     if keep_alive == 0:
         await models.unload_when_idle(model)
         return "unload"

@@ -5,7 +5,8 @@ response object and its stream events.  Pure.
 model's earlier ``function_call`` / ``custom_tool_call`` items and their outputs: chat turns,
 tool calls and ``tool`` turns (the tools: responses_tools.py).  Hosted tools' calls and
 OpenAI's ``reasoning`` items in a replayed history carry nothing for this model: skipped.
-Nothing is stored: ``previous_response_id`` and ``store: true`` are refused by name.  A
+Nothing is stored: ``previous_response_id``, ``conversation``, ``prompt`` (a stored template)
+and ``store: true`` are refused by name.  A
 refusal names the field the client sent (``input[2].call_id``, ``max_output_tokens``), also
 for the checks the daemon request goes through after (:func:`as_sent`).
 
@@ -52,6 +53,8 @@ class ResponsesBody(Struct, kw_only=True):
     stream: bool | None = False  # null: the default, as OpenAI's spec allows
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None
+    conversation: Any = None  # a stored conversation's id: refused, as previous_response_id
+    prompt: Any = None  # a stored prompt template: refused likewise
     store: bool | None = None
     background: bool | None = None
     reasoning: dict[str, Any] | None = None
@@ -244,6 +247,12 @@ def responses_request(
             "previous_response_id: responses are not stored here; send the whole input",
             "previous_response_id",
         )
+    for name, value in (("conversation", body.conversation), ("prompt", body.prompt)):
+        if value is not None:  # answered from `input` alone, it would lose what is stored
+            raise bad_request(
+                f"{name}: nothing is stored here (conversations, prompt templates); send the whole input",
+                name,
+            )
     if body.store:
         raise bad_request("store: responses are not stored here (send store: false)", "store")
     if body.background:  # it would be polled for by id, and nothing is stored
