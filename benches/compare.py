@@ -99,6 +99,7 @@ SETUPS = {
     "scaling": Setup(slots=16, n_ctx=1024),
     "ipc": Setup(slots=4, n_ctx=1024),
     "ttft_long": Setup(slots=4, n_ctx=2048),
+    "chat_beside_long": Setup(slots=4, n_ctx=2048),
 }
 
 
