@@ -409,8 +409,9 @@ def test_beside_another_models_streams_a_chats_long_prompt_fits_their_gaps() -> 
 def test_a_prompt_that_ends_in_a_tick_has_that_tick_to_itself() -> None:
     """A chat sent while a long interactive prompt was read (nobody decoding) shared its first
     tick with the rest of a micro-batch of the long one, so its first token waited two
-    micro-batches (4-5 s on this CPU; 18-41 s on a loaded one, in a review's run).  Where a prompt ends in the tick, the tick carries the prompts that end; the long
-    one goes on after, beside the new stream."""
+    micro-batches (4-5 s on this CPU; 18-41 s on a loaded one, in a review's run).  Where a
+    prompt ends in the tick, the tick carries the prompts that end; the long one goes on
+    after, beside the new stream."""
     chat, long_one = interactive(1, prompt=30), interactive(2, prompt=1500, n_past=512)
     state = SchedulerState((chat, long_one), max_batch=2048, micro_batch=512)
     first = plan_tick(state, CONFIG, COST)
