@@ -58,6 +58,20 @@ def family_copy(
     return target
 
 
+async def forced_call(client: openai.AsyncOpenAI, model: str, choice: Any) -> Any:
+    """A chat asking for the weather with the tool call forced by ``choice``: it answers with a
+    call of an offered tool whose arguments are JSON."""
+    reply = await client.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,  # type: ignore[arg-type,list-item]
+        temperature=0, max_tokens=80,
+    )  # fmt: skip
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and calls, reply
+    assert calls[0].function.name in NAMES
+    json.loads(calls[0].function.arguments)
+    return reply
+
+
 @pytest.fixture(scope="module")
 def qwen_like(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaModel]:
     """Qwen 2.5's template, and its <tool_call> markers as the user-defined tokens they are in
@@ -119,14 +133,7 @@ async def test_a_forced_call_on_a_model_whose_markers_are_special_tokens(
     async with running_server(qwen_like, server_config, http="127.0.0.1:0", api_key="k") as server:
         async with openai_sdk(server) as client:
             for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-                reply = await client.chat.completions.create(
-                    model="qwen-tools", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,  # type: ignore[arg-type,list-item]
-                    temperature=0, max_tokens=80,
-                )  # fmt: skip
-                calls = reply.choices[0].message.tool_calls
-                assert reply.choices[0].finish_reason == "tool_calls" and calls, reply
-                assert calls[0].function.name in NAMES
-                json.loads(calls[0].function.arguments)
+                await forced_call(client, "qwen-tools", choice)
 
 
 @pytest.mark.model
@@ -310,14 +317,7 @@ async def test_a_request_with_tools_gets_the_gguf_s_tool_use_template(
     expected = len(hermes_like.tokenize_chat(turns, tools))
     async with running_server(hermes_like, server_config, http="127.0.0.1:0", api_key="k") as server:
         async with openai_sdk(server) as client:
-            reply = await client.chat.completions.create(
-                model="hermes-tools", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",  # type: ignore[arg-type,list-item]
-                temperature=0, max_tokens=80,
-            )  # fmt: skip
-            calls = reply.choices[0].message.tool_calls
-            assert reply.choices[0].finish_reason == "tool_calls" and calls, reply
-            assert calls[0].function.name in NAMES
-            json.loads(calls[0].function.arguments)
+            reply = await forced_call(client, "hermes-tools", "required")
             assert reply.usage is not None and reply.usage.prompt_tokens == expected
             chat = await client.chat.completions.create(
                 model="hermes-tools", messages=ASK, temperature=0, max_tokens=2,  # type: ignore[arg-type]

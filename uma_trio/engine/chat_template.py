@@ -24,6 +24,7 @@ Pure: no I/O, no llama.cpp.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -218,13 +219,10 @@ class JinjaChatTemplate:
             # A template that refuses a system message (Gemma's: "System role not supported")
             # gets it at the start of the first user message, as llama-server's and Ollama's
             # templates give it; a refusal for any other reason stands.
-            folded = _system_folded(messages)
-            if folded is None:
-                raise ChatTemplateError(f"the model's chat template failed: {_describe(refused)}") from None
-            try:
-                return self._render(folded, tools, add_generation_prompt, extra)
-            except _Refused:
-                raise ChatTemplateError(f"the model's chat template failed: {_describe(refused)}") from None
+            if (folded := _system_folded(messages)) is not None:
+                with contextlib.suppress(_Refused):
+                    return self._render(folded, tools, add_generation_prompt, extra)
+            raise ChatTemplateError(f"the model's chat template failed: {_describe(refused)}") from None
 
     def _render(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
