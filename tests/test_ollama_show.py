@@ -142,3 +142,29 @@ async def test_a_dimensions_no_model_gives_is_refused_before_the_model_loads(
             assert server.models.state("other") == "unloaded"
             shortened = await http.post("/api/embed", json={"model": "other", "input": "hi", "dimensions": 8})
             assert shortened.status_code == 200 and len(shortened.json()["embeddings"][0]) == 8
+
+
+async def test_the_wait_for_a_model_to_load_is_its_load_duration(
+    llama_model: LlamaModel, server_config: ServerConfig, model_path: Path, tmp_path: Path
+) -> None:
+    """Ollama's ``load_duration``: the time a request waited for its model to load (it was 0
+    even for the request that loaded it), within its ``total_duration``; 0 once loaded."""
+    shutil.copy(model_path, tmp_path / "other.gguf")
+    async with running_server(llama_model, server_config, http="127.0.0.1:0", models_dir=tmp_path) as server:
+        api = ollama.AsyncClient(host=str(server.http_url))
+        embedded = await api.embed(model="other", input="hello")
+        assert embedded.load_duration is not None and embedded.total_duration is not None
+        assert 0 < embedded.load_duration <= embedded.total_duration
+        said = [{"role": "user", "content": "Hi"}]
+        warm = await api.chat(model="other", messages=said, options={"num_predict": 2})
+        assert warm.load_duration == 0 and warm.total_duration
+        assert server.models.state("other") == "loaded"
+        await api.generate(model="other", keep_alive=0)  # unloaded when idle
+        with trio.fail_after(30):
+            while server.models.state("other") != "unloaded":
+                await trio.sleep(0.05)
+        cold = await api.chat(model="other", messages=said, options={"num_predict": 2}, stream=True)
+        last = [chunk async for chunk in cold][-1]
+        assert last.done and last.load_duration is not None and last.total_duration is not None
+        assert 0 < last.load_duration <= last.total_duration
+        assert last.prompt_eval_duration is not None and last.prompt_eval_duration > 0

@@ -175,6 +175,7 @@ def ollama_embed_answer(
         "model": model,
         "embeddings": [shortened(e.embedding or [], dimensions) for e in ends],
         "total_duration": int(total_s * 1e9),
-        "load_duration": 0,
+        # Its inputs were asked at once: the longest wait for the model to load is the load's.
+        "load_duration": int(max((e.timings.load_ms or 0.0) for e in ends) * 1e6) if ends else 0,
         "prompt_eval_count": sum(e.usage.prompt_tokens for e in ends),
     }

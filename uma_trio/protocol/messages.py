@@ -309,6 +309,9 @@ class Timings(Struct, omit_defaults=True):
     itl_p95_ms: float | None = None
     itl_max_ms: float | None = None
     tokens_per_s: float | None = None
+    # The wait for its model to load (a model other than --model's, not loaded when it came),
+    # within queue_ms; absent when there was none.
+    load_ms: float | None = None
 
 
 class TopLogprob(Struct):

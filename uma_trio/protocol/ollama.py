@@ -315,7 +315,7 @@ def final_chunk(model: str, eos: EosEvent, chat: bool, text: str = "") -> Chunk:
     ttft = timings.ttft_ms if timings.ttft_ms is not None else timings.total_ms
     chunk = Chunk(
         model=model, created_at=now_rfc3339(), done=True, done_reason=eos.reason,
-        total_duration=_ns(timings.total_ms), load_duration=0,
+        total_duration=_ns(timings.total_ms), load_duration=_ns(timings.load_ms or 0.0),
         prompt_eval_count=usage.prompt_tokens, prompt_eval_duration=_ns(ttft - timings.queue_ms),
         eval_count=usage.completion_tokens, eval_duration=_ns(timings.total_ms - ttft),
     )  # fmt: skip

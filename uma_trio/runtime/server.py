@@ -219,22 +219,28 @@ class Server:
         with self.loop.arrivals.mark():  # an idle decode task waits for it (burst gathering)
             if not self.loop.accepting:
                 raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=request.id)
-            unit = await self._unit_for(request)
+            asked = trio.current_time()
+            unit, loaded_for_it = await self._unit_for(request)
             if unit is None:
                 return await opened(self.engine, self.loop)
+        load_s = trio.current_time() - asked if loaded_for_it else 0.0
         try:
             with unit.loop.arrivals.mark():
-                return await opened(unit.engine, unit.loop)
+                stream = await opened(unit.engine, unit.loop)
         finally:
             self.models.release(unit)
+        stream.load_s = load_s  # Ollama's load_duration
+        return stream
 
-    async def _unit_for(self, request: GenerateRequest) -> ModelUnit | None:
-        """The loaded model ``request`` names (None: --model's), loaded now if need be."""
+    async def _unit_for(self, request: GenerateRequest) -> tuple[ModelUnit | None, bool]:
+        """The loaded model ``request`` names (None: --model's), loaded now if need be, and
+        whether it was not loaded when asked (the request waited for its load)."""
         try:
             model_id = self.models.resolve(request.model)
             if self.models.store.entry(model_id).primary:
-                return None
-            return await self.models.acquire(model_id, request.keep_alive)
+                return None, False
+            not_loaded = model_id not in self.models.units
+            return await self.models.acquire(model_id, request.keep_alive), not_loaded
         except UmaError as exc:
             exc.request_id = request.id
             raise
@@ -262,7 +268,7 @@ class Server:
     async def count_tokens(self, request: GenerateRequest) -> int:
         """The request's prompt in tokens, as it would be prefilled (template, tools), by the
         tokenizer of the model it names."""
-        unit = await self._unit_for(request)
+        unit, _ = await self._unit_for(request)
         engine = self.engine if unit is None else unit.engine
         try:
             return len(await tokenize_request(engine, request, tool_format(engine, request)))

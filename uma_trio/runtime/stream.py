@@ -50,6 +50,7 @@ class RequestStream:
         self.prompt_tokens = len(session.prompt)
         self.receive = receive
         self.delivered_at = TokenTimes()  # when each token was written to the client
+        self.load_s = 0.0  # how long it waited for its model to load (Server.open_request)
         self._session = session  # the loop's: only handed back to it
         self._loop = loop
         # Why it is cancelled when its delivery or its front end stops before the end: its
@@ -85,6 +86,8 @@ class RequestStream:
         ms = 1000.0
         started = end.admitted if end.admitted is not None else now
         timings = Timings(queue_ms=(started - self.created) * ms, total_ms=(now - self.created) * ms)
+        if self.load_s > 0:
+            timings.load_ms = self.load_s * ms
         times = self.delivered_at if self.streamed else end.generated_at
         if times.first is not None:
             timings.ttft_ms = (times.first - self.created) * ms
