@@ -206,17 +206,19 @@ async def test_an_empty_answer_is_an_empty_message_whole_and_streamed(
     from uma_trio.http.gateway import Gateway
     from uma_trio.protocol.messages import EosEvent, TokenEvent
 
-    events = Gateway._events
+    def silenced(events: Any) -> Any:
+        async def silent(self: Gateway, flight: Any) -> Any:  # the model writes nothing
+            async with aclosing(events(self, flight)) as real:
+                async for event in real:
+                    if isinstance(event, EosEvent):
+                        yield msgspec.structs.replace(event, text="", content=None)
+                    elif not isinstance(event, TokenEvent):
+                        yield event
 
-    async def silent(self: Gateway, flight: Any) -> Any:  # the model writes nothing
-        async with aclosing(events(self, flight)) as real:
-            async for event in real:
-                if isinstance(event, EosEvent):
-                    yield msgspec.structs.replace(event, text="", content=None)
-                elif not isinstance(event, TokenEvent):
-                    yield event
+        return silent
 
-    monkeypatch.setattr(Gateway, "_events", silent)
+    monkeypatch.setattr(Gateway, "_events", silenced(Gateway._events))  # whole
+    monkeypatch.setattr(Gateway, "_beating_events", silenced(Gateway._beating_events))  # streamed
     ask: dict[str, Any] = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
     async with openai_sdk(keyed_http_server) as client:
         whole = await client.responses.create(**ask)

@@ -94,7 +94,7 @@ async def test_a_responses_stream_failing_midway_ends_with_response_failed() -> 
     async def failing(flight: object) -> AsyncIterator[object]:
         yield ErrorEvent(id="r", code="E_RUNTIME_001", message="decode failed")
 
-    gateway = SimpleNamespace(_events=failing)
+    gateway = SimpleNamespace(_beating_events=failing)
     flight = SimpleNamespace(stream=SimpleNamespace(tool_format=None))
     api = ResponsesApi(gateway)  # type: ignore[arg-type]
     body = resp.ResponsesBody(model="m", input="hi")

@@ -394,6 +394,12 @@ class ServerConfig:
     requests are cancelled with cancel_reason "stalled" and it is disconnected. Until then its
     streams are parked (left out of the batch). HTTP streams: the request is cancelled the
     same way and frees what it held."""
+    sse_keepalive_s: Annotated[float, Parameter(name="--sse-keepalive")] = 10.0
+    """Seconds an HTTP event stream (OpenAI chat and completions, Responses, Anthropic,
+    /infill, /generate) may go without an event while its request runs (a long prompt read,
+    a wait for room or for its model) before it gets one that says so: an SSE comment; a
+    `response.in_progress` event for the Responses API, Anthropic's `ping`. Clients and
+    proxies give up on a silent stream (Codex after 300 s). 0: never."""
     frame_timeout_s: Annotated[float, Parameter(name="--frame-timeout")] = 10.0
     """Seconds a frame may take to arrive whole once its first byte is in; then E_PROTO_008
     and the connection is closed. Also the deadline of an HTTP request body (408)."""
@@ -486,6 +492,8 @@ class ServerConfig:
             "--metrics-window": self.metrics_window_s, "--max-loaded": self.max_loaded,
         }  # fmt: skip
         bad = [name for name, value in positive.items() if value <= 0]
+        if self.sse_keepalive_s < 0:
+            bad.append("--sse-keepalive (or 0: never)")
         if bad:
             raise ConfigError(f"must be positive: {', '.join(bad)}")
         if self.n_batch < self.max_sessions:

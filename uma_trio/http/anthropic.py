@@ -19,6 +19,7 @@ from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, TokenEven
 from ..protocol.ollama import Limits
 from ..protocol.openai import ApiError, api_error, ended_early, from_uma_error, validation_error
 from ..protocol.tool_text import ToolTextFilter
+from ..runtime.delivery import Beat
 from .auth import request_owner
 from .flight import Flight, GatewayCore, answer_limits, answering_as, completed, decode_body
 from .responses import json_response
@@ -77,7 +78,8 @@ class AnthropicApi:
 
         def opening() -> list[bytes]:
             """message_start (and a ping, as Anthropic sends), before the first event: the
-            request is admitted by then, so its usage splits the prompt as the end's does."""
+            request is admitted by then, so its usage splits the prompt as the end's does
+            (unless the first is a keep-alive of a request still queued: nothing cached yet)."""
             nonlocal started
             if started:
                 return []
@@ -104,11 +106,15 @@ class AnthropicApi:
             delta = {"index": index, "delta": {"type": "text_delta", "text": piece}}
             return [*chunks, anthropic.event("content_block_delta", delta)]
 
-        async with aclosing(self.gateway._events(flight)) as events:
+        async with aclosing(self.gateway._beating_events(flight)) as events:
             async for event in events:
-                for chunk in opening():
+                begun = opening()
+                for chunk in begun:
                     yield chunk
                 match event:
+                    case Beat():  # still reading the prompt, or waiting: a ping, as Anthropic's
+                        if not begun:  # the opening ends with one
+                            yield anthropic.event("ping", {})
                     case TokenEvent(text=text):
                         shown = text_filter.feed(text) if text_filter is not None else text
                         for chunk in text_events(shown):

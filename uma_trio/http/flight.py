@@ -18,6 +18,7 @@ from ..protocol.errors import ErrorCode
 from ..protocol.messages import EosEvent, ErrorEvent, GenerateRequest, ServerEvent
 from ..protocol.ollama import Limits, Options, answer_bounds
 from ..protocol.openai import ApiError
+from ..runtime.delivery import Beat
 from ..runtime.desk import RequestDesk
 from ..runtime.stream import RequestStream
 from .event_stream import EventStream
@@ -86,6 +87,8 @@ class GatewayCore(Protocol):
     async def _collect(self, request: Request, flight: Flight) -> list[ServerEvent]: ...
 
     def _events(self, flight: Flight) -> AsyncGenerator[ServerEvent, None]: ...
+
+    def _beating_events(self, flight: Flight) -> AsyncGenerator[ServerEvent | Beat, None]: ...
 
     def _event_stream(
         self, sse: Callable[[], AsyncGenerator[bytes, None]], flight: Flight, headers: dict[str, str]

@@ -19,6 +19,7 @@ modules (responses.py, auth.py, event_stream.py).
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -61,7 +62,7 @@ from ..protocol.messages import (
 )
 from ..protocol.openai import ApiError
 from ..protocol.openai_choices import choice_requests, merged_chat, merged_text, merged_usage, whole_eos
-from ..runtime.delivery import deliver
+from ..runtime.delivery import Beat, deliver
 from ..runtime.desk import RequestDesk
 from .anthropic import AnthropicApi
 from .auth import BearerAuth, request_owner
@@ -396,11 +397,13 @@ class Gateway:
         chunks.legacy = translated.legacy_functions
 
         async def sse() -> AsyncGenerator[bytes, None]:
-            async with aclosing(self._events(flight)) as events:
+            async with aclosing(self._beating_events(flight)) as events:
                 for head in chunks.head():
                     yield openai.sse(_json.encode(head))
                 async for event in events:
                     match event:
+                        case Beat():
+                            yield openai.SSE_KEEPALIVE
                         case TokenEvent(text=text, logprobs=logprobs):
                             for chunk in chunks.token(text, logprobs):
                                 yield openai.sse(_json.encode(chunk))
@@ -615,9 +618,11 @@ class Gateway:
                 return json_response(infill_answer(eos, self.model, eos.text or ""), headers=headers)
 
             async def sse() -> AsyncGenerator[bytes, None]:
-                async with aclosing(self._events(flight)) as events:
+                async with aclosing(self._beating_events(flight)) as events:
                     async for event in events:
                         match event:
+                            case Beat():
+                                yield openai.SSE_KEEPALIVE
                             case TokenEvent(text=text):
                                 yield openai.sse(_json.encode(InfillAnswer(content=text, stop=False)))
                             case EosEvent(reason="stop" | "length"):
@@ -648,9 +653,10 @@ class Gateway:
                 return json_response(last_word(await self._collect(request, flight)), headers=headers)
 
             async def sse() -> AsyncGenerator[bytes, None]:
-                async with aclosing(self._events(flight)) as events:
+                async with aclosing(self._beating_events(flight)) as events:
                     async for event in events:
-                        yield openai.sse(_json.encode(event))
+                        beat = isinstance(event, Beat)
+                        yield openai.SSE_KEEPALIVE if beat else openai.sse(_json.encode(event))
 
             return self._event_stream(sse, flight, headers)
 
@@ -805,6 +811,18 @@ class Gateway:
         assert self.server is not None and flight.stream is not None
         try:
             async with aclosing(deliver(self.server, flight.stream)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self._end(flight)
+
+    async def _beating_events(self, flight: Flight) -> AsyncGenerator[ServerEvent | Beat, None]:
+        """:meth:`_events` for an event stream: a :class:`Beat` after each ``--sse-keepalive``
+        seconds without an event."""
+        assert self.server is not None and flight.stream is not None
+        every = self.server.config.sse_keepalive_s or math.inf
+        try:
+            async with aclosing(deliver(self.server, flight.stream, every)) as events:
                 async for event in events:
                     yield event
         finally:

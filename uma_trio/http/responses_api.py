@@ -19,6 +19,7 @@ from ..protocol.openai import LANE_HEADER, ApiError, api_error, ended_early
 from ..protocol.openai_logprobs import openai_named
 from ..protocol.responses_tools import call_items, new_id
 from ..protocol.tool_text import ToolTextFilter
+from ..runtime.delivery import Beat
 from .auth import request_owner
 from .flight import Flight, GatewayCore, completed, decode_body, with_ceiling
 from .responses import json_response
@@ -79,9 +80,9 @@ class ResponsesApi:
             payload = msgspec.json.encode({"type": name, "sequence_number": sequence - 1, **data})
             return b"event: " + name.encode() + b"\ndata: " + payload + b"\n\n"
 
-        yield event(
-            "response.created", {"response": api.response_object(response_id, created, body, [], None)}
-        )
+        begun = api.response_object(response_id, created, body, [], None)
+        yield event("response.created", {"response": begun})
+        yield event("response.in_progress", {"response": begun})
         msg_id, text, opened, output = new_id("msg"), "", False, []
         # Tokens' log-probabilities (include's LOGPROBS) go with the delta that shows their
         # text: those of text the tool filter holds back wait for it; all of them at the end.
@@ -98,9 +99,11 @@ class ResponsesApi:
                 event("response.content_part.added", {**where, "part": api.output_text("")}),
             ]
 
-        async with aclosing(self.gateway._events(flight)) as events:
+        async with aclosing(self.gateway._beating_events(flight)) as events:
             async for item in events:
                 match item:
+                    case Beat():  # still reading the prompt, or waiting: said again, as progress
+                        yield event("response.in_progress", {"response": begun})
                     case TokenEvent(text=piece, logprobs=logprobs):
                         named = openai_named(logprobs or ())
                         pending += named

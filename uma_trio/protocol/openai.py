@@ -709,3 +709,5 @@ def sse(payload: bytes) -> bytes:
 
 
 SSE_DONE = sse(b"[DONE]")
+# An SSE comment: every client skips it, and its bytes keep a read timeout from firing.
+SSE_KEEPALIVE = b": keep-alive\n\n"

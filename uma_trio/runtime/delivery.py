@@ -13,22 +13,67 @@ happens at once, not at garbage collection.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from typing import Final, overload
 
 import msgspec
 import trio
 
 from ..protocol.messages import ServerEvent
 from .desk import RequestDesk
-from .session import StreamEnd
+from .session import StreamEnd, StreamItem
 from .stream import RequestStream
 
 
-async def deliver(server: RequestDesk, stream: RequestStream) -> AsyncGenerator[ServerEvent, None]:
+class Beat:
+    """Nothing came for a while, but the request still runs: an HTTP event stream writes
+    something its client counts as activity (clients and proxies give up on a silent stream:
+    Codex after 300 s, many HTTP clients' read timeouts sooner), e.g. while a long prompt is
+    read or the request waits for room."""
+
+
+BEAT: Final = Beat()
+
+
+async def _next(
+    items: trio.MemoryReceiveChannel[StreamItem], beat_every_s: float | None
+) -> StreamItem | Beat | None:
+    """The next item (None: the channel ended), or :data:`BEAT` after ``beat_every_s``."""
+    if beat_every_s is None:
+        try:
+            return await items.receive()
+        except trio.EndOfChannel:
+            return None
+    with trio.move_on_after(beat_every_s):
+        try:
+            return await items.receive()
+        except trio.EndOfChannel:
+            return None
+    return BEAT
+
+
+@overload
+def deliver(server: RequestDesk, stream: RequestStream) -> AsyncGenerator[ServerEvent, None]: ...
+
+
+@overload
+def deliver(
+    server: RequestDesk, stream: RequestStream, beat_every_s: float
+) -> AsyncGenerator[ServerEvent | Beat, None]: ...
+
+
+async def deliver(
+    server: RequestDesk, stream: RequestStream, beat_every_s: float | None = None
+) -> AsyncGenerator[ServerEvent | Beat, None]:
+    """The events to write; with ``beat_every_s``, :data:`BEAT` between two of them that
+    came further apart than that (never after the end)."""
     metrics = server.metrics
     server.open_deliveries += 1  # shutdown waits for these to write their last event
     try:
         async with stream.receive:
-            async for item in stream.receive:
+            while (item := await _next(stream.receive, beat_every_s)) is not None:
+                if isinstance(item, Beat):
+                    yield item
+                    continue
                 if isinstance(item, StreamEnd):
                     if item.error is not None:
                         yield item.error

@@ -219,28 +219,26 @@ class Server:
         with self.loop.arrivals.mark():  # an idle decode task waits for it (burst gathering)
             if not self.loop.accepting:
                 raise UmaError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", request_id=request.id)
-            asked = trio.current_time()
-            unit, loaded_for_it = await self._unit_for(request)
+            unit, load_s = await self._unit_for(request)
             if unit is None:
                 return await opened(self.engine, self.loop)
-        load_s = trio.current_time() - asked if loaded_for_it else 0.0
         try:
             with unit.loop.arrivals.mark():
                 stream = await opened(unit.engine, unit.loop)
+                stream.load_s = load_s  # Ollama's load_duration
+                return stream
         finally:
             self.models.release(unit)
-        stream.load_s = load_s  # Ollama's load_duration
-        return stream
 
-    async def _unit_for(self, request: GenerateRequest) -> tuple[ModelUnit | None, bool]:
-        """The loaded model ``request`` names (None: --model's), loaded now if need be, and
-        whether it was not loaded when asked (the request waited for its load)."""
+    async def _unit_for(self, request: GenerateRequest) -> tuple[ModelUnit | None, float]:
+        """The model ``request`` names (None: --model's), loaded if need be; the wait for its load."""
         try:
             model_id = self.models.resolve(request.model)
             if self.models.store.entry(model_id).primary:
-                return None, False
-            not_loaded = model_id not in self.models.units
-            return await self.models.acquire(model_id, request.keep_alive), not_loaded
+                return None, 0.0
+            asked, loaded = trio.current_time(), model_id in self.models.units
+            unit = await self.models.acquire(model_id, request.keep_alive)
+            return unit, 0.0 if loaded else trio.current_time() - asked
         except UmaError as exc:
             exc.request_id = request.id
             raise
