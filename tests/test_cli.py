@@ -40,6 +40,17 @@ def test_missing_model_is_a_clear_error() -> None:
     assert "does not exist" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_an_infinite_quantity_is_refused_at_start(tmp_path: Path) -> None:
+    """Operator's-view review: `--metrics-window inf` was taken, then `top` and `metrics`
+    failed with a traceback for the daemon's whole life (the window is JSON's null)."""
+    done = run_cli(
+        "serve", "--metrics-window", "inf", "--tick-ms", "inf", "--socket", str(tmp_path / "s.sock")
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "must be finite: --tick-ms, --metrics-window" in done.stderr, done.stderr
+    assert ServerConfig(idle_timeout_s=float("inf"), stall_timeout_s=float("inf")).idle_timeout_s > 0  # never
+
+
 def test_corrupt_model_is_a_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + os.urandom(256))

@@ -172,6 +172,22 @@ def test_a_file_name_that_is_not_utf8_is_skipped_with_one_warning(
     assert len(warned) == 1 and "bad\\xe8.gguf" in warned[0]
 
 
+def test_a_file_name_with_a_control_character_is_skipped_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Operator's-view review: a newline or an escape in a model's file name reached ``ps``,
+    ``top`` and the log as it was (a forged log line, colours on the terminal)."""
+    names = ["new\nline.gguf", "esc\x1b[31mred.gguf", "rtl\u202eflow.gguf"]
+    primary, shelf = shelf_of(tmp_path, "ok.gguf", "caf\u00e9 au lait.gguf", *names)
+    with caplog.at_level(logging.WARNING, logger="uma_trio.model_store"):
+        store = ModelStore.scan(primary, shelf)
+        again = store.rescanned()
+    assert ids(store) == ids(again) == ["main", "caf\u00e9 au lait", "ok"]
+    warned = [r.getMessage() for r in caplog.records if "control character" in r.getMessage()]
+    assert len(warned) == 3 and all("\n" not in w and "\x1b" not in w for w in warned)
+    assert any("'new\\nline.gguf'" in w for w in warned), warned
+
+
 @pytest.mark.model
 async def test_a_file_name_that_is_not_utf8_breaks_no_answer(
     tmp_path: Path, llama_model: LlamaModel, server_config: ServerConfig

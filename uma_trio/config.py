@@ -480,6 +480,16 @@ class ServerConfig:
         nan = ["--" + n.removesuffix("_s").replace("_", "-") for n, v in values.items() if v != v]  # NaN only
         if nan:
             raise ConfigError(f"not a number: {', '.join(nan)}")
+        # Quantities, not timeouts (where inf reads "never"): an infinite window could not be
+        # written in the metrics' JSON, and `top` failed on it for the daemon's whole life.
+        quantities = ("tick_ms", "tick_ms_min", "latency_cap", "bmt_budget_gbps", "metrics_window_s")
+        infinite = [
+            "--" + n.removesuffix("_s").replace("_", "-")
+            for n in quantities
+            if values[n] in (math.inf, -math.inf)
+        ]
+        if infinite:
+            raise ConfigError(f"must be finite: {', '.join(infinite)}")
         positive = {
             "--n-ctx": self.n_ctx, "--n-batch": self.n_batch, "--n-ubatch": self.engine_n_ubatch,
             "--tick-ms": self.tick_ms,

@@ -206,7 +206,9 @@ def _found_files(directory: Path, primary: Path) -> dict[str, Path]:
 
 def _gguf_files(directory: Path) -> Iterator[Path]:
     """The directory's ``*.gguf`` files, sorted, less those whose name is not UTF-8: every
-    answer that lists the models (JSON, metrics, an error naming them) would fail on it."""
+    answer that lists the models (JSON, metrics, an error naming them) would fail on it; and
+    those whose name holds a control character (a newline, an escape): ``ps``, ``top`` and
+    the log print model names as they are, so one forged lines and drove the terminal."""
     if not directory.is_dir():
         return
     for path in sorted(directory.glob("*.gguf")):
@@ -214,6 +216,9 @@ def _gguf_files(directory: Path) -> Iterator[Path]:
             path.name.encode("utf-8")
         except UnicodeEncodeError:
             _warn_once(path)
+            continue
+        if not path.name.isprintable():
+            _warn_once(path, "its name holds a control character")
             continue
         if path.is_file():
             yield path
@@ -240,6 +245,8 @@ def _warn_once(path: Path, why: str = "its name is not UTF-8") -> None:
     _WARNED.add(str(path))
     try:
         shown = path.name.encode("utf-8").decode()
+        if not shown.isprintable():
+            shown = repr(shown)  # one log line, nothing for the terminal to act on
     except UnicodeEncodeError:  # a log line must be UTF-8 too
         shown = repr(path.name.encode("utf-8", "surrogateescape"))
     log.warning("skipping the model file %s in %s: %s", shown, path.parent, why)
