@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -349,3 +352,21 @@ async def test_a_state_loaded_into_a_queued_copys_source_is_not_copied(engine: L
     engine.free_seq(1)
     engine.step_sync([BatchEntry(0, prompt, 0, greedy)])
     assert copied == greedy_tokens(engine, 0, first, len(prompt), 8)
+
+
+def test_an_unloaded_model_is_freed_without_the_garbage_collector(model_path: Path) -> None:
+    """Its vocabulary held the model's own method, a cycle that only the collector's rare
+    full passes freed: every load and unload of a model grew the daemon by 3-7 MB (its
+    grammar tokenizer, templates and pieces), 945 -> 1,013 MB over 19 cycles."""
+    gc.disable()
+    try:
+        model = LlamaModel(model_path)
+        sampler = model.vocabulary.sampler(SamplingParams(temperature=0.0), top_logprobs=2)
+        assert model.vocabulary.has_tokenizer is False and sampler is not None
+        model.vocabulary.tokenizer()  # the grammar tokenizer, the largest part
+        gone = weakref.ref(model)
+        model.close()
+        del model, sampler
+        assert gone() is None
+    finally:
+        gc.enable()

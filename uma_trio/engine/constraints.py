@@ -12,10 +12,12 @@ token trie); it runs on the compute thread beside sampling.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -141,7 +143,12 @@ class ModelVocabulary:
     ) -> None:
         self._vocab = vocab  # llama_vocab_p, owned by the model
         self.n_vocab = n_vocab
-        self._piece = piece
+        # Its model's own method, held weakly: the model holds this vocabulary, and the cycle
+        # freed an unloaded model (its tokenizer, templates, pieces: MBs) only at the garbage
+        # collector's rare full passes, so each load and unload grew the daemon by 3-7 MB.
+        self._piece: Callable[[], Callable[[int], bytes] | None] = (
+            weakref.WeakMethod(piece) if inspect.ismethod(piece) else lambda: piece
+        )
         self._end_tokens = list(end_tokens)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
@@ -206,7 +213,9 @@ class ModelVocabulary:
         if matcher is not None:
             inner = ConstrainedSampler(inner, matcher, self.n_vocab)
         if top_logprobs is not None:  # outermost: the model's row before any mask or penalty
-            inner = LogprobSampler(inner, top_logprobs, self._piece)
+            piece = self._piece()
+            assert piece is not None, "the model is gone"  # it owns this vocabulary
+            inner = LogprobSampler(inner, top_logprobs, piece)
         return inner
 
     def matcher(self, constraint: OutputConstraint) -> llguidance.LLMatcher:
