@@ -53,6 +53,39 @@ async def test_responses_whole_and_streamed(keyed_http_server: Server) -> None:
         assert cut.status == "incomplete" and cut.incomplete_details is not None
 
 
+async def test_every_answer_and_event_is_valid_under_the_sdk_s_own_types(keyed_http_server: Server) -> None:
+    """The SDK builds its objects without validating them, so a field OpenAI always sends
+    and this daemon left out went unseen (`usage.input_tokens_details.cache_write_tokens`);
+    each answer and each streamed event validated strictly, a tool call's too."""
+    import httpx
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    from .conftest import API_KEY
+
+    events = pydantic.TypeAdapter(ResponseStreamEvent)
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    asked: list[dict[str, Any]] = [
+        {"model": MODEL, "input": "Say hi.", "max_output_tokens": 8, "top_logprobs": 2,
+         "include": ["message.output_text.logprobs"]},
+        {"model": MODEL, "input": "Weather in Oslo?", "max_output_tokens": 40, "tools": [WEATHER],
+         "tool_choice": "required"},
+        {"model": MODEL, "input": "Count to twenty.", "max_output_tokens": 3},
+    ]  # fmt: skip
+    base = f"{keyed_http_server.http_url}/v1"
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=60) as http:
+        for body in asked:
+            whole = await http.post("/responses", json=body)
+            assert whole.status_code == 200, whole.text
+            Response.model_validate(whole.json())
+            async with http.stream("POST", "/responses", json={**body, "stream": True}) as streamed:
+                kinds = [
+                    events.validate_json(line[6:]).type
+                    async for line in streamed.aiter_lines()
+                    if line.startswith("data: ")
+                ]
+            assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+
+
 async def test_a_forced_function_call_and_its_output(keyed_http_server: Server) -> None:
     ask: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
     async with openai_sdk(keyed_http_server) as client:
@@ -97,6 +130,29 @@ def test_function_calls_cut_off_by_max_output_tokens_are_incomplete() -> None:
     answer = response_object("resp_1", 0, body, [], cut)
     assert answer["status"] == "incomplete"
     assert answer["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_the_response_echoes_what_the_request_set() -> None:
+    """A Codex review: `user`, `truncation`, `top_logprobs` and `completed_at` were missing
+    (the SDK read them as null) though the request set them and the answer had completed."""
+    from openai.types.responses import Response
+
+    from uma_trio.protocol.messages import EosEvent, Timings, Usage
+    from uma_trio.protocol.responses_api import ResponsesBody, response_object
+
+    body = msgspec.convert(
+        {"model": MODEL, "input": "hi", "user": "u-7", "truncation": "auto", "top_logprobs": 3,
+         "service_tier": "flex"}, ResponsesBody,
+    )  # fmt: skip
+    done = EosEvent(id="r", reason="stop", usage=Usage(3, 2, 5), timings=Timings(0.0, 2_400.0))
+    echoed = Response.model_validate(response_object("resp_1", 1_700_000_000, body, [], done))
+    assert (echoed.user, echoed.truncation, echoed.top_logprobs) == ("u-7", "auto", 3)
+    assert echoed.completed_at == 1_700_000_002 and echoed.service_tier == "flex"
+    assert echoed.background is False and echoed.previous_response_id is None
+    begun = response_object("resp_1", 1_700_000_000, body, [], None)
+    assert begun["completed_at"] is None and begun["status"] == "in_progress"
+    cut = EosEvent(id="r", reason="length", usage=Usage(3, 2, 5), timings=Timings(0.0, 2_400.0))
+    assert response_object("resp_1", 0, body, [], cut)["completed_at"] is None  # incomplete
 
 
 def sdk_error(error: openai.BadRequestError) -> tuple[str | None, str]:

@@ -375,15 +375,19 @@ def response_object(
             "input_tokens": u.prompt_tokens,
             "output_tokens": u.completion_tokens,
             "total_tokens": u.total_tokens,
-            "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0},
         }
+    status = "in_progress" if eos is None else "incomplete" if incomplete else "completed"
+    # Only for a completed one, as OpenAI's: its arrival plus how long it took.
+    completed_at = created + int(eos.timings.total_ms // 1000) if eos and status == "completed" else None
     return {
         "id": response_id,
         "object": "response",
         "created_at": created,
+        "completed_at": completed_at,
         "model": body.model,
-        "status": "in_progress" if eos is None else "incomplete" if incomplete else "completed",
+        "status": status,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "output": output,
         "usage": usage,
@@ -398,6 +402,14 @@ def response_object(
         "store": False,
         "metadata": body.metadata or {},
         "text": body.text or {"format": {"type": "text"}},
+        # The rest of what the request set, echoed as OpenAI's response does.
+        "background": False,
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},  # this model does not reason aloud
+        "service_tier": "flex" if body.service_tier == "flex" else "default",
+        "top_logprobs": body.top_logprobs,
+        "truncation": body.truncation or "disabled",
+        "user": body.user,
     }
 
 
