@@ -24,7 +24,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import trio
@@ -82,6 +82,7 @@ log = logging.getLogger(__name__)
 LOAD_WAIT_S = 300.0  # how long an Ollama route waits for the model to load (OLLAMA_LOAD_TIMEOUT's 5 min)
 
 _json = msgspec.json.Encoder()
+EventT = TypeVar("EventT")
 
 
 class PriorityBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -807,22 +808,23 @@ class Gateway:
         if self._flights.get(flight.id) is flight:
             del self._flights[flight.id]
 
-    async def _events(self, flight: Flight) -> AsyncGenerator[ServerEvent, None]:
+    def _events(self, flight: Flight) -> AsyncGenerator[ServerEvent, None]:
         assert self.server is not None and flight.stream is not None
-        try:
-            async with aclosing(deliver(self.server, flight.stream)) as events:
-                async for event in events:
-                    yield event
-        finally:
-            self._end(flight)
+        return self._ending(flight, deliver(self.server, flight.stream))
 
-    async def _beating_events(self, flight: Flight) -> AsyncGenerator[ServerEvent | Beat, None]:
+    def _beating_events(self, flight: Flight) -> AsyncGenerator[ServerEvent | Beat, None]:
         """:meth:`_events` for an event stream: a :class:`Beat` after each ``--sse-keepalive``
         seconds without an event."""
         assert self.server is not None and flight.stream is not None
         every = self.server.config.sse_keepalive_s or math.inf
+        return self._ending(flight, deliver(self.server, flight.stream, every))
+
+    async def _ending(
+        self, flight: Flight, delivered: AsyncGenerator[EventT, None]
+    ) -> AsyncGenerator[EventT, None]:
+        """``delivered``'s events; the flight ends with them, however they end."""
         try:
-            async with aclosing(deliver(self.server, flight.stream, every)) as events:
+            async with aclosing(delivered) as events:
                 async for event in events:
                     yield event
         finally:
