@@ -34,21 +34,22 @@ class Beat:
 BEAT: Final = Beat()
 
 
-async def _next(
-    items: trio.MemoryReceiveChannel[StreamItem], beat_every_s: float | None
-) -> StreamItem | Beat | None:
-    """The next item (None: the channel ended), or :data:`BEAT` after ``beat_every_s``."""
-    if beat_every_s is None:
-        try:
-            return await items.receive()
-        except trio.EndOfChannel:
-            return None
-    with trio.move_on_after(beat_every_s):
-        try:
-            return await items.receive()
-        except trio.EndOfChannel:
-            return None
-    return BEAT
+class _Beating:
+    """``items``, with :data:`BEAT` after each ``every_s`` seconds in which none came."""
+
+    def __init__(self, items: trio.MemoryReceiveChannel[StreamItem], every_s: float) -> None:
+        self._items, self._every_s = items, every_s
+
+    def __aiter__(self) -> _Beating:
+        return self
+
+    async def __anext__(self) -> StreamItem | Beat:
+        with trio.move_on_after(self._every_s):
+            try:
+                return await self._items.receive()
+            except trio.EndOfChannel:
+                raise StopAsyncIteration from None
+        return BEAT
 
 
 @overload
@@ -68,9 +69,11 @@ async def deliver(
     came further apart than that (never after the end)."""
     metrics = server.metrics
     server.open_deliveries += 1  # shutdown waits for these to write their last event
+    # The socket's streams (no beats) read the channel itself: nothing added to a token's way.
+    items = stream.receive if beat_every_s is None else _Beating(stream.receive, beat_every_s)
     try:
         async with stream.receive:
-            while (item := await _next(stream.receive, beat_every_s)) is not None:
+            async for item in items:
                 if isinstance(item, Beat):
                     yield item
                     continue
