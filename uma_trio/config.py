@@ -396,8 +396,9 @@ class ServerConfig:
     same way and frees what it held."""
     sse_keepalive_s: Annotated[float, Parameter(name="--sse-keepalive")] = 10.0
     """Seconds an HTTP event stream (OpenAI chat and completions, Responses, Anthropic,
-    /infill, /generate) may go without an event while its request runs (a long prompt read,
-    a wait for room or for its model) before it gets one that says so: an SSE comment; a
+    /infill, /generate) may go without an event before its first token (a long prompt read,
+    a wait for room or for its model), or in the background lane, before it gets one that
+    says the request still runs: an SSE comment; a
     `response.in_progress` event for the Responses API, Anthropic's `ping`. Clients and
     proxies give up on a silent stream (Codex after 300 s). 0: never."""
     frame_timeout_s: Annotated[float, Parameter(name="--frame-timeout")] = 10.0

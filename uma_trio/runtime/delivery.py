@@ -35,20 +35,26 @@ BEAT: Final = Beat()
 
 
 class _Beating:
-    """``items``, with :data:`BEAT` after each ``every_s`` seconds in which none came."""
+    """``stream``'s items, with :data:`BEAT` after each ``every_s`` seconds in which none
+    came: until its first token is written, and while it is in the background lane (paused
+    for the interactive streams).  An interactive stream's later gaps stay within the latency
+    guard, and waiting for its tokens under a timeout cost the event loop ~10 µs a token."""
 
-    def __init__(self, items: trio.MemoryReceiveChannel[StreamItem], every_s: float) -> None:
-        self._items, self._every_s = items, every_s
+    def __init__(self, stream: RequestStream, every_s: float) -> None:
+        self._stream, self._every_s = stream, every_s
 
     def __aiter__(self) -> _Beating:
         return self
 
     async def __anext__(self) -> StreamItem | Beat:
-        with trio.move_on_after(self._every_s):
-            try:
-                return await self._items.receive()
-            except trio.EndOfChannel:
-                raise StopAsyncIteration from None
+        items, stream = self._stream.receive, self._stream
+        try:
+            if stream.delivered_at.first is not None and stream.lane == "interactive":
+                return await items.receive()
+            with trio.move_on_after(self._every_s):
+                return await items.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
         return BEAT
 
 
@@ -70,7 +76,7 @@ async def deliver(
     metrics = server.metrics
     server.open_deliveries += 1  # shutdown waits for these to write their last event
     # The socket's streams (no beats) read the channel itself: nothing added to a token's way.
-    items = stream.receive if beat_every_s is None else _Beating(stream.receive, beat_every_s)
+    items = stream.receive if beat_every_s is None else _Beating(stream, beat_every_s)
     try:
         async with stream.receive:
             async for item in items:
