@@ -116,3 +116,33 @@ async def test_beats_come_only_after_a_silence(
         assert seen[first][1] - beat_times[-1] < 1.0  # the token came within the next second
         assert set(kinds[first:-1]) == {"TokenEvent"} and kinds[-1] == "EosEvent"
         assert kinds.count("TokenEvent") == 32
+
+
+async def test_after_its_first_token_only_a_background_stream_gets_beats(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A token, then 3.5 s of silence, then another: a background stream (paused for the
+    interactive ones) gets three beats in between, an interactive one none (its gaps are
+    the guard's, and a timed wait per token cost the event loop)."""
+    from types import SimpleNamespace
+
+    from uma_trio.runtime.delivery import Beat, _Beating
+    from uma_trio.runtime.session import TokenTimes
+
+    for lane, beats in (("background", 3), ("interactive", 0)):
+        send, receive = trio.open_memory_channel[object](8)
+        stream = SimpleNamespace(receive=receive, delivered_at=TokenTimes(first=0.0), lane=lane)
+        seen: list[object] = []
+
+        async def later(send: trio.MemorySendChannel[object] = send) -> None:
+            async with send:
+                await send.send("token")
+                await trio.sleep(3.5)
+                await send.send("token")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(later)
+            async for item in _Beating(stream, 1.0):  # type: ignore[arg-type]
+                seen.append(item)
+        assert seen[0] == seen[-1] == "token" and len(seen) == 2 + beats
+        assert all(isinstance(item, Beat) for item in seen[1:-1]), (lane, seen)
