@@ -478,17 +478,13 @@ class ServerConfig:
     def __post_init__(self) -> None:
         # NaN passes every comparison below (each is False) and broke later: a deadline of NaN.
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        nan = ["--" + n.removesuffix("_s").replace("_", "-") for n, v in values.items() if v != v]  # NaN only
+        nan = [_flag(n) for n, v in values.items() if v != v]  # NaN only
         if nan:
             raise ConfigError(f"not a number: {', '.join(nan)}")
         # Quantities, not timeouts (where inf reads "never"): an infinite window could not be
         # written in the metrics' JSON, and `top` failed on it for the daemon's whole life.
         quantities = ("tick_ms", "tick_ms_min", "latency_cap", "bmt_budget_gbps", "metrics_window_s")
-        infinite = [
-            "--" + n.removesuffix("_s").replace("_", "-")
-            for n in quantities
-            if values[n] in (math.inf, -math.inf)
-        ]
+        infinite = [_flag(n) for n in quantities if values[n] in (math.inf, -math.inf)]
         if infinite:
             raise ConfigError(f"must be finite: {', '.join(infinite)}")
         positive = {
@@ -660,3 +656,8 @@ def read_api_keys(path: Path) -> tuple[str, ...]:
     if not keys:
         raise ValueError(f"--api-key-file {path} holds no key")
     return keys
+
+
+def _flag(field_name: str) -> str:
+    """The command-line flag of a ServerConfig field (``stall_timeout_s`` → ``--stall-timeout``)."""
+    return "--" + field_name.removesuffix("_s").replace("_", "-")
