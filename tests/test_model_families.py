@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import msgspec
 import openai
@@ -169,6 +170,117 @@ async def test_a_mistral_tool_loop_streams_its_call_and_takes_its_result_back(
                 messages=history, **{**ask, "tool_choice": "none", "max_tokens": 8}
             )
             assert answer.choices[0].message.content is not None
+
+
+@pytest.fixture(scope="module")
+def qwen3_coder_like(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaModel]:
+    """Qwen3-Coder's template (XML calls, as Qwen 3.5's), its <tool_call> markers user-defined
+    tokens as in Qwen's vocabulary."""
+    path = family_copy(
+        model_path, tmp_path_factory.mktemp("qwen3coder") / "qwen3-coder-tools.gguf",
+        (TEMPLATES / "qwen3-coder.jinja").read_text(),
+        {3: ("<tool_call>", USER_DEFINED), 4: ("</tool_call>", USER_DEFINED)},
+    )  # fmt: skip
+    model = LlamaModel(path)
+    yield model
+    model.close()
+
+
+@pytest.mark.model
+async def test_a_qwen3_coder_tool_loop_calls_in_xml_and_renders_its_history(
+    qwen3_coder_like: LlamaModel, server_config: ServerConfig
+) -> None:
+    """Qwen3-Coder's (and Qwen 3.5's) calls are XML inside <tool_call>: they were read as
+    Hermes' JSON, so every call such a model wrote came back as text, and a forced call was
+    written in JSON against its own template's format.  Now a forced call is written in
+    XML, read back as a call with JSON arguments (streamed the same), and the history with
+    the call and its result renders as Qwen3-Coder's template writes it."""
+    async with running_server(qwen3_coder_like, server_config, http="127.0.0.1:0", api_key="k") as server:
+        async with openai_sdk(server) as client:
+            for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+                reply = await forced_call(client, "qwen3-coder-tools", choice)
+            call = reply.choices[0].message.tool_calls[0]
+            assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) <= {
+                "city",
+                "unit",
+            }
+            ask: Any = dict(model="qwen3-coder-tools", tools=[WEATHER, TIME], tool_choice="required",
+                            temperature=0, max_tokens=80)  # fmt: skip
+            stream = await client.chat.completions.create(messages=ASK, stream=True, **ask)
+            content, streamed = "", ""
+            async for chunk in stream:
+                content += chunk.choices[0].delta.content or ""
+                for part in chunk.choices[0].delta.tool_calls or ():
+                    streamed += part.function.arguments or "" if part.function else ""
+            assert content == "" and json.loads(streamed), (content, streamed)
+            history = [
+                *ASK,
+                {"role": "assistant", "tool_calls": [{"id": call.id, "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}}]},
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+            ]  # fmt: skip
+            answer = await client.chat.completions.create(
+                messages=history, **{**ask, "tool_choice": "none", "max_tokens": 8}
+            )
+            assert answer.choices[0].message.content is not None
+    request = msgspec.convert({"id": "r", "messages": history, "tools": [WEATHER]}, GenerateRequest)
+    turns, tools = chat_turns(request, "xml", None)
+    rendered = qwen3_coder_like.apply_chat_template(turns, tools)
+    assert "<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n" in rendered
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in rendered
+
+
+def taught_to_call_in_xml() -> list[dict[str, str]]:
+    """A chat whose history teaches the model to answer with a Qwen3-Coder call of
+    ``get_weather`` (two answers of the XML block), then asks again."""
+
+    def said(city: str) -> str:
+        return (
+            "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+            f"{city}\n</parameter>\n</function>\n</tool_call>"
+        )
+
+    messages: list[dict[str, str]] = []
+    for city in ("Rome", "Oslo"):
+        messages += [
+            {"role": "user", "content": f"Weather in {city}?"},
+            {"role": "assistant", "content": said(city)},
+        ]
+    return [*messages, {"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.mark.model
+async def test_a_qwen3_coder_call_written_freely_is_a_call_in_every_api(
+    qwen3_coder_like: LlamaModel, server_config: ServerConfig
+) -> None:
+    """With ``tool_choice`` auto the model writes its call itself, in XML: it came back as the
+    answer's text, so an agent on Qwen3-Coder or Qwen 3.5 never saw a call.  It is a call now,
+    whole and streamed, on OpenAI's chat API and on Anthropic's (Claude Code's)."""
+    messages = taught_to_call_in_xml()
+    async with running_server(qwen3_coder_like, server_config, http="127.0.0.1:0", api_key="k") as server:
+        async with openai_sdk(server) as client:
+            fields: Any = dict(model="qwen3-coder-tools", messages=messages, tools=[WEATHER], temperature=0,
+                               max_tokens=60)  # fmt: skip
+            whole = await client.chat.completions.create(**fields)
+            message = whole.choices[0].message
+            assert message.tool_calls and whole.choices[0].finish_reason == "tool_calls", message
+            assert message.tool_calls[0].function.name == "get_weather"
+            assert json.loads(message.tool_calls[0].function.arguments)["city"]
+            assert message.content == "Let me check."
+            content, arguments = "", ""
+            async for chunk in await client.chat.completions.create(**fields, stream=True):
+                content += chunk.choices[0].delta.content or ""
+                for part in chunk.choices[0].delta.tool_calls or ():
+                    arguments += part.function.arguments or "" if part.function else ""
+            assert (content, arguments) == (message.content, message.tool_calls[0].function.arguments)
+        function = WEATHER["function"]
+        claude = anthropic.AsyncAnthropic(base_url=str(server.http_url), api_key="k", max_retries=0)
+        said = await claude.messages.create(
+            model="qwen3-coder-tools", messages=messages, max_tokens=60,  # type: ignore[arg-type]
+            tools=[{"name": function["name"], "input_schema": function["parameters"]}],  # type: ignore[index]
+            extra_body={"temperature": 0},
+        )  # fmt: skip
+        assert said.stop_reason == "tool_use" and [b.type for b in said.content] == ["text", "tool_use"]
 
 
 def test_tool_call_ids_become_nine_characters_alike_in_call_and_result() -> None:

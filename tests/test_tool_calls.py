@@ -103,6 +103,18 @@ ASK = [
         ("generic", '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "A"}}, {"name": "get_t',
          "", [("get_time", {"zone": "A"})]),
         ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"na', "", [("get_time", {})]),
+        ("xml", "Let me look.\n<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n"
+                "</function>\n</tool_call>", "Let me look.", [("get_time", {"zone": "CET"})]),
+        # Two calls, the second as Hermes' JSON (the block is the same).
+        ("xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+                "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n"
+                '<tool_call>\n{"name": "get_time", "arguments": {"zone": "A"}}\n</tool_call>',
+         "", [("get_weather", {"city": "Oslo", "unit": "celsius"}), ("get_time", {"zone": "A"})]),
+        ("xml", "<tool_call>\n<function=launch_rocket>\n</function>\n</tool_call>",
+         "<tool_call>\n<function=launch_rocket>\n</function>\n</tool_call>", []),
+        # Cut off (max_tokens) before </function>: not a whole call, so no call with half a value.
+        ("xml", "<tool_call>\n<function=get_time>\n<parameter=zone>\nEurope/Ber",
+         "<tool_call>\n<function=get_time>\n<parameter=zone>\nEurope/Ber", []),
     ],
 )  # fmt: skip
 def test_each_family_s_calls_are_read_back(
@@ -115,6 +127,10 @@ def test_each_family_s_calls_are_read_back(
 
 def test_the_family_comes_from_the_template() -> None:
     assert tool_format_of((TEMPLATES / "qwen2.5-instruct.jinja").read_text()) == "hermes"
+    assert tool_format_of((TEMPLATES / "qwen3.jinja").read_text()) == "hermes"
+    # Qwen3-Coder's and Qwen 3.5's <tool_call> blocks hold XML; they were read as Hermes' JSON.
+    assert tool_format_of((TEMPLATES / "qwen3-coder.jinja").read_text()) == "xml"
+    assert tool_format_of((TEMPLATES / "qwen3.5.jinja").read_text()) == "xml"
     assert tool_format_of((TEMPLATES / "llama-3.1-instruct.jinja").read_text()) == "llama3"
     assert tool_format_of("{{ messages }}") == "generic"
     assert tool_format_of(None) == "generic"
@@ -126,6 +142,7 @@ def test_the_family_comes_from_the_template() -> None:
         ("hermes", ["Sure", ". <tool", "_call>\n{", '"name"'], ["Sure", "."]),
         ("hermes", ["a <tool", "box> b"], ["a", " <toolbox> b"]),
         ("hermes", ["Hi \n", "there\n"], ["Hi", " \nthere"]),  # whitespace waits: it may be trimmed
+        ("xml", ["Sure", ". <tool", "_call>\n<function=get_time>\n"], ["Sure", "."]),
         ("llama3", ['{"name"', ": 1}"], []),
         ("llama3", ["Hi {", "x}"], ["Hi {", "x}"]),
         ("generic", ['{"response": ', '"hi"}'], ["hi"]),
@@ -317,10 +334,12 @@ FAMILY_CALLS: dict[ToolFormat, str] = {
     "llama3": json.dumps({"name": "get_weather", "parameters": WEATHER_CALL["arguments"]}),
     "mistral": "[TOOL_CALLS]" + json.dumps([WEATHER_CALL]),
     "generic": json.dumps({"tool_calls": [WEATHER_CALL]}),
+    "xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
+    "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n",
 }
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "generic"])
+@pytest.mark.parametrize("fmt", ["hermes", "xml", "llama3", "mistral", "generic"])
 def test_with_a_response_format_the_answer_is_a_call_or_the_format(fmt: ToolFormat) -> None:
     """Tools with a response_format were refused (OpenAI takes both: the Agents SDK's
     output_type, codex exec --output-schema); the format is the direct answer's, and a
@@ -798,6 +817,79 @@ def test_a_tools_references_keep_their_meaning_in_the_call_grammar(parameters: A
     assert grammar is not None
     answer = json.dumps({"tool_calls": [{"name": "f", "arguments": arguments}]})
     assert grammar_accepts(lark_constraint(grammar, "tools").grammar, answer)
+
+
+SEARCH = msgspec.convert(
+    {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string"}, "limit": {"type": "integer", "minimum": 1},
+            "mode": {"enum": ["fast", "deep"]}, "filters": {"type": "object", "properties": {
+                "lang": {"type": "string"}}, "required": ["lang"], "additionalProperties": False},
+            "exact": {"type": "boolean"}, "code": {"type": ["string", "integer"]},
+        },
+        "required": ["query", "limit"],
+    }}},
+    Tool,
+)  # fmt: skip
+
+
+def xml_call(name: str, **values: str) -> str:
+    """A call as Qwen3-Coder writes it."""
+    elements = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in values.items())
+    return f"<tool_call>\n<function={name}>\n{elements}</function>\n</tool_call>"
+
+
+def test_xml_values_are_text_or_json_as_their_schemas_say() -> None:
+    """Qwen3-Coder / Qwen 3.5 write each argument as an XML element: a string's value is bare
+    text (newlines, quotes and angle brackets as they are), anything else JSON."""
+    schemas = {"search": msgspec.to_builtins(SEARCH.function.parameters)}
+    text = xml_call(
+        "search", query='a <b> "c"\n  d', limit="5", mode="deep", filters='{"lang": "en"}', exact="true",
+        code="42", unknown="[1, 2]",
+    )  # fmt: skip
+    content, calls = parse_tool_calls(text, "xml", ["search"], schemas=schemas)
+    assert content == "" and len(calls) == 1
+    assert json.loads(calls[0].arguments) == {
+        "query": 'a <b> "c"\n  d', "limit": 5, "mode": "deep", "filters": {"lang": "en"}, "exact": True,
+        "code": 42, "unknown": [1, 2],
+    }  # fmt: skip
+    # A string that looks like a number stays text; JSON that does not parse stays text too.
+    _, calls = parse_tool_calls(
+        xml_call("search", query="007", limit="ten"), "xml", ["search"], schemas=schemas
+    )
+    assert json.loads(calls[0].arguments) == {"query": "007", "limit": "ten"}
+    # A closing </parameter> the model left out: the value ends where the next one opens.
+    loose = "<tool_call>\n<function=search>\n<parameter=query>\nx\n<parameter=limit>\n2\n</function>\n"
+    loose += "</tool_call>"
+    _, calls = parse_tool_calls(loose, "xml", ["search"], schemas=schemas)
+    assert json.loads(calls[0].arguments) == {"query": "x", "limit": 2}
+
+
+def test_a_forced_xml_call_is_held_to_each_value_s_schema() -> None:
+    """Under tool_choice required the XML family's grammar writes its format, not Hermes' JSON:
+    text values up to their closing tag, JSON values against their schemas, required ones
+    present, a listed string one of the list."""
+    grammar = tool_call_grammar("xml", [SEARCH, TOOLS[1]], "required", parallel=True)
+    assert grammar is not None
+    compiled = lark_constraint(grammar, "tools").grammar
+    good = xml_call("search", query="x </parameter> y\nz", limit="3", mode="fast", filters='{"lang": "de"}')
+    assert grammar_accepts(compiled, good)
+    assert grammar_accepts(compiled, good + "\n" + xml_call("get_time", zone="UTC"))  # parallel calls
+    assert not grammar_accepts(compiled, xml_call("search", query="x"))  # limit is required
+    assert not grammar_accepts(compiled, xml_call("search", query="x", limit="0"))  # minimum 1
+    assert not grammar_accepts(compiled, xml_call("search", query="x", limit="3", mode="slow"))
+    assert not grammar_accepts(compiled, xml_call("search", query="x", limit="3", filters="{}"))
+    assert not grammar_accepts(compiled, FAMILY_CALLS["hermes"])
+    named = msgspec.convert({"function": {"name": "get_time"}}, NamedToolChoice)
+    once = tool_call_grammar("xml", [SEARCH, TOOLS[1]], named, parallel=True)
+    assert once is not None
+    compiled = lark_constraint(once, "tools").grammar
+    assert grammar_accepts(compiled, xml_call("get_time", zone="UTC"))
+    assert not grammar_accepts(compiled, good)
+    assert not grammar_accepts(
+        compiled, xml_call("get_time", zone="UTC") + "\n" + xml_call("get_time", zone="A")
+    )
 
 
 def test_a_tool_nested_too_deeply_to_rewrite_is_a_grammar_error() -> None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import xml_calls
 from .tools import ToolFormat
 
 
@@ -28,17 +29,19 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
 
 
 def parse_tool_calls(
-    text: str, fmt: ToolFormat, names: Sequence[str], formatted: bool = False
-) -> tuple[str, list[ParsedCall]]:
+    text: str, fmt: ToolFormat, names: Sequence[str], formatted: bool = False,
+    schemas: Mapping[str, Any] | None = None,
+) -> tuple[str, list[ParsedCall]]:  # fmt: skip
     """The content outside tool calls and the calls, from a generated text.  A whole call that
     does not parse, or names no tool of the request, stays content: nothing is lost.  A
     generic answer cut off (max_tokens) inside its ``{"tool_calls": [`` list keeps the calls
     written whole; the one being written is dropped, and there is no content.  ``formatted``:
     a direct answer is the response format's JSON itself (tool_call_grammar's ``answer``),
-    not generic's ``{"response": ...}``."""
-    if fmt == "hermes":
+    not generic's ``{"response": ...}``.  ``schemas``: each tool's parameters by name, which
+    type the XML family's values (without them, a value is the JSON it holds, or its text)."""
+    if fmt in ("hermes", "xml"):
         blocks = list(_HERMES.finditer(text))
-        calls = [c for c in (_call(_load(m.group(1)), names) for m in blocks) if c]
+        calls = [c for c in (_block_call(m.group(1), fmt, names, schemas or {}) for m in blocks) if c]
         if not calls:
             return text, calls
         # Trimmed as ToolTextFilter streams it, so streamed content is this too: whitespace at
@@ -133,6 +136,17 @@ def _load(text: str) -> Any:
         return None
 
 
+def _block_call(
+    body: str, fmt: ToolFormat, names: Sequence[str], schemas: Mapping[str, Any]
+) -> ParsedCall | None:
+    """A ``<tool_call>`` block's call: Hermes' JSON, or the XML family's elements (an XML
+    block holding JSON instead is read as Hermes')."""
+    if fmt == "hermes" or body.lstrip().startswith("{"):
+        return _call(_load(body), names)
+    read = xml_calls.read_call(body, {name: schemas.get(name, {}) for name in names})
+    return None if read is None else _call({"name": read[0], "arguments": read[1]}, names)
+
+
 def _call(value: Any, names: Sequence[str]) -> ParsedCall | None:
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
@@ -146,6 +160,7 @@ def _call(value: Any, names: Sequence[str]) -> ParsedCall | None:
 
 _MARKERS: dict[ToolFormat, str] = {
     "hermes": "<tool_call>",
+    "xml": "<tool_call>",
     "mistral": "[TOOL_CALLS]",
     "llama3": "<|python_tag|>",
 }
@@ -160,7 +175,7 @@ _BARE_OPENINGS: dict[ToolFormat, str] = {"llama3": "{", "mistral": "["}
 class ToolTextFilter:
     """Streams the content of an answer that may hold tool calls: text is passed on until it
     could be the start of a call, and from a call's marker on held until the end, when the
-    parsed answer says what it was.  Hermes content is trimmed around its calls
+    parsed answer says what it was.  Hermes (and XML) content is trimmed around its calls
     (parse_tool_calls): whitespace is held until text follows it, as it may be what is
     trimmed.  A generic answer is JSON (:class:`GenericAnswer` streams its text)."""
 
@@ -187,7 +202,7 @@ class ToolTextFilter:
         else:
             pending = self._held + text
             start, whole = self._call_start(pending)
-            if self._fmt == "hermes":
+            if self._fmt in ("hermes", "xml"):
                 start = len(pending[:start].rstrip())
             out, self._held = pending[:start], pending[start:]
             self._holding = whole

@@ -1,10 +1,12 @@
 """Tool calls: how a model family writes them and the grammar that makes a model write one
 (protocol/tool_text.py reads them back out of the generated text).  Pure: no I/O.
 
-Four families, told apart by the chat template's source:
+Five families, told apart by the chat template's source:
 
 * ``hermes`` (Hermes, Qwen 2.5/3, SmolLM3, ...): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
   one block per call;
+* ``xml`` (Qwen3-Coder, Qwen 3.5, Nemotron 3 Nano, StepFun 3.5): ``<tool_call>`` blocks holding
+  ``<function=NAME>`` and a ``<parameter=KEY>`` element per argument (protocol/xml_calls.py);
 * ``llama3`` (Llama 3.1+): one JSON object ``{"name": ..., "parameters": {...}}``, perhaps after
   ``<|python_tag|>``;
 * ``mistral``: ``[TOOL_CALLS]`` and a JSON list of ``{"name", "arguments"}``;
@@ -29,9 +31,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from . import xml_calls
 from .strict_schema import closed
 
-ToolFormat = Literal["hermes", "llama3", "mistral", "generic"]
+ToolFormat = Literal["hermes", "xml", "llama3", "mistral", "generic"]
 FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.\-]{1,64}\Z")]
 
 
@@ -73,6 +76,8 @@ def tool_format_of(template: str | None) -> ToolFormat:
     """The family a chat template's tool calls belong to, from its source."""
     if not template or "tools" not in template:
         return "generic"  # it does not render tools: describe them in a system message
+    if xml_calls.is_xml_template(template):  # <tool_call> blocks too: before Hermes
+        return "xml"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
@@ -155,6 +160,13 @@ def _moved(ref: Any, root: str) -> Any:
     return root + ref[1:] if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) else ref
 
 
+def _xml_rules(index: int, tool: Tool, parameters: dict[str, Any]) -> list[str]:
+    """The XML family's rules for a call of ``tool``, whose ``parameters`` are the grammar's
+    definition ``_def(index)``: a JSON value's schema points into it, and takes only it."""
+    defs = {_def(index): parameters}
+    return xml_calls.function_rules(index, tool.function.name, parameters, lambda schema: _json(schema, defs))
+
+
 def _json(schema: dict[str, Any], defs: dict[str, Any]) -> str:
     return "%json " + json.dumps({"x-guidance": _JSON_STYLE, **schema, "$defs": defs})
 
@@ -163,6 +175,7 @@ def _json(schema: dict[str, Any], defs: dict[str, Any]) -> str:
 # special token (Qwen's <tool_call>, Mistral's [TOOL_CALLS]): a grammar must then name it.
 CALL_MARKERS: dict[ToolFormat, tuple[str, ...]] = {
     "hermes": ("<tool_call>", "</tool_call>"),
+    "xml": ("<tool_call>", "</tool_call>"),
     "mistral": ("[TOOL_CALLS]",),
 }
 
@@ -193,10 +206,14 @@ def tool_call_grammar(
     formatted = "" if must_call or answer is None else f" | {_json(answer, answer.get('$defs', {}))}"
     parallel = parallel and not isinstance(choice, NamedToolChoice)  # the named call, once
     key = "parameters" if fmt == "llama3" else "arguments"
+    many = "+" if parallel else ""
     defs = _tool_defs(chosen)
+    if fmt == "xml":  # each value its own: text, or JSON against its property's schema
+        rules = [rule for i, tool in enumerate(chosen) for rule in _xml_rules(i, tool, defs[_def(i)])]
+        opens, closes = marker("<tool_call>"), marker("</tool_call>")
+        return xml_calls.call_grammar(len(chosen), rules, opens, closes, many, formatted)
     one_of = [_call_schema(i, t, key) for i, t in enumerate(chosen)]
     call = _json({"anyOf": one_of}, defs)
-    many = "+" if parallel else ""
     if fmt == "hermes":
         opens, closes = marker("<tool_call>"), marker("</tool_call>")
         return f'start: call{many}{formatted}\ncall: {opens} "\\n" {call} ("\\n" {closes} "\\n")?\n'

@@ -146,7 +146,8 @@ def tool_constraint(
 def answer_with_tools(text: str, request: GenerateRequest, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
     """The answer's content and its tool calls, each with a fresh id."""
     names = [t.function.name for t in request.tools or ()]
-    content, parsed = parse_tool_calls(text, fmt, names, formatted(request))
+    schemas = {t.function.name: t.function.parameters or {} for t in request.tools or ()}  # XML values' types
+    content, parsed = parse_tool_calls(text, fmt, names, formatted(request), schemas)
     calls = [
         ToolCall(
             id=f"call_{secrets.token_hex(12)}", function=ToolCallFunction(name=c.name, arguments=c.arguments)
