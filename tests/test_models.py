@@ -43,7 +43,7 @@ from uma_trio.runtime.server import Server
 from uma_trio.sched.cost import CostCoefficients
 
 from .conftest import running_server
-from .helpers import ids, streaming
+from .helpers import RawClient, ids, streaming
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -494,6 +494,35 @@ async def test_the_keep_alive_reaper_never_unloads_a_model_a_request_took_meanwh
                 with trio.fail_after(5):  # it hung for good: c was unloaded under it
                     done = await client.complete(prompt="word " * 50, max_tokens=50, model="c", keep_alive=60)
             assert done.eos.reason == "length" and "c" in server.models.units
+            server.request_shutdown(force=True)
+
+
+async def test_a_request_cancelled_while_its_model_loads_is_cancelled() -> None:
+    """A cancel sent while the request's model loaded (a thread, which a cancel cannot stop)
+    was lost: once the load was done the request was queued and ran to its end.  It now ends
+    as cancelled by its client, with nothing generated, and the model stays loaded."""
+
+    def load(entry: StoreEntry) -> LoadedModel:
+        time.sleep(0.5)  # a real load takes seconds
+        return sim_model()
+
+    with tempfile.TemporaryDirectory(prefix="uma-") as tmp:
+        config = replace(SIM_CONFIG, socket_path=Path(tmp) / "d.sock")
+        primary = SimEngine(CostCoefficients(), n_ctx_seq=config.n_ctx, n_seq_max=config.max_sessions)
+        server = Server(primary, config, store=two_other_models(), loading=Loading(load))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            client = await RawClient.connect(config.socket_path)
+            await client.send({"id": "L", "model": "b", "prompt": "hi", "max_tokens": 40})
+            await trio.sleep(0.1)
+            await client.send({"type": "cancel", "id": "L"})
+            await client.send({"id": "p", "prompt": "hi", "max_tokens": 2})
+            with trio.fail_after(10):
+                ends = {rid: events[-1] for rid, events in (await client.until_all_end(["L", "p"])).items()}
+            await client.aclose()
+            assert (ends["L"]["reason"], ends["L"].get("cancel_reason")) == ("cancelled", "client"), ends["L"]
+            assert ends["L"]["usage"]["completion_tokens"] == 0 and ends["p"]["reason"] == "length"
+            assert "b" in server.models.units
             server.request_shutdown(force=True)
 
 

@@ -245,14 +245,15 @@ class ServerConfig:
     KV split across every GPU, integrated ones included, and computed in parallel: llama.cpp's
     tensor parallelism, marked experimental there; needs flash attention; where no layer goes
     to a GPU, layer is used), row (rows of each matrix, on backends with split buffers: SYCL,
-    Hexagon; refused at start-up on others, CUDA included) or none (all on --main-gpu)."""
+    Hexagon; on a machine with GPUs, refused at start-up on others, CUDA included) or none
+    (all on --main-gpu). A machine with no GPU runs on the CPU whatever these say."""
     tensor_split: Annotated[
         tuple[float, ...] | None,
         Parameter(converter=_tensor_split, negative_iterable=(), show_default="by free memory"),
     ] = None
     """Share of the model per GPU in device order, e.g. 3,1 (by default llama.cpp splits by
-    free memory, with --split-mode tensor evenly); more shares than the machine has GPUs is
-    refused at start-up (unless --split-mode none, which ignores it)."""
+    free memory, with --split-mode tensor evenly); on a machine with GPUs, more shares than it
+    has is refused at start-up (unless --split-mode none, which ignores it)."""
     run_ahead: bool = True
     """While the same sessions decode step after step, the compute thread starts the next
     decode itself from the tokens it just sampled; the event loop collects results one step

@@ -229,6 +229,8 @@ class Connection:
             return
         else:
             self.requests[rid] = stream
+            if scope.cancel_called:  # a cancel that came while a thread held it (its model loading)
+                stream.cancel("client")  # and was queued before any checkpoint could deliver it
             for action in self._admitting[rid]:
                 action(stream)
         finally:
