@@ -864,6 +864,10 @@ def test_xml_values_are_text_or_json_as_their_schemas_say() -> None:
     loose += "</tool_call>"
     _, calls = parse_tool_calls(loose, "xml", ["search"], schemas=schemas)
     assert json.loads(calls[0].arguments) == {"query": "x", "limit": 2}
+    # A closing tag inside a value (code can hold one) is the value's text, as the grammar has it.
+    inside = xml_call("search", query="if a </parameter> b", limit="1")
+    _, calls = parse_tool_calls(inside, "xml", ["search"], schemas=schemas)
+    assert json.loads(calls[0].arguments) == {"query": "if a </parameter> b", "limit": 1}
 
 
 def test_a_forced_xml_call_is_held_to_each_value_s_schema() -> None:

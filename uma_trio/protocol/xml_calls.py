@@ -24,8 +24,11 @@ from typing import Any
 TEMPLATE_MARKS = ("<tool_call>", "<function=", "<parameter=")
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
-# A value ends at its closing tag, or (a model leaving it out) where the next one opens.
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+# A value ends at a closing tag followed by the next parameter or the call's end (one inside
+# the value, as code can hold, is its text), or where the next one opens (a tag left out).
+_PARAMETER = re.compile(
+    r"<parameter=([^>\n]+)>(.*?)(?:</parameter>\s*(?=<parameter=|\Z)|(?=<parameter=)|\Z)", re.S
+)
 _VALUE_END = "\n</parameter>\n"
 _END = json.dumps(_VALUE_END)  # as a grammar item
 
