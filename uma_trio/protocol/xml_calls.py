@@ -67,7 +67,8 @@ def function_rules(
     for k, (key, schema) in enumerate(properties.items()):
         rule = f"arg_{index}_{k}"
         value = _text_value(schema) if written_as_text(schema) else f"{json_value(schema)} {_END}"
-        rules.append(f"{rule}: {json.dumps(f'<parameter={key}>' + chr(10))} {value}")
+        opening = json.dumps(f"<parameter={key}>\n")
+        rules.append(f"{rule}: {opening} {value}")
         body.append(rule if key in required else f"{rule}?")
     return [f"fn_{index}: {' '.join(body)}", *rules]
 
