@@ -21,7 +21,7 @@ import trio.testing
 from uma_trio.daemon import http_gateway
 from uma_trio.http import gateway as gateway_module
 from uma_trio.http.event_stream import sticky_disconnect, until_disconnect
-from uma_trio.http.gateway import Gateway
+from uma_trio.http.gateway import Gateway, kept_for_others
 from uma_trio.runtime.server import Server
 from uma_trio.sched.cost import CostCoefficients
 
@@ -498,6 +498,37 @@ async def test_clients_that_never_read_their_answers_lose_their_slots() -> None:
                 assert (await http.get("/v1/models")).status_code == 200
         for hog, _ in hogs:
             hog.close()
+
+
+async def test_more_choices_than_the_http_requests_in_flight_allowed_are_a_400(tmp_path: Path) -> None:
+    """Each choice is an HTTP request in flight: n over --max-connections (or, with several
+    keys, over one key's share of it) was a 429 with Retry-After on an idle daemon, which the
+    SDKs retried for ever.  It is a 400 naming n, as n over sessions and queue is."""
+    async with (
+        gateway_on_sim(max_connections=2) as (_, _, url),
+        httpx.AsyncClient(base_url=url, timeout=30) as http,
+    ):
+        for stream in (False, True):
+            body = {"model": "sim", "prompt": "hello", "max_tokens": 4, "n": 3, "stream": stream}
+            answer = await http.post("/v1/completions", json=body)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "n", answer.text
+            assert "--max-connections" in answer.json()["error"]["message"]
+        two = await http.post(
+            "/v1/completions", json={"model": "sim", "prompt": "hi", "max_tokens": 4, "n": 2}
+        )
+        assert two.status_code == 200 and len(two.json()["choices"]) == 2
+    keys = tmp_path / "keys"
+    keys.write_text("sk-alice\nsk-bob\n")
+    async with (
+        gateway_on_sim(max_connections=4, api_key_file=keys) as (_, gateway, url),
+        httpx.AsyncClient(base_url=url, timeout=30, headers={"authorization": "Bearer sk-alice"}) as http,
+    ):
+        share = gateway.max_requests - kept_for_others(gateway.max_requests)
+        body = {"model": "sim", "prompt": "hi", "max_tokens": 4, "n": share + 1}
+        answer = await http.post("/v1/completions", json=body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "n", answer.text
+        body["n"] = share
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
 
 
 async def test_more_choices_than_the_daemon_can_ever_hold_are_a_400() -> None:

@@ -168,3 +168,12 @@ async def test_the_wait_for_a_model_to_load_is_its_load_duration(
         assert last.done and last.load_duration is not None and last.total_duration is not None
         assert 0 < last.load_duration <= last.total_duration
         assert last.prompt_eval_duration is not None and last.prompt_eval_duration > 0
+        # /api/embed's load call (no input) waits for the load too: it said 0 (HTTP.md says not).
+        await api.generate(model="other", keep_alive=0)
+        with trio.fail_after(30):
+            while server.models.state("other") != "unloaded":
+                await trio.sleep(0.05)
+        loaded = await api.embed(model="other", input=[])
+        assert loaded.embeddings == [] and server.models.state("other") == "loaded"
+        assert loaded.load_duration is not None and loaded.total_duration is not None
+        assert 0 < loaded.load_duration <= loaded.total_duration

@@ -158,6 +158,16 @@ def test_a_refused_max_completion_tokens_is_named_as_sent_and_int64_seeds_pass()
     assert translate(chat(repetition_penalty=1.3, repeat_penalty=1.3)).request.repeat_penalty == 1.3
 
 
+@pytest.mark.parametrize("kwargs", [{"messages": 1}, {f"v{i}": i for i in range(17)}])
+def test_a_refused_chat_template_kwargs_is_named_as_sent(kwargs: dict[str, int]) -> None:
+    """Found by review: a reserved variable or too many of them were refused naming
+    ``template_args``, the socket's field, which the client never sent."""
+    with pytest.raises(openai.ApiError) as refused:
+        translate(chat(chat_template_kwargs=kwargs))
+    assert refused.value.status == 400 and refused.value.param == "chat_template_kwargs"
+    assert "template_args" not in refused.value.message and "chat_template_kwargs" in refused.value.message
+
+
 @pytest.mark.parametrize("logprobs", [21, -1])
 def test_completions_logprobs_out_of_range_names_logprobs(logprobs: int) -> None:
     """Found by review: /v1/completions' ``logprobs: 21`` was refused naming ``top_logprobs``,

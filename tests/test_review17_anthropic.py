@@ -21,7 +21,7 @@ from uma_trio.http.responses import http_error_response, unexpected_error_respon
 from uma_trio.http.responses_api import ResponsesApi
 from uma_trio.protocol import anthropic as anth
 from uma_trio.protocol import responses_api as resp
-from uma_trio.protocol.messages import ErrorEvent
+from uma_trio.protocol.messages import EosEvent, ErrorEvent, Timings, Usage
 from uma_trio.protocol.openai import ApiError
 from uma_trio.runtime.server import Server
 
@@ -104,6 +104,31 @@ async def test_a_responses_stream_failing_midway_ends_with_response_failed() -> 
     event = openai.types.responses.ResponseFailedEvent.model_validate(last)
     assert event.response.status == "failed" and event.response.error is not None
     assert event.response.error.code == "server_error" and "decode failed" in event.response.error.message
+
+
+async def test_a_responses_stream_cut_by_the_shutdown_says_the_daemon_s_code() -> None:
+    """HTTP.md: the failed response's message begins with the daemon's code.  A stream cut by
+    the shutdown's grace (or a stalled reader) said only "the request was cancelled"."""
+
+    async def cut(flight: object) -> AsyncIterator[object]:
+        yield EosEvent(
+            id="r",
+            reason="cancelled",
+            usage=Usage(1, 0, 1),
+            timings=Timings(queue_ms=0.0, total_ms=1.0),
+            cancel_reason="shutdown",
+        )
+
+    api = ResponsesApi(SimpleNamespace(_beating_events=cut))  # type: ignore[arg-type]
+    flight = SimpleNamespace(stream=SimpleNamespace(tool_format=None))
+    chunks = [c async for c in api._events(flight, resp.ResponsesBody(model="m", input="hi"), "resp_1", 0)]  # type: ignore[arg-type]
+    last = openai.types.responses.ResponseFailedEvent.model_validate(
+        json.loads(chunks[-1].split(b"data: ", 1)[1])
+    )
+    assert last.response.error is not None
+    assert (
+        last.response.error.message.startswith("E_LIMIT_008: ") and "shutdown" in last.response.error.message
+    )
 
 
 # -- 4. Codex's replayed input ------------------------------------------------------------

@@ -141,7 +141,7 @@ BROKEN_TOOL = {"type": "function", "function": {"name": "broken", "parameters": 
 
 async def test_bad_schemas_and_grammars_are_400s_naming_the_problem(keyed_http_server: Server) -> None:
     async with httpx.AsyncClient(
-        base_url=f"{keyed_http_server.http_url}/v1", headers={"Authorization": "Bearer k"}
+        base_url=f"{keyed_http_server.http_url}/v1", headers={"Authorization": "Bearer k"}, timeout=60
     ) as http:
         # param: the field at fault (a schema or grammar that does not compile: it was null).
         cases: list[tuple[dict[str, Any], str, str]] = [

@@ -65,9 +65,9 @@ class EmbeddingsApi:
         model = self.gateway.model_for(required_model(body.model))
         keep_alive = keep_alive_seconds(body.keep_alive)
         texts = embeddings.ollama_texts(body.input)
-        ends = []
+        ends, load_s = [], 0.0
         if not texts:  # Ollama's load call (with keep_alive 0 its unload call), answered at once
-            await load_or_unload(self.gateway, model, keep_alive)
+            _, load_s = await load_or_unload(self.gateway, model, keep_alive)
         else:
             check = partial(embeddings.check_ollama_dimensions, body.dimensions)
             try:
@@ -79,7 +79,9 @@ class EmbeddingsApi:
                     exc.message += "; truncate: true cuts it to fit"
                 raise
         total_s = trio.current_time() - arrived
-        return json_response(embeddings.ollama_embed_answer(body.model, ends, total_s, body.dimensions))
+        return json_response(
+            embeddings.ollama_embed_answer(body.model, ends, total_s, body.dimensions, load_s)
+        )
 
     async def ollama_embeddings(self, request: Request) -> Response:
         data, arrived = await self.gateway._arriving(request)

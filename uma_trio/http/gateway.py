@@ -361,6 +361,12 @@ class Gateway:
             if translated.n > room:  # never all admitted: not a 429 to retry for ever
                 held = f"this daemon holds at most {room} requests at once (free sessions and queue)"
                 raise ApiError(400, f"n={translated.n}: {held}", param="n")
+            # Each choice is an HTTP request in flight, of this key's share where keys are several.
+            most = self.max_requests - (kept_for_others(self.max_requests) if self._principals > 1 else 0)
+            if translated.n > most:
+                whose = " of one key" if self._principals > 1 else ""
+                held = f"at most {most} HTTP requests{whose} may be in flight at once (--max-connections)"
+                raise ApiError(400, f"n={translated.n}: {held}", param="n")
             return await self._choices(request, body, translated, arrived, owner, completion_id)
         async with self._in_flight(translated.request, arrived, translated.auto_max_tokens, owner) as flight:
             return await self._openai_response(request, body, flight, completion_id, translated)

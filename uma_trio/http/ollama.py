@@ -186,7 +186,7 @@ class OllamaApi:
         # Ollama's load call (an empty prompt, or no messages), with keep_alive 0 its unload call.
         generate = isinstance(body, ollama.GenerateBody)
         if not body.messages if isinstance(body, ollama.ChatBody) else not (body.prompt or body.suffix):
-            done = await load_or_unload(gateway, model, keep_alive)
+            done, _ = await load_or_unload(gateway, model, keep_alive)
             now = ollama.now_rfc3339()
             answer = ollama.Chunk(model=body.model, created_at=now, done=True, done_reason=done)
             if generate:
@@ -305,23 +305,25 @@ def _size_vram(size: int, summary: dict[str, Any]) -> int:
     return int(size * layers["offloaded"] // max(1, layers["total"]))
 
 
-async def load_or_unload(gateway: GatewayCore, model: str, keep_alive: float | None) -> str:
+async def load_or_unload(gateway: GatewayCore, model: str, keep_alive: float | None) -> tuple[str, float]:
     """Ollama's load call (no prompt, messages or input): load ``model`` (``"load"``), or
-    unload it with ``keep_alive`` 0 (``"unload"``).  The primary model stays: its unload call
-    is refused as ``POST /unload`` refuses it (it said ``"unload"`` and nothing was)."""
+    unload it with ``keep_alive`` 0 (``"unload"``); and the seconds it waited for the load
+    (0 when the model was loaded: ``load_duration``).  The primary model stays: its unload
+    call is refused as ``POST /unload`` refuses it (it said ``"unload"`` and nothing was)."""
     models = gateway._ready().models
     if models.store.entry(model).primary:
         if keep_alive == 0:
             raise api_error(ErrorCode.MODEL, f"{model} is --model's model: it stays loaded")
-        return "load"
+        return "load", 0.0
     if keep_alive == 0:
         await models.unload_when_idle(model)
-        return "unload"
+        return "unload", 0.0
+    asked, loaded = trio.current_time(), model in models.units
     try:
         models.release(await models.acquire(model, keep_alive))
     except UmaError as exc:
         raise api_error(exc.code, exc.message) from None
-    return "load"
+    return "load", 0.0 if loaded else trio.current_time() - asked
 
 
 def served_context(models: ModelHost, model_id: str) -> int:

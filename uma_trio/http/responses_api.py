@@ -149,9 +149,9 @@ class ResponsesApi:
                         final = api.response_object(response_id, created, body, output, item)
                         yield event("response.completed", {"response": final})
                     case EosEvent(reason="cancelled"):
-                        ended = ended_early(item)
+                        ended = ended_early(item)  # its message begins with the daemon's code too
                         failed = api.failed_object(
-                            response_id, created, body, output, ended.status, ended.message
+                            response_id, created, body, output, ended.status, f"{ended.code}: {ended.message}"
                         )
                         yield event("response.failed", {"response": failed})
                     case ErrorEvent(code=code, message=message):

@@ -167,15 +167,17 @@ def openai_answer(model: str, ends: list[EosEvent], encoding: Literal["float", "
 
 
 def ollama_embed_answer(
-    model: str, ends: list[EosEvent], total_s: float, dimensions: int | None = None
+    model: str, ends: list[EosEvent], total_s: float, dimensions: int | None = None, load_s: float = 0.0
 ) -> dict[str, Any]:
     """``/api/embed``'s body (durations in nanoseconds, as Ollama's), each vector shortened
-    to ``dimensions``."""
+    to ``dimensions``; ``load_s``: the load call's wait for its model (no inputs)."""
     return {
         "model": model,
         "embeddings": [shortened(e.embedding or [], dimensions) for e in ends],
         "total_duration": int(total_s * 1e9),
         # Its inputs were asked at once: the longest wait for the model to load is the load's.
-        "load_duration": int(max((e.timings.load_ms or 0.0) for e in ends) * 1e6) if ends else 0,
+        "load_duration": int(max((e.timings.load_ms or 0.0) for e in ends) * 1e6)
+        if ends
+        else int(load_s * 1e9),
         "prompt_eval_count": sum(e.usage.prompt_tokens for e in ends),
     }

@@ -319,6 +319,8 @@ def translate(
             names.update(tools="functions", tool_choice="function_call")
         if body.repetition_penalty is not None:
             names["repeat_penalty"] = "repetition_penalty"
+        if isinstance(body, ChatBody) and body.chat_template_kwargs is not None:
+            names["template_args"] = "chat_template_kwargs"
         error = client_param(error, names)  # the fields as the client named them
         raise error from None
     if "messages" in fields and (fault := tool_turn_fault(fields["messages"])):  # as OpenAI's checks

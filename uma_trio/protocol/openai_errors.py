@@ -184,12 +184,13 @@ def client_param(error: ApiError, names: dict[str, str]) -> ApiError:
     if error.param is not None:
         head, sep, rest = error.param.partition("[")
         error.param = names.get(head, head) + sep + rest
-    # msgspec's message says where too: "... - at `$.stop[0]`" (a field the client never sent).
+    # msgspec's message says where too: "... - at `$.stop[0]`" (a field the client never sent),
+    # and a check across fields names it so: "`template_args` may not set ...".
     error.message = _MESSAGE_FIELD.sub(lambda m: m[1] + names.get(m[2], m[2]), error.message)
     return error
 
 
-_MESSAGE_FIELD = re.compile(r"(`\$\.)([A-Za-z_]+)")
+_MESSAGE_FIELD = re.compile(r"(`(?:\$\.)?)([A-Za-z_]+)(?=[`\[.])")
 
 
 def stop_param(error: ApiError, stop: str | list[str] | None) -> ApiError:
