@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,20 @@ def family_copy(
     return target
 
 
+@contextmanager
+def loaded(path: Path) -> Iterator[LlamaModel]:
+    """The model at ``path``, closed after."""
+    model = LlamaModel(path)
+    try:
+        yield model
+    finally:
+        model.close()
+
+
+# Qwen's call markers, user-defined tokens in its vocabulary (ids of the default model's reused).
+QWEN_CALL_TOKENS = {3: ("<tool_call>", USER_DEFINED), 4: ("</tool_call>", USER_DEFINED)}
+
+
 async def forced_call(client: openai.AsyncOpenAI, model: str, choice: Any) -> Any:
     """A chat asking for the weather with the tool call forced by ``choice``: it answers with a
     call of an offered tool whose arguments are JSON."""
@@ -80,11 +95,10 @@ def qwen_like(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     path = family_copy(
         model_path, tmp_path_factory.mktemp("qwen") / "qwen-tools.gguf",
         (TEMPLATES / "qwen2.5-instruct.jinja").read_text(),
-        {3: ("<tool_call>", USER_DEFINED), 4: ("</tool_call>", USER_DEFINED)},
+        QWEN_CALL_TOKENS,
     )  # fmt: skip
-    model = LlamaModel(path)
-    yield model
-    model.close()
+    with loaded(path) as model:
+        yield model
 
 
 # Hermes 3's default template: ChatML, no tools (those are in its tool_use template); its
@@ -103,9 +117,8 @@ def hermes_like(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         model_path, tmp_path_factory.mktemp("hermes") / "hermes-tools.gguf", CHATML, {},
         {"tool_use": (TEMPLATES / "hermes-3-llama-3.1-tool_use.jinja").read_text()},
     )  # fmt: skip
-    model = LlamaModel(path)
-    yield model
-    model.close()
+    with loaded(path) as model:
+        yield model
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +129,8 @@ def mistral_like(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         model_path, tmp_path_factory.mktemp("mistral") / "nemo-tools.gguf",
         (TEMPLATES / "mistral-nemo-instruct-2407.jinja").read_text(), {6: ("[TOOL_CALLS]", CONTROL)},
     )  # fmt: skip
-    model = LlamaModel(path)
-    yield model
-    model.close()
+    with loaded(path) as model:
+        yield model
 
 
 @pytest.mark.model
@@ -179,11 +191,10 @@ def qwen3_coder_like(model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     path = family_copy(
         model_path, tmp_path_factory.mktemp("qwen3coder") / "qwen3-coder-tools.gguf",
         (TEMPLATES / "qwen3-coder.jinja").read_text(),
-        {3: ("<tool_call>", USER_DEFINED), 4: ("</tool_call>", USER_DEFINED)},
+        QWEN_CALL_TOKENS,
     )  # fmt: skip
-    model = LlamaModel(path)
-    yield model
-    model.close()
+    with loaded(path) as model:
+        yield model
 
 
 @pytest.mark.model

@@ -176,8 +176,6 @@ def ollama_embed_answer(
         "embeddings": [shortened(e.embedding or [], dimensions) for e in ends],
         "total_duration": int(total_s * 1e9),
         # Its inputs were asked at once: the longest wait for the model to load is the load's.
-        "load_duration": int(max((e.timings.load_ms or 0.0) for e in ends) * 1e6)
-        if ends
-        else int(load_s * 1e9),
+        "load_duration": int(max(((e.timings.load_ms or 0.0) for e in ends), default=load_s * 1e3) * 1e6),
         "prompt_eval_count": sum(e.usage.prompt_tokens for e in ends),
     }
