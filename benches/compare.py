@@ -26,8 +26,8 @@ Extra comparisons:
   needs at the capacity ``llama-batched-bench`` measures just before and just after each run
   (the best of the two, ``capacity.csv`` beside the run's results) over the time the server
   had work (uma_trio/loadgen/efficiency.py);
-* ``scaling`` also runs ``llama-batched-bench`` (the engine's ceiling, no server) at
-  the same batch sizes;
+* ``scaling`` and ``scaling_background`` (the same streams in the background lane) also
+  run ``llama-batched-bench`` (the engine's ceiling, no server) at the same batch sizes;
 * ``mixed`` and ``storm`` also get, per run, the most of the background prompts any schedule
   within the latency guard could read by twice llama-server's completion of each
   (benches/guard_bound.py);
@@ -97,6 +97,7 @@ SETUPS = {
     "storm": Setup(slots=4, n_ctx=8192),
     "agents": Setup(slots=6, n_ctx=1024),
     "scaling": Setup(slots=16, n_ctx=1024),
+    "scaling_background": Setup(slots=16, n_ctx=1024),
     "ipc": Setup(slots=4, n_ctx=1024),
     "ttft_long": Setup(slots=4, n_ctx=2048),
     "chat_beside_long": Setup(slots=4, n_ctx=2048),
@@ -500,7 +501,7 @@ def main() -> None:
             )
         if name in ("mixed", "storm"):
             extra += guard_bound_table([rep.out for rep in reps]) + deadline_table(reps)
-        if name == "scaling":
+        if name in ("scaling", "scaling_background"):
             sizes = [len(r.scenario.expanded().clients) for r in reps[0].results if r.target == "uma-trio"]
             ceiling = batched_bench(args.peers, model, sizes, prompt=32, tokens=128)
             extra += "\n| streams | uma-trio tok/s | llama-server tok/s | llama-batched-bench S_TG tok/s |" \

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import trio
 
 from uma_trio.client import UmaClient
 from uma_trio.engine.base import BatchEntry, EngineError, Follow, Sampled, StepResult
+from uma_trio.engine.held_results import HeldResults
 from uma_trio.engine.llama import LlamaModel
 from uma_trio.engine.sampling import Sampler, SamplingParams
 from uma_trio.engine.sim import SimEngine
@@ -20,7 +23,7 @@ from uma_trio.runtime.run_ahead import MAX_AHEAD, RunAhead, ahead_budget
 from uma_trio.runtime.server import Server
 
 from .conftest import running_server
-from .helpers import RawClient, assert_nothing_held, frame, sim_daemon
+from .helpers import RawClient, assert_nothing_held, frame, sim_daemon, text_of
 
 GREEDY = Sampler(SamplingParams(temperature=0.0))
 
@@ -178,6 +181,35 @@ async def test_a_cancel_during_run_ahead_leaves_nothing_behind(
         assert_nothing_held(server)
 
 
+def test_held_results_go_back_together_newest_first_each_with_its_wait() -> None:
+    """A background chain's results are kept and handed back together, the newest first (its
+    caller waits on the oldest, and finds the rest done when that one wakes it); each says how
+    long it waited.  With nothing to hold for, each goes back at once."""
+    futures: list[Future[StepResult]] = [Future() for _ in range(3)]
+    order: list[int] = []
+    for i, future in enumerate(futures):
+        future.add_done_callback(lambda _, i=i: order.append(i))
+    held = HeldResults(hold_s=60.0)
+    for future in futures:
+        held.hand_back(future, result((1, 7, False)))
+    assert not any(f.done() for f in futures)
+    time.sleep(0.002)
+    held.release()
+    assert order == [2, 1, 0]
+    waits = [f.result().held_s for f in futures]
+    assert waits[0] >= waits[1] >= waits[2] and waits[2] >= 0.002
+    at_once: Future[StepResult] = Future()
+    HeldResults(hold_s=0.0).hand_back(at_once, result((1, 7, False)))
+    assert at_once.done() and at_once.result().held_s == 0.0
+    # Once the oldest has waited hold_s, the next result hands every one back.
+    late = [Future(), Future()]
+    held = HeldResults(hold_s=0.001)
+    held.hand_back(late[0], result((1, 7, False)))
+    time.sleep(0.002)
+    held.hand_back(late[1], result((1, 8, False)))
+    assert all(f.done() for f in late)
+
+
 # -- the real model: the compute thread's own queue ----------------------------------------
 
 
@@ -218,6 +250,39 @@ async def test_real_model_greedy_output_is_the_same_with_and_without_run_ahead(
             texts[on] = results
     assert texts[True] == texts[False]
     assert all(len(t) > 20 for t in texts[True])
+
+
+@pytest.mark.model
+async def test_a_background_stream_s_tokens_come_back_together_and_the_same(
+    llama_model: LlamaModel, server_config: Any
+) -> None:
+    """On the CPU a lone stream runs ahead; in the background lane nobody watches its tokens
+    one by one, so its chain's results come back together (engine/held_results.py): most of
+    its tokens reach the client right after the one before, where an interactive stream's
+    come a step apart.  The tokens are the same, and the time the results were held is not
+    counted as the engine idling between steps."""
+    async with running_server(llama_model, server_config, run_ahead=True) as server:
+        client = await RawClient.connect(server.config.socket_path)
+        ends: dict[str, dict[str, Any]] = {}
+        texts: dict[str, str] = {}
+        idle: dict[str, float | None] = {}
+        for lane in ("background", "interactive"):
+            ask = {"id": lane, "prompt": "hello " * 32, "max_tokens": 64,
+                   "temperature": 0.0, "priority": lane}  # fmt: skip
+            with trio.fail_after(120):
+                await client.send(ask)
+                events = await client.until_end(lane)
+            ends[lane], texts[lane] = events[-1], text_of(events)
+            idle[lane] = server.scorecard(trio.current_time()).engine_idle_pct
+        assert ends["background"]["reason"] == ends["interactive"]["reason"] == "length"
+        assert texts["background"] == texts["interactive"] and len(texts["background"]) > 64
+        # The median gap between two tokens written to the client.
+        assert ends["background"]["timings"]["itl_p50_ms"] < 1.0, ends["background"]["timings"]
+        assert ends["interactive"]["timings"]["itl_p50_ms"] > 2.0, ends["interactive"]["timings"]
+        assert server.loop.gauges()["run_ahead"]["steps"] > 0
+        # Counted from when each held step ended, not when it was handed back: with the
+        # ~10 steps of a hand-back read as one long gap, the engine read ~45 % idle.
+        assert idle["background"] is not None and idle["background"] < 25.0, idle
 
 
 async def test_tick_trace_has_one_line_per_step_run_ahead_or_planned(

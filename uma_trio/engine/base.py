@@ -95,6 +95,9 @@ class StepResult:
     decode_s: float  # wall time of the decode call (plus sampling)
     failed: list[SampleFailure] = field(default_factory=list)
     pooled: list[PooledPart] = field(default_factory=list)  # one per embedding entry
+    # How long the engine kept the result before handing it back (``step(..., hold=True)``):
+    # it was ready that long before its caller saw it.
+    held_s: float = 0.0
 
     def __add__(self, other: StepResult) -> StepResult:
         """Two steps' results as one (a batch decoded in parts)."""
@@ -249,8 +252,9 @@ class Engine(Protocol):
         ...
 
     async def step(
-        self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False
-    ) -> StepResult:
+        self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False,
+        hold: bool = False,
+    ) -> StepResult:  # fmt: skip
         """Decode one batch and sample where asked.  Cancellation waits for the step.
 
         Raises :class:`EngineError` when the decode fails.  A sampler that raises fails
@@ -259,7 +263,10 @@ class Engine(Protocol):
         With ``follow``, an engine may run ahead: right after sampling it asks ``follow``
         for the next batch and starts it without waiting for its caller; the caller then
         collects those steps with :meth:`next_ahead` while :attr:`running_ahead` holds.  An
-        engine that does not run ahead ignores ``follow``."""
+        engine that does not run ahead ignores ``follow``.  With ``hold`` as well, it may
+        keep the results of a chain (this step's included) and hand them back together,
+        each marked with how long it was kept (``StepResult.held_s``): one wake-up of the
+        caller for several steps, where nobody watches their tokens one by one."""
         ...
 
     @property

@@ -71,7 +71,11 @@ class ComputeThread:
 
     @staticmethod
     async def wait(future: Future[T]) -> T:
-        """Wait for a submitted call without blocking trio; not cancellable (see :meth:`run`)."""
+        """Wait for a submitted call without blocking trio; not cancellable (see :meth:`run`).
+        A call already done (results handed back together, engine/held_results.py) is
+        returned at once, without a round trip through trio's wake-up."""
+        if future.done():
+            return future.result()
         token = trio.lowlevel.current_trio_token()
         task = trio.lowlevel.current_task()
 

@@ -116,8 +116,9 @@ class FaultyEngine:
         self.inner.went_idle()
 
     async def step(
-        self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False
-    ) -> StepResult:
+        self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False,
+        hold: bool = False,
+    ) -> StepResult:  # fmt: skip
         entries = list(entries)
         poison: Fault | None = None
         for fault in list(self.armed):

@@ -65,6 +65,7 @@ from .compute_thread import ComputeThread
 from .constraints import ModelVocabulary
 from .device_sampling import DeviceGreedy
 from .devices import LlamaLog, captures_cuda_graphs, devices, flash_attention_resolved, system_info
+from .held_results import HeldResults
 from .libllama import llama
 from .llama_model import LlamaModel, ModelLoadError, ModelShape, Placement
 from .model_card import read_shape
@@ -76,6 +77,10 @@ from .summary import engine_summary
 # step is queued on the device (LlamaEngine._chain).  UMA_HAND_BACK_BEFORE_LAUNCH=1 hands it
 # back before, as on a CPU: for A/B runs (docs/BENCHMARKS.md "GPU").
 HAND_BACK_AFTER_LAUNCH = not os.environ.get("UMA_HAND_BACK_BEFORE_LAUNCH")
+# A chain run with ``hold`` hands its results back together once the first of them has
+# waited this long, or when it ends: its caller's view is never staler than that.
+# UMA_HOLD_AHEAD_S=0 hands each back at once, as without ``hold``: for A/B runs.
+HOLD_AHEAD_S = float(os.environ.get("UMA_HOLD_AHEAD_S", "0.1"))
 
 log = logging.getLogger(__name__)
 
@@ -343,8 +348,9 @@ class LlamaEngine:
         self.step_gaps.idle()
 
     async def step(
-        self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False
-    ) -> StepResult:
+        self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False,
+        hold: bool = False,
+    ) -> StepResult:  # fmt: skip
         # Cleared here, before the compute thread can start: a preempt() after this line
         # is for this step (or the chain it starts), one before it for a step already over.
         self._abort.value = b""
@@ -355,7 +361,7 @@ class LlamaEngine:
             if follow is None:
                 return await self._compute.run(self._decode_and_sample, entries, started, started=started)
             first: Future[StepResult] = Future()
-            self._compute.submit(self._chain, entries, started, follow, first)
+            self._compute.submit(self._chain, entries, started, follow, first, hold)
             return await self._compute.wait_started(first, started)
         finally:
             self._preemptible = self._preemptible and self.running_ahead  # a chain stays so to its end
@@ -496,6 +502,7 @@ class LlamaEngine:
         decode_started: threading.Event,
         follow: Follow,
         first: Future[StepResult],
+        hold: bool = False,
     ) -> None:
         """Run ``entries``, then each batch ``follow`` asks for, without leaving the compute
         thread (run-ahead, runtime/run_ahead.py).  Each later step's future is queued in
@@ -511,9 +518,14 @@ class LlamaEngine:
         from the compute thread: 0.6 ms between two decodes of a one-stream CPU tick).  Where
         every layer is on a GPU, ``llama_decode`` returns once the step is queued on the
         device; the result then goes back after it, while the device computes, and the
-        hand-off leaves the time between two decodes altogether."""
+        hand-off leaves the time between two decodes altogether.
+
+        With ``hold`` the results wait instead, each with the time it was ready, and go
+        back together (:class:`.HeldResults`): once the oldest has waited :data:`HOLD_AHEAD_S`,
+        and at the chain's end, before its last result or its error."""
         future = first
         after_launch = self.step_frees_host and HAND_BACK_AFTER_LAUNCH  # for the whole chain
+        held = HeldResults(HOLD_AHEAD_S if hold else 0.0)
         try:
             result = self._run(self._fill(entries), decode_started)
             while after := follow(entries, result):
@@ -524,17 +536,19 @@ class LlamaEngine:
                     try:
                         started = self._launch(filled, None)
                     finally:
-                        future.set_result(result)  # its tokens stand, whether or not the next step started
+                        held.hand_back(future, result)  # its tokens stand, whatever the next step does
                         future, entries = following, after
                     result = self._collect(filled, started)
                 else:
-                    future.set_result(result)
+                    held.hand_back(future, result)
                     future, entries = following, after
                     result = self._run(filled, None)
         except BaseException as exc:
+            held.release()
             future.set_exception(exc)
             return
-        future.set_result(result)
+        held.hand_back(future, result)
+        held.release()
 
     def _decode_and_sample(
         self, entries: Sequence[BatchEntry], decode_started: threading.Event | None

@@ -206,8 +206,9 @@ class SimEngine:
             self._stop_ahead = True
 
     async def step(
-        self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False
-    ) -> StepResult:
+        self, entries: Sequence[BatchEntry], follow: Follow | None = None, *, preemptible: bool = False,
+        hold: bool = False,
+    ) -> StepResult:  # fmt: skip
         self._stop_ahead = False  # as the real engine's abort flag: cleared for each new step
         return await self._step_and_follow(entries, follow, preemptible=preemptible)
 

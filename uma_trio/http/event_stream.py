@@ -15,6 +15,9 @@ from .serve import Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
+# Chunks queued behind one go out with it up to this many bytes.
+_COALESCE_BYTES = 65536
+
 
 # The ASGI receive of the HTTP request a task serves while nobody watches it for a hang-up
 # (set per request by the gateway; None inside until_disconnect's work and the tasks it
@@ -77,8 +80,12 @@ class EventStream(Response):
         on_stall: Callable[[], None],
         headers: dict[str, str] | None = None,
         companion: Callable[[], Awaitable[None]] | None = None,
+        queued: Callable[[], bool] | None = None,
     ) -> None:
         self.status_code = 200
+        # More events wait already (a background chain's tokens come back together,
+        # engine/held_results.py): the chunk is sent with theirs, one write for all.
+        self._queued = queued
         self._companion = companion  # runs beside the stream, ended with it (n > 1 choices)
         self.background = None
         self._chunks = chunks
@@ -95,11 +102,22 @@ class EventStream(Response):
             nonlocal sending_since, finished
             async with aclosing(self._chunks()) as chunks:
                 await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                pending = b""
                 async for chunk in chunks:
-                    sending_since = trio.current_time()
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    sending_since = None
+                    pending += chunk
+                    if self._queued is not None and self._queued() and len(pending) < _COALESCE_BYTES:
+                        continue
+                    await write(pending)
+                    pending = b""
+                if pending:  # a generator that stopped with events still queued
+                    await write(pending)
             finished = True
+
+        async def write(body: bytes) -> None:
+            nonlocal sending_since
+            sending_since = trio.current_time()
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            sending_since = None
 
         async def watchdog() -> None:
             # Hypercorn shields its socket writes from cancellation, so a client that reads

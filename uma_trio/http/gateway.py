@@ -803,7 +803,7 @@ class Gateway:
         stream, stall = flight.stream, self.server.config.stall_timeout_s
         return EventStream(
             sse, on_close=lambda: self._end(flight), headers=headers,
-            stall_timeout_s=stall, on_stall=lambda: stream.cancel("stalled"),
+            stall_timeout_s=stall, on_stall=lambda: stream.cancel("stalled"), queued=lambda: stream.queued,
         )  # fmt: skip
 
     def _end(self, flight: Flight) -> None:

@@ -49,6 +49,9 @@ from .write_now import write_now
 log = logging.getLogger(__name__)
 
 _READ_SIZE = 65536
+# Frames queued behind one are written with it up to this many bytes (a write the socket
+# buffer of ~200 KiB takes at once).
+_COALESCE_BYTES = 65536
 
 
 class Connection:
@@ -270,7 +273,11 @@ class Connection:
     # -- writing -----------------------------------------------------------------
 
     async def _pump(self, stream: RequestStream) -> None:
-        """Forward one request's events to the socket; its end is the request's end."""
+        """Forward one request's events to the socket; its end is the request's end.  Events
+        already queued behind one (a background chain's tokens come back several at a time,
+        engine/held_results.py) go out with it in one write: one system call and one wake-up
+        of the client for all of them, where each costs the decode's cores on a small CPU."""
+        frames = bytearray()
         try:
             async with aclosing(deliver(self.server, stream)) as events:
                 async for event in events:
@@ -278,7 +285,11 @@ class Connection:
                         # The id is free once the client can see the end: it may reuse it in
                         # the very next frame, before this task runs again.
                         self._forget(stream)
-                    await self._send(event)
+                    frames += encode_event(event)
+                    if stream.queued and len(frames) < _COALESCE_BYTES:
+                        continue
+                    data, frames = bytes(frames), bytearray()
+                    await self._send_data(data)
         finally:
             # A hang-up lands here through Cancelled; deliver() has cancelled the request.
             self._forget(stream)
@@ -290,7 +301,11 @@ class Connection:
             self._set_idle_deadline()
 
     async def _send(self, event: ServerEvent) -> None:
-        data = encode_event(event)
+        await self._send_data(encode_event(event))
+
+    async def _send_data(self, data: bytes) -> None:
+        """Write ``data`` (whole frames): at once where the socket takes it, else behind the
+        lock, waiting for the reader."""
         if not self._send_lock.locked():
             # A token's frame almost always fits the socket's buffer: written at once, it
             # costs one system call, where send_all takes two passes of trio's scheduler

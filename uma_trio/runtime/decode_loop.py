@@ -503,7 +503,8 @@ class DecodeLoop:
         try:
             try:
                 follow = self._arm_run_ahead(plan)
-                result = await self.engine.step(entries, follow, preemptible=plan.preemptible)
+                hold = follow is not None and self._unwatched(plan)
+                result = await self.engine.step(entries, follow, preemptible=plan.preemptible, hold=hold)
             except EngineError as exc:
                 if exc.preempted:  # undone by the engine: plan again, with the newcomer
                     self._was_preempted()
@@ -519,6 +520,7 @@ class DecodeLoop:
         self._absorb(plan, result, whole)
         if not self._chain.live:
             return
+        held = result.held_s > 0
         # Steps the compute thread ran ahead (run_ahead.py), collected one behind it.
         try:
             while self.engine.running_ahead:
@@ -538,10 +540,23 @@ class DecodeLoop:
                     plan, decode=tuple(e.seq_id for e in ahead), kv_cells=sum(e.pos0 for e in ahead)
                 )
                 self._absorb(ran, result, whole=True, ahead=True)
+                held = held or result.held_s > 0
         except Exception as exc:
             await self._lose_context(exc)
             return
         self._end_run_ahead()
+        if held:
+            await self._let_writers_drain()
+
+    async def _let_writers_drain(self) -> None:
+        """Results that came back together put a whole chain's tokens in the stream buffers
+        at once; the next plan's run-ahead budgets are what those buffers have room for, so
+        let the writers take them first (they take all that is queued in one go,
+        runtime/delivery.py), or the next chain would be a step or two long."""
+        for _ in range(3):  # trio may run the woken writers before or after this task
+            if not any(s.events.statistics().current_buffer_used for s in self._active.values()):
+                return
+            await trio.lowlevel.checkpoint()
 
     def _was_preempted(self) -> None:
         """A step was stopped for an arriving interactive request: the next plan has it."""
@@ -579,8 +594,10 @@ class DecodeLoop:
                     self._fail(session, ErrorCode.SAMPLING_FAILED, message)
                 case Overran(seq_id=seq_id):  # ended while the step ran ahead: trim its cell
                     self._chain.overran(seq_id)
-        # Overhead: wall time since the previous step ended, less this step's own time.
-        since = now - self._last_step_end if self._last_step_end is not None else result.decode_s
+        # Overhead: wall time since the previous step ended, less this step's own time.  A
+        # result the engine held (run-ahead's background chains) ended that much earlier.
+        ended = now - result.held_s
+        since = ended - self._last_step_end if self._last_step_end is not None else result.decode_s
         if self._sharing is not None:
             limited, self._limited = self._limited and not ahead, False
             self._sharing.arbiter.ran(
@@ -591,7 +608,7 @@ class DecodeLoop:
             decode_tokens=len(plan.decode), prefill_tokens=plan.prefill_tokens, generated=generated,
             bmt_bytes=plan.bmt_bytes, cap_s=plan.cap_s,
         )  # fmt: skip
-        self._last_step_end = now
+        self._last_step_end = ended
         if self._trace is not None:
             step_s, waiting = result.decode_s, len(self._waiting)
             self._trace.write(t=now, tick=self._tick, plan=plan, step_s=step_s, ahead=ahead, waiting=waiting)
@@ -625,6 +642,12 @@ class DecodeLoop:
         # A session leaving may make room for what waits: then the next plan is due at once.
         self._run_ahead.arm(budgets, stop_when_one_leaves=limit is not None or bool(self._waiting))
         return self._run_ahead.follow if self._run_ahead.steady else None
+
+    def _unwatched(self, plan: Plan) -> bool:
+        """Nobody watches ``plan``'s tokens one by one: every decoder is background work,
+        whose gaps no guard holds, so a chain's results may come back together
+        (engine/held_results.py)."""
+        return all(self._active[seq_id].lane == "background" for seq_id in plan.decode)
 
     def _only_background_waits(self, plan: Plan) -> bool:
         """The sessions ``plan`` leaves out are background work it stands for (Plan.stands_for)."""

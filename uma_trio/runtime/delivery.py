@@ -49,6 +49,10 @@ class _Beating:
     async def __anext__(self) -> StreamItem | Beat:
         items, stream = self._stream.receive, self._stream
         try:
+            try:
+                return items.receive_nowait()  # queued already (as _Draining): no timer to set
+            except trio.WouldBlock:
+                pass
             if stream.delivered_at.first is not None and stream.lane == "interactive":
                 return await items.receive()
             with trio.move_on_after(self._every_s):
@@ -56,6 +60,27 @@ class _Beating:
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
         return BEAT
+
+
+class _Draining:
+    """``receive``'s items, those already queued taken at once: a background chain's tokens
+    come back several at a time (engine/held_results.py), and waiting for each one would
+    cost a pass of trio's scheduler (and a system call) a token."""
+
+    def __init__(self, receive: trio.MemoryReceiveChannel[StreamItem]) -> None:
+        self._receive = receive
+
+    def __aiter__(self) -> _Draining:
+        return self
+
+    async def __anext__(self) -> StreamItem:
+        try:
+            try:
+                return self._receive.receive_nowait()
+            except trio.WouldBlock:
+                return await self._receive.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
 
 
 @overload
@@ -76,7 +101,7 @@ async def deliver(
     metrics = server.metrics
     server.open_deliveries += 1  # shutdown waits for these to write their last event
     # The socket's streams (no beats) read the channel itself: nothing added to a token's way.
-    items = stream.receive if beat_every_s is None else _Beating(stream, beat_every_s)
+    items = _Draining(stream.receive) if beat_every_s is None else _Beating(stream, beat_every_s)
     try:
         async with stream.receive:
             async for item in items:

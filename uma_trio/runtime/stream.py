@@ -63,6 +63,11 @@ class RequestStream:
         """Prompt tokens the prefix cache gave it: known once it is admitted (0 before)."""
         return self._session.cached_tokens
 
+    @property
+    def queued(self) -> bool:
+        """Items wait in the channel: the next one can be taken at once."""
+        return self.receive.statistics().current_buffer_used > 0
+
     def cancel(self, reason: CancelReason) -> None:
         """Ask for the request to end with ``eos(cancelled)``; a no-op once it has ended."""
         self._loop.cancel(self._session, reason)
