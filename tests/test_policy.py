@@ -362,6 +362,28 @@ def test_hill_climber_finds_the_best_batch_and_stays() -> None:
     assert visits.count(5) > 70  # probes away from the optimum are rare
 
 
+def test_a_quiet_tick_decodes_every_background_stream_at_once() -> None:
+    """With no interactive session, on an engine a chat arriving can stop, every background
+    decoder joins the tick, however far past the throughput tick: one step gives each its
+    token for one step's fixed cost.  Held to the 50 ms tick, 16 streams on the CPU decoded
+    ~6 a tick in turns, 0.70-0.82x llama-server's tokens/s (BENCHMARKS.md "Background chains
+    handed back together").  An engine that cannot stop a step, another model's stream gap,
+    and an interactive session keep the budget."""
+    streams = tuple(background(k, n_past=40) for k in range(16))  # 16 decoders: 52 ms predicted
+
+    def decoders(preemptible: bool = True, *extra: SessionState, foreign_cap_s: float | None = None) -> int:
+        state = SchedulerState(
+            (*streams, *extra), tick=100, max_batch=2048, preemptible=preemptible, foreign_cap_s=foreign_cap_s
+        )
+        return sum(1 for key in plan_tick(state, CONFIG, COST).decode if key < 16)
+
+    fit = int((CONFIG.tick_background_s - COST.fixed_s) / COST.decode_s)  # 15 in 50 ms
+    assert decoders() == 16
+    assert decoders(False) == fit
+    assert decoders(True, foreign_cap_s=0.020) == int((0.020 - COST.fixed_s) / COST.decode_s)
+    assert decoders(True, interactive(99, n_past=40)) < 16
+
+
 def test_with_nobody_decoding_prompts_take_a_whole_micro_batch() -> None:
     """Work-conserving: no stream's gap to protect, so prompts take the engine's efficient
     unit; not more, so a request arriving meanwhile waits one micro-batch at most."""

@@ -28,7 +28,8 @@ The stages, in order (each a function below):
    work takes only what adds nothing to it, and no rescue rides on it (time to
    first token first).
 4. **Background decoders** fill the headroom, longest-waiting first, at most
-   ``background_limit`` of them (the sweet-spot auto-tuner's setting).
+   ``background_limit`` of them (the sweet-spot auto-tuner's setting); with no
+   interactive session at all (a quiet tick) every one of them, whatever the budget.
 5. **Background prefill** fills what is still left, shortest remaining prompt
    first and whole (:func:`shortest_first`), scaled by the hysteresis ramp:
    after a tick overran its budget, prefill is held off for ``hold_ticks``
@@ -53,6 +54,7 @@ Over 400 lines: the pipeline's stages read best in order in one place; the ΣBMT
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -346,7 +348,13 @@ def plan_pipeline(
         budget = min(budget, batch.predicted())
 
     background_decoders = [s for s in runnable if not s.interactive and s.decoding]
-    left = add_decoders(batch, background_decoders, budget, _decoder_cap(batch, controls))
+    # With no interactive session every background decoder joins (up to the tuner's limit):
+    # one step gives each its token for one step's fixed cost, and a chat arriving stops it
+    # at once (quiet_tick).  Held to the throughput tick, 16 streams on this CPU decoded ~6 a
+    # tick in turns, 0.70-0.82x llama-server's tokens/s (BENCHMARKS.md "Background chains
+    # handed back together").  Inside another model's stream gap the gap still bounds it.
+    decoders_room = math.inf if quiet_tick(state) and state.foreign_cap_s is None else budget
+    left = add_decoders(batch, background_decoders, decoders_room, _decoder_cap(batch, controls))
     skipped.update((s.key, "budget") for s in left)
 
     background_prompts = [s for s in runnable if not s.interactive and not s.decoding]
@@ -666,7 +674,9 @@ class Policy:
             c = replace(c, ramp=min(1.0, c.ramp + 1.0 / self.config.ramp_ticks))
         self.controls = c
         background_decoders = sum(1 for s in state.sessions if s.decoding and not s.parked)
-        if _background_only(state):
+        if _background_only(state) and not plan.prefill:
+            # Decode-only ticks: a prompt's tokens cost a fraction of a decoder's, so a
+            # period that read one would seem faster whatever its decoder limit.
             self.tuner.observe(plan.n_tokens, seconds, background_decoders)
         else:
             self.tuner.reset()
