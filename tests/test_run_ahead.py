@@ -285,6 +285,51 @@ async def test_a_background_stream_s_tokens_come_back_together_and_the_same(
         assert idle["background"] is not None and idle["background"] < 25.0, idle
 
 
+def http_chunks(raw: bytes) -> list[bytes]:
+    """The chunks of a chunked HTTP/1.1 body, after the response's head."""
+    body, chunks = raw.split(b"\r\n\r\n", 1)[1], []
+    while True:
+        size_line, body = body.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if size == 0:
+            return chunks
+        chunks.append(body[:size])
+        body = body[size + 2 :]
+
+
+@pytest.mark.model
+async def test_a_background_sse_stream_writes_its_tokens_together(keyed_http_server: Server) -> None:
+    """Over HTTP too a background stream's tokens, handed back together, go out together: a
+    few body chunks for 64 tokens, where an interactive stream's each take their own."""
+    host, port = keyed_http_server.http_url.removeprefix("http://").split(":")
+    chunks: dict[str, list[bytes]] = {}
+    for lane in ("background", "interactive"):
+        ask = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "hello " * 32, "max_tokens": 64,
+               "temperature": 0, "stream": True}  # fmt: skip
+        body = json.dumps(ask).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer k\r\nX-Uma-Priority: {lane}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(head.encode() + body)
+        received = b""
+        with trio.fail_after(120):
+            while not received.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's terminator
+                data = await stream.receive_some(65536)
+                assert data, received[:600]
+                received += data
+        await stream.aclose()
+        chunks[lane] = http_chunks(received)
+        events = [
+            line for chunk in chunks[lane] for line in chunk.split(b"\n") if line.startswith(b"data: {")
+        ]
+        assert len(events) == 65, (lane, len(events))  # 64 tokens and the last, with finish_reason
+    assert len(chunks["background"]) <= 20, len(chunks["background"])
+    assert len(chunks["interactive"]) >= 60, len(chunks["interactive"])
+
+
 async def test_tick_trace_has_one_line_per_step_run_ahead_or_planned(
     autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
