@@ -406,6 +406,12 @@ def test_a_quiet_tick_decodes_every_background_stream_at_once() -> None:
     assert decoders(False) == fit
     assert decoders(True, foreign_cap_s=0.020) == int((0.020 - COST.fixed_s) / COST.decode_s)
     assert decoders(True, interactive(99, n_past=40)) < 16
+    # New streams' prompts still get the throughput tick's room beside them all, or each
+    # would wait for a rescue (one every 25 ticks: 16 streams took 8 s to all decode).
+    state = SchedulerState((*streams, background(20, prompt=10), background(21, prompt=10)), tick=100,
+                           max_batch=2048, preemptible=True)  # fmt: skip
+    both = plan_tick(state, CONFIG, COST)
+    assert len(both.decode) == 16 and sum(dict(both.prefill).values()) == 15  # 50 ms of prompt tokens
 
 
 def test_with_nobody_decoding_prompts_take_a_whole_micro_batch() -> None:

@@ -347,24 +347,29 @@ def plan_pipeline(
     if first_tokens:
         budget = min(budget, batch.predicted())
 
-    background_decoders = [s for s in runnable if not s.interactive and s.decoding]
     # With no interactive session every background decoder joins (up to the tuner's limit):
     # one step gives each its token for one step's fixed cost, and a chat arriving stops it
     # at once (quiet_tick).  Held to the throughput tick, 16 streams on this CPU decoded ~6 a
     # tick in turns, 0.70-0.82x llama-server's tokens/s (BENCHMARKS.md "Background chains
     # handed back together").  Inside another model's stream gap the gap still bounds it.
-    decoders_room = math.inf if quiet_tick(state) and state.foreign_cap_s is None else budget
-    left = add_decoders(batch, background_decoders, decoders_room, _decoder_cap(batch, controls))
+    background_decoders = [s for s in runnable if not s.interactive and s.decoding]
+    quiet = quiet_tick(state)
+    every_decoder = quiet and state.foreign_cap_s is None
+    background_prompts = [s for s in runnable if not s.interactive and not s.decoding]
+    # The prompts' room, before the decoders: beside every decoder they still get the budget
+    # (or every new stream would wait for a rescue, one each 25 ticks).
+    open_room = batch.prefill_room(budget, background_prompts) if every_decoder else 0
+    left = add_decoders(batch, background_decoders, math.inf if every_decoder else budget,
+                        _decoder_cap(batch, controls))  # fmt: skip
     skipped.update((s.key, "budget") for s in left)
 
-    background_prompts = [s for s in runnable if not s.interactive and not s.decoding]
     # With no interactive session at all the tick grows (stage 1: quiet ticks) and the hold
     # and ramp, which protect interactive gaps, do not apply.  Where the engine cannot stop
     # a step midway, background prompts keep the throughput tick even with nobody decoding:
     # an interactive request arriving meanwhile would wait all of it.
-    quiet = quiet_tick(state)
     held = controls.hold_left > 0 and not quiet
-    open_room = batch.prefill_room(budget, background_prompts)  # unheld, before the ramp
+    if not every_decoder:
+        open_room = batch.prefill_room(budget, background_prompts)  # unheld, before the ramp
     if held:
         skipped.update((s.key, "hold") for s in background_prompts)
     else:
