@@ -31,11 +31,14 @@ def engine(llama_model: LlamaModel) -> Iterator[LlamaEngine]:
 
 
 def chain(
-    engine: LlamaEngine, llama_model: LlamaModel, *, fail_at: int | None = None
-) -> tuple[dict[int, list[int]], list[int], EngineError | None]:
+    engine: LlamaEngine, llama_model: LlamaModel, *, fail_at: int | None = None, hold: bool = False,
+    held: list[float] | None = None,
+) -> tuple[dict[int, list[int]], list[int], EngineError | None]:  # fmt: skip
     """Each prompt's greedy tokens over a chain of STEPS steps; how many entries each step's
     result came back for, in order; the error that ended it (``fail_at``: that step's batch
-    names a sequence the context does not have, so ``llama_decode`` refuses it)."""
+    names a sequence the context does not have, so ``llama_decode`` refuses it).  ``hold``:
+    the results come back together (engine/held_results.py); ``held`` gets how long each was
+    kept."""
     greedy = Sampler(SamplingParams(temperature=0.0))
     first = [BatchEntry(seq, llama_model.tokenize(text), 0, greedy) for seq, text in enumerate(PROMPTS)]
     steps = 0
@@ -61,9 +64,11 @@ def chain(
     async def run() -> None:
         nonlocal error
         try:
-            result = await engine.step(first, follow)
+            result = await engine.step(first, follow, hold=hold)
             while True:
                 sizes.append(len(result.sampled))
+                if held is not None:
+                    held.append(result.held_s)
                 for s in result.sampled:
                     generated[s.seq_id].append(s.token_id)
                 if not engine.running_ahead:
@@ -93,12 +98,31 @@ def test_the_device_order_hands_back_the_same_tokens_in_the_same_order(
 
 @pytest.mark.model
 @pytest.mark.parametrize("frees_host", [False, True])
-def test_a_step_that_fails_mid_chain_keeps_the_tokens_before_it(
+def test_results_held_come_back_the_same_in_order_each_with_its_wait(
     engine: LlamaEngine, llama_model: LlamaModel, monkeypatch: pytest.MonkeyPatch, frees_host: bool
+) -> None:
+    """A background chain's results, kept and handed back together, in either order: the
+    same tokens in the same order, the earlier ones kept longer."""
+    each, each_sizes, _ = chain(engine, llama_model)
+    monkeypatch.setattr(LlamaEngine, "step_frees_host", property(lambda self: frees_host))
+    waits: list[float] = []
+    together, sizes, error = chain(engine, llama_model, hold=True, held=waits)
+    assert error is None and together == each and sizes == each_sizes
+    assert waits[0] > waits[-2] >= 0.0 and waits[0] > 0.01  # 11 steps of ~8 ms kept for the 12th
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(("frees_host", "hold"), [(False, False), (True, False), (False, True), (True, True)])
+def test_a_step_that_fails_mid_chain_keeps_the_tokens_before_it(
+    engine: LlamaEngine,
+    llama_model: LlamaModel,
+    monkeypatch: pytest.MonkeyPatch,
+    frees_host: bool,
+    hold: bool,
 ) -> None:
     whole, _, _ = chain(engine, llama_model)
     monkeypatch.setattr(LlamaEngine, "step_frees_host", property(lambda self: frees_host))
-    cut, sizes, error = chain(engine, llama_model, fail_at=5)
+    cut, sizes, error = chain(engine, llama_model, fail_at=5, hold=hold)
     assert error is not None and "llama_decode returned" in str(error)
     assert sizes == [len(PROMPTS)] * 5  # the five steps before the refused one came back
     assert cut == {seq: tokens[:5] for seq, tokens in whole.items()}

@@ -30,7 +30,8 @@ The stages, in order (each a function below):
 4. **Background decoders** fill the headroom, longest-waiting first, at most
    ``background_limit`` of them (the sweet-spot auto-tuner's setting); with no
    interactive session at all (a quiet tick) every one of them, whatever the budget.
-5. **Background prefill** fills what is still left, shortest remaining prompt
+5. **Background prefill** fills what is still left (in a quiet tick, the budget's
+   room whatever the decoders took), shortest remaining prompt
    first and whole (:func:`shortest_first`), scaled by the hysteresis ramp:
    after a tick overran its budget, prefill is held off for ``hold_ticks``
    ticks and then re-enabled over ``ramp_ticks`` ticks.
