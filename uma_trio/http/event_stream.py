@@ -11,12 +11,10 @@ from contextvars import ContextVar
 import trio
 from starlette.responses import Response
 
+from ..runtime.delivery import WRITE_TOGETHER_BYTES
 from .serve import Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
-
-# Chunks queued behind one go out with it up to this many bytes.
-_COALESCE_BYTES = 65536
 
 
 # The ASGI receive of the HTTP request a task serves while nobody watches it for a hang-up
@@ -105,7 +103,7 @@ class EventStream(Response):
                 pending = b""
                 async for chunk in chunks:
                     pending += chunk
-                    if self._queued is not None and self._queued() and len(pending) < _COALESCE_BYTES:
+                    if self._queued is not None and self._queued() and len(pending) < WRITE_TOGETHER_BYTES:
                         continue
                     await write(pending)
                     pending = b""

@@ -41,7 +41,7 @@ from ..protocol.messages import (
     Timings,
     Usage,
 )
-from .delivery import deliver
+from .delivery import WRITE_TOGETHER_BYTES, deliver
 from .desk import RequestDesk
 from .stream import RequestStream
 from .write_now import write_now
@@ -49,9 +49,6 @@ from .write_now import write_now
 log = logging.getLogger(__name__)
 
 _READ_SIZE = 65536
-# Frames queued behind one are written with it up to this many bytes (a write the socket
-# buffer of ~200 KiB takes at once).
-_COALESCE_BYTES = 65536
 
 
 class Connection:
@@ -286,7 +283,7 @@ class Connection:
                         # the very next frame, before this task runs again.
                         self._forget(stream)
                     frames += encode_event(event)
-                    if stream.queued and len(frames) < _COALESCE_BYTES:
+                    if stream.queued and len(frames) < WRITE_TOGETHER_BYTES:
                         continue
                     data, frames = bytes(frames), bytearray()
                     await self._send_data(data)

@@ -62,6 +62,12 @@ class _Beating:
         return BEAT
 
 
+# Events queued behind one are written with it, up to this many bytes (a write the socket
+# buffer takes at once): the socket's frames (runtime/connection.py), one SSE body chunk
+# (http/event_stream.py).
+WRITE_TOGETHER_BYTES = 65536
+
+
 class _Draining:
     """``receive``'s items, those already queued taken at once: a background chain's tokens
     come back several at a time (engine/held_results.py), and waiting for each one would
